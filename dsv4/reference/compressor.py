@@ -1,0 +1,73 @@
+"""KV compressor (spec §5): softmax pooling of m-token windows (CSA: overlapping 2m rows).
+
+Prefill, chunked prefill and decode share one path: new K / score rows are appended to the
+state's pending rows, every window completed by them is pooled, post-processed and appended to
+the entries. Pooling arithmetic is fp32; the pooled vector is rounded before its RMSNorm.
+"""
+from __future__ import annotations
+
+import torch
+
+from .hadamard import hadamard_128
+from .linear import Linear
+from .norm import rms_norm
+from .numerics import Numerics
+from .rope import RopeTable, apply_rope
+from .state import CompressorState
+from ..formats.fp4 import fp4_qdq
+from ..formats.fp8 import fp8_qdq
+
+
+class Compressor:
+    def __init__(self, wkv: Linear, wgate: Linear, ape: torch.Tensor, norm_w: torch.Tensor,
+                 ratio: int, dim: int, rope: RopeTable, eps: float, num: Numerics, indexer: bool):
+        self.wkv, self.wgate = wkv, wgate
+        self.ape = ape.float()                 # [m, coff*c]
+        self.norm_w = norm_w.float()
+        self.ratio, self.dim, self.rope, self.eps, self.num = ratio, dim, rope, eps, num
+        self.overlap = ratio == 4
+        self.is_indexer = indexer
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K rows and scores Z + ape[pos % m] for the normalised layer input ``x`` [T, d]."""
+        k = self.wkv(x.float())
+        s = self.wgate(x.float()) + self.ape[positions % self.ratio]
+        return k, s
+
+    def update(self, st: CompressorState, k: torch.Tensor, s: torch.Tensor, end_pos: int) -> torch.Tensor:
+        """Append one sequence's new rows (ending at ``end_pos``); returns all entries [E, c]."""
+        m, c = self.ratio, self.dim
+        rows_k = torch.cat([st.rows_k, k])
+        rows_s = torch.cat([st.rows_s, s])
+        first, last = st.entries.shape[0], end_pos // m        # entries [first, last) complete now
+        if last > first:
+            j = torch.arange(first, last, device=k.device)
+            cur = (j * m - st.rows_start)[:, None] + torch.arange(m, device=k.device)  # [nE, m]
+            ck, cs = rows_k[cur], rows_s[cur]
+            if self.overlap:
+                # previous window's first channel half ("b" series) + current window's second half
+                prev = cur - m
+                valid = (j > 0)[:, None, None]
+                pk = torch.where(valid, rows_k[prev.clamp(min=0)][..., :c], 0.0)
+                ps = torch.where(valid, rows_s[prev.clamp(min=0)][..., :c], float("-inf"))
+                ck = torch.cat([pk, ck[..., c:]], dim=1)          # [nE, 2m, c]
+                cs = torch.cat([ps, cs[..., c:]], dim=1)
+            pooled = self.num.fn(lambda k, s: (k * s.softmax(dim=1)).sum(dim=1), ck, cs)   # fp32 [nE, c]
+            new = self.postprocess(pooled, j * m)
+            st.entries = torch.cat([st.entries, new])
+        keep_from = m * max(0, last - 1) if self.overlap else m * last
+        drop = keep_from - st.rows_start
+        st.rows_k, st.rows_s, st.rows_start = rows_k[drop:], rows_s[drop:], keep_from
+        return st.entries
+
+    def postprocess(self, pooled: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """norm(bf16(pooled)) -> RoPE at the window's first position -> QDQ (indexer: Hadamard first)."""
+        kv = rms_norm(self.num.round(pooled), self.norm_w, self.eps, self.num)
+        kv = apply_rope(kv, self.rope(positions))
+        if self.is_indexer:
+            kv = hadamard_128(kv, self.num)
+            return kv if self.num.exact else fp4_qdq(kv, 32)
+        if self.num.exact:
+            return kv
+        nope = kv.shape[-1] - 64
+        return torch.cat([fp8_qdq(kv[..., :nope], 64), kv[..., nope:]], dim=-1)

@@ -1,0 +1,179 @@
+"""The reference DeepSeek-V4 model (spec §2): the oracle every fast path is compared against.
+
+``ReferenceModel.forward`` takes a batch of (token ids, SequenceState) chunks, one per sequence,
+each continuing its sequence at ``state.pos``: a prefill at 0, a chunk of a longer prefill or a
+1-token decode, mixed freely. Tokens are flattened to [T, ...] for row-wise ops (every row is
+quantised on its own, so batching does not change numerics); token-mixing ops run per sequence.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .attention import Attention, Segment
+from .compressor import Compressor
+from .indexer import Indexer
+from .linear import Linear, make_linear
+from .mhc import HyperConnection, HyperHead
+from .moe import MoE, Expert
+from .norm import rms_norm
+from .numerics import Numerics
+from .rope import RopeTable
+from .state import CompressorState, LayerState, SequenceState
+
+
+class Block:
+    def __init__(self, cfg: ModelConfig, layer_id: int, prefix: str, t: dict, num: Numerics,
+                 ropes: dict[int, RopeTable]):
+        self.cfg, self.layer_id, self.num = cfg, layer_id, num
+        ratio = cfg.layer_ratio(layer_id)
+        self.ratio = ratio
+        eps = cfg.rms_norm_eps
+        hc = lambda kind: HyperConnection(t[f"{prefix}hc_{kind}_fn"], t[f"{prefix}hc_{kind}_base"],
+                                          t[f"{prefix}hc_{kind}_scale"], cfg.hc_mult, cfg.hc_sinkhorn_iters,
+                                          cfg.hc_eps, eps, num)
+        self.hc_attn, self.hc_ffn = hc("attn"), hc("ffn")
+        self.attn_norm = t[prefix + "attn_norm.weight"].float()
+        self.ffn_norm = t[prefix + "ffn_norm.weight"].float()
+        a = prefix + "attn."
+        lin = {n: make_linear(t, a + n, num) for n in ("wq_a", "wq_b", "wkv", "wo_b")}
+        lin["wo_a"] = make_linear(t, a + "wo_a", num, kind="bf16")   # convert.py: bf16 einsum
+        rope = ropes[ratio]
+        comp = idx = None
+        if ratio:
+            comp = self._compressor(t, a + "compressor.", ratio, cfg.head_dim, rope, num, indexer=False)
+            if ratio == 4:
+                icomp = self._compressor(t, a + "indexer.compressor.", ratio, cfg.index_head_dim, rope, num,
+                                         indexer=True)
+                idx = Indexer(make_linear(t, a + "indexer.wq_b", num),
+                              make_linear(t, a + "indexer.weights_proj", num), icomp,
+                              cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, num)
+        small = {"q_norm": t[a + "q_norm.weight"], "kv_norm": t[a + "kv_norm.weight"], "attn_sink": t[a + "attn_sink"]}
+        self.attn = Attention(cfg, layer_id, lin, small, rope, comp, idx, num)
+        f = prefix + "ffn."
+        expert = lambda p: Expert(make_linear(t, p + "w1", num), make_linear(t, p + "w2", num),
+                                  make_linear(t, p + "w3", num), cfg.swiglu_limit, num)
+        hash_layer = layer_id < cfg.num_hidden_layers and cfg.is_hash_layer(layer_id)
+        self.moe = MoE(t[f + "gate.weight"], None if hash_layer else t[f + "gate.bias"],
+                       t[f + "gate.tid2eid"] if hash_layer else None,
+                       [expert(f"{f}experts.{e}.") for e in range(cfg.n_routed_experts)],
+                       expert(f + "shared_experts."), cfg.num_experts_per_tok, cfg.routed_scaling_factor, num)
+
+    def _compressor(self, t, p, ratio, dim, rope, num, indexer):
+        return Compressor(make_linear(t, p + "wkv", num, kind="fp32"), make_linear(t, p + "wgate", num, kind="fp32"),
+                          t[p + "ape"], t[p + "norm.weight"], ratio, dim, rope, self.cfg.rms_norm_eps, num, indexer)
+
+    def new_state(self, device) -> LayerState:
+        cfg, dt = self.cfg, self.num.act_dtype
+        st = LayerState(window=torch.zeros(0, cfg.head_dim, dtype=dt, device=device))
+        if self.ratio:
+            st.compressor = CompressorState.empty(self.ratio, cfg.head_dim, dt, device)
+            if self.ratio == 4:
+                st.indexer = CompressorState.empty(4, cfg.index_head_dim, dt, device)
+        return st
+
+    def __call__(self, x, positions, segs, ids):
+        eps = self.cfg.rms_norm_eps
+        a, post, comb = self.hc_attn.pre(x)
+        a = self.attn(rms_norm(a, self.attn_norm, eps, self.num), positions, segs)
+        x = self.hc_attn.post(a, x, post, comb)
+        f, post, comb = self.hc_ffn.pre(x)
+        f = self.moe(rms_norm(f, self.ffn_norm, eps, self.num), ids)
+        return self.hc_ffn.post(f, x, post, comb)
+
+
+class MTPBlock:
+    """Multi-token prediction block (spec §9): its own window cache, the main embedding and head."""
+
+    def __init__(self, cfg, t, num, ropes, prefix="mtp.0."):
+        self.num, self.eps = num, cfg.rms_norm_eps
+        self.e_proj, self.h_proj = make_linear(t, prefix + "e_proj", num), make_linear(t, prefix + "h_proj", num)
+        self.enorm, self.hnorm = t[prefix + "enorm.weight"].float(), t[prefix + "hnorm.weight"].float()
+        self.norm = t[prefix + "norm.weight"].float()
+        self.block = Block(cfg, cfg.num_hidden_layers, prefix, t, num, ropes)
+        self.head = HyperHead(t[prefix + "hc_head_fn"], t[prefix + "hc_head_base"], t[prefix + "hc_head_scale"],
+                              cfg.hc_eps, cfg.rms_norm_eps, num)
+
+    def __call__(self, emb, h_main, positions, segs, ids):
+        e = rms_norm(emb, self.enorm, self.eps, self.num)
+        h = rms_norm(h_main, self.hnorm, self.eps, self.num)      # each stream separately
+        x = self.num.round(self.e_proj(e).unsqueeze(1) + self.h_proj(h))
+        x = self.block(x, positions, segs, ids)
+        return rms_norm(self.head(x), self.norm, self.eps, self.num)
+
+
+class ReferenceModel:
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], numerics: str = "official"):
+        self.cfg = cfg
+        self.num = num = Numerics(numerics)
+        self.device = tensors["embed.weight"].device
+        ropes = {r: RopeTable(cfg, r, self.device, num.fp64_accumulate) for r in set(cfg.compress_ratios)}
+        self.embed = tensors["embed.weight"]                       # bf16 lookup table
+        self.layers = [Block(cfg, i, f"layers.{i}.", tensors, num, ropes) for i in range(cfg.num_hidden_layers)]
+        self.hc_head = HyperHead(tensors["hc_head_fn"], tensors["hc_head_base"], tensors["hc_head_scale"],
+                                 cfg.hc_eps, cfg.rms_norm_eps, num)
+        self.norm = tensors["norm.weight"].float()
+        self.head = Linear(tensors["head.weight"], "fp32", num)
+        self.mtp = MTPBlock(cfg, tensors, num, ropes) if "mtp.0.e_proj.weight" in tensors else None
+
+    @classmethod
+    def from_pretrained(cls, path: str, numerics: str = "official", progress: bool = False) -> "ReferenceModel":
+        from ..checkpoint.loader import load_checkpoint
+        ck = load_checkpoint(path, progress=progress)
+        return cls(ck.config, ck.tensors, numerics=numerics)
+
+    def new_state(self) -> SequenceState:
+        st = SequenceState(layers=[b.new_state(self.device) for b in self.layers])
+        if self.mtp is not None:
+            st.mtp = self.mtp.block.new_state(self.device)
+        return st
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.num.round(F.embedding(ids, self.embed))
+
+    def _batch(self, chunks, state_of):
+        ids = torch.cat([c[0].to(self.device).long().view(-1) for c in chunks])
+        positions, segs, start = [], [], 0
+        for tok, st in chunks:
+            n, p0 = tok.numel(), st.pos if state_of is None else state_of(st)[1]
+            if n == 0:
+                raise ValueError("every chunk needs at least one token")
+            positions.append(torch.arange(p0, p0 + n, device=self.device))
+            segs.append((start, start + n, p0))
+            start += n
+        return ids, torch.cat(positions), segs
+
+    @torch.no_grad()
+    def forward(self, chunks: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False,
+                keep_hidden: bool = False) -> list[torch.Tensor]:
+        """Run each sequence's next chunk; returns per sequence fp32 logits of its last token [V]
+        (``all_logits``: of every token [n, V]). Advances every state."""
+        ids, positions, spans = self._batch(chunks, None)
+        h = self._embed(ids).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)   # 4 identical streams
+        for i, layer in enumerate(self.layers):
+            segs = [Segment(s, e, p0, st.layers[i]) for (s, e, p0), (_, st) in zip(spans, chunks)]
+            h = layer(h, positions, segs, ids)
+        y = rms_norm(self.hc_head(h), self.norm, self.cfg.rms_norm_eps, self.num)
+        out = []
+        for (s, e, _), (_, st) in zip(spans, chunks):
+            st.pos = e - s + st.pos
+            if keep_hidden:
+                st.last_hidden = h[s:e]
+            out.append(self.head(y[s:e] if all_logits else y[e - 1]).float())
+        return out
+
+    @torch.no_grad()
+    def mtp_forward(self, chunks: list[tuple[torch.Tensor, SequenceState]], h_main: list[torch.Tensor]) -> list[torch.Tensor]:
+        """MTP logits for each chunk: token ids combined with the main model's pre-hc_head
+        residual ``h_main`` [n, hc, d] of the same rows (spec §9); advances ``state.mtp_pos``."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP weights")
+        ids, positions, spans = self._batch(chunks, lambda st: (None, st.mtp_pos))
+        segs = [Segment(s, e, p0, st.mtp) for (s, e, p0), (_, st) in zip(spans, chunks)]
+        y = self.mtp(self._embed(ids), torch.cat(h_main), positions, segs, ids)
+        out = []
+        for (s, e, _), (_, st) in zip(spans, chunks):
+            st.mtp_pos += e - s
+            out.append(self.head(y[e - 1]).float())
+        return out

@@ -1,0 +1,60 @@
+"""Rotary embeddings with YaRN per layer type (spec §4.1).
+
+Interleaved (GPT-J) pairs on the LAST 64 dims. Ratio-0 layers (incl. MTP): base rope_theta, no
+YaRN. Compressed layers: base compress_rope_theta with YaRN. Tables are complex64, angles are the
+fp32 product pos * f_i, as in the official ``precompute_freqs_cis``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import ModelConfig
+
+
+def rope_frequencies(cfg: ModelConfig, ratio: int) -> torch.Tensor:
+    """fp32 [rd/2] inverse frequencies of a layer with compress ratio ``ratio``."""
+    dim = cfg.qk_rope_head_dim
+    base = cfg.rope_theta if ratio == 0 else cfg.compress_rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    rs = cfg.rope_scaling
+    if ratio != 0 and rs is not None:
+        def corr(rot: float) -> float:
+            return dim * math.log(rs.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(rs.beta_fast)), 0)
+        high = min(math.ceil(corr(rs.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / rs.factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+class RopeTable:
+    """cos/sin (as complex64) of one layer type, computed for any positions on demand.
+    ``fp64_trig``: cos/sin of the fp32 angle evaluated in fp64 and rounded once (invariant modes:
+    vectorised and scalar fp32 sin/cos differ in the last ulp)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, device: torch.device | str = "cpu", fp64_trig: bool = False):
+        self.freqs = rope_frequencies(cfg, ratio).to(device)
+        self.fp64_trig = fp64_trig
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        angles = torch.outer(positions.to(torch.float32), self.freqs)
+        if self.fp64_trig:
+            a = angles.double()
+            return torch.complex(a.cos().float(), a.sin().float())
+        return torch.polar(torch.ones_like(angles), angles)  # [n, rd/2] complex64
+
+
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last 64 dims of ``x`` [n, ..., D]; ``freqs_cis`` [n, 32]. fp32 math, x's dtype out."""
+    rd = freqs_cis.shape[-1] * 2
+    rot = x[..., -rd:].float().unflatten(-1, (-1, 2)).contiguous()
+    f = freqs_cis.conj() if inverse else freqs_cis
+    f = f.view(f.shape[0], *([1] * (x.dim() - 2)), f.shape[-1])
+    y = torch.view_as_real(torch.view_as_complex(rot) * f).flatten(-2)
+    return torch.cat([x[..., :-rd], y.to(x.dtype)], dim=-1)
