@@ -1,0 +1,59 @@
+"""The main job: ``dsv4 generate`` on the embedded default model, and ``dsv4 make-tiny``."""
+import os
+import subprocess
+import sys
+
+import torch
+
+from dsv4.checkpoint.loader import load_checkpoint
+from dsv4.reference.model import ReferenceModel
+from dsv4.server.tokenizer import load_tokenizer
+
+
+def _run(args, env):
+    return subprocess.run([sys.executable, "-m", "dsv4.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_generate_on_the_default_model(tmp_path):
+    env = dict(os.environ, DSV4_CACHE_DIR=str(tmp_path / "cache"))
+    r = _run(["generate", "--max-tokens", "8", "The capital of France is"], env)
+    assert r.returncode == 0, r.stderr
+    assert "first use" in r.stderr and "tokens in" in r.stderr      # progress/timing on stderr only
+    model_dir = tmp_path / "cache" / "tiny-official-seed0"
+    assert (model_dir / "tokenizer.json").exists()
+    # stdout is exactly the greedy continuation the reference computes
+    ck = load_checkpoint(str(model_dir), progress=False)
+    m = ReferenceModel(ck.config, ck.tensors)
+    tok = load_tokenizer(str(model_dir))
+    st = m.new_state()
+    lg = m.forward([(torch.tensor([0] + tok.encode("The capital of France is")), st)])[0]
+    out = []
+    for _ in range(8):
+        nxt = int(lg.argmax())
+        if nxt == ck.config.eos_token_id:
+            break
+        out.append(nxt)
+        lg = m.forward([(torch.tensor([nxt]), st)])[0]
+    assert r.stdout == tok.decode(out) + "\n"
+    # second run reuses the cached model and prints the same text
+    r2 = _run(["generate", "--max-tokens", "8", "The capital of France is"], env)
+    assert r2.returncode == 0 and "first use" not in r2.stderr and r2.stdout == r.stdout
+
+
+def test_generate_errors_are_clear(tmp_path):
+    r = _run(["generate", "--model", str(tmp_path / "nope"), "hi"], dict(os.environ))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r = _run(["generate", "--max-tokens", "0", "hi"], dict(os.environ))
+    assert r.returncode != 0 and "--max-tokens" in r.stderr
+
+
+def test_make_tiny_layouts(tmp_path):
+    for layout in ("official", "hf"):
+        d = tmp_path / layout
+        r = _run(["make-tiny", str(d), "--layout", layout, "--seed", "3"], dict(os.environ))
+        assert r.returncode == 0, r.stderr
+        ck = load_checkpoint(str(d), progress=False)
+        assert ck.layout == layout and (d / "tokenizer.json").exists()
+    r = _run(["make-tiny", str(tmp_path / "official")], dict(os.environ))
+    assert r.returncode == 2 and "exists" in r.stderr
