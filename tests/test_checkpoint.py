@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from conftest import skip_or_fail_without_shared
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -371,7 +373,7 @@ def test_layout_auto_detection(official_dir, hf_dir, modelopt_dir):
 def test_make_tiny_official_tool_output_loads(tmp_path):
     tool = os.path.normpath(OFFICIAL_TOOL)
     if not os.path.isfile(tool):
-        pytest.skip(f"external tool not found at {tool} (<repo>/../shared/tools/make_tiny_official.py)")
+        skip_or_fail_without_shared(f"external tool {tool} (<repo>/../shared/tools/make_tiny_official.py)")
     out = tmp_path / "official_tool"
     subprocess.run([sys.executable, tool, str(out), "--seed", "1"], check=True, capture_output=True,
                    timeout=300)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from conftest import skip_or_fail_without_shared
 
 from dsv4.checkpoint.loader import load_checkpoint
 from dsv4.checkpoint.tiny import build_tiny_tensors
@@ -90,7 +91,7 @@ def test_batch_of_three_equals_each_alone(tiny, numerics):
 @pytest.fixture(scope="module")
 def official_seed1(tmp_path_factory):
     if not (os.path.exists(OFFICIAL_TOOL) and os.path.exists(GOLDEN)):
-        pytest.skip("../shared/tools/make_tiny_official.py or the golden file is missing")
+        skip_or_fail_without_shared("../shared/tools/make_tiny_official.py or the golden file")
     out = tmp_path_factory.mktemp("official-seed1")
     subprocess.run([sys.executable, OFFICIAL_TOOL, str(out), "--seed", "1"], check=True,
                    stdout=subprocess.DEVNULL)
