@@ -50,8 +50,8 @@ def test_incremental_and_chunked_equal_one_shot(tiny, numerics):
     st = m.new_state()
     full = m.forward([(ids, st)], all_logits=True)[0]
     # the sequence really exercises the compressed paths
-    assert st.layers[3].compressor.entries.shape[0] == n // 128 >= 5          # HCA entries
-    assert st.layers[2].compressor.entries.shape[0] == n // 4 > cfg.index_topk  # CSA: top-k drops entries
+    assert st.layers[3].compressor.num_entries == n // 128 >= 5               # HCA entries
+    assert st.layers[2].compressor.num_entries == n // 4 > cfg.index_topk       # CSA: top-k drops entries
     st = m.new_state()
     inc = [m.forward([(ids[:split], st)])[0]]
     for i in range(split, n):

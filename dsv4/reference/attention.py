@@ -104,8 +104,9 @@ class Attention:
             end_pos = sg.p0 + n
             pos = positions[r]
             # window keys: the state's last rows, then this chunk's rows
-            w_prev = st.window.shape[0]
-            kv_ext = torch.cat([st.window, kv[r]])                # positions p0-w_prev .. end_pos-1
+            window = st.read_window(sg.p0)
+            w_prev = window.shape[0]
+            kv_ext = torch.cat([window, kv[r]])                   # positions p0-w_prev .. end_pos-1
             # official layouts: decode 128, prefill min(s, 128); one width keeps the 64-blocks of
             # the softmax the same for every call pattern (invariant modes)
             width = self.win if (sg.p0 > 0 or num.fp64_accumulate) else min(n, self.win)
@@ -130,7 +131,7 @@ class Attention:
             idx = torch.cat(parts, dim=1)
             kv_all = torch.cat([kv_ext, *extra])
             o[r] = sparse_attention(q[r], kv_all, idx, self.sink, self.scale, num)
-            st.window = kv_ext[-self.win:]
+            st.write_window(kv[r][-self.win:], end_pos)
         # 6. inverse RoPE on the output, 7. grouped output projection
         o = apply_rope(o, freqs, inverse=True)
         og = o.view(T, self.G, -1).float()

@@ -37,12 +37,13 @@ class Compressor:
     def update(self, st: CompressorState, k: torch.Tensor, s: torch.Tensor, end_pos: int) -> torch.Tensor:
         """Append one sequence's new rows (ending at ``end_pos``); returns all entries [E, c]."""
         m, c = self.ratio, self.dim
-        rows_k = torch.cat([st.rows_k, k])
-        rows_s = torch.cat([st.rows_s, s])
-        first, last = st.entries.shape[0], end_pos // m        # entries [first, last) complete now
+        p0 = end_pos - k.shape[0]
+        pk, ps, start = st.pending(p0)
+        rows_k, rows_s = torch.cat([pk, k]), torch.cat([ps, s])
+        first, last = st.num_entries, end_pos // m              # entries [first, last) complete now
         if last > first:
             j = torch.arange(first, last, device=k.device)
-            cur = (j * m - st.rows_start)[:, None] + torch.arange(m, device=k.device)  # [nE, m]
+            cur = (j * m - start)[:, None] + torch.arange(m, device=k.device)  # [nE, m]
             ck, cs = rows_k[cur], rows_s[cur]
             if self.overlap:
                 # previous window's first channel half ("b" series) + current window's second half
@@ -53,12 +54,10 @@ class Compressor:
                 ck = torch.cat([pk, ck[..., c:]], dim=1)          # [nE, 2m, c]
                 cs = torch.cat([ps, cs[..., c:]], dim=1)
             pooled = self.num.fn(lambda k, s: (k * s.softmax(dim=1)).sum(dim=1), ck, cs)   # fp32 [nE, c]
-            new = self.postprocess(pooled, j * m)
-            st.entries = torch.cat([st.entries, new])
+            st.append_entries(self.postprocess(pooled, j * m))
         keep_from = m * max(0, last - 1) if self.overlap else m * last
-        drop = keep_from - st.rows_start
-        st.rows_k, st.rows_s, st.rows_start = rows_k[drop:], rows_s[drop:], keep_from
-        return st.entries
+        st.set_pending(rows_k[keep_from - start:], rows_s[keep_from - start:], keep_from)
+        return st.entries()
 
     def postprocess(self, pooled: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """norm(bf16(pooled)) -> RoPE at the window's first position -> QDQ (indexer: Hadamard first)."""

@@ -66,12 +66,12 @@ class Block:
 
     def new_state(self, device) -> LayerState:
         cfg, dt = self.cfg, self.num.act_dtype
-        st = LayerState(window=torch.zeros(0, cfg.head_dim, dtype=dt, device=device))
+        comp = idx = None
         if self.ratio:
-            st.compressor = CompressorState.empty(self.ratio, cfg.head_dim, dt, device)
+            comp = CompressorState(self.ratio, cfg.head_dim, dt, device)
             if self.ratio == 4:
-                st.indexer = CompressorState.empty(4, cfg.index_head_dim, dt, device)
-        return st
+                idx = CompressorState(4, cfg.index_head_dim, dt, device)
+        return LayerState(cfg.sliding_window, cfg.head_dim, dt, device, comp, idx)
 
     def __call__(self, x, positions, segs, ids):
         eps = self.cfg.rms_norm_eps

@@ -1,8 +1,10 @@
 """Per-sequence state of the reference model: explicit objects, never module buffers.
 
-A ``SequenceState`` holds, per layer, the last ``window`` raw KV rows, the compressed entries and
-the compressor's pending rows. Any call pattern (prefill at 0, chunked prefill, 1-token decode,
-a batch of sequences at different positions) reads and extends the same state.
+Attention and compressors talk to the state only through the methods below, so a paged,
+quantised cache (``dsv4.engine.kv_cache``) can stand in for these in-memory objects. A
+``SequenceState`` holds, per layer, the last ``window`` raw KV rows, the compressed entries and
+the compressor's pending rows; any call pattern (prefill at 0, chunked prefill, 1-token decode,
+a batch of sequences at different positions) reads and extends it.
 """
 from __future__ import annotations
 
@@ -11,28 +13,58 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass
 class CompressorState:
-    ratio: int
-    overlap: bool
-    dim: int                       # c: 512 (main) or 128 (indexer)
-    rows_k: torch.Tensor           # fp32 [n, coff*c] K rows of not-yet-pooled (and, overlap: previous) windows
-    rows_s: torch.Tensor           # fp32 [n, coff*c] matching scores Z + ape
-    rows_start: int                # position of rows_k[0]
-    entries: torch.Tensor          # [n_entries, c] finished compressed entries (post-processed)
+    """Compressed entries of one compressor plus its not-yet-pooled input rows (fp32 K and
+    score rows; for the overlapping ratio-4 compressor also the previous window's rows)."""
 
-    @classmethod
-    def empty(cls, ratio: int, dim: int, dtype: torch.dtype, device) -> "CompressorState":
+    def __init__(self, ratio: int, dim: int, dtype: torch.dtype, device):
         coff = 2 if ratio == 4 else 1
-        z = torch.zeros(0, coff * dim, dtype=torch.float32, device=device)
-        return cls(ratio, ratio == 4, dim, z, z.clone(), 0, torch.zeros(0, dim, dtype=dtype, device=device))
+        self.ratio, self.dim, self.overlap = ratio, dim, ratio == 4
+        self._k = torch.zeros(0, coff * dim, dtype=torch.float32, device=device)
+        self._s = self._k.clone()
+        self._start = 0
+        self._entries = torch.zeros(0, dim, dtype=dtype, device=device)
+
+    @property
+    def num_entries(self) -> int:
+        return self._entries.shape[0]
+
+    def pending(self, p0: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(K rows, score rows, position of the first row) for positions start .. p0-1."""
+        assert self._start + self._k.shape[0] == p0, "state is not at this position"
+        return self._k, self._s, self._start
+
+    def set_pending(self, k: torch.Tensor, s: torch.Tensor, start: int) -> None:
+        self._k, self._s, self._start = k, s, start
+
+    def entries(self) -> torch.Tensor:
+        return self._entries
+
+    def append_entries(self, new: torch.Tensor) -> None:
+        self._entries = torch.cat([self._entries, new])
 
 
-@dataclass
 class LayerState:
-    window: torch.Tensor                      # [<=win, 512] KV rows of positions pos-len .. pos-1
-    compressor: CompressorState | None = None
-    indexer: CompressorState | None = None
+    """One layer's state: the last ``window`` KV rows, and the compressor/indexer states."""
+
+    def __init__(self, window: int, head_dim: int, dtype: torch.dtype, device,
+                 compressor: CompressorState | None = None, indexer: CompressorState | None = None):
+        self.win = window
+        self._rows = torch.zeros(0, head_dim, dtype=dtype, device=device)
+        self._end = 0
+        self.compressor, self.indexer = compressor, indexer
+
+    def read_window(self, p0: int) -> torch.Tensor:
+        """KV rows of positions max(0, p0 - window) .. p0-1."""
+        assert self._end == p0, "state is not at this position"
+        return self._rows
+
+    def write_window(self, rows: torch.Tensor, end_pos: int) -> None:
+        """Store the rows of positions end_pos - len(rows) .. end_pos-1 (len <= window; every
+        position of the last window must be among them or already stored)."""
+        keep = max(0, min(self._rows.shape[0], self.win - rows.shape[0]))
+        self._rows = torch.cat([self._rows[self._rows.shape[0] - keep:], rows])
+        self._end = end_pos
 
 
 @dataclass
