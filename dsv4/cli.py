@@ -1,4 +1,4 @@
-"""``dsv4`` command line: ``generate``, ``make-tiny``."""
+"""``dsv4`` command line: ``generate``, ``bench throughput``, ``make-tiny``."""
 from __future__ import annotations
 
 import argparse
@@ -6,44 +6,63 @@ import sys
 import time
 
 
-def _cmd_generate(a: argparse.Namespace) -> int:
-    import torch
+def _engine_kw(a: argparse.Namespace) -> dict:
+    return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                max_model_len=a.max_model_len, kv_cache_memory=a.kv_cache_memory,
+                gpu_memory_utilization=a.gpu_memory_utilization, numerics=a.numerics, device=a.device,
+                log=not a.quiet)
 
-    from .checkpoint.loader import load_checkpoint
-    from .models import resolve_model
-    from .reference.model import ReferenceModel
-    from .server.tokenizer import load_tokenizer
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    from .engine.llm import LLM
+    from .engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    path = resolve_model(a.model)
-    ck = load_checkpoint(path, progress=not a.quiet)
-    model = ReferenceModel(ck.config, ck.tensors, numerics=a.numerics)
-    tok = load_tokenizer(path)
-    ids = ([ck.config.bos_token_id] if not a.no_bos else []) + tok.encode(a.prompt)
+    llm = LLM(a.model, **_engine_kw(a))
     if not a.quiet:
-        print(f"dsv4: loaded {path} in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens",
-              file=sys.stderr)
+        print(f"dsv4: loaded {llm.engine.model_path} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     t1 = time.perf_counter()
-    st = model.new_state()
-    logits = model.forward([(torch.tensor(ids), st)])[0]
-    detok = tok.incremental_detokenizer()
-    out = []
-    for _ in range(a.max_tokens):
-        if not torch.isfinite(logits).all():
-            print("dsv4: error: the model produced non-finite logits", file=sys.stderr)
-            return 1
-        nxt = int(logits.argmax())
-        if nxt == ck.config.eos_token_id:
-            break
-        out.append(nxt)
-        sys.stdout.write(detok.add(nxt))
-        sys.stdout.flush()
-        logits = model.forward([(torch.tensor([nxt]), st)])[0]
-    sys.stdout.write(detok.flush() + "\n")
+    sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, seed=a.seed, max_tokens=a.max_tokens)
+    out = llm.generate([a.prompt], sp)[0].outputs[0]
+    if out.error:
+        print(f"dsv4: error: {out.error}", file=sys.stderr)
+        return 1
+    sys.stdout.write(out.text + "\n")
     if not a.quiet:
         dt = time.perf_counter() - t1
-        print(f"dsv4: {len(out)} tokens in {dt:.2f}s ({len(out) / max(dt, 1e-9):.1f} tok/s)", file=sys.stderr)
+        n = len(out.token_ids)
+        print(f"dsv4: {n} tokens in {dt:.2f}s ({n / max(dt, 1e-9):.1f} tok/s), finish_reason={out.finish_reason}",
+              file=sys.stderr)
     return 0
+
+
+def _cmd_bench_throughput(a: argparse.Namespace) -> int:
+    from .engine.llm import LLM, benchmark_throughput
+    llm = LLM(a.model, **_engine_kw(a))
+    r = benchmark_throughput(llm, a.num_prompts, a.input_len, a.output_len, a.seed or 0)
+    print(f"requests      {r['requests']}\nelapsed       {r['elapsed_s']:.2f} s\n"
+          f"requests/s    {r['requests_per_s']:.2f}\noutput tok/s  {r['output_tokens_per_s']:.1f}\n"
+          f"total tok/s   {r['total_tokens_per_s']:.1f}\nsteps         {r['steps']}\n"
+          f"mean step     {r['mean_step_ms']:.1f} ms\npreemptions   {r['preemptions']}")
+    if a.output_json:
+        import json
+        with open(a.output_json, "w") as fh:
+            json.dump(r, fh, indent=2)
+    return 0
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--numerics", choices=["official", "invariant", "exact"], default="invariant",
+                   help="reference numerics (invariant: batch-invariant official math)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress or timing on stderr")
 
 
 def _cmd_make_tiny(a: argparse.Namespace) -> int:
@@ -56,14 +75,21 @@ def _cmd_make_tiny(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine")
     sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="greedy continuation of a prompt (text on stdout)")
+    g = sub.add_parser("generate", help="continue a prompt (text on stdout; greedy by default)")
     g.add_argument("prompt")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
     g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--numerics", choices=["official", "invariant", "exact"], default="official")
-    g.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
-    g.add_argument("-q", "--quiet", action="store_true", help="no progress or timing on stderr")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    _engine_args(g)
     g.set_defaults(fn=_cmd_generate)
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bt = b.add_parser("throughput", help="offline throughput on random prompts")
+    bt.add_argument("--num-prompts", type=int, default=32)
+    bt.add_argument("--input-len", type=int, default=128)
+    bt.add_argument("--output-len", type=int, default=32)
+    bt.add_argument("--output-json", default=None)
+    _engine_args(bt)
+    bt.set_defaults(fn=_cmd_bench_throughput)
     t = sub.add_parser("make-tiny", help="write the deterministic tiny V4 checkpoint")
     t.add_argument("dir")
     t.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official")
@@ -76,8 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    if getattr(a, "max_tokens", 1) < 1:
-        build_parser().error("--max-tokens must be >= 1")
     try:
         return a.fn(a)
     except (OSError, ValueError) as e:

@@ -20,11 +20,12 @@ def test_generate_on_the_default_model(tmp_path):
     r = _run(["generate", "--max-tokens", "8", "The capital of France is"], env)
     assert r.returncode == 0, r.stderr
     assert "first use" in r.stderr and "tokens in" in r.stderr      # progress/timing on stderr only
+    assert "KV cache" in r.stderr or "blocks" in r.stderr           # capacity printed at start
     model_dir = tmp_path / "cache" / "tiny-official-seed0"
     assert (model_dir / "tokenizer.json").exists()
     # stdout is exactly the greedy continuation the reference computes
     ck = load_checkpoint(str(model_dir), progress=False)
-    m = ReferenceModel(ck.config, ck.tensors)
+    m = ReferenceModel(ck.config, ck.tensors, numerics="invariant")   # the engine's default numerics
     tok = load_tokenizer(str(model_dir))
     st = m.new_state()
     lg = m.forward([(torch.tensor([0] + tok.encode("The capital of France is")), st)])[0]
@@ -44,8 +45,8 @@ def test_generate_on_the_default_model(tmp_path):
 def test_generate_errors_are_clear(tmp_path):
     r = _run(["generate", "--model", str(tmp_path / "nope"), "hi"], dict(os.environ))
     assert r.returncode == 2 and "does not exist" in r.stderr
-    r = _run(["generate", "--max-tokens", "0", "hi"], dict(os.environ))
-    assert r.returncode != 0 and "--max-tokens" in r.stderr
+    r = _run(["generate", "--max-tokens", "0", "hi"], dict(os.environ, DSV4_CACHE_DIR=str(tmp_path / "c")))
+    assert r.returncode == 2 and "max_tokens" in r.stderr
 
 
 def test_make_tiny_layouts(tmp_path):

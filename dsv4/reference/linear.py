@@ -29,6 +29,8 @@ class Linear:
         self.weight = weight.float().contiguous()  # [out, in] fp32, exact dequantised values
         self.kind = kind
         self.num = num
+        # fp64-accumulating modes keep an fp64 copy (exact) instead of converting on every call
+        self._wt = (self.weight.double() if num.fp64_accumulate else self.weight).T
 
     @property
     def out_features(self) -> int:
@@ -36,13 +38,13 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.num.exact:
-            return self.num.mm(x.float(), self.weight.T)
+            return self.num.mm(x.float(), self._wt)
         if self.kind in QUANTISED:
             xq = dequant_activation_fp8(x.to(torch.bfloat16))
-            return self.num.mm(xq, self.weight.T).to(torch.bfloat16)
+            return self.num.mm(xq, self._wt).to(torch.bfloat16)
         if self.kind == "bf16":
-            return self.num.mm(x.to(torch.bfloat16).float(), self.weight.T).to(torch.bfloat16)
-        return self.num.mm(x.float(), self.weight.T)
+            return self.num.mm(x.to(torch.bfloat16).float(), self._wt).to(torch.bfloat16)
+        return self.num.mm(x.float(), self._wt)
 
 
 def load_weight(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, str]:

@@ -47,7 +47,7 @@ class Numerics:
 
     def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.fp64_accumulate:
-            return (a.double() @ b.double()).float()
+            return (a.double() @ b.double()).float()    # .double() is free on fp64 operands
         return a.float() @ b.float()
 
     def fn(self, f, *xs: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,520 @@
+"""Paged, quantised KV caches for DeepSeek-V4 and a paged stand-in for the reference state.
+
+``PagedSequenceState`` implements the per-sequence state interface of ``dsv4.reference.state``
+(``layers``, ``pos``, ``read_window``/``write_window``, ``pending``/``set_pending``,
+``entries``/``append_entries``) on top of one ``KVCache``, so ``ReferenceModel.forward([(ids,
+paged_state), ...])`` runs unchanged and gives bit-identical logits to ``model.new_state()``:
+every stored value is one the reference has already quantised, and the codecs are exact on them.
+
+Layout (spec §10; one pool tensor per layer and kind, allocated once at start):
+
+* **KV block** = allocation unit of ``BLOCK_TOKENS = 256`` tokens. Block id ``b`` indexes, in
+  EVERY compressed layer, one page per cache kind (vLLM-style: one block table per sequence,
+  shared by all layers):
+    - CSA layers (ratio 4): a page of 64 compressed entries, 584-byte FlashMLA
+      "MODEL1_FP8Sparse" entries in the FlashMLA page layout (``formats.kv_entry``), and a page
+      of 64 indexer keys;
+    - HCA layers (ratio 128): a page of 2 compressed entries, same 584-byte format
+      (``page_bytes(2)`` = 1728 B with the 576-byte alignment).
+  Entry j of a ratio-m layer lives in block ``block_table[j*m // 256]`` at offset
+  ``j % (256 // m)``: the block that holds its tokens.
+* **Indexer keys: MXFP4** — 128 e2m1 codes packed in 64 B + one e8m0 scale per 32 values (4 B)
+  = 68 B per entry; page = ``[64 x 64 B codes][64 x 4 B scales]`` (4352 B). FP4 because it is
+  LOSSLESS here (the reference's keys are already FP4-QDQ'd with power-of-two scales per 32; a
+  re-encode may pick a smaller power of two for a block whose largest code is < 4, the decoded
+  values are bit-identical) and half the size of FP8 + a per-entry fp32 scale (132 B).
+* **Per sequence slot** (fixed, allocated with ``allocate_slot``), in every main layer:
+    - sliding window: a 128-token ring = 2 pages of 64 entries (584-byte FlashMLA layout);
+      position q sits at ring row ``q % 128``, i.e. global entry ``slot * 128 + q % 128`` of the
+      layer's window pool (``[2 * max_num_seqs, page_bytes(64)]``);
+    - compressed layers: compressor state as fp32 ring buffers of ``coff * m`` rows (coff = 2 for
+      ratio 4, else 1), one for the main compressor and (ratio 4) one for the indexer's; a row
+      is ``[K (coff*c) | score (coff*c)]`` and position q sits at row ``q % (coff*m)``.
+  A new slot needs no reset: the state keeps Python-int counters (window end, pending range,
+  entry count) and only ever reads rows this sequence wrote.
+* MTP is not cached (``PagedSequenceState.mtp is None``).
+
+Memory: ``bytes_per_block`` (all layers' block pages) and ``bytes_per_slot`` (windows + compressor
+states); with ``CacheConfig.memory_bytes`` the cache takes
+``num_blocks = (memory_bytes - max_num_seqs * bytes_per_slot) // bytes_per_block``.
+
+The engine allocates a slot and blocks, grows the sequence's block table (a Python list, shared
+by reference with its ``PagedSequenceState``) to ``blocks_needed(pos + n)`` before each forward of
+n new tokens, and frees both when the sequence ends. The state checks the table and raises
+``KVCacheError`` if it is too short (a programming error: the forward is then aborted midway and
+the states of that batch are no longer usable).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..config import ModelConfig
+from ..formats.fp4 import E2M1_MAX, MXFP4_BLOCK, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+from ..formats.fp8 import e8m0_to_fp32, fp32_to_e8m0, ue8m0_scale
+from ..formats.kv_entry import KV_DIM, page_bytes, read_kv_entries, write_kv_entries
+
+BLOCK_TOKENS = 256          # tokens per KV block (allocation unit)
+WINDOW = 128                # sliding-window tokens per sequence slot
+WINDOW_PAGE = 64            # entries per window page (2 pages per slot and layer)
+INDEX_PAGE = 64             # indexer keys per block (= BLOCK_TOKENS // 4)
+_FP4_SCALE_FLOOR = E2M1_MAX * 2.0 ** -126      # fp4_qdq's amax floor (all-zero blocks)
+
+
+class KVCacheError(RuntimeError):
+    """Out of blocks / slots, or a block table that does not cover the positions written."""
+
+
+def blocks_needed(num_tokens: int) -> int:
+    """KV blocks a sequence of ``num_tokens`` tokens needs: ceil(num_tokens / 256)."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return -(-num_tokens // BLOCK_TOKENS)
+
+
+def block_table_tensor(tables: list[list[int]], width: int | None = None, device="cpu") -> Tensor:
+    """Block tables of a batch as int32 [B, width] (default: the longest table), padded with -1."""
+    w = max((len(t) for t in tables), default=0) if width is None else width
+    out = torch.full((len(tables), w), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        if len(t) > w:
+            raise ValueError(f"block table {i} has {len(t)} blocks, more than width={w}")
+        if t:
+            out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out.to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 indexer-key entries: [D/2 packed e2m1 bytes] + [D/32 e8m0 scale bytes] (68 B for D = 128)
+def index_entry_bytes(dim: int = 128) -> int:
+    return dim // 2 + dim // MXFP4_BLOCK
+
+
+def index_page_bytes(page_size: int = INDEX_PAGE, dim: int = 128) -> int:
+    """One page: [page_size x D/2 B codes][page_size x D/32 B scales], no padding."""
+    return page_size * index_entry_bytes(dim)
+
+
+def encode_index_keys(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """bf16 [N, D] -> (packed codes uint8 [N, D/2], e8m0 scale bytes uint8 [N, D/32]).
+
+    Same rounding as ``fp4_qdq(keys, 32)`` (scale = ue8m0_scale(amax, 6)), so decode(encode(x))
+    == fp4_qdq(x) for every x, and == x for values that are already FP4-QDQ'd."""
+    if keys.dim() != 2 or keys.shape[1] % MXFP4_BLOCK != 0:
+        raise ValueError(f"keys: expected [N, D] with D % 32 == 0, got {tuple(keys.shape)}")
+    n, d = keys.shape
+    xb = keys.float().view(n, d // MXFP4_BLOCK, MXFP4_BLOCK)
+    s = ue8m0_scale(xb.abs().amax(dim=-1, keepdim=True).clamp(min=_FP4_SCALE_FLOOR), E2M1_MAX)
+    codes = e2m1_encode((xb / s).clamp(-E2M1_MAX, E2M1_MAX)).view(n, d)
+    return pack_fp4(codes), fp32_to_e8m0(s.squeeze(-1)).view(torch.uint8)
+
+
+def decode_index_keys(packed: Tensor, scales: Tensor) -> Tensor:
+    """(uint8 [N, D/2], uint8 [N, D/32]) -> bf16 [N, D] (fp32 product, one bf16 rounding)."""
+    n, d = packed.shape[0], packed.shape[1] * 2
+    v = e2m1_decode(unpack_fp4(packed)).view(n, d // MXFP4_BLOCK, MXFP4_BLOCK)
+    return (v * e8m0_to_fp32(scales).unsqueeze(-1)).view(n, d).to(torch.bfloat16)
+
+
+def _index_page_views(pages: Tensor, page_size: int, dim: int) -> tuple[Tensor, Tensor]:
+    want = index_page_bytes(page_size, dim)
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != want:
+        raise ValueError(f"index pages: expected uint8 [num_pages, {want}], got {pages.dtype} {tuple(pages.shape)}")
+    code_end = page_size * (dim // 2)
+    codes = pages[:, :code_end].unflatten(1, (page_size, dim // 2))
+    scales = pages[:, code_end:].unflatten(1, (page_size, dim // MXFP4_BLOCK))
+    return codes, scales
+
+
+def write_index_entries(pages: Tensor, slots: Tensor, keys: Tensor, page_size: int = INDEX_PAGE) -> None:
+    """Encode bf16 keys [N, D] into ``pages`` at ``slots`` (slot = page * page_size + offset)."""
+    codes_v, scales_v = _index_page_views(pages, page_size, keys.shape[1])
+    if keys.dtype != torch.bfloat16 or keys.shape[0] != slots.shape[0]:
+        raise ValueError(f"keys: expected bfloat16 [{slots.shape[0]}, D], got {keys.dtype} {tuple(keys.shape)}")
+    _check_slots(slots, pages.shape[0] * page_size)
+    packed, sc = encode_index_keys(keys)
+    codes_v[slots // page_size, slots % page_size] = packed
+    scales_v[slots // page_size, slots % page_size] = sc
+
+
+def read_index_entries(pages: Tensor, slots: Tensor, page_size: int = INDEX_PAGE, dim: int = 128) -> Tensor:
+    """Gather and decode the keys at ``slots`` -> bf16 [N, D]."""
+    codes_v, scales_v = _index_page_views(pages, page_size, dim)
+    _check_slots(slots, pages.shape[0] * page_size)
+    return decode_index_keys(codes_v[slots // page_size, slots % page_size],
+                             scales_v[slots // page_size, slots % page_size])
+
+
+def _check_slots(slots: Tensor, capacity: int) -> None:
+    if slots.dtype != torch.int64 or slots.dim() != 1:
+        raise ValueError(f"slots: expected int64 [N], got {slots.dtype} {tuple(slots.shape)}")
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+        raise ValueError(f"slots out of range [0, {capacity})")
+
+
+# ---------------------------------------------------------------------------------------------
+# sizes
+def _coff(ratio: int) -> int:
+    return 2 if ratio == 4 else 1
+
+
+def _state_bytes(ratio: int, dim: int) -> int:
+    """One compressor state ring: coff*m rows of [K | score], each coff*dim fp32."""
+    coff = _coff(ratio)
+    return coff * ratio * 2 * coff * dim * 4
+
+
+def layer_block_bytes(cfg: ModelConfig, layer: int) -> int:
+    """Bytes of one KV block in main layer ``layer`` (0 for sliding-window-only layers)."""
+    r = cfg.layer_ratio(layer)
+    if r == 0:
+        return 0
+    n = page_bytes(BLOCK_TOKENS // r)
+    if r == 4:
+        n += index_page_bytes(INDEX_PAGE, cfg.index_head_dim)
+    return n
+
+
+def layer_slot_bytes(cfg: ModelConfig, layer: int) -> int:
+    """Bytes of one sequence slot in main layer ``layer``: window ring + compressor states."""
+    r = cfg.layer_ratio(layer)
+    n = (WINDOW // WINDOW_PAGE) * page_bytes(WINDOW_PAGE)
+    if r:
+        n += _state_bytes(r, cfg.head_dim)
+        if r == 4:
+            n += _state_bytes(r, cfg.index_head_dim)
+    return n
+
+
+def bytes_per_block(cfg: ModelConfig) -> int:
+    return sum(layer_block_bytes(cfg, i) for i in range(cfg.num_hidden_layers))
+
+
+def bytes_per_slot(cfg: ModelConfig) -> int:
+    return sum(layer_slot_bytes(cfg, i) for i in range(cfg.num_hidden_layers))
+
+
+@dataclass
+class CacheConfig:
+    """``max_num_seqs`` sequence slots; KV blocks: ``num_blocks``, or as many as fit in
+    ``memory_bytes`` after the slots. ``device``: where the pools live."""
+    max_num_seqs: int
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    device: str | torch.device = "cpu"
+
+
+@dataclass
+class LayerCache:
+    """The pools of one main layer (kernels index them directly).
+
+    window:        uint8 [2 * max_num_seqs, page_bytes(64)]; slot s owns pages 2s, 2s+1
+    entries:       uint8 [num_blocks, page_bytes(entries_per_block)] (compressed layers)
+    index_keys:    uint8 [num_blocks, 64 * 68] MXFP4 (CSA layers)
+    comp_state:    fp32 [max_num_seqs, coff*m, 2*coff*head_dim] (compressed layers)
+    index_state:   fp32 [max_num_seqs, 8, 2*2*index_head_dim] (CSA layers)
+    """
+    ratio: int
+    window: Tensor
+    entries: Tensor | None = None
+    entries_per_block: int = 0
+    index_keys: Tensor | None = None
+    comp_state: Tensor | None = None
+    index_state: Tensor | None = None
+
+
+class KVCache:
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig):
+        self.model_cfg, self.cache_cfg = model_cfg, cache_cfg
+        if model_cfg.head_dim != KV_DIM or model_cfg.sliding_window != WINDOW:
+            raise ValueError(f"the cache layout needs head_dim={KV_DIM} and sliding_window={WINDOW}")
+        S = cache_cfg.max_num_seqs
+        if not isinstance(S, int) or S < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {S!r}")
+        self.max_num_seqs = S
+        self.bytes_per_block = bytes_per_block(model_cfg)
+        self.bytes_per_slot = bytes_per_slot(model_cfg)
+        slot_total = S * self.bytes_per_slot
+        mem = cache_cfg.memory_bytes
+        if cache_cfg.num_blocks is not None:
+            nb = cache_cfg.num_blocks
+            if not isinstance(nb, int) or nb < 1:
+                raise ValueError(f"num_blocks must be a positive integer, got {nb!r}")
+            if mem is not None and slot_total + nb * self.bytes_per_block > mem:
+                raise ValueError(f"num_blocks={nb} and max_num_seqs={S} need "
+                                 f"{slot_total + nb * self.bytes_per_block} bytes, more than memory_bytes={mem}")
+        elif mem is not None:
+            if mem < slot_total + self.bytes_per_block:
+                raise ValueError(
+                    f"memory_bytes={mem} is too small: max_num_seqs={S} slots take {slot_total} bytes "
+                    f"({self.bytes_per_slot} each) and one KV block of {BLOCK_TOKENS} tokens takes "
+                    f"{self.bytes_per_block} bytes; raise memory_bytes or lower max_num_seqs")
+            nb = (mem - slot_total) // self.bytes_per_block
+        else:
+            raise ValueError("CacheConfig needs num_blocks or memory_bytes")
+        self.num_blocks = nb
+        self.device = torch.device(cache_cfg.device)
+        dev = self.device
+        self.layers: list[LayerCache] = []
+        for i in range(model_cfg.num_hidden_layers):
+            r = model_cfg.layer_ratio(i)
+            lc = LayerCache(r, torch.zeros(2 * S, page_bytes(WINDOW_PAGE), dtype=torch.uint8, device=dev))
+            if r:
+                if BLOCK_TOKENS % r:
+                    raise ValueError(f"compress ratio {r} of layer {i} does not divide {BLOCK_TOKENS}")
+                c = _coff(r)
+                lc.entries_per_block = BLOCK_TOKENS // r
+                lc.entries = torch.zeros(nb, page_bytes(lc.entries_per_block), dtype=torch.uint8, device=dev)
+                lc.comp_state = torch.zeros(S, c * r, 2 * c * model_cfg.head_dim, dtype=torch.float32, device=dev)
+                if r == 4:
+                    lc.index_keys = torch.zeros(nb, index_page_bytes(INDEX_PAGE, model_cfg.index_head_dim),
+                                                dtype=torch.uint8, device=dev)
+                    lc.index_state = torch.zeros(S, c * r, 2 * c * model_cfg.index_head_dim,
+                                                 dtype=torch.float32, device=dev)
+            self.layers.append(lc)
+        # free lists: stacks, lowest id handed out first
+        self._free_blocks = list(range(nb - 1, -1, -1))
+        self._block_used = [False] * nb
+        self._free_slots = list(range(S - 1, -1, -1))
+        self._slot_used = [False] * S
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * BLOCK_TOKENS
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block + self.max_num_seqs * self.bytes_per_slot
+
+    def describe(self) -> str:
+        gib = 2.0 ** 30
+        return (f"KV cache: {self.num_blocks} blocks x {BLOCK_TOKENS} tokens = {self.capacity_tokens} tokens, "
+                f"{self.bytes_per_block / BLOCK_TOKENS:.0f} B/token compressed "
+                f"({self.num_blocks * self.bytes_per_block / gib:.3f} GiB) + {self.max_num_seqs} sequence slots "
+                f"x {self.bytes_per_slot / 2**20:.2f} MiB window+compressor state "
+                f"({self.max_num_seqs * self.bytes_per_slot / gib:.3f} GiB); total {self.total_bytes / gib:.3f} GiB "
+                f"on {self.device}")
+
+    # ------------------------------------------------------------------ allocation
+    @staticmethod
+    def blocks_needed(num_tokens: int) -> int:
+        """ceil(num_tokens / 256) (same as the module function)."""
+        return blocks_needed(num_tokens)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        return 0 <= n_blocks <= len(self._free_blocks)
+
+    def usage(self) -> float:
+        """Fraction of the KV blocks in use."""
+        return (self.num_blocks - len(self._free_blocks)) / self.num_blocks
+
+    def allocate_slot(self) -> int:
+        if not self._free_slots:
+            raise KVCacheError(f"no free sequence slot (max_num_seqs={self.max_num_seqs})")
+        s = self._free_slots.pop()
+        self._slot_used[s] = True
+        return s
+
+    def free_slot(self, slot: int) -> None:
+        if not (isinstance(slot, int) and 0 <= slot < self.max_num_seqs):
+            raise ValueError(f"slot {slot!r} out of range [0, {self.max_num_seqs})")
+        if not self._slot_used[slot]:
+            raise ValueError(f"slot {slot} is not allocated (double free?)")
+        self._slot_used[slot] = False
+        self._free_slots.append(slot)
+
+    def allocate_blocks(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free_blocks):
+            raise KVCacheError(f"out of KV blocks: need {n}, {len(self._free_blocks)} of {self.num_blocks} free")
+        out = [self._free_blocks.pop() for _ in range(n)]
+        for b in out:
+            self._block_used[b] = True
+        return out
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        blocks = list(blocks)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"free_blocks: repeated block ids in {blocks}")
+        for b in blocks:   # validate everything before changing anything
+            if not (isinstance(b, int) and 0 <= b < self.num_blocks):
+                raise ValueError(f"block {b!r} out of range [0, {self.num_blocks})")
+            if not self._block_used[b]:
+                raise ValueError(f"block {b} is not allocated (double free?)")
+        for b in reversed(blocks):
+            self._block_used[b] = False
+            self._free_blocks.append(b)
+
+    def block_tables_tensor(self, tables: list[list[int]], width: int | None = None) -> Tensor:
+        return block_table_tensor(tables, width, self.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference state interface on top of the pools
+def _entry_slots(cache: KVCache, block_table: list[int], first: int, n: int, per_block: int, what: str) -> Tensor:
+    """Global page-entry ids of entries first .. first+n-1 (entry j: block_table[j // per_block])."""
+    last_block = (first + n - 1) // per_block
+    if last_block >= len(block_table):
+        raise KVCacheError(
+            f"{what}: entry {first + n - 1} needs block-table index {last_block} (tokens up to "
+            f"{(last_block + 1) * BLOCK_TOKENS}) but the table has {len(block_table)} blocks; grow it to "
+            f"blocks_needed(pos + n) before the forward")
+    blocks = block_table[first // per_block:last_block + 1]
+    for b in blocks:
+        if not (isinstance(b, int) and 0 <= b < cache.num_blocks and cache._block_used[b]):
+            raise KVCacheError(f"{what}: block {b!r} in the block table is not an allocated block")
+    j = torch.arange(first, first + n)
+    bt = torch.tensor(blocks, dtype=torch.int64)
+    ids = bt[j // per_block - first // per_block] * per_block + j % per_block
+    return ids.to(cache.device)
+
+
+class PagedCompressorState:
+    """One compressor's state: pending rows in the slot's fp32 ring, entries in the block pages."""
+
+    def __init__(self, cache: KVCache, seq: "PagedSequenceState", layer: int, indexer: bool):
+        lc = cache.layers[layer]
+        self.cache, self.seq, self.layer, self.is_indexer = cache, seq, layer, indexer
+        self.ratio = lc.ratio
+        self.overlap = lc.ratio == 4
+        self.dim = cache.model_cfg.index_head_dim if indexer else cache.model_cfg.head_dim
+        self._ring = (lc.index_state if indexer else lc.comp_state)[seq.slot]   # [coff*m, 2*coff*c] view
+        self._width = _coff(self.ratio) * self.dim
+        self._start = self._end = 0           # pending positions [start, end)
+        self._n = 0                           # entries written
+
+    @property
+    def num_entries(self) -> int:
+        return self._n
+
+    def _rows(self, start: int, end: int) -> Tensor:
+        return torch.arange(start, end, device=self._ring.device) % self._ring.shape[0]
+
+    def pending(self, p0: int) -> tuple[Tensor, Tensor, int]:
+        """(K rows, score rows, position of the first row) for positions start .. p0-1 (fp32)."""
+        if p0 != self._end:
+            raise KVCacheError(f"compressor state of layer {self.layer} is at position {self._end}, not {p0}")
+        rows = self._ring[self._rows(self._start, self._end)]
+        return rows[:, :self._width], rows[:, self._width:], self._start
+
+    def set_pending(self, k: Tensor, s: Tensor, start: int) -> None:
+        n = k.shape[0]
+        if n > self._ring.shape[0] or s.shape[0] != n:
+            raise KVCacheError(f"{n} pending rows do not fit the ring of {self._ring.shape[0]} rows")
+        if n:
+            self._ring[self._rows(start, start + n)] = torch.cat([k, s], dim=1).to(self._ring)
+        self._start, self._end = start, start + n
+
+    def _slots(self, first: int, n: int) -> Tensor:
+        per = INDEX_PAGE if self.is_indexer else self.cache.layers[self.layer].entries_per_block
+        what = f"layer {self.layer} {'indexer' if self.is_indexer else 'compressor'}"
+        return _entry_slots(self.cache, self.seq.block_table, first, n, per, what)
+
+    def entries(self) -> Tensor:
+        lc = self.cache.layers[self.layer]
+        if self._n == 0:
+            return torch.zeros(0, self.dim, dtype=torch.bfloat16, device=self.cache.device)
+        slots = self._slots(0, self._n)
+        if self.is_indexer:
+            return read_index_entries(lc.index_keys, slots, INDEX_PAGE, self.dim)
+        return read_kv_entries(lc.entries, slots, lc.entries_per_block)
+
+    def append_entries(self, new: Tensor) -> None:
+        n = new.shape[0]
+        if n == 0:
+            return
+        _check_bf16(new, self.layer)
+        lc = self.cache.layers[self.layer]
+        slots = self._slots(self._n, n)
+        new = new.to(self.cache.device)
+        if self.is_indexer:
+            write_index_entries(lc.index_keys, slots, new, INDEX_PAGE)
+        else:
+            write_kv_entries(lc.entries, slots, new, lc.entries_per_block)
+        self._n += n
+
+
+class PagedLayerState:
+    """One main layer: the slot's 128-token window ring plus the compressor / indexer states."""
+
+    def __init__(self, cache: KVCache, seq: "PagedSequenceState", layer: int):
+        self.cache, self.seq, self.layer = cache, seq, layer
+        self.win = WINDOW
+        self._end = 0
+        r = cache.layers[layer].ratio
+        self.compressor = PagedCompressorState(cache, seq, layer, False) if r else None
+        self.indexer = PagedCompressorState(cache, seq, layer, True) if r == 4 else None
+
+    def _slots(self, start: int, end: int) -> Tensor:
+        return torch.arange(start, end, device=self.cache.device) % WINDOW + self.seq.slot * WINDOW
+
+    def read_window(self, p0: int) -> Tensor:
+        """KV rows of positions max(0, p0 - 128) .. p0-1 (bf16 [min(p0, 128), 512])."""
+        if p0 != self._end:
+            raise KVCacheError(f"window of layer {self.layer} is at position {self._end}, not {p0}")
+        return read_kv_entries(self.cache.layers[self.layer].window,
+                               self._slots(max(0, p0 - WINDOW), p0), WINDOW_PAGE)
+
+    def write_window(self, rows: Tensor, end_pos: int) -> None:
+        """Store the rows of positions end_pos - len(rows) .. end_pos-1 (len <= 128)."""
+        n = rows.shape[0]
+        if n > WINDOW:
+            raise ValueError(f"write_window: {n} rows, at most {WINDOW}")
+        if end_pos > len(self.seq.block_table) * BLOCK_TOKENS:
+            raise KVCacheError(
+                f"layer {self.layer}: position {end_pos - 1} is beyond the block table "
+                f"({len(self.seq.block_table)} blocks = {len(self.seq.block_table) * BLOCK_TOKENS} tokens); "
+                f"grow it to blocks_needed(pos + n) before the forward")
+        _check_bf16(rows, self.layer)
+        write_kv_entries(self.cache.layers[self.layer].window, self._slots(end_pos - n, end_pos),
+                         rows.to(self.cache.device), WINDOW_PAGE)
+        self._end = end_pos
+
+
+def _check_bf16(t: Tensor, layer: int) -> None:
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"layer {layer}: the paged cache stores bf16/FP8 values, got {t.dtype} "
+                         f"(numerics='exact' runs only on model.new_state())")
+
+
+class PagedSequenceState:
+    """Stand-in for ``reference.state.SequenceState`` on a ``KVCache`` slot and block table.
+
+    ``block_table`` is kept by reference: the engine appends blocks to the same list before a
+    forward that needs them. MTP is not cached (``mtp`` stays None)."""
+
+    def __init__(self, cache: KVCache, slot: int, block_table: list[int]):
+        if not (0 <= slot < cache.max_num_seqs and cache._slot_used[slot]):
+            raise ValueError(f"slot {slot} is not an allocated slot")
+        self.cache, self.slot, self.block_table = cache, slot, block_table
+        self.pos = 0
+        self.mtp = None
+        self.mtp_pos = 0
+        self.last_hidden: Tensor | None = None
+        self.layers = [PagedLayerState(cache, self, i) for i in range(cache.model_cfg.num_hidden_layers)]
+
+    def blocks_missing(self, num_new_tokens: int) -> int:
+        """Blocks to append to the table before a forward of ``num_new_tokens`` more tokens."""
+        return max(0, blocks_needed(self.pos + num_new_tokens) - len(self.block_table))
+
+    def block_table_tensor(self, width: int | None = None) -> Tensor:
+        return block_table_tensor([self.block_table], width, self.cache.device)[0]
+
+    def release(self) -> None:
+        """Give the blocks and the slot back to the cache (the state is unusable afterwards)."""
+        self.cache.free_blocks(self.block_table)
+        self.block_table.clear()
+        self.cache.free_slot(self.slot)
+        self.layers = []

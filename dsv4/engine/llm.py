@@ -1,0 +1,79 @@
+"""Offline API shaped like vLLM's: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+
+from tqdm import tqdm
+
+from .llm_engine import EngineConfig, LLMEngine, RequestRejected
+from .sampling_params import SamplingParams
+from .sequence import RequestOutput
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kw):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kw))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Prompts are strings or ``{"prompt_token_ids": [...]}``; outputs come back in input order.
+        Every prompt is validated before any runs: a bad one raises ``RequestRejected`` naming it."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        eng = self.engine
+        ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for i, (rid, p, sp) in enumerate(zip(ids, prompts, params)):
+                try:
+                    eng.add_request(rid, p, sp)
+                except RequestRejected as e:
+                    raise RequestRejected(f"prompt {i}: {e}") from None
+        except RequestRejected:
+            for rid in ids:
+                eng.abort_request(rid)
+            while eng.has_unfinished_requests():
+                eng.step()
+            eng.step()
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), file=sys.stderr, disable=not use_tqdm, desc="requests")
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        for out in eng.step():                    # requests finished without a model step
+            results[out.request_id] = out
+        bar.close()
+        return [results[r] for r in ids]
+
+
+def benchmark_throughput(llm: LLM, num_prompts: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+    """Offline throughput on random token prompts (``dsv4 bench throughput``)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    V = llm.engine.model_config.vocab_size
+    prompts = [{"prompt_token_ids": torch.randint(3, min(V, 128000), (input_len,), generator=g).tolist()}
+               for _ in range(num_prompts)]
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    st = llm.engine.stats
+    s0, t0 = dict(st), time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    dt = time.perf_counter() - t0
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    steps = st["steps"] - s0["steps"]
+    return {"requests": num_prompts, "elapsed_s": dt, "requests_per_s": num_prompts / dt,
+            "output_tokens_per_s": gen / dt, "total_tokens_per_s": (gen + num_prompts * input_len) / dt,
+            "steps": steps, "mean_step_ms": 1e3 * (st["step_time"] - s0["step_time"]) / max(steps, 1),
+            "preemptions": llm.engine.scheduler.num_preemptions}

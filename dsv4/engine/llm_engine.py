@@ -1,0 +1,198 @@
+"""The engine: requests in, vLLM-shaped ``RequestOutput`` out, one ``step()`` at a time."""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import CacheConfig, KVCache
+from .runner import ModelRunner, ReferenceBackend
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Logprob, RequestOutput, Sequence, SequenceStatus
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot serve (too long, cannot fit the cache, bad prompt)."""
+
+
+def parse_bytes(v: str | int | float) -> int:
+    """'512MiB', '2GiB', '1.5G', '1000000' -> bytes."""
+    if isinstance(v, (int, float)):
+        return int(v)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", v, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse a memory size from {v!r} (examples: 512MiB, 2GiB, 1000000)")
+    num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary or unit == "" else 1000
+    return int(num * base ** " KMGT".index(unit or " "))
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None                 # checkpoint dir; None = the embedded default tiny model
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None         # None: 4096 (the reference's default window of use)
+    kv_cache_memory: str | int | None = None  # bytes for the KV caches (CPU default 256MiB)
+    gpu_memory_utilization: float = 0.9      # on CUDA when kv_cache_memory is not given
+    num_kv_blocks: int | None = None         # override: exact number of 256-token KV blocks
+    numerics: str = "invariant"              # see dsv4.reference.numerics; invariant = batch invariant
+    device: str | None = None                # None: cuda if available else cpu
+    log: bool = True
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig | None = None, **kw):
+        cfg = cfg or EngineConfig(**kw)
+        from ..checkpoint.loader import load_checkpoint
+        from ..models import resolve_model
+        from ..reference.model import ReferenceModel
+        from ..server.tokenizer import load_tokenizer
+
+        self.cfg = cfg
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        path = resolve_model(cfg.model)
+        ck = load_checkpoint(path, progress=cfg.log)
+        tensors = {k: v.to(self.device) for k, v in ck.tensors.items()} if self.device.type != "cpu" else ck.tensors
+        self.model_config = mc = ck.config
+        self.model_path = path
+        self.model = ReferenceModel(mc, tensors, numerics=cfg.numerics)
+        self.tokenizer = load_tokenizer(path)
+        self.max_model_len = cfg.max_model_len or min(4096, mc.max_position_embeddings)
+        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2")
+        budget = None if cfg.num_kv_blocks is not None else self._kv_budget()
+        self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_kv_blocks,
+                                             memory_bytes=budget, device=str(self.device)))
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                                   self.max_model_len), self.cache)
+        self.runner = ModelRunner(ReferenceBackend(self.model), self.device)
+        self.sampler = Sampler(mc.eos_token_id)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.prompts: dict[str, str | None] = {}
+        self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0}
+        if cfg.log:
+            print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len}", file=sys.stderr)
+
+    def _kv_budget(self) -> int:
+        if self.cfg.kv_cache_memory is not None:
+            return parse_bytes(self.cfg.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.cfg.gpu_memory_utilization)
+        return 256 * 2**20
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    arrival: float | None = None) -> None:
+        """Queue a request. Raises ``RequestRejected`` (nothing queued) when it cannot be served."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        n = len(ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestRejected(f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                                  f"(prompt + at least 1 generated token must fit)")
+        if self.cache.blocks_needed(n + 1) > self.cache.num_blocks:
+            raise RequestRejected(f"the prompt has {n} tokens and cannot fit the KV cache even alone "
+                                  f"({self.cache.capacity_tokens} tokens); raise kv_cache_memory")
+        limit = min(self.max_model_len, self.cache.capacity_tokens) - n
+        max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        now = time.monotonic() if arrival is None else arrival
+        seqs = [Sequence(request_id, i, ids, params, max_tokens, self.model_config.eos_token_id,
+                         self.tokenizer.incremental_detokenizer(params.skip_special_tokens), now)
+                for i in range(params.n)]
+        self.requests[request_id] = seqs
+        self.prompts[request_id] = text
+        for s in seqs:
+            self.scheduler.add(s)
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, [self.model_config.bos_token_id] + self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise RequestRejected("a dict prompt needs 'prompt_token_ids'")
+            prompt = prompt["prompt_token_ids"]
+        ids = list(prompt)
+        V = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V]
+        if bad:
+            raise RequestRejected(f"prompt token ids must be integers in [0, {V}); got {bad[:5]}")
+        return None, ids
+
+    def abort_request(self, request_id: str) -> None:
+        for s in self.requests.get(request_id, []):
+            if not s.is_finished:
+                s.finish_reason = "abort"
+                self.scheduler.finish(s)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns the outputs of every request touched
+        (finished requests are returned once and forgotten)."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        touched: dict[str, None] = {}
+        if batch:
+            logits = self.runner.run(batch)
+            rows = [i for i, c in enumerate(batch) if c.samples]
+            if rows:
+                seqs = [batch[i].seq for i in rows]
+                out = self.sampler(logits[rows], [s.params for s in seqs], [s.prompt_ids for s in seqs],
+                                   [s.output_ids for s in seqs], [s.generator for s in seqs])
+                for k, s in enumerate(seqs):
+                    self._append(s, out.token_ids[k], out.logprobs[k], out.errors[k])
+            for c in batch:
+                touched[c.seq.request_id] = None
+                if c.seq.num_computed <= len(c.seq.prompt_ids):
+                    self.stats["prompt_tokens"] += c.num_tokens
+            self.stats["steps"] += 1
+            self.stats["step_time"] += time.perf_counter() - t0
+        for rid, seqs in list(self.requests.items()):
+            if all(s.is_finished for s in seqs):
+                touched[rid] = None
+        outputs = [self._output(rid) for rid in touched if rid in self.requests]
+        for o in outputs:
+            if o.finished:
+                del self.requests[o.request_id], self.prompts[o.request_id]
+        return outputs
+
+    def _append(self, s: Sequence, tok: int, lps: dict | None, err: str | None) -> None:
+        if s.is_finished:
+            return
+        if err is not None:
+            s.error, s.finish_reason = f"request failed: {err}", "error"
+            self.scheduler.finish(s)
+            return
+        if s.first_token_time is None:
+            s.first_token_time = time.monotonic()
+        s.output_ids.append(tok)
+        self.stats["generation_tokens"] += 1
+        if s.logprobs is not None and lps is not None:
+            s.logprobs.append({t: Logprob(lp) for t, lp in lps.items()})
+            s.cumulative_logprob += lps[tok]
+        delta = s.detok.add(tok)
+        s.text += delta
+        r = s.stop.check(s.text, tok, len(s.output_ids), new_text_len=len(delta))
+        if r.finished:
+            s.text = r.text + (s.detok.flush() if r.finish_reason == "length" else "")
+            s.finish_reason, s.stop_reason = r.finish_reason, r.stop_reason
+            self.scheduler.finish(s)
+
+    def _output(self, rid: str) -> RequestOutput:
+        seqs = self.requests[rid]
+        finished = all(s.is_finished for s in seqs)
+        return RequestOutput(rid, self.prompts[rid], list(seqs[0].prompt_ids), [s.to_output() for s in seqs],
+                             finished, {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time})

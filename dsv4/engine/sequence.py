@@ -1,0 +1,112 @@
+"""A sequence being generated, and the vLLM-shaped outputs the engine returns."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .sampler import StopChecker
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    """vLLM's ``Logprob``: one entry of a per-token logprobs dict."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None          # 'stop' | 'length' | 'abort' | 'error' | None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One sample of a request. ``num_computed`` tokens of ``prompt + output`` are in the cache;
+    the next model call feeds the rest (a prefill chunk, or the last sampled token)."""
+
+    def __init__(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+                 max_tokens: int, eos_token_id: int, detokenizer=None, arrival: float = 0.0):
+        self.seq_id = next(_seq_ids)
+        self.request_id, self.index = request_id, index
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.max_tokens = max_tokens
+        self.status = SequenceStatus.WAITING
+        self.num_computed = 0
+        self.slot: int | None = None
+        self.block_table: list[int] = []
+        self.state = None                       # the cache-backed model state while RUNNING
+        seed = params.seed if params.seed is None else params.seed + index
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.stop = StopChecker(params, eos_token_id, max_tokens)
+        self.detok = detokenizer
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.arrival = arrival
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def to_output(self) -> CompletionOutput:
+        """While running, the text holds back a tail that may be the start of a stop string, so a
+        stream never shows characters a stop string later removes (as vLLM does)."""
+        text = self.text
+        if not self.is_finished and self.params.stop:
+            text = text[:len(text) - self.stop.holdback(text)]
+        return CompletionOutput(self.index, text, list(self.output_ids),
+                                self.cumulative_logprob if self.logprobs is not None else None,
+                                self.logprobs, self.finish_reason, self.stop_reason, self.error)

@@ -1,0 +1,444 @@
+"""Sparse attention over the FP8 paged KV caches (spec §4 step 5, §10.1), decode and prefill.
+
+Every query row t (a decode token, or a prefill row) attends over its own index lists:
+``window_idx[t]`` into the window cache and ``extra_idx[t]`` into the extra (compressed) cache, both
+int32 global slot ids (``slot = page * B + offset``), ``-1`` = masked, each cache a ``uint8
+[num_pages, page_bytes(B)]`` tensor of 584-byte ``MODEL1_FP8Sparse`` entries with its own page size.
+The row's list is the concatenation ``[window | extra]``, as in the official index layout.
+
+Math (the reference's ``sparse_attention``): ``z_j = (q . kv_j) * scale``; running max over blocks
+of the list, the sink in the denominator only, probabilities rounded to bf16 before P.V, fp32
+denominator, bf16 output, an all-masked row gives exactly 0 (never NaN).
+
+Kernels:
+* ``_sparse_fwd``: one program per (head block, split, query row). q ``[HB, 512]`` stays in
+  registers/shared as 8 chunks of 64 dims; per block of ``BN`` list entries it gathers the FP8
+  nope bytes (16-byte loads), the bf16 rope and the 8 scale bytes (one 8-byte load per entry),
+  dequantises to bf16 in registers (``fp8 * 2^(byte-127)``, exact), and runs QK and PV as
+  ``tl.dot`` per 64-dim chunk with an fp32 online softmax. No bf16 copy of the cache is made.
+* split-K: the list is cut into ``num_splits`` contiguous ranges of blocks; each writes fp32
+  partials (acc, max, denominator) and ``_combine`` merges them and adds the sink.
+* prefill uses the same kernel without splits (many rows fill the machine).
+
+Block size vs the official 64: the running max advances per ``BN`` entries (``BN = 64`` by
+default, the official block; 32 when asked). Probabilities are rounded to bf16 relative to the
+running max of their block; with another ``BN`` or with split-K (each split has its own max and
+is rescaled in fp32 by the combine) only that bf16 rounding point of P differs from the
+reference: the results agree to bf16 tolerance, not bit-for-bit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats.kv_entry import _page_views, decode_kv_entries, page_bytes, read_kv_entries
+from . import interpreting, triton_available
+
+HEAD_DIM = 512
+LAST_LAUNCH: dict = {}   # diagnostics: the last compiled kernels (n_regs, n_spills on a GPU)
+LOG2E = 1.4426950408889634
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .kv_insert import _rne_bf16
+
+    @triton.jit
+    def _chunk(row, scw, valid, d, C: tl.constexpr, DT: tl.constexpr):
+        """Dequantised dims [64C, 64C+64) of the gathered entries -> [BN, 64] of dtype DT."""
+        if C < 7:
+            sb = ((scw >> (8 * C)) & 0xFF).to(tl.int32)
+            sc = (sb << 23).to(tl.float32, bitcast=True)        # 2^(byte-127), exact
+            x = tl.load(row[:, None] + (C * 64) + d[None, :], mask=valid[:, None], other=0)
+            k = x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+        else:
+            rp = (row + 448).to(tl.pointer_type(tl.bfloat16))
+            k = tl.load(rp[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        return k.to(DT)
+
+    @triton.jit
+    def _sparse_fwd(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, OP, MLP,
+                    H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
+                    w_psz, w_pbytes, e_psz, e_pbytes, blocks_per_split, qk_scale,
+                    HB: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                    DT: tl.constexpr, INTERP: tl.constexpr, DP: tl.constexpr = 1,
+                    DHALF: tl.constexpr = 0):
+        # DP = 2: this launch accumulates only output dims [256*DHALF, 256*DHALF + 256) (S is
+        # computed in full by both halves): half the accumulator (registers on sm_90, tensor memory
+        # on sm_100, whose 512 columns cannot hold a 64 x 512 fp32 accumulator plus S).
+        hb = tl.program_id(0)
+        sp = tl.program_id(1)
+        t = tl.program_id(2)
+        ns = tl.num_programs(1)
+        h = hb * HB + tl.arange(0, HB)
+        hm = h < H
+        d = tl.arange(0, 64)
+        t64 = t.to(tl.int64)
+        qb = Q + t64 * stride_qt + h[:, None] * stride_qh + d[None, :]
+        q0 = tl.load(qb + 0, mask=hm[:, None], other=0.0).to(DT)
+        q1 = tl.load(qb + 64, mask=hm[:, None], other=0.0).to(DT)
+        q2 = tl.load(qb + 128, mask=hm[:, None], other=0.0).to(DT)
+        q3 = tl.load(qb + 192, mask=hm[:, None], other=0.0).to(DT)
+        q4 = tl.load(qb + 256, mask=hm[:, None], other=0.0).to(DT)
+        q5 = tl.load(qb + 320, mask=hm[:, None], other=0.0).to(DT)
+        q6 = tl.load(qb + 384, mask=hm[:, None], other=0.0).to(DT)
+        q7 = tl.load(qb + 448, mask=hm[:, None], other=0.0).to(DT)
+        KT = KW + KE
+        nb = tl.cdiv(KT, BN)
+        b0 = sp * blocks_per_split
+        b1 = tl.minimum(b0 + blocks_per_split, nb)
+        m_i = tl.full([HB], float("-inf"), tl.float32)
+        l_i = tl.zeros([HB], tl.float32)
+        acc0 = tl.zeros([HB, 64], tl.float32)
+        acc1 = tl.zeros([HB, 64], tl.float32)
+        acc2 = tl.zeros([HB, 64], tl.float32)
+        acc3 = tl.zeros([HB, 64], tl.float32)
+        acc4 = tl.zeros([HB, 64], tl.float32)
+        acc5 = tl.zeros([HB, 64], tl.float32)
+        acc6 = tl.zeros([HB, 64], tl.float32)
+        acc7 = tl.zeros([HB, 64], tl.float32)
+        n = tl.arange(0, BN)
+        wrow = WIDX + t64 * stride_wt
+        erow = EIDX + t64 * stride_et
+        for blk in range(b0, b1):
+            j = blk * BN + n
+            in_w = j < KW
+            iw = tl.load(wrow + j, mask=in_w, other=-1)
+            ie = tl.load(erow + (j - KW), mask=(j >= KW) & (j < KT), other=-1)
+            idx = tl.where(in_w, iw, ie)
+            valid = idx >= 0
+            slot = tl.maximum(idx, 0)
+            psz = tl.where(in_w, w_psz, e_psz)
+            pnb = tl.where(in_w, w_pbytes, e_pbytes)
+            page = slot // psz
+            off = slot - page * psz
+            base = tl.where(in_w, WPAGES, EPAGES) + page.to(tl.int64) * pnb
+            row = base + off * 576
+            sptr = (base + psz * 576 + off * 8).to(tl.pointer_type(tl.int64))
+            scw = tl.load(sptr, mask=valid, other=0)
+            k0 = _chunk(row, scw, valid, d, 0, DT)
+            k1 = _chunk(row, scw, valid, d, 1, DT)
+            k2 = _chunk(row, scw, valid, d, 2, DT)
+            k3 = _chunk(row, scw, valid, d, 3, DT)
+            k4 = _chunk(row, scw, valid, d, 4, DT)
+            k5 = _chunk(row, scw, valid, d, 5, DT)
+            k6 = _chunk(row, scw, valid, d, 6, DT)
+            k7 = _chunk(row, scw, valid, d, 7, DT)
+            s = tl.dot(q0, tl.trans(k0))
+            s = tl.dot(q1, tl.trans(k1), s)
+            s = tl.dot(q2, tl.trans(k2), s)
+            s = tl.dot(q3, tl.trans(k3), s)
+            s = tl.dot(q4, tl.trans(k4), s)
+            s = tl.dot(q5, tl.trans(k5), s)
+            s = tl.dot(q6, tl.trans(k6), s)
+            s = tl.dot(q7, tl.trans(k7), s)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if INTERP:
+                pb = _rne_bf16(p)
+            else:
+                pb = p.to(DT)
+            a2 = alpha[:, None]
+            if DP == 1:
+                acc0 = tl.dot(pb, k0, acc0 * a2)
+                acc1 = tl.dot(pb, k1, acc1 * a2)
+                acc2 = tl.dot(pb, k2, acc2 * a2)
+                acc3 = tl.dot(pb, k3, acc3 * a2)
+                acc4 = tl.dot(pb, k4, acc4 * a2)
+                acc5 = tl.dot(pb, k5, acc5 * a2)
+                acc6 = tl.dot(pb, k6, acc6 * a2)
+                acc7 = tl.dot(pb, k7, acc7 * a2)
+            elif DHALF == 0:
+                acc0 = tl.dot(pb, k0, acc0 * a2)
+                acc1 = tl.dot(pb, k1, acc1 * a2)
+                acc2 = tl.dot(pb, k2, acc2 * a2)
+                acc3 = tl.dot(pb, k3, acc3 * a2)
+            else:
+                acc0 = tl.dot(pb, k4, acc0 * a2)
+                acc1 = tl.dot(pb, k5, acc1 * a2)
+                acc2 = tl.dot(pb, k6, acc2 * a2)
+                acc3 = tl.dot(pb, k7, acc3 * a2)
+            m_i = m_new
+        if SPLIT:
+            # partials: OP [T, NS, H, 512] fp32, MLP [T, NS, 2, H] fp32
+            pbase = (t64 * ns + sp) * H
+            ob = OP + (pbase + h[:, None]) * 512 + (DHALF * 256) + d[None, :]
+            om = hm[:, None]
+            tl.store(ob + 0, acc0, mask=om)
+            tl.store(ob + 64, acc1, mask=om)
+            tl.store(ob + 128, acc2, mask=om)
+            tl.store(ob + 192, acc3, mask=om)
+            if DP == 1:
+                tl.store(ob + 256, acc4, mask=om)
+                tl.store(ob + 320, acc5, mask=om)
+                tl.store(ob + 384, acc6, mask=om)
+                tl.store(ob + 448, acc7, mask=om)
+            if DHALF == 0:
+                tl.store(MLP + pbase * 2 + h, m_i, mask=hm)
+                tl.store(MLP + pbase * 2 + H + h, l_i, mask=hm)
+        else:
+            sink = tl.load(SINK + h, mask=hm, other=0.0) * 1.4426950408889634
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            den = l_i + tl.exp2(sink - m_safe)
+            ok = den > 0
+            den = tl.where(ok, den, 1.0)[:, None]
+            okc = ok[:, None]
+            ob = O + t64 * stride_ot + h[:, None] * stride_oh + (DHALF * 256) + d[None, :]
+            om = hm[:, None]
+            ty = O.dtype.element_ty
+            tl.store(ob + 0, _rne_bf16(tl.where(okc, acc0 / den, 0.0)).to(ty), mask=om)
+            tl.store(ob + 64, _rne_bf16(tl.where(okc, acc1 / den, 0.0)).to(ty), mask=om)
+            tl.store(ob + 128, _rne_bf16(tl.where(okc, acc2 / den, 0.0)).to(ty), mask=om)
+            tl.store(ob + 192, _rne_bf16(tl.where(okc, acc3 / den, 0.0)).to(ty), mask=om)
+            if DP == 1:
+                tl.store(ob + 256, _rne_bf16(tl.where(okc, acc4 / den, 0.0)).to(ty), mask=om)
+                tl.store(ob + 320, _rne_bf16(tl.where(okc, acc5 / den, 0.0)).to(ty), mask=om)
+                tl.store(ob + 384, _rne_bf16(tl.where(okc, acc6 / den, 0.0)).to(ty), mask=om)
+                tl.store(ob + 448, _rne_bf16(tl.where(okc, acc7 / den, 0.0)).to(ty), mask=om)
+
+    @triton.jit
+    def _combine(OP, MLP, SINK, O, H, NS, stride_ot, stride_oh, HB: tl.constexpr):
+        hb = tl.program_id(0)
+        t = tl.program_id(1)
+        t64 = t.to(tl.int64)
+        h = hb * HB + tl.arange(0, HB)
+        hm = h < H
+        d = tl.arange(0, 512)
+        M = tl.full([HB], float("-inf"), tl.float32)
+        for s in range(NS):
+            m_s = tl.load(MLP + (t64 * NS + s) * 2 * H + h, mask=hm, other=float("-inf"))
+            M = tl.maximum(M, m_s)
+        M_safe = tl.where(M == float("-inf"), 0.0, M)
+        L = tl.zeros([HB], tl.float32)
+        acc = tl.zeros([HB, 512], tl.float32)
+        for s in range(NS):
+            pb = (t64 * NS + s) * H
+            m_s = tl.load(MLP + pb * 2 + h, mask=hm, other=float("-inf"))
+            l_s = tl.load(MLP + pb * 2 + H + h, mask=hm, other=0.0)
+            w = tl.exp2(m_s - M_safe)
+            L += w * l_s
+            a = tl.load(OP + (pb + h[:, None]) * 512 + d[None, :], mask=hm[:, None], other=0.0)
+            acc += w[:, None] * a
+        sink = tl.load(SINK + h, mask=hm, other=0.0) * 1.4426950408889634
+        den = L + tl.exp2(sink - M_safe)
+        ok = den > 0
+        o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
+        tl.store(O + t64 * stride_ot + h[:, None] * stride_oh + d[None, :], _rne_bf16(o).to(O.dtype.element_ty),
+                 mask=hm[:, None])
+
+
+def _check_inputs(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
+                  extra_page_size):
+    if q.dim() != 3 or q.shape[2] != HEAD_DIM or q.dtype != torch.bfloat16:
+        raise ValueError(f"q: expected bf16 [T, H, 512], got {q.dtype} {tuple(q.shape)}")
+    T, H = q.shape[:2]
+    for name, idx in (("window_idx", window_idx), ("extra_idx", extra_idx)):
+        if idx is None:
+            continue
+        if idx.dim() != 2 or idx.shape[0] != T or idx.dtype != torch.int32:
+            raise ValueError(f"{name}: expected int32 [{T}, K], got {idx.dtype} {tuple(idx.shape)}")
+    for name, pages, psz in (("window_pages", window_pages, window_page_size),
+                             ("extra_pages", extra_pages, extra_page_size)):
+        if pages is None:
+            continue
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != page_bytes(psz):
+            raise ValueError(f"{name}: expected uint8 [num_pages, {page_bytes(psz)}], got "
+                             f"{pages.dtype} {tuple(pages.shape)}")
+    if sinks.shape != (H,) or sinks.dtype != torch.float32:
+        raise ValueError(f"sinks: expected fp32 [{H}], got {sinks.dtype} {tuple(sinks.shape)}")
+
+
+def _sm_count(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_config(H: int, capability: tuple[int, int] = (9, 0)) -> dict:
+    """Launch parameters: heads per program (16 / 32 / 64, padded), list entries per block,
+    warps, pipelining stages, output-dim parts (2 on sm_100: tensor memory holds 512 fp32
+    columns, too few for a 64 x 512 accumulator plus S; Triton then emits a trap kernel)."""
+    hb = 16 if H <= 16 else (32 if H <= 32 else 64)
+    cfg = {"block_h": hb, "block_n": 64, "num_warps": 8 if hb == 64 else 4, "num_stages": 1,
+           "d_parts": 1}
+    if tuple(capability) >= (10, 0) and hb >= 64:
+        cfg["d_parts"] = 2
+    return cfg
+
+
+def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
+         sinks, scale, num_splits, config, out):
+    _check_inputs(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
+                  extra_page_size)
+    T, H, _ = q.shape
+    dev = q.device
+    if q.stride(2) != 1:
+        raise ValueError("q needs a contiguous last dim")
+    if window_idx is None and extra_idx is None:
+        raise ValueError("need at least one of window_idx / extra_idx")
+    if window_idx is None:
+        window_idx = torch.full((T, 1), -1, dtype=torch.int32, device=dev)
+        window_pages, window_page_size = extra_pages, extra_page_size
+        KW = 0
+    else:
+        KW = window_idx.shape[1]
+    if extra_idx is None or extra_idx.shape[1] == 0:
+        extra_idx, extra_pages, extra_page_size = window_idx, window_pages, window_page_size
+        KE = 0
+    else:
+        KE = extra_idx.shape[1]
+    window_idx = window_idx if window_idx.stride(1) == 1 else window_idx.contiguous()
+    extra_idx = extra_idx if extra_idx.stride(1) == 1 else extra_idx.contiguous()
+    out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=dev) if out is None else out
+    if T == 0:
+        return out
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (9, 0)
+    cfg = dict(default_config(H, cap))
+    cfg.update(config or {})
+    HB, BN = cfg["block_h"], cfg["block_n"]
+    n_hb = triton.cdiv(H, HB)
+    nb = max(1, triton.cdiv(KW + KE, BN))
+    if num_splits is None:
+        progs = T * n_hb * cfg.get("d_parts", 1)
+        # fill the machine (one 64-head program per SM: registers and shared memory), at least
+        # one block per split; partials are small next to the gathered entries at small batch
+        num_splits = max(1, min(triton.cdiv(_sm_count(dev), progs), nb))
+    num_splits = max(1, min(num_splits, nb))
+    bps = triton.cdiv(nb, num_splits)
+    num_splits = triton.cdiv(nb, bps)
+    interp = interpreting()
+    dt = tl.float32 if interp else tl.bfloat16
+    kw = {} if interp else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    split = num_splits > 1
+    LAST_LAUNCH["num_splits"] = num_splits
+    if split:
+        op = torch.empty(T, num_splits, H, HEAD_DIM, dtype=torch.float32, device=dev)
+        mlp = torch.empty(T, num_splits, 2, H, dtype=torch.float32, device=dev)
+    else:
+        op = mlp = sinks  # unused
+    dp = cfg.get("d_parts", 1)
+    if cfg.get("ptx_options") and not interp:
+        kw["ptx_options"] = cfg["ptx_options"]
+    for dhalf in range(dp):
+        LAST_LAUNCH["fwd"] = _sparse_fwd[(n_hb, num_splits, T)](
+            q, window_idx, extra_idx, window_pages, extra_pages, sinks, out, op, mlp,
+            H, KW, KE, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            window_idx.stride(0), extra_idx.stride(0),
+            window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1],
+            bps, float(scale) * LOG2E,
+            HB=HB, BN=BN, SPLIT=split, DT=dt, INTERP=interp, DP=dp, DHALF=dhalf, **kw)
+    if split:
+        hbc = 8 if H >= 8 else 4
+        LAST_LAUNCH["combine"] = _combine[(triton.cdiv(H, hbc), T)](op, mlp, sinks, out, H, num_splits, out.stride(0), out.stride(1),
+                                           HB=hbc, **({} if interp else {"num_warps": 4}))
+    return out
+
+
+def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages: torch.Tensor | None,
+                  window_page_size: int, extra_idx: torch.Tensor | None = None,
+                  extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
+                  sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
+                  num_splits: int | None = None, config: dict | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sparse decode attention (split-K + combine). q bf16 [T, H, 512] (T = query tokens, 1 or 2
+    per sequence); window_idx / extra_idx int32 [T, K] global slot ids (-1 masked) into
+    window_pages / extra_pages (uint8 [num_pages, page_bytes(B)]); sinks fp32 [H]. -> bf16 [T, H, 512].
+    ``num_splits=None`` picks a split count that fills the GPU."""
+    if sinks is None:
+        sinks = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
+    return _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
+                sinks, scale, num_splits, config, out)
+
+
+def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages: torch.Tensor | None,
+                   window_page_size: int, extra_idx: torch.Tensor | None = None,
+                   extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
+                   sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
+                   config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sparse prefill attention: many query rows, each with its own index lists over the same two
+    caches; gather + FP8 dequant fused in the kernel, no split-K. Same arguments as sparse_decode."""
+    if sinks is None:
+        sinks = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
+    return _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
+                sinks, scale, 1, config, out)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch twins
+
+def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
+                 check: bool = True):
+    """Dequantised rows [T, K, 512] bf16 of the concatenated list and its validity [T, K].
+    ``check=False`` skips the slot validation (a host sync) for the timed workaround."""
+    parts, valid = [], []
+    for idx, pages, psz in ((window_idx, window_pages, window_page_size),
+                            (extra_idx, extra_pages, extra_page_size)):
+        if idx is None or idx.shape[1] == 0:
+            continue
+        T, K = idx.shape
+        if check:
+            rows = read_kv_entries(pages, idx.reshape(-1).long(), psz).view(T, K, HEAD_DIM)
+        else:
+            data_v, scale_v = _page_views(pages, psz)
+            s = idx.reshape(-1).long().clamp(min=0)
+            rows = decode_kv_entries(data_v[s // psz, s % psz], scale_v[s // psz, s % psz])
+            rows = rows.view(T, K, HEAD_DIM) * (idx >= 0).unsqueeze(-1).to(rows.dtype)
+        parts.append(rows)
+        valid.append(idx >= 0)
+    return torch.cat(parts, 1), torch.cat(valid, 1)
+
+
+def sparse_attention_torch(q: torch.Tensor, window_idx: torch.Tensor | None,
+                           window_pages: torch.Tensor | None, window_page_size: int,
+                           extra_idx: torch.Tensor | None = None, extra_pages: torch.Tensor | None = None,
+                           extra_page_size: int = 64, sinks: torch.Tensor | None = None,
+                           scale: float = HEAD_DIM ** -0.5, **_ignored) -> torch.Tensor:
+    """Twin of sparse_decode / sparse_prefill: dequant + gather (dsv4.formats) then the reference's
+    ``sparse_attention`` (64-index blocks, running max, sink in the denominator, bf16 P)."""
+    from ..reference.attention import sparse_attention
+    from ..reference.numerics import OFFICIAL
+    T, H, _ = q.shape
+    if sinks is None:
+        sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    rows, valid = _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages,
+                               extra_page_size)
+    K = rows.shape[1]
+    loc = torch.arange(T * K, device=q.device).view(T, K)
+    idx = torch.where(valid, loc, -1)
+    out = sparse_attention(q, rows.reshape(T * K, HEAD_DIM), idx, sinks.float(), scale, OFFICIAL)
+    # the reference keeps a row whose every index is masked finite only through the sink; with a
+    # -inf sink it would be 0/0: the kernels define that row as 0
+    return torch.nan_to_num(out, nan=0.0)
+
+
+def sparse_attention_torch_fast(q: torch.Tensor, window_idx: torch.Tensor | None,
+                                window_pages: torch.Tensor | None, window_page_size: int,
+                                extra_idx: torch.Tensor | None = None,
+                                extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
+                                sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
+                                **_ignored) -> torch.Tensor:
+    """The pure-PyTorch workaround (what an engine without these kernels runs): gather + dequant
+    the listed entries to bf16, bf16 batched matmuls, one fp32 softmax with the sink in the
+    denominator. Not block-exact (one max over the whole row)."""
+    T, H, _ = q.shape
+    if sinks is None:
+        sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    rows, valid = _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages,
+                               extra_page_size, check=False)
+    z = torch.bmm(q, rows.transpose(1, 2)).float() * scale               # [T, H, K]
+    z = z.masked_fill(~valid[:, None, :], float("-inf"))
+    m = z.amax(-1, keepdim=True).clamp(min=-1e30)
+    e = torch.exp(z - m)
+    den = e.sum(-1, keepdim=True) + torch.exp(sinks.float()[None, :, None] - m)
+    p = (e / den).to(torch.bfloat16)
+    return torch.bmm(p, rows)
+
+
+__all__ = ["sparse_decode", "sparse_prefill", "sparse_attention_torch", "sparse_attention_torch_fast",
+           "default_config"]

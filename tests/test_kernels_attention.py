@@ -1,0 +1,425 @@
+"""Triton attention kernels (dsv4/kernels) against their torch twins.
+
+On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before
+triton is imported) at tiny shapes. On a GPU machine run with TRITON_INTERPRET=0: the same tests then
+run compiled on CUDA, and the ``gpu``-marked tests add real shapes. The AOT test compiles every kernel
+for sm_90 and sm_100 without a GPU.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from dsv4.formats.kv_entry import encode_kv_entries, page_bytes, write_kv_entries  # noqa: E402
+from dsv4.formats.kv_entry import _page_views  # noqa: E402
+from dsv4.kernels import KERNELS, available_kernels, cuda_ok, interpreting, triton_available  # noqa: E402
+from dsv4.kernels.inverse_rope import inverse_rope, inverse_rope_torch  # noqa: E402
+from dsv4.kernels.kv_insert import kv_insert, kv_insert_torch  # noqa: E402
+from dsv4.kernels.sparse_attention import (sparse_attention_torch, sparse_decode,  # noqa: E402
+                                           sparse_prefill)
+
+REPO = Path(__file__).resolve().parents[1]
+
+if interpreting():
+    DEV = "cpu"
+elif torch.cuda.is_available():
+    DEV = "cuda"
+else:  # compiled triton without a GPU: nothing can run
+    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+
+
+def _rope_tables(T, gen, device=DEV):
+    pos = torch.randint(0, 1 << 20, (T,), generator=gen).float()
+    freqs = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    ang = torch.outer(pos, freqs)
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+def _ordered(x):
+    b = x.view(torch.int16).int()
+    return torch.where(b < 0, -(b & 0x7FFF), b)
+
+
+def _ulps(a, b):
+    """bf16 ulp distance (sign-aware, +0 == -0)."""
+    return (_ordered(a) - _ordered(b)).abs()
+
+
+# ------------------------------------------------------------------------------------------------
+# registry
+
+def test_registry():
+    assert triton_available()
+    assert set(available_kernels()) == set(KERNELS)
+    for info in KERNELS.values():
+        fn, twin = info.load()
+        assert callable(fn) and callable(twin)
+    if interpreting():
+        assert not cuda_ok()
+
+
+# ------------------------------------------------------------------------------------------------
+# fused q/kv prologue + insert
+
+def _check_insert(T, H, B, n_pages, slots, gen, device=DEV):
+    q = (torch.randn(T, H, 512, generator=gen) * torch.rand(T, H, 1, generator=gen) * 4).bfloat16()
+    kv = (torch.randn(T, 512, generator=gen) * 2).bfloat16()
+    kv[0, :64] = 0                                    # all-zero block: amax floor
+    kv[-1, 64:128] *= 1e-5                            # tiny block: small scale, subnormal fp8
+    kv[-1, 128] = 300.0                               # outlier
+    cos, sin = _rope_tables(T, gen, "cpu")
+    pages0 = torch.randint(0, 256, (n_pages, page_bytes(B)), dtype=torch.uint8, generator=gen)
+    slots = torch.tensor(slots, dtype=torch.int64)
+
+    pages_ref = pages0.clone()
+    q_ref, kv_ref = kv_insert_torch(q, kv, cos, sin, pages_ref, slots, B)
+
+    pages = pages0.to(device)
+    q_out, kv_out = kv_insert(q.to(device), kv.to(device), cos.to(device), sin.to(device), pages,
+                              slots.to(device), B)
+    q_out, kv_out, pages = q_out.cpu(), kv_out.cpu(), pages.cpu()
+
+    # kv: exactly the twin's row, and the bytes are encode_kv_entries of it; nothing else touched
+    assert torch.equal(kv_out.view(torch.int16), kv_ref.view(torch.int16))
+    assert torch.equal(pages, pages_ref)
+    data_v, scale_v = _page_views(pages, B)
+    data, scales = encode_kv_entries(kv_ref)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(data_v[s // B, s % B], data[t])
+            assert torch.equal(scale_v[s // B, s % B], scales[t])
+
+    # q: bit-exact vs the bf16 op chain with a correctly rounded rsqrt; vs the reference (whose CPU
+    # bf16 rsqrt is sometimes one ulp off) within 2 ulps, only in heads where the factor differs
+    ms = q.square().mean(-1, keepdim=True) + 1e-6
+    r_cr = (1.0 / ms.float().sqrt()).bfloat16()
+    from dsv4.reference.rope import apply_rope
+    q_cr = apply_rope(q * r_cr, torch.complex(cos, sin))
+    assert torch.equal(q_out.view(torch.int16), q_cr.view(torch.int16))
+    assert _ulps(q_out[..., :448], q_ref[..., :448]).max() <= 2        # (1 ulp in the factor)
+    d = (q_out.float() - q_ref.float()).abs()
+    assert (d[..., 448:] <= q_ref.float().abs().amax(-1, keepdim=True) * 2 ** -6).all()
+    r_ref = torch.rsqrt(ms)
+    assert ((d > 0).any(-1) <= (r_ref != r_cr).squeeze(-1)).all()
+
+
+@pytest.mark.parametrize("H", [8, 64, 128])
+def test_kv_insert(H):
+    gen = torch.Generator().manual_seed(H)
+    T = 5 if H == 8 else 2
+    slots = [5, -1, 0, 13, 7][:T] if T == 5 else [9, -1]
+    _check_insert(T, H, 4, 4, slots, gen)
+
+
+# ------------------------------------------------------------------------------------------------
+# sparse attention
+
+class Caches:
+    """Per-sequence window rings (128 slots) and compressed entries, each behind a shuffled page
+    table, in two paged FP8 caches filled with poison bytes except where entries were written."""
+
+    def __init__(self, n_seq, n_extra, wB, eB, gen, device=DEV, win=128):
+        self.wB, self.eB, self.win = wB, eB, win
+        w_pages_per_seq = -(-win // wB)
+        e_pages_per_seq = max(1, -(-n_extra // eB))
+        nw, ne = n_seq * w_pages_per_seq + 1, n_seq * e_pages_per_seq + 1
+        self.w_table = torch.randperm(nw, generator=gen)[:n_seq * w_pages_per_seq].view(n_seq, -1)
+        self.e_table = torch.randperm(ne, generator=gen)[:n_seq * e_pages_per_seq].view(n_seq, -1)
+        wp = torch.randint(0, 256, (nw, page_bytes(wB)), dtype=torch.uint8, generator=gen)
+        ep = torch.randint(0, 256, (ne, page_bytes(eB)), dtype=torch.uint8, generator=gen)
+        for s in range(n_seq):
+            wslots = self.wslot(s, torch.arange(win))
+            write_kv_entries(wp, wslots, self._rows(win, gen), wB)
+            if n_extra:
+                eslots = self.eslot(s, torch.arange(n_extra))
+                write_kv_entries(ep, eslots, self._rows(n_extra, gen), eB)
+        self.wp, self.ep = wp.to(device), ep.to(device)
+        self.wp_cpu, self.ep_cpu = wp, ep
+
+    @staticmethod
+    def _rows(n, gen):
+        x = torch.randn(n, 512, generator=gen) * torch.rand(n, 1, generator=gen) * 3
+        return x.bfloat16()
+
+    def wslot(self, s, ring):
+        return self.w_table[s, ring // self.wB] * self.wB + ring % self.wB
+
+    def eslot(self, s, j):
+        return self.e_table[s, j // self.eB] * self.eB + j % self.eB
+
+    def window_idx(self, s, pos):
+        """decode layout: oldest -> newest ring slots of positions pos-127..pos, -1 padded."""
+        k = torch.arange(self.win)
+        p = pos - (self.win - 1) + k if pos >= self.win - 1 else k
+        ok = p <= pos
+        return torch.where(ok, self.wslot(s, p.clamp(min=0) % self.win), -1)
+
+    def extra_idx(self, s, n_avail, width, kind, gen):
+        """CSA: random top-k order over the available entries; HCA: all of them in order; -1 pad."""
+        out = torch.full((width,), -1, dtype=torch.int64)
+        if kind == "csa":
+            pick = torch.randperm(n_avail, generator=gen)[:width] if n_avail else torch.zeros(0, dtype=torch.long)
+        else:
+            pick = torch.arange(min(n_avail, width))
+        if len(pick):
+            out[:len(pick)] = self.eslot(s, pick)
+        return out
+
+
+def _decode_case(n_seq, s_q, H, extra_width, kind, gen, positions, n_extra=None, device=DEV,
+                 wB=16, eB=8):
+    n_extra = n_extra if n_extra is not None else max(1, extra_width)
+    cache = Caches(n_seq, n_extra, wB, eB, gen, device)
+    widx, eidx = [], []
+    ratio = 4 if kind == "csa" else 128
+    for s in range(n_seq):
+        for i in range(s_q):
+            pos = positions[s] - (s_q - 1) + i
+            widx.append(cache.window_idx(s, pos))
+            n_avail = min(n_extra, (pos + 1) // ratio)
+            eidx.append(cache.extra_idx(s, n_avail, extra_width, kind, gen))
+    widx = torch.stack(widx).int()
+    eidx = torch.stack(eidx).int()
+    T = n_seq * s_q
+    q = (torch.randn(T, H, 512, generator=gen) * 0.5).bfloat16()
+    sinks = torch.randn(H, generator=gen)
+    return cache, q, widx, eidx, sinks
+
+
+def _compare(out, ref, tol=1e-2):
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(out).all()
+    err = (out - ref).norm() / ref.norm().clamp(min=1e-30)
+    assert err < tol, f"relative error {err:.3e}"
+    assert (out - ref).abs().max() <= 0.05 * ref.abs().max() + 1e-6
+
+
+def _run_decode(cache, q, widx, eidx, sinks, device=DEV, **kw):
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=device)  # poison
+    o = sparse_decode(q.to(device), widx.to(device), cache.wp, cache.wB, eidx.to(device), cache.ep,
+                      cache.eB, sinks.to(device), out=out, **kw)
+    ref = sparse_attention_torch(q, widx, cache.wp_cpu, cache.wB, eidx, cache.ep_cpu, cache.eB, sinks)
+    return o, ref
+
+
+@pytest.mark.parametrize("H,s_q,kind", [(8, 1, "csa"), (8, 2, "hca"), (64, 2, "csa"), (128, 1, "hca")])
+def test_sparse_decode(H, s_q, kind):
+    gen = torch.Generator().manual_seed(H + s_q)
+    # seq 0: window wrapped (pos >= 127), more entries than the list holds; seq 1: short prompt
+    # (window -1 padded, fewer compressed entries than the list width); seq 2 (H=8): no entry yet
+    small = H == 8
+    positions = [300, 40, 2][: (3 if small else 2)]
+    width = 24 if small else 16
+    cache, q, widx, eidx, sinks = _decode_case(len(positions), s_q, H, width, kind, gen, positions,
+                                               n_extra=80)
+    if small:
+        eidx[0, 3] = -1                                     # a hole inside a list
+    for ns in ([1, 3, None] if small else [None]):
+        o, ref = _run_decode(cache, q, widx, eidx, sinks, num_splits=ns)
+        _compare(o, ref)
+
+
+def test_sparse_decode_block32_dsplit_and_no_extra():
+    gen = torch.Generator().manual_seed(7)
+    cache, q, widx, eidx, sinks = _decode_case(2, 2, 8, 20, "csa", gen, [200, 3], n_extra=60)
+    o, ref = _run_decode(cache, q, widx, eidx, sinks, num_splits=2, config={"block_n": 32})
+    _compare(o, ref)
+    for ns in (1, 2):   # output dims in two launches (the sm_100 layout)
+        o, ref = _run_decode(cache, q, widx, eidx, sinks, num_splits=ns, config={"d_parts": 2})
+        _compare(o, ref)
+    # SWA layer: no extra cache at all
+    o = sparse_decode(q.to(DEV), widx.to(DEV), cache.wp, cache.wB, None, None, 64, sinks.to(DEV))
+    ref = sparse_attention_torch(q, widx, cache.wp_cpu, cache.wB, None, None, 64, sinks)
+    _compare(o, ref)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sparse_decode_all_masked(num_splits):
+    gen = torch.Generator().manual_seed(11)
+    cache, q, widx, eidx, sinks = _decode_case(2, 1, 8, 8, "csa", gen, [150, 150], n_extra=8)
+    widx[1] = -1
+    eidx[1] = -1
+    sinks[0] = float("-inf")                                # even a -inf sink gives 0, not NaN
+    o, ref = _run_decode(cache, q, widx, eidx, sinks, num_splits=num_splits)
+    o = o.cpu()
+    assert not torch.isnan(o).any()
+    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    _compare(o[0, 1:], ref[0, 1:])
+
+
+def test_sparse_prefill():
+    gen = torch.Generator().manual_seed(5)
+    H, n = 8, 6
+    cache = Caches(1, 12, 16, 8, gen)
+    # prefill rows at positions 120..125: window (positions max(0,i-127)..i), HCA-like extra part
+    widx, eidx = [], []
+    for i in range(120, 120 + n):
+        w = cache.window_idx(0, i)
+        widx.append(w)
+        eidx.append(cache.extra_idx(0, (i + 1) // 16, 12, "hca", gen))
+    widx, eidx = torch.stack(widx).int(), torch.stack(eidx).int()
+    q = (torch.randn(n, H, 512, generator=gen) * 0.5).bfloat16()
+    sinks = torch.randn(H, generator=gen)
+    o = sparse_prefill(q.to(DEV), widx.to(DEV), cache.wp, 16, eidx.to(DEV), cache.ep, 8, sinks.to(DEV))
+    ref = sparse_attention_torch(q, widx, cache.wp_cpu, 16, eidx, cache.ep_cpu, 8, sinks)
+    _compare(o, ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# inverse RoPE (+ FP8 act quant)
+
+@pytest.mark.parametrize("H", [8, 64])
+def test_inverse_rope(H):
+    gen = torch.Generator().manual_seed(H)
+    T = 3 if H == 8 else 1
+    o = (torch.randn(T, H, 512, generator=gen) * torch.rand(T, H, 1, generator=gen) * 3).bfloat16()
+    o[0, 0, :128] *= 1e-6
+    cos, sin = _rope_tables(T, gen, "cpu")
+    y = inverse_rope(o.to(DEV), cos.to(DEV), sin.to(DEV)).cpu()
+    assert torch.equal(y.view(torch.int16), inverse_rope_torch(o, cos, sin).view(torch.int16))
+    yq, ys = inverse_rope(o.to(DEV), cos.to(DEV), sin.to(DEV), fp8=True)
+    rq, rs = inverse_rope_torch(o, cos, sin, fp8=True)
+    assert torch.equal(yq.cpu().view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(ys.cpu(), rs)
+
+
+# ------------------------------------------------------------------------------------------------
+# ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path.insert(0, sys.argv[1])
+    import triton, triton.language as tl
+    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget
+    from dsv4.kernels import kv_insert as ki, sparse_attention as sa, inverse_rope as ir
+
+    def sig(fn, types, const):
+        s = {}
+        for name in fn.arg_names:
+            s[name] = "constexpr" if name in const else types.get(name, "i32")
+        return s
+
+    P = lambda t: "*" + t
+    cases = [
+        (ki._kv_insert_kernel, dict(Q=P("bf16"), KV=P("bf16"), COS=P("fp32"), SIN=P("fp32"), PAGES=P("u8"),
+                                    SLOTS=P("i64"), QO=P("bf16"), KVO=P("bf16"), eps="fp32"), dict(HPB=8), 4),
+        (sa._sparse_fwd, dict(Q=P("bf16"), WIDX=P("i32"), EIDX=P("i32"), WPAGES=P("u8"), EPAGES=P("u8"),
+                              SINK=P("fp32"), O=P("bf16"), OP=P("fp32"), MLP=P("fp32"), qk_scale="fp32"),
+         None, 8),
+        (sa._combine, dict(OP=P("fp32"), MLP=P("fp32"), SINK=P("fp32"), O=P("bf16")), dict(HB=8), 4),
+        (ir._inverse_rope_kernel, dict(O=P("bf16"), COS=P("fp32"), SIN=P("fp32"), Y=P("bf16"), YQ=P("u8"),
+                                       YS=P("fp32")), dict(HPB=4, FP8=True), 4),
+    ]
+    for cap in (90, 100):
+        for fn, types, const, warps in cases:
+            if const is None:   # the attention tile the launcher picks for 64 heads on this arch
+                cfg = sa.default_config(64, (cap // 10, cap % 10))
+                const = dict(HB=cfg["block_h"], BN=cfg["block_n"], SPLIT=True, DT=tl.bfloat16,
+                             INTERP=False, DP=cfg["d_parts"], DHALF=cfg["d_parts"] - 1)
+            t0 = time.time()
+            k = triton.compile(ASTSource(fn, sig(fn, types, const), const),
+                               target=GPUTarget("cuda", cap, 32), options={"num_warps": warps})
+            assert len(k.asm["cubin"]) > 0
+            ptx = k.asm["ptx"]
+            # an over-subscribed resource (e.g. sm_100 tensor memory) compiles to a lone trap
+            assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"
+            mma = ("wgmma" in ptx) or ("tcgen05.mma" in ptx) or ("mma.sync" in ptx)
+            print(f"sm_{cap} {fn.__name__}: cubin {len(k.asm['cubin'])} B, mma={mma}, {time.time() - t0:.1f}s")
+            if fn is sa._sparse_fwd:
+                assert mma, "the attention kernel should use tensor-core MMAs"
+                if cap == 90:
+                    assert "wgmma" in ptx, "expected Hopper wgmma for the 64-head tile"
+""")
+
+
+def test_aot_compile_sm90_sm100():
+    """Compile every kernel for GPUTarget('cuda', 90, 32) and ('cuda', 100, 32) on this machine."""
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"this triton cannot compile ahead of time: {e}")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(REPO)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):  # pragma: no cover
+        pytest.skip(f"no ptxas for offline compilation: {r.stderr[-400:]}")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: real shapes (skipped without CUDA by the conftest; need TRITON_INTERPRET=0)
+
+def _need_gpu():
+    if not cuda_ok():
+        pytest.skip("needs a CUDA GPU with TRITON_INTERPRET=0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,extra_width,kind,n_seq", [(64, 512, "csa", 8), (128, 1024, "csa", 4),
+                                                      (64, 2048, "hca", 2), (8, 512, "csa", 4)])
+def test_gpu_sparse_decode_real_shapes(H, extra_width, kind, n_seq):
+    _need_gpu()
+    gen = torch.Generator().manual_seed(H + extra_width)
+    positions = [5000 + 37 * s for s in range(n_seq)]
+    positions[-1] = 90                                     # a short sequence in the batch
+    n_extra = extra_width + 64 if kind == "csa" else extra_width
+    if kind == "hca":
+        positions = [p * 128 for p in positions]           # enough tokens for every HCA entry
+    cache, q, widx, eidx, sinks = _decode_case(n_seq, 2, H, extra_width, kind, gen, positions,
+                                               n_extra=n_extra, device="cuda", wB=64, eB=64)
+    for ns in (None, 1):
+        o, ref = _run_decode(cache, q, widx, eidx, sinks, device="cuda", num_splits=ns)
+        _compare(o, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_prefill_real_shapes():
+    _need_gpu()
+    gen = torch.Generator().manual_seed(3)
+    H, n, topk = 64, 256, 512
+    cache = Caches(1, 2048, 64, 64, gen, device="cuda")
+    widx = torch.stack([cache.window_idx(0, 1000 + i) for i in range(n)]).int()
+    eidx = torch.stack([cache.extra_idx(0, 2048, topk, "csa", gen) for _ in range(n)]).int()
+    q = (torch.randn(n, H, 512, generator=gen) * 0.5).bfloat16()
+    sinks = torch.randn(H, generator=gen)
+    o = sparse_prefill(q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda(), cache.ep, 64, sinks.cuda())
+    ref = sparse_attention_torch(q, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks)
+    _compare(o, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_gpu_kv_insert_real_shapes(H):
+    _need_gpu()
+    gen = torch.Generator().manual_seed(H)
+    T, B = 512, 64
+    slots = torch.randperm(20 * B, generator=gen)[:T]
+    slots[::7] = -1
+    _check_insert(T, H, B, 20, slots.tolist(), gen, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_inverse_rope_real_shapes():
+    _need_gpu()
+    gen = torch.Generator().manual_seed(1)
+    T, H = 256, 128
+    o = (torch.randn(T, H, 512, generator=gen) * 2).bfloat16()
+    cos, sin = _rope_tables(T, gen, "cpu")
+    y = inverse_rope(o.cuda(), cos.cuda(), sin.cuda()).cpu()
+    assert torch.equal(y.view(torch.int16), inverse_rope_torch(o, cos, sin).view(torch.int16))
+    yq, ys = inverse_rope(o.cuda(), cos.cuda(), sin.cuda(), fp8=True)
+    rq, rs = inverse_rope_torch(o, cos, sin, fp8=True)
+    assert torch.equal(yq.cpu().view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(ys.cpu(), rs)
