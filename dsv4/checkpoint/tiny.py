@@ -9,13 +9,16 @@ The weights are random but scaled like a trained network so that every code path
 the network stays well-conditioned (rounding-order noise is not amplified layer after layer):
 
 * linears: normal * gain / sqrt(fan_in); norms ~ mean * (1 + 0.05 N(0,1));
-* token embedding std ``embed_std`` = 2.5: the residual stream dominates each block's update;
+* token embedding std ``embed_std`` = 5 and update gains 0.5 (below): the residual stream dominates
+  each block's update. V4's discrete steps (FP8 act-quant steps, MoE routing and indexer top-k
+  picks) amplify rounding noise; with these values two roundings of the same math (official vs
+  invariant numerics) agree on ~97% of greedy argmaxes instead of ~88% with 2.5 / 0.7;
 * ``attn.kv_norm`` weight ~1.5: K = V and q is unit-RMS per head, so this weight is the attention
   temperature (peaked, not uniform, attention); main compressor norm ~2 (temperature of the
   compressed entries); indexer compressor norm ~1;
 * mHC: small ``hc_*_fn`` (std 0.6/sqrt(hc*d)), ``hc_*_base`` comb part biased to 3 * identity so
   the Sinkhorn mixing matrix stays near the identity, scales ~1;
-* attention sinks mean 1, std 1.5; wo_b and expert w2 gain 0.7;
+* attention sinks mean 1, std 1.5; wo_b and expert w2 gain 0.5;
 * router gain 3 (clear score separation, few near-ties), gate bias std 0.1, valid ``tid2eid``
   with ``num_experts_per_tok`` distinct experts per token;
 * lm head gain 2 with log-normal (std 0.5) row norms: clear greedy argmax margins;
@@ -36,12 +39,12 @@ from ..formats.fp4 import quant_mxfp4
 from ..formats.fp8 import quant_fp8_weight
 
 KNOBS = {
-    "embed_std": 2.5,
+    "embed_std": 5.0,
     "kv_norm": 1.5,
     "compressor_norm": 2.0,
     "indexer_compressor_norm": 1.0,
-    "wo_b_gain": 0.7,
-    "w2_gain": 0.7,
+    "wo_b_gain": 0.5,
+    "w2_gain": 0.5,
     "gate_gain": 3.0,
     "gate_bias_std": 0.1,
     "head_gain": 2.0,
