@@ -151,3 +151,21 @@ def test_nan_logits_fail_the_request_not_token_zero(llm, monkeypatch):
     o = llm.generate([{"prompt_token_ids": _prompt(10, 1)}], SamplingParams(max_tokens=4))[0].outputs[0]
     assert o.finish_reason == "error" and "non-finite" in o.error and o.token_ids == []
     assert _free(eng.cache) == start
+
+
+def test_fast_decode_path_is_bit_identical_on_cpu(tmp_path):
+    """The tensorised decode step (what CUDA graphs capture) with the reference attention twin
+    writes and reads the same cache contents as the reference ops: same tokens, same log-probs."""
+    import os
+    os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
+    fast = LLM(None, max_num_seqs=3, max_num_batched_tokens=200, max_model_len=1024, log=False, fast_decode=True)
+    assert fast.engine.backend_name == "fast-decode/reference"
+    prompts = [{"prompt_token_ids": _prompt(n, 60 + n)} for n in (262, 9, 3)]   # crosses a 256-token block
+    start = _free(fast.engine.cache)
+    outs = fast.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))
+    assert _free(fast.engine.cache) == start
+    for p, o in zip(prompts, outs):
+        toks, lps = _alone(fast.engine.model, p["prompt_token_ids"], 6)
+        c = o.outputs[0]
+        assert c.token_ids == toks
+        assert [c.logprobs[i][t].logprob for i, t in enumerate(toks)] == lps

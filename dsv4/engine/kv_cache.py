@@ -505,6 +505,19 @@ class PagedSequenceState:
         self.last_hidden: Tensor | None = None
         self.layers = [PagedLayerState(cache, self, i) for i in range(cache.model_cfg.num_hidden_layers)]
 
+    def advance_to(self, pos: int) -> None:
+        """Set every counter to ``pos`` after a fused kernel path wrote the cache rows and entries
+        of the tokens up to ``pos`` directly (the counters are all functions of the position)."""
+        self.pos = pos
+        for ls in self.layers:
+            ls._end = pos
+            for cs in (ls.compressor, ls.indexer):
+                if cs is not None:
+                    m = cs.ratio
+                    cs._n = pos // m
+                    cs._start = m * max(0, cs._n - 1) if cs.overlap else m * cs._n
+                    cs._end = pos
+
     def blocks_missing(self, num_new_tokens: int) -> int:
         """Blocks to append to the table before a forward of ``num_new_tokens`` more tokens."""
         return max(0, blocks_needed(self.pos + num_new_tokens) - len(self.block_table))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_cache import CacheConfig, KVCache
-from .runner import ModelRunner, ReferenceBackend
+from .runner import FastDecodeBackend, ModelRunner, ReferenceBackend
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -42,6 +42,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9      # on CUDA when kv_cache_memory is not given
     num_kv_blocks: int | None = None         # override: exact number of 256-token KV blocks
     numerics: str = "invariant"              # see dsv4.reference.numerics; invariant = batch invariant
+    attention_backend: str | None = None     # reference | triton | None: triton on CUDA, else reference
+    fast_decode: bool | None = None          # tensorised decode step; None: on for CUDA
+    cuda_graphs: bool = True                 # capture the decode step per batch-size bucket (CUDA)
     device: str | None = None                # None: cuda if available else cpu
     log: bool = True
 
@@ -66,18 +69,33 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len or min(4096, mc.max_position_embeddings)
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2")
+        attn = cfg.attention_backend or ("triton" if self.device.type == "cuda" else "reference")
+        if attn not in ("reference", "triton"):
+            raise ValueError(f"attention_backend must be 'reference' or 'triton', got {attn!r}")
+        fast = cfg.fast_decode if cfg.fast_decode is not None else (self.device.type == "cuda" or attn == "triton")
+        if attn == "triton" and not fast:
+            raise ValueError("attention_backend 'triton' runs in the fast decode path (fast_decode=True)")
         budget = None if cfg.num_kv_blocks is not None else self._kv_budget()
-        self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_kv_blocks,
+        # the fast decoder keeps one private scratch slot and block for padding rows
+        extra = 1 if fast else 0
+        self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + extra,
+                                             num_blocks=None if cfg.num_kv_blocks is None else cfg.num_kv_blocks + extra,
                                              memory_bytes=budget, device=str(self.device)))
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                                    self.max_model_len), self.cache)
-        self.runner = ModelRunner(ReferenceBackend(self.model), self.device)
+        if fast:
+            backend = FastDecodeBackend(self.model, self.cache, self.max_model_len, attn, cfg.cuda_graphs)
+        else:
+            backend = ReferenceBackend(self.model)
+        self.backend_name = f"{'fast-decode' if fast else 'reference'}/{attn}"
+        self.runner = ModelRunner(backend, self.device)
         self.sampler = Sampler(mc.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0}
         if cfg.log:
-            print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len}", file=sys.stderr)
+            print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len}; "
+                  f"backend {self.backend_name}", file=sys.stderr)
 
     def _kv_budget(self) -> int:
         if self.cfg.kv_cache_memory is not None:

@@ -32,6 +32,45 @@ class ReferenceBackend:
         return self.model.forward(chunks)
 
 
+class FastDecodeBackend:
+    """Decode tokens (1-token chunks of sequences past position 0) go through the tensorised
+    ``FastDecoder`` — CUDA-graph replays on a GPU — with attention by the Triton kernels
+    (``attention='triton'``) or the reference twin; prefill chunks run the reference ops on the
+    same paged cache. Both write identical cache contents, so they mix freely."""
+
+    def __init__(self, model: ReferenceModel, cache, max_model_len: int, attention: str = "triton",
+                 cuda_graphs: bool = True):
+        from ..model.decode import CudaGraphDecoder, FastDecoder
+        self.model, self.cache = model, cache
+        self.name = attention
+        self.decoder = FastDecoder(model, cache, max_model_len, attention)
+        self.step = self.decoder.forward
+        if cuda_graphs and cache.device.type == "cuda":
+            self.step = CudaGraphDecoder(self.decoder).forward
+
+    def forward(self, chunks):
+        dec = [i for i, (ids, st) in enumerate(chunks) if ids.numel() == 1 and st.pos > 0]
+        rest = [i for i in range(len(chunks)) if i not in set(dec)]
+        out: list = [None] * len(chunks)
+        if rest:
+            for i, lg in zip(rest, self.model.forward([chunks[i] for i in rest])):
+                out[i] = lg
+        if dec:
+            dev = self.cache.device
+            sts = [chunks[i][1] for i in dec]
+            tokens = torch.cat([chunks[i][0].view(1) for i in dec]).to(dev)
+            pos = torch.tensor([st.pos for st in sts], dtype=torch.long, device=dev)
+            slots = torch.tensor([st.slot for st in sts], dtype=torch.long, device=dev)
+            bt = torch.full((len(dec), self.decoder.max_blocks), -1, dtype=torch.long)
+            for r, st in enumerate(sts):
+                bt[r, :len(st.block_table)] = torch.tensor(st.block_table, dtype=torch.long)
+            logits = self.step(tokens, pos, slots, bt.to(dev))
+            for r, (i, st) in enumerate(zip(dec, sts)):
+                out[i] = logits[r]
+                st.advance_to(st.pos + 1)
+        return out
+
+
 class ModelRunner:
     def __init__(self, backend: Backend, device: torch.device | str = "cpu"):
         self.backend, self.device = backend, torch.device(device)

@@ -22,6 +22,17 @@ NVFP4_BLOCK = 16  # e4m3 scale per 16 input elements
 # (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0). Same net rule as ModelOpt's searchsorted + bump.
 _BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _TIE_UP = torch.tensor([0.75, 1.75, 3.5])
+_DEVICE_COPIES: dict = {}
+
+
+def _on(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``, copied once: no host-to-device copy in the hot path (CUDA graphs)."""
+    if device.type == "cpu":
+        return t
+    key = (id(t), device)
+    if key not in _DEVICE_COPIES:
+        _DEVICE_COPIES[key] = t.to(device)
+    return _DEVICE_COPIES[key]
 
 # packed-byte dtypes: the official int8, ModelOpt uint8, and convert.py's float4_e2m1fn_x2 view
 _PACKED = (torch.uint8, torch.int8) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ())
@@ -33,8 +44,8 @@ _E4M3_POW2_MIN, _E4M3_POW2_MAX = -9, 8
 def _magnitude_codes(x: Tensor) -> Tensor:
     """Round |x| (fp32) to the nearest e2m1 magnitude code 0..7, ties to even, saturating at 6."""
     a = x.abs()
-    codes = torch.bucketize(a, _BOUNDS.to(a.device))  # #(bounds < a); inf -> 7
-    return codes + torch.isin(a, _TIE_UP.to(a.device)).to(codes.dtype)
+    codes = torch.bucketize(a, _on(_BOUNDS, a.device))  # #(bounds < a); inf -> 7
+    return codes + torch.isin(a, _on(_TIE_UP, a.device)).to(codes.dtype)
 
 
 def e2m1_encode(x: Tensor) -> Tensor:
@@ -48,7 +59,7 @@ def e2m1_encode(x: Tensor) -> Tensor:
 
 def e2m1_decode(codes: Tensor) -> Tensor:
     """uint8 codes 0..15 -> fp32 values."""
-    return E2M1_VALUES.to(codes.device)[codes.long()]
+    return _on(E2M1_VALUES, codes.device)[codes.long()]
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
@@ -77,7 +88,7 @@ def fp4_qdq(x: Tensor, block: int = 32) -> Tensor:
     s = ue8m0_scale(amax, E2M1_MAX)
     v = (xb / s).clamp(-E2M1_MAX, E2M1_MAX)
     # no NaN check here (hot path): a NaN block stays NaN through amax -> s
-    q = E2M1_VALUES.to(x.device)[_magnitude_codes(v)].copysign(v)
+    q = _on(E2M1_VALUES, x.device)[_magnitude_codes(v)].copysign(v)
     return (q * s).reshape(x.shape).to(x.dtype)
 
 

@@ -1,0 +1,285 @@
+"""Tensorised decode step over the paged quantised KV cache (one new token per sequence).
+
+Same weights, same row-wise ops and the same cache contents as the reference model on a
+``PagedSequenceState``, but every per-sequence Python loop is replaced by fixed-shape tensor ops
+(index lists padded with -1, masks instead of branches, no host synchronisation), so one step of
+a given batch size can be captured in a CUDA graph and replayed. Attention runs either through
+the reference twin (gather + dequant + the reference's ``sparse_attention``: with invariant
+numerics the step is bit-identical to the reference) or the Triton kernels (``kv_insert`` +
+``sparse_decode``).
+
+Padding rows (a CUDA graph is captured for a bucket of batch sizes) and non-completing
+compressor rows write into a private scratch slot / block, never into a live sequence's cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.kv_cache import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE, KVCache
+from ..formats.fp4 import E2M1_MAX, _magnitude_codes, pack_fp4, unpack_fp4, e2m1_decode
+from ..formats.fp8 import fp8_qdq, ue8m0_scale
+from ..formats.kv_entry import decode_kv_entries, encode_kv_entries, page_bytes
+from ..reference.attention import sparse_attention
+from ..reference.model import Block, ReferenceModel
+from ..reference.norm import head_rms_norm, rms_norm
+from ..reference.rope import apply_rope
+
+_FP4_FLOOR = E2M1_MAX * 2.0 ** -126
+
+
+# ------------------------------------------------------------------ sync-free page access
+def _views(pages: torch.Tensor, page_size: int):
+    data = pages[:, :page_size * 576].unflatten(1, (page_size, 576))
+    scales = pages[:, page_size * 576:page_size * 584].unflatten(1, (page_size, 8))
+    return data, scales
+
+
+def write_entries(pages, slots, kv, page_size):
+    data, scales = _views(pages, page_size)
+    d, s = encode_kv_entries(kv)
+    data[slots // page_size, slots % page_size] = d
+    scales[slots // page_size, slots % page_size] = s
+
+
+def read_entries(pages, slots, page_size):
+    """bf16 rows of global entry ids ``slots`` (any shape; -1 -> zero row)."""
+    data, scales = _views(pages, page_size)
+    s = slots.clamp(min=0).long().reshape(-1)
+    rows = decode_kv_entries(data[s // page_size, s % page_size], scales[s // page_size, s % page_size])
+    rows = rows * (slots.reshape(-1, 1) >= 0)
+    return rows.view(*slots.shape, -1)
+
+
+def _index_views(pages, dim=128, page_size=INDEX_PAGE):
+    codes = pages[:, :page_size * dim // 2].unflatten(1, (page_size, dim // 2))
+    scales = pages[:, page_size * dim // 2:].unflatten(1, (page_size, dim // 32))
+    return codes, scales
+
+
+def write_index_keys(pages, slots, keys):
+    """MXFP4 encode (same rounding as fp4_qdq; exact for already-QDQ'd keys) and scatter."""
+    n, d = keys.shape
+    xb = keys.float().view(n, d // 32, 32)
+    s = ue8m0_scale(xb.abs().amax(-1, keepdim=True).clamp(min=_FP4_FLOOR), E2M1_MAX)
+    v = (xb / s).clamp(-E2M1_MAX, E2M1_MAX)
+    codes = (_magnitude_codes(v).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)).view(n, d)
+    cv, sv = _index_views(pages, d)
+    cv[slots // INDEX_PAGE, slots % INDEX_PAGE] = pack_fp4(codes)
+    sv[slots // INDEX_PAGE, slots % INDEX_PAGE] = s.squeeze(-1).to(torch.float8_e8m0fnu).view(torch.uint8)
+
+
+def read_index_keys(pages, slots, dim=128):
+    cv, sv = _index_views(pages, dim)
+    s = slots.clamp(min=0).long().reshape(-1)
+    v = e2m1_decode(unpack_fp4(cv[s // INDEX_PAGE, s % INDEX_PAGE])).view(-1, dim // 32, 32)
+    sc = sv[s // INDEX_PAGE, s % INDEX_PAGE].view(torch.float8_e8m0fnu).float().unsqueeze(-1)
+    return (v * sc).view(*slots.shape, dim).to(torch.bfloat16)
+
+
+class FastDecoder:
+    """``forward(tokens, pos, slots, block_tables)`` -> fp32 logits [B, V] for one decode step.
+
+    tokens/pos/slots: int64 [B]; block_tables: int64 [B, W] (W = max_model_len / 256, -1 pad).
+    """
+
+    def __init__(self, model: ReferenceModel, cache: KVCache, max_model_len: int, attention: str = "reference"):
+        if attention not in ("reference", "triton"):
+            raise ValueError(f"attention backend must be 'reference' or 'triton', got {attention!r}")
+        self.model, self.cache, self.cfg, self.num = model, cache, model.cfg, model.num
+        self.attention = attention
+        self.max_blocks = -(-max_model_len // BLOCK_TOKENS)
+        # private scratch slot and block: writes of padding / non-completing rows land there
+        self.scratch_slot = cache.allocate_slot()
+        self.scratch_block = cache.allocate_blocks(1)[0]
+        dev = cache.device
+        self._win_off = torch.arange(WINDOW, device=dev)
+
+    # ------------------------------------------------------------------ helpers
+    def _entry_ids(self, bt, e, per_block, m, write_mask=None):
+        """Global page-entry ids of entries e [B, ...] of ratio-m layers; -1 where e is invalid
+        (e < 0) — or, for writes (``write_mask``), the scratch block where the mask is False."""
+        blk_idx = (e.clamp(min=0) * m) // BLOCK_TOKENS
+        blk = bt.gather(1, blk_idx.view(bt.shape[0], -1).clamp(max=bt.shape[1] - 1)).view_as(e)
+        ids = blk * per_block + e.clamp(min=0) % per_block
+        if write_mask is not None:
+            return torch.where(write_mask & (blk >= 0), ids, self.scratch_block * per_block)
+        return torch.where((e >= 0) & (blk >= 0), ids, -1)
+
+    def _compress(self, comp, ring, slots, k, s, pos):
+        """Decode update of one compressor: write this token's row into the slot's ring, pool
+        the window it completes (masked for rows that complete none). -> (entries [B, c],
+        complete [B])."""
+        m, c = comp.ratio, comp.dim
+        R = ring.shape[1]
+        ring[slots, pos % R] = torch.cat([k, s], dim=1)
+        complete = (pos + 1) % m == 0
+        start = pos + 1 - m                                      # first token of the completed window
+        cur = start[:, None] + torch.arange(m, device=pos.device)
+        rows = ring[slots[:, None], cur.clamp(min=0) % R]        # [B, m, 2*coff*c]
+        w = rows.shape[-1] // 2
+        ck, cs = rows[..., :w], rows[..., w:]
+        if comp.overlap:
+            prev = cur - m
+            prows = ring[slots[:, None], prev.clamp(min=0) % R]
+            valid = (prev >= 0)[..., None]
+            pk = torch.where(valid, prows[..., :c], 0.0)
+            ps = torch.where(valid, prows[..., w:w + c], float("-inf"))
+            ck = torch.cat([pk, ck[..., c:]], dim=1)
+            cs = torch.cat([ps, cs[..., c:]], dim=1)
+        pooled = self.num.fn(lambda a, b: (a * b.softmax(dim=1)).sum(dim=1), ck, cs)
+        return comp.postprocess(pooled, start.clamp(min=0)), complete
+
+    # ------------------------------------------------------------------ attention of one layer
+    def _attention(self, blk: Block, lc, x, pos, slots, bt, freqs):
+        at, num = blk.attn, self.num
+        B = x.shape[0]
+        qr = rms_norm(at.wq_a(x), at.q_norm, at.eps, num)
+        q = at.wq_b(qr).view(B, at.H, at.D)
+        kv = rms_norm(at.wkv(x), at.kv_norm, at.eps, num)
+        win_slot = slots * WINDOW + pos % WINDOW
+        if self.attention == "triton":
+            from ..kernels.kv_insert import kv_insert
+            q, kv = kv_insert(q, kv, freqs.real.float().contiguous(), freqs.imag.float().contiguous(),
+                              lc.window, win_slot, WINDOW_PAGE, at.eps)
+        else:
+            q = apply_rope(head_rms_norm(q, at.eps, num), freqs)
+            kv = apply_rope(kv, freqs)
+            kv = torch.cat([fp8_qdq(kv[:, :at.nope], 64), kv[:, at.nope:]], dim=-1)
+            write_entries(lc.window, win_slot, kv, WINDOW_PAGE)
+        # window index list: positions max(0, p-127) .. in order, -1 beyond p (reference layout)
+        wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + self._win_off
+        widx = torch.where(wpos <= pos[:, None], slots[:, None] * WINDOW + wpos % WINDOW, -1)
+        extra_idx = None
+        if blk.ratio:
+            epb = lc.entries_per_block
+            if at.indexer is not None:
+                picks = self._indexer(at.indexer, lc, x, qr, pos, slots, bt, freqs)
+            ck, cs = at.compressor.project(x, pos)
+            new, complete = self._compress(at.compressor, lc.comp_state, slots, ck, cs, pos)
+            e_new = pos // blk.ratio
+            write_entries(lc.entries, self._entry_ids(bt, e_new, epb, blk.ratio, complete), new, epb)
+            if blk.ratio == 4:
+                extra_idx = self._entry_ids(bt, picks, epb, 4)
+            else:
+                n_max = self.max_blocks * epb
+                j = torch.arange(n_max, device=x.device)[None, :].expand(B, -1)
+                vis = j < ((pos + 1) // blk.ratio)[:, None]
+                extra_idx = self._entry_ids(bt, torch.where(vis, j, -1), epb, blk.ratio)
+        if self.attention == "triton":
+            from ..kernels.sparse_attention import sparse_decode
+            o = sparse_decode(q, widx.to(torch.int32), lc.window, WINDOW_PAGE,
+                              None if extra_idx is None else extra_idx.to(torch.int32),
+                              lc.entries, lc.entries_per_block or 64, sinks=at.sink, scale=at.scale)
+        else:
+            rows = read_entries(lc.window, widx, WINDOW_PAGE)
+            valid = widx >= 0
+            if extra_idx is not None:
+                rows = torch.cat([rows, read_entries(lc.entries, extra_idx, lc.entries_per_block)], dim=1)
+                valid = torch.cat([valid, extra_idx >= 0], dim=1)
+            K = rows.shape[1]
+            loc = torch.where(valid, torch.arange(B * K, device=x.device).view(B, K), -1)
+            o = sparse_attention(q, rows.reshape(B * K, -1), loc, at.sink, at.scale, num)
+        o = apply_rope(o, freqs, inverse=True)
+        og = o.view(B, at.G, -1).float()
+        z = num.round(num.einsum("tgd,grd->tgr", og, at.wo_a.weight.view(at.G, -1, og.shape[-1])))
+        return at.wo_b(z.flatten(1))
+
+    def _indexer(self, ix, lc, x, qr, pos, slots, bt, freqs):
+        """Indexer keys update + top-k over this sequence's keys; -1 for non-causal picks."""
+        iq, iw = ix.queries(qr, x, freqs)
+        ck, cs = ix.compressor.project(x, pos)
+        new, complete = self._compress(ix.compressor, lc.index_state, slots, ck, cs, pos)
+        write_index_keys(lc.index_keys, self._entry_ids(bt, pos // 4, INDEX_PAGE, 4, complete), new)
+        B = x.shape[0]
+        n_max = self.max_blocks * INDEX_PAGE
+        j = torch.arange(n_max, device=x.device)[None, :].expand(B, -1)
+        keys = read_index_keys(lc.index_keys, self._entry_ids(bt, j, INDEX_PAGE, 4))   # [B, E, 128]
+        r = self.num.round
+        sc = r(self.num.einsum("bhd,btd->bht", iq.float(), keys.float()))
+        sc = r(sc.relu() * iw.unsqueeze(-1))
+        sc = r(sc.float().sum(dim=1))
+        visible = ((pos + 1) // 4)[:, None]
+        sc = sc.masked_fill(j >= visible, float("-inf"))
+        k = min(ix.topk, n_max)
+        idx = sc.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        return idx.masked_fill(idx >= visible, -1)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def forward(self, tokens, pos, slots, bt):
+        m, num = self.model, self.num
+        h = num.round(F.embedding(tokens, m.embed)).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        for i, blk in enumerate(m.layers):
+            lc = self.cache.layers[i]
+            freqs = blk.attn.rope(pos)
+            a, post, comb = blk.hc_attn.pre(h)
+            a = self._attention(blk, lc, rms_norm(a, blk.attn_norm, self.cfg.rms_norm_eps, num), pos, slots, bt, freqs)
+            h = blk.hc_attn.post(a, h, post, comb)
+            f, post, comb = blk.hc_ffn.pre(h)
+            f = self._moe(blk.moe, rms_norm(f, blk.ffn_norm, self.cfg.rms_norm_eps, num), tokens)
+            h = blk.hc_ffn.post(f, h, post, comb)
+        y = rms_norm(m.hc_head(h), m.norm, self.cfg.rms_norm_eps, num)
+        return m.head(y).float()
+
+    def _moe(self, moe, x, ids):
+        """Every expert on every row, masked: fixed shapes (the grouped-GEMM kernel replaces this)."""
+        idx, w = moe.route(x, ids)
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(moe.experts):
+            hit = idx == e
+            col = hit.float().argmax(dim=1, keepdim=True)
+            out = expert(x, w.gather(1, col).squeeze(1)).float()
+            y = y + torch.where(hit.any(dim=1, keepdim=True), out, 0.0)
+        return self.num.round(y + moe.shared(x).float())
+
+
+class CudaGraphDecoder:
+    """Captures ``FastDecoder.forward`` once per batch-size bucket and replays it (as vLLM and
+    nano-vllm do for decode). Inputs are copied into static buffers; padding rows use the
+    decoder's scratch slot and an all -1 block table."""
+
+    def __init__(self, dec: FastDecoder, buckets=(1, 2, 4, 8, 16, 32, 64, 128)):
+        self.dec = dec
+        dev = dec.cache.device
+        self.buckets = [b for b in buckets if b <= dec.cache.max_num_seqs] or [1]
+        maxb = self.buckets[-1]
+        W = dec.max_blocks
+        self.tokens = torch.zeros(maxb, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(maxb, dtype=torch.long, device=dev)
+        self.slots = torch.full((maxb,), dec.scratch_slot, dtype=torch.long, device=dev)
+        self.bt = torch.full((maxb, W), -1, dtype=torch.long, device=dev)
+        self.graphs, self.outputs = {}, {}
+        self.pool = None
+        for b in reversed(self.buckets):
+            self._capture(b)
+
+    def _capture(self, b):
+        args = (self.tokens[:b], self.pos[:b], self.slots[:b], self.bt[:b])
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):                       # warm up (Triton compiles, allocator settles)
+                self.dec.forward(*args)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.dec.forward(*args)
+        self.pool = g.pool()
+        self.graphs[b], self.outputs[b] = g, out
+
+    def forward(self, tokens, pos, slots, bt):
+        n = tokens.shape[0]
+        b = next((x for x in self.buckets if x >= n), None)
+        if b is None:
+            return self.dec.forward(tokens, pos, slots, bt)
+        self.tokens[:n].copy_(tokens)
+        self.pos[:n].copy_(pos)
+        self.slots[:n].copy_(slots)
+        self.bt[:n].copy_(bt)
+        self.tokens[n:b].zero_()
+        self.pos[n:b].zero_()
+        self.slots[n:b].fill_(self.dec.scratch_slot)
+        self.bt[n:b].fill_(-1)
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
