@@ -76,6 +76,8 @@ def _check_insert(T, H, B, n_pages, slots, gen, device=DEV):
     kv[0, :64] = 0                                    # all-zero block: amax floor
     kv[-1, 64:128] *= 1e-5                            # tiny block: small scale, subnormal fp8
     kv[-1, 128] = 300.0                               # outlier
+    kv[-1, 192:256] *= 0.01                           # block max 7.0625 QDQs to 7.0: the stored
+    kv[-1, 200] = 7.0625                              # scale is that of the QDQ'd row (2^-6)
     cos, sin = _rope_tables(T, gen, "cpu")
     pages0 = torch.randint(0, 256, (n_pages, page_bytes(B)), dtype=torch.uint8, generator=gen)
     slots = torch.tensor(slots, dtype=torch.int64)
@@ -98,18 +100,20 @@ def _check_insert(T, H, B, n_pages, slots, gen, device=DEV):
             assert torch.equal(data_v[s // B, s % B], data[t])
             assert torch.equal(scale_v[s // B, s % B], scales[t])
 
-    # q: bit-exact vs the bf16 op chain with a correctly rounded rsqrt; vs the reference (whose CPU
-    # bf16 rsqrt is sometimes one ulp off) within 2 ulps, only in heads where the factor differs
+    # q: the bf16 op chain with a correctly rounded rsqrt, bit-exact except where the order of the
+    # 512-term sum moves the bf16 mean (rare); vs the reference (whose CPU bf16 rsqrt is sometimes
+    # one ulp off) within 2 ulps (one ulp in the factor) in those heads alone
     ms = q.square().mean(-1, keepdim=True) + 1e-6
     r_cr = (1.0 / ms.float().sqrt()).bfloat16()
     from dsv4.reference.rope import apply_rope
     q_cr = apply_rope(q * r_cr, torch.complex(cos, sin))
-    assert torch.equal(q_out.view(torch.int16), q_cr.view(torch.int16))
-    assert _ulps(q_out[..., :448], q_ref[..., :448]).max() <= 2        # (1 ulp in the factor)
+    off_cr = (q_out.view(torch.int16) != q_cr.view(torch.int16)).any(-1)
+    assert off_cr.sum() <= max(1, 0.005 * off_cr.numel()), f"{int(off_cr.sum())} heads differ"
+    assert _ulps(q_out[..., :448], q_ref[..., :448]).max() <= 2
     d = (q_out.float() - q_ref.float()).abs()
     assert (d[..., 448:] <= q_ref.float().abs().amax(-1, keepdim=True) * 2 ** -6).all()
     r_ref = torch.rsqrt(ms)
-    assert ((d > 0).any(-1) <= (r_ref != r_cr).squeeze(-1)).all()
+    assert ((d > 0).any(-1) <= ((r_ref != r_cr).squeeze(-1) | off_cr)).all()
 
 
 @pytest.mark.parametrize("H", [8, 64, 128])
@@ -233,8 +237,11 @@ def test_sparse_decode_block32_dsplit_and_no_extra():
     cache, q, widx, eidx, sinks = _decode_case(2, 2, 8, 20, "csa", gen, [200, 3], n_extra=60)
     o, ref = _run_decode(cache, q, widx, eidx, sinks, num_splits=2, config={"block_n": 32})
     _compare(o, ref)
-    for ns in (1, 2):   # output dims in two launches (the sm_100 layout)
-        o, ref = _run_decode(cache, q, widx, eidx, sinks, num_splits=ns, config={"d_parts": 2})
+    for ns in (1, 2):   # output dims in two launches (the sm_100 layout); list prefetch on/off
+        o, ref = _run_decode(cache, q, widx, eidx, sinks, num_splits=ns,
+                             config={"d_parts": 2, "prefetch": ns == 1})
+        _compare(o, ref)
+        o, ref = _run_decode(cache, q, widx, eidx, sinks, num_splits=ns, config={"prefetch": True})
         _compare(o, ref)
     # SWA layer: no extra cache at all
     o = sparse_decode(q.to(DEV), widx.to(DEV), cache.wp, cache.wB, None, None, 64, sinks.to(DEV))
@@ -326,7 +333,8 @@ _AOT_SCRIPT = textwrap.dedent("""
             if const is None:   # the attention tile the launcher picks for 64 heads on this arch
                 cfg = sa.default_config(64, (cap // 10, cap % 10))
                 const = dict(HB=cfg["block_h"], BN=cfg["block_n"], SPLIT=True, DT=tl.bfloat16,
-                             INTERP=False, DP=cfg["d_parts"], DHALF=cfg["d_parts"] - 1)
+                             INTERP=False, DP=cfg["d_parts"], DHALF=cfg["d_parts"] - 1,
+                             PREFETCH=bool(cfg.get("prefetch", False)))
             t0 = time.time()
             k = triton.compile(ASTSource(fn, sig(fn, types, const), const),
                                target=GPUTarget("cuda", cap, 32), options={"num_warps": warps})

@@ -22,7 +22,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .kv_insert import _e4m3_bits, _rne_bf16, _rope_rows
+    from .kv_insert import _e4m3_bits, _exp2i, _rne_bf16, _rope_rows, _ue8m0_exp
 
     @triton.jit
     def _inverse_rope_kernel(O, COS, SIN, Y, YQ, YS, H, stride_ot, stride_oh, stride_yt,
@@ -39,13 +39,9 @@ if triton_available():
         col = h[:, None] * 512 + d[None, :]
         if FP8:
             yb = tl.reshape(y, [HPB * 4, 128])
-            amax = tl.maximum(tl.max(tl.abs(yb), axis=1), 1e-4)
-            v = amax * (1.0 / 448.0)
-            bits = v.to(tl.int32, bitcast=True)
-            e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-            inv_s = ((127 - e) << 23).to(tl.float32, bitcast=True)
-            s = ((127 + e) << 23).to(tl.float32, bitcast=True)
-            qv = tl.minimum(tl.maximum(yb * inv_s[:, None], -448.0), 448.0)
+            e = _ue8m0_exp(tl.max(tl.abs(yb), axis=1))
+            s = _exp2i(e)
+            qv = tl.minimum(tl.maximum(yb * _exp2i(-e)[:, None], -448.0), 448.0)
             q8 = tl.reshape(_e4m3_bits(qv).to(tl.uint8), [HPB, 512])
             tl.store(YQ + t64 * stride_yt + col, q8, mask=hm[:, None])
             sidx = hb * HPB * 4 + tl.arange(0, HPB * 4)

@@ -16,8 +16,12 @@ Numerics (what the tests hold the kernel to):
   separately (launched with ``enable_fp_fusion=False``), which is bit-for-bit what the reference's
   complex64 multiply gives on the CPU; cos/sin are the caller's fp32 tables ``[T, 32]``.
 * FP8: amax floor 1e-4, ``scale = 2^ceil(log2(amax * fp32(1/448)))`` read off the fp32 exponent
-  bits (exact), values ``x * 2^-e`` clamped to ±448 and cast with round-to-nearest-even: the kv
-  bytes equal ``dsv4.formats.kv_entry.encode_kv_entries`` of the twin's kv bit-for-bit.
+  bits (exact), values ``x * 2^-e`` clamped to ±448 and rounded to e4m3 nearest-even in integer
+  arithmetic (exact on GPU and under the interpreter): ``kv_out`` is ``fp8_qdq`` of the rotated
+  row bit-for-bit. The bytes written are ``encode_kv_entries(kv_out)`` bit-for-bit: the scale byte
+  is re-derived from the QDQ'd block (rounding can lower a block max below a power of two, e.g.
+  7.0625 -> 7.0; a single-pass quantiser would then store twice the scale and codes one binade
+  lower; both decode to the same values).
 * head RMSNorm: every bf16 rounding of the official bf16 op chain is done explicitly
   (round-to-nearest-even on the fp32 bits) and rsqrt is ``1 / sqrt`` with IEEE sqrt and division.
   The only difference left is the summation order of the 512 squares (a tree here, torch's own
@@ -64,6 +68,18 @@ if triton_available():
         sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
         mag = tl.where(a < 0.015625, sub, normal)
         return sign | mag
+
+    @triton.jit
+    def _ue8m0_exp(amax):
+        """e with 2^e = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))), read off the fp32 bits (exact)."""
+        v = tl.maximum(amax, 1e-4) * (1.0 / 448.0)          # fp32 product, as the official code
+        bits = v.to(tl.int32, bitcast=True)
+        return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+    @triton.jit
+    def _exp2i(e):
+        """exact fp32 2^e for integer e in [-126, 127]."""
+        return ((127 + e) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _rope_rows(x, cos_ptr, sin_ptr, ROWS: tl.constexpr, NEG_SIN: tl.constexpr):
@@ -115,15 +131,15 @@ if triton_available():
             x = _rne_bf16(_rope_rows(tl.reshape(x, [1, 512]), cos_ptr, sin_ptr, 1, False))
             xb = tl.reshape(x, [8, 64])                       # block 7 = the 64 rope dims
             blk = tl.arange(0, 8)
-            amax = tl.maximum(tl.max(tl.abs(xb), axis=1), 1e-4)
-            v = amax * (1.0 / 448.0)                          # fp32 product, as the official code
-            bits = v.to(tl.int32, bitcast=True)
-            e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-            inv_s = ((127 - e) << 23).to(tl.float32, bitcast=True)   # exact 2^-e
-            s = ((127 + e) << 23).to(tl.float32, bitcast=True)       # exact 2^e
-            qv = tl.minimum(tl.maximum(xb * inv_s[:, None], -448.0), 448.0)
-            q8 = _e4m3_bits(qv).to(tl.uint8)
-            deq = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, None]
+            e = _ue8m0_exp(tl.max(tl.abs(xb), axis=1))
+            qv = tl.minimum(tl.maximum(xb * _exp2i(-e)[:, None], -448.0), 448.0)
+            deq = _e4m3_bits(qv).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            deq = deq * _exp2i(e)[:, None]                   # the QDQ'd row (exact product)
+            # the bytes are those of encode_kv_entries(QDQ'd row): its scale comes from the QDQ'd
+            # block max, which rounding can lower below a power of two (then the scale halves and
+            # the codes move up one binade: an exact re-encoding, same decoded values)
+            e = _ue8m0_exp(tl.max(tl.abs(deq), axis=1))
+            q8 = _e4m3_bits(deq * _exp2i(-e)[:, None]).to(tl.uint8)
             is_nope = (blk < 7)[:, None]
             out = tl.where(is_nope, deq, xb)
             tl.store(KVO + t.to(tl.int64) * stride_kvot + d, tl.reshape(out, [512]).to(KVO.dtype.element_ty))
@@ -160,7 +176,7 @@ def _check(q, kv, cos, sin, pages, slot_mapping, page_size):
 def kv_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               pages: torch.Tensor, slot_mapping: torch.Tensor, page_size: int, eps: float = 1e-6,
               q_out: torch.Tensor | None = None, kv_out: torch.Tensor | None = None,
-              heads_per_program: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+              heads_per_program: int = 8, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: q-norm + RoPE on q, RoPE + FP8 QDQ on kv, paged insert; one launch. See module doc."""
     _check(q, kv, cos, sin, pages, slot_mapping, page_size)
     T, H, _ = q.shape
@@ -173,7 +189,7 @@ def kv_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.T
         return q_out, kv_out
     hpb = heads_per_program
     n_hb = triton.cdiv(H, hpb)
-    kw = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": 4}
+    kw = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": num_warps}
     _kv_insert_kernel[(T, n_hb + 1)](
         q, kv, cos, sin, pages, slot_mapping, q_out, kv_out,
         H, q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv.stride(0), kv_out.stride(0),

@@ -24,11 +24,24 @@ Block size vs the official 64: the running max advances per ``BN`` entries (``BN
 default, the official block; 32 when asked). Probabilities are rounded to bf16 relative to the
 running max of their block; with another ``BN`` or with split-K (each split has its own max and
 is rescaled in fp32 by the combine) only that bf16 rounding point of P differs from the
-reference: the results agree to bf16 tolerance, not bit-for-bit.
+reference: the results agree to bf16 tolerance, not bit-for-bit. (At BN = 64, one split and a
+window width that is a multiple of 64 the blocks are the reference's; under the CPU interpreter
+the output then matches the twin to within 1 bf16 ulp in ~1e-4 of the elements: exp2 vs exp.)
+
+Heads: H in {8, 64, 128} (any H works): 64 heads per program, padded (H = 8 -> a 16-row tile on
+mma.sync; H = 128 -> two 64-head programs per row, each gathering the row's entries: the second
+mostly from L2).
+
+Performance (H200, Triton 3.6, BENCHMARKS.md): at 64 heads the tile needs 255 registers with
+~50 spilled (one program of 8 warps per SM), the gathers are not overlapped with the MMAs (no warp
+specialisation), so decode reaches ~60% of FlashMLA's TFLOPS for V4-Flash at batch 128-256 and
+~45% for V4-Pro; prefill ~32%. ``num_stages=2`` and the ``prefetch`` option (index list loaded one
+block ahead) measured slower and stay off. On sm_100 the output dims are split over two launches
+(``d_parts``: tensor memory), each recomputing S.
 """
 from __future__ import annotations
 
-import math
+from functools import lru_cache
 
 import torch
 
@@ -59,12 +72,19 @@ if triton_available():
         return k.to(DT)
 
     @triton.jit
+    def _load_idx(wrow, erow, j, KW, KT):
+        """entries j of the row's [window | extra] list (-1 past its end)."""
+        iw = tl.load(wrow + j, mask=j < KW, other=-1)
+        ie = tl.load(erow + (j - KW), mask=(j >= KW) & (j < KT), other=-1)
+        return tl.where(j < KW, iw, ie)
+
+    @triton.jit
     def _sparse_fwd(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, OP, MLP,
                     H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
                     w_psz, w_pbytes, e_psz, e_pbytes, blocks_per_split, qk_scale,
                     HB: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                     DT: tl.constexpr, INTERP: tl.constexpr, DP: tl.constexpr = 1,
-                    DHALF: tl.constexpr = 0):
+                    DHALF: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
         # DP = 2: this launch accumulates only output dims [256*DHALF, 256*DHALF + 256) (S is
         # computed in full by both halves): half the accumulator (registers on sm_90, tensor memory
         # on sm_100, whose 512 columns cannot hold a 64 x 512 fp32 accumulator plus S).
@@ -102,12 +122,16 @@ if triton_available():
         n = tl.arange(0, BN)
         wrow = WIDX + t64 * stride_wt
         erow = EIDX + t64 * stride_et
+        if PREFETCH:
+            idx_nx = _load_idx(wrow, erow, b0 * BN + n, KW, KT)
         for blk in range(b0, b1):
             j = blk * BN + n
             in_w = j < KW
-            iw = tl.load(wrow + j, mask=in_w, other=-1)
-            ie = tl.load(erow + (j - KW), mask=(j >= KW) & (j < KT), other=-1)
-            idx = tl.where(in_w, iw, ie)
+            if PREFETCH:   # this block's list was loaded one iteration ahead
+                idx = idx_nx
+                idx_nx = _load_idx(wrow, erow, j + BN, KW, KT)
+            else:
+                idx = _load_idx(wrow, erow, j, KW, KT)
             valid = idx >= 0
             slot = tl.maximum(idx, 0)
             psz = tl.where(in_w, w_psz, e_psz)
@@ -254,19 +278,23 @@ def _check_inputs(q, window_idx, extra_idx, window_pages, extra_pages, sinks, wi
         raise ValueError(f"sinks: expected fp32 [{H}], got {sinks.dtype} {tuple(sinks.shape)}")
 
 
-def _sm_count(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+@lru_cache(maxsize=None)
+def _device_info(device_type: str, index: int | None) -> tuple[int, tuple[int, int]]:
+    """(multiprocessor count, capability), cached: the decode launch path stays host-light."""
+    if device_type == "cuda":
+        dev = torch.device("cuda", index if index is not None else torch.cuda.current_device())
+        return torch.cuda.get_device_properties(dev).multi_processor_count, torch.cuda.get_device_capability(dev)
+    return 4, (9, 0)
 
 
 def default_config(H: int, capability: tuple[int, int] = (9, 0)) -> dict:
-    """Launch parameters: heads per program (16 / 32 / 64, padded), list entries per block,
-    warps, pipelining stages, output-dim parts (2 on sm_100: tensor memory holds 512 fp32
-    columns, too few for a 64 x 512 accumulator plus S; Triton then emits a trap kernel)."""
+    """Launch parameters (the in-run sweep of benchmarks/attention.py picked these on the H200):
+    heads per program (16 / 32 / 64, padded), list entries per block, warps, pipelining stages,
+    output-dim parts (2 on sm_100: tensor memory holds 512 fp32 columns, too few for a 64 x 512
+    accumulator plus S; Triton then emits a kernel that only traps), index prefetch."""
     hb = 16 if H <= 16 else (32 if H <= 32 else 64)
     cfg = {"block_h": hb, "block_n": 64, "num_warps": 8 if hb == 64 else 4, "num_stages": 1,
-           "d_parts": 1}
+           "d_parts": 1, "prefetch": False}
     if tuple(capability) >= (10, 0) and hb >= 64:
         cfg["d_parts"] = 2
     return cfg
@@ -298,7 +326,7 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
     out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=dev) if out is None else out
     if T == 0:
         return out
-    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (9, 0)
+    sm_count, cap = _device_info(dev.type, dev.index)
     cfg = dict(default_config(H, cap))
     cfg.update(config or {})
     HB, BN = cfg["block_h"], cfg["block_n"]
@@ -308,7 +336,7 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
         progs = T * n_hb * cfg.get("d_parts", 1)
         # fill the machine (one 64-head program per SM: registers and shared memory), at least
         # one block per split; partials are small next to the gathered entries at small batch
-        num_splits = max(1, min(triton.cdiv(_sm_count(dev), progs), nb))
+        num_splits = max(1, min(triton.cdiv(sm_count, progs), nb))
     num_splits = max(1, min(num_splits, nb))
     bps = triton.cdiv(nb, num_splits)
     num_splits = triton.cdiv(nb, bps)
@@ -332,7 +360,8 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
             window_idx.stride(0), extra_idx.stride(0),
             window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1],
             bps, float(scale) * LOG2E,
-            HB=HB, BN=BN, SPLIT=split, DT=dt, INTERP=interp, DP=dp, DHALF=dhalf, **kw)
+            HB=HB, BN=BN, SPLIT=split, DT=dt, INTERP=interp, DP=dp, DHALF=dhalf,
+            PREFETCH=bool(cfg.get("prefetch", False)), **kw)
     if split:
         hbc = 8 if H >= 8 else 4
         LAST_LAUNCH["combine"] = _combine[(triton.cdiv(H, hbc), T)](op, mlp, sinks, out, H, num_splits, out.stride(0), out.stride(1),
