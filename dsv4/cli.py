@@ -1,4 +1,4 @@
-"""``dsv4`` command line: ``generate``, ``bench throughput``, ``make-tiny``."""
+"""``dsv4`` command line: ``generate``, ``serve``, ``bench throughput``, ``bench serve``, ``make-tiny``."""
 from __future__ import annotations
 
 import argparse
@@ -72,6 +72,69 @@ def _cmd_make_tiny(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(a: argparse.Namespace) -> int:
+    import os
+
+    try:
+        import uvicorn
+
+        from .server.app import build_app
+    except ImportError as e:
+        print(f"dsv4: error: serving needs fastapi, uvicorn and prometheus-client ({e}); "
+              f"pip install fastapi uvicorn prometheus-client", file=sys.stderr)
+        return 2
+    from .engine.llm_engine import EngineConfig, LLMEngine
+
+    if a.max_waiting is not None and a.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {a.max_waiting}")
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=a.model, max_num_seqs=a.max_num_seqs,
+                                    max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                                    kv_cache_memory=a.kv_cache_memory,
+                                    gpu_memory_utilization=a.gpu_memory_utilization, numerics=a.numerics,
+                                    device=a.device, log=not a.quiet))
+    api_key = a.api_key or os.environ.get("DSV4_API_KEY") or None
+    app = build_app(engine, served_model_name=a.served_model_name, api_key=api_key, max_waiting=a.max_waiting,
+                    log=not a.quiet)
+    name = app.state.server.name
+    if not a.quiet:
+        print(f"dsv4: loaded {engine.model_path} in {time.perf_counter() - t0:.1f}s; serving {name!r} on "
+              f"http://{a.host}:{a.port}/v1" + (" (API key required)" if api_key else ""), file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level,
+                access_log=not a.disable_access_log, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _cmd_bench_serve(a: argparse.Namespace) -> int:
+    from .server.bench import main_from_args
+    return main_from_args(a)
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: dsv4-tiny, or the checkpoint dir's name)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (also env DSV4_API_KEY)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="bound on requests waiting for the engine; more get 503 (default: unbounded)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--numerics", choices=["official", "invariant", "exact"], default="invariant",
+                   help="reference numerics (invariant: batch-invariant official math)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    p.add_argument("-q", "--quiet", action="store_true", help="no engine progress on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -90,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--output-json", default=None)
     _engine_args(bt)
     bt.set_defaults(fn=_cmd_bench_throughput)
+    bs = b.add_parser("serve", help="online benchmark of a running server (like `vllm bench serve`)")
+    from .server.bench import add_cli_args as _bench_serve_args
+    _bench_serve_args(bs)
+    bs.set_defaults(fn=_cmd_bench_serve)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _serve_args(sv)
+    sv.set_defaults(fn=_cmd_serve)
     t = sub.add_parser("make-tiny", help="write the deterministic tiny V4 checkpoint")
     t.add_argument("dir")
     t.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official")

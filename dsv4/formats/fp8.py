@@ -3,6 +3,8 @@
 Facts: spec dsv4-architecture.md §3. Everything here is exact integer-like arithmetic on fp32
 values (scales are powers of two), so results are bit-identical on every device.
 """
+import functools
+
 import torch
 from torch import Tensor
 
@@ -41,8 +43,14 @@ def ue8m0_scale(amax: Tensor, qmax: float) -> Tensor:
     The official act_quant multiplies by the fp32 reciprocal rather than dividing; the two can
     differ by one ulp, which can move the result across a power of two.
     """
-    inv = torch.tensor(1.0 / qmax, dtype=torch.float32, device=amax.device)
-    return pow2_ceil(amax.float() * inv)
+    # a Python float that is exactly fp32(1/qmax): tensor * scalar then runs in fp32 with no
+    # host-to-device copy (CUDA-graph safe)
+    return pow2_ceil(amax.float() * _fp32_reciprocal(qmax))
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_reciprocal(q: float) -> float:
+    return float(torch.tensor(1.0 / q, dtype=torch.float32))
 
 
 def _blocks(x: Tensor, block: int) -> Tensor:

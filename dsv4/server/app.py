@@ -1,0 +1,565 @@
+"""OpenAI-compatible HTTP server (FastAPI): ``build_app(engine_or_config, served_model_name, api_key, ...)``.
+
+Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus, vLLM names), ``POST /tokenize``,
+``POST /detokenize`` (vLLM shapes), ``GET /version``, ``GET|POST /ping``.
+
+* Streaming is OpenAI's SSE: ``data: {json}\\n\\n`` chunks (chat: the first delta of each choice
+  carries ``role``), ``finish_reason`` on each choice's last chunk, an optional usage chunk
+  (``stream_options.include_usage``, ``choices: []``), then ``data: [DONE]``.
+* Chat prompts go through the V4 encoder (``apply_chat_template``); reasoning comes back as
+  ``reasoning_content`` (and vLLM's ``reasoning``), DSML tool calls as OpenAI ``tool_calls``
+  (``finish_reason: "tool_calls"``).
+* The engine runs on its own thread (:mod:`.async_engine`); the event loop only tokenizes (in a
+  worker thread) and formats. A client that disconnects aborts its request, freeing its blocks.
+* ``api_key`` (bearer) guards every ``/v1`` route; ``max_waiting`` bounds the requests waiting
+  for the engine (503 beyond it). Errors use the schema of :mod:`.protocol`.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import sys
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from ..engine.llm_engine import EngineConfig, LLMEngine
+from . import protocol as P
+from .async_engine import AsyncEngine, EngineError
+from .chat_encoding import ChatEncodingError, StreamingParser, apply_chat_template, parse_completion, \
+    resolve_chat_options
+from .metrics import ServerMetrics
+
+DEFAULT_MODEL_NAME = "dsv4-tiny"
+_TIMEOUT = object()
+_POLL_S = 0.5          # how often a request waiting on the engine checks that its client is still there
+
+
+class ClientGone(Exception):
+    pass
+
+
+class _Inbox:
+    """The per-request ``asyncio.Queue`` the engine thread feeds, with a timeout-safe ``get``."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._getter: asyncio.Future | None = None
+        self.checked = time.monotonic()      # last check that the client is still connected
+
+    async def get(self, timeout: float):
+        if self._getter is None:
+            self._getter = asyncio.ensure_future(self.queue.get())
+        done, _ = await asyncio.wait({self._getter}, timeout=timeout)
+        if not done:
+            return _TIMEOUT
+        g, self._getter = self._getter, None
+        return g.result()
+
+    def get_nowait(self):
+        return self.queue.get_nowait()
+
+    def close(self) -> None:
+        if self._getter is not None:
+            self._getter.cancel()
+            self._getter = None
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generator (so its ``finally`` aborts the engine
+    request) and treats a vanished client as normal."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):
+            pass
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _encoding_error_param(msg: str) -> str | None:
+    head = msg.split(":", 1)[0]
+    for sep in ("[", "."):
+        head = head.split(sep, 1)[0]
+    return head if head in ("messages", "tools", "chat_template_kwargs", "reasoning_effort") else None
+
+
+def _default_name(engine) -> str:
+    model = getattr(getattr(engine, "cfg", None), "model", None)
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(str(model))) or DEFAULT_MODEL_NAME
+
+
+class OpenAIServer:
+    def __init__(self, engine, served_model_name: str | None, api_key: str | None, max_waiting: int | None,
+                 log: bool = True):
+        self.engine = engine
+        self.name = served_model_name or _default_name(engine)
+        self.api_key = api_key or None
+        self.max_waiting = max_waiting
+        self.tokenizer = engine.tokenizer
+        self.tt = P.TokenText(engine.tokenizer)
+        self.vocab_size = int(engine.model_config.vocab_size)
+        self.bos = int(engine.model_config.bos_token_id)
+        self.max_model_len = int(engine.max_model_len)
+        self.metrics = ServerMetrics(self.name)
+        self.aeng = AsyncEngine(engine, self.metrics, log=log)
+        self.created = int(time.time())
+        self.root = str(getattr(engine, "model_path", None) or self.name)
+
+    # ------------------------------------------------------------------ common checks
+    def auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        h = request.headers.get("authorization", "")
+        scheme, _, token = h.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise P.APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                             P.AUTHENTICATION, None, "invalid_api_key")
+
+    def check_capacity(self, n_requests: int = 1) -> None:
+        if not self.aeng.alive:
+            raise P.APIError(503, f"the engine is not running ({self.aeng.dead})", P.UNAVAILABLE, None,
+                             "engine_dead")
+        if self.max_waiting is not None and self.aeng.num_waiting() + n_requests > self.max_waiting:
+            raise P.APIError(503, f"the server is overloaded: {self.aeng.num_waiting()} requests are waiting "
+                                  f"(--max-waiting {self.max_waiting}); retry later", P.UNAVAILABLE, None,
+                             "queue_full")
+
+    async def submit(self, rids: list[str], prompts: list, params, arrival: float, inbox: _Inbox,
+                     param: str) -> None:
+        """Add sub-requests (tag = position); on any rejection abort the ones accepted and raise 400."""
+        accepted = []
+        try:
+            for k, (rid, prompt) in enumerate(zip(rids, prompts)):
+                await self.aeng.add(rid, prompt, params, arrival, inbox.queue, tag=k, prompt_tokens=len(prompt))
+                accepted.append(rid)
+        except EngineError as e:
+            for rid in accepted:
+                self.aeng.abort(rid)
+            raise P.APIError(503, str(e), P.UNAVAILABLE, None, "engine_dead") from None
+        except ValueError as e:       # RequestRejected and friends
+            for rid in accepted:
+                self.aeng.abort(rid)
+            raise P.bad_request(str(e), param) from None
+        except BaseException:
+            for rid in accepted:
+                self.aeng.abort(rid)
+            raise
+
+    async def _next(self, inbox: _Inbox, request: Request):
+        """Everything queued for this request (at least one ``(tag, output)``); raises ClientGone
+        when the client went away (checked every ``_POLL_S`` seconds)."""
+        while True:
+            now = time.monotonic()
+            if now - inbox.checked >= _POLL_S:
+                inbox.checked = now
+                if await request.is_disconnected():
+                    raise ClientGone()
+            item = await inbox.get(_POLL_S)
+            if item is _TIMEOUT:
+                continue
+            items = [item]
+            while True:
+                try:
+                    items.append(inbox.get_nowait())
+                except asyncio.QueueEmpty:
+                    break
+            return items
+
+    async def _collect(self, inbox: _Inbox, rids: list[str], request: Request) -> list:
+        finals: dict[int, Any] = {}
+        try:
+            while len(finals) < len(rids):
+                for tag, out in await self._next(inbox, request):
+                    if isinstance(out, Exception):
+                        raise P.APIError(500, str(out), P.SERVER_ERROR)
+                    if out.finished:
+                        finals[tag] = out
+        finally:
+            inbox.close()
+            if len(finals) < len(rids):
+                for rid in rids:
+                    self.aeng.abort(rid)
+        outs = [finals[k] for k in range(len(rids))]
+        errors = [o.error for out in outs for o in out.outputs if o.finish_reason == "error"]
+        if errors:
+            raise P.APIError(500, errors[0], P.SERVER_ERROR)
+        return outs
+
+    # ------------------------------------------------------------------ chat
+    async def chat(self, body: dict, request: Request):
+        arrival = time.monotonic()
+        P.check_model(body, self.name)
+        stream = P.opt_bool(body, "stream", False)
+        so = P.stream_options(body, stream)
+        opts = P.chat_options(body)
+        ps = P.sampling_params(body, "chat", None)
+        try:
+            thinking = resolve_chat_options(opts.template_kwargs)[0]
+            ids = await asyncio.to_thread(apply_chat_template, self.tokenizer, opts.messages, opts.tools,
+                                          opts.template_kwargs, opts.add_generation_prompt)
+        except ChatEncodingError as e:
+            raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
+        P.check_lengths(len(ids), ps, self.max_model_len, "messages")
+        self.check_capacity()
+        h = P.ResponseHeader(P.random_id("chatcmpl"), self.name)
+        inbox = _Inbox()
+        await self.submit([h.id], [ids], ps.params, arrival, inbox, "messages")
+        n = ps.params.n
+        if stream:
+            return _SSEResponse(self._chat_stream(h, ids, n, thinking, ps, so, inbox, request),
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            out = (await self._collect(inbox, [h.id], request))[0]
+        except ClientGone:
+            return Response(status_code=499)
+        choices = []
+        for o in out.outputs:
+            parsed = parse_completion(o.text, thinking)
+            lp = P.chat_logprobs(o.token_ids, o.logprobs, ps.top_logprobs, self.tt) \
+                if ps.top_logprobs is not None and o.logprobs is not None else None
+            choices.append({"index": o.index,
+                            "message": P.chat_message(parsed.reasoning_content, parsed.content, parsed.tool_calls),
+                            "logprobs": lp, "finish_reason": P.finish_reason(o.finish_reason, parsed.tool_calls),
+                            "stop_reason": o.stop_reason})
+        use = P.usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
+        return JSONResponse(P.chat_response(h, choices, use))
+
+    async def _chat_stream(self, h, ids, n, thinking, ps, so: P.StreamOptions, inbox: _Inbox, request: Request):
+        done = False
+        ntok = [0] * n
+        with_usage = so.include_usage
+
+        def cont_usage():
+            return P.usage(len(ids), sum(ntok)) if so.continuous_usage_stats else None
+
+        try:
+            for i in range(n):
+                yield P.sse(P.chat_chunk(h, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}], cont_usage(), with_usage))
+            parsers = [StreamingParser(thinking) for _ in range(n)]
+            text_len = [0] * n
+            finished = [False] * n
+            error = None
+            while not all(finished) and error is None:
+                try:
+                    items = await self._next(inbox, request)
+                except ClientGone:
+                    return
+                latest = None
+                for _, out in items:
+                    if isinstance(out, Exception):
+                        error = out
+                        break
+                    latest = out
+                if latest is None:
+                    continue
+                for o in latest.outputs:
+                    i = o.index
+                    if finished[i]:
+                        continue
+                    new = o.text[text_len[i]:]
+                    text_len[i] = len(o.text)
+                    r, c = parsers[i].feed(new) if new else ("", "")
+                    calls: list = []
+                    fin = o.finish_reason is not None
+                    if fin:
+                        r2, c2, calls = parsers[i].finish()
+                        r, c = r + r2, c + c2
+                        finished[i] = True
+                        if o.finish_reason == "error":
+                            error = EngineError(o.error or "request failed")
+                    delta: dict[str, Any] = {}
+                    if r:
+                        delta["reasoning_content"] = delta["reasoning"] = r
+                    if c:
+                        delta["content"] = c
+                    if calls:
+                        delta["tool_calls"] = P.tool_call_deltas(calls)
+                    lp = None
+                    if ps.top_logprobs is not None and o.logprobs is not None and len(o.token_ids) > ntok[i]:
+                        lp = P.chat_logprobs(o.token_ids[ntok[i]:], o.logprobs[ntok[i]:], ps.top_logprobs, self.tt)
+                    ntok[i] = len(o.token_ids)
+                    if not delta and lp is None and not fin:
+                        continue
+                    ch = {"index": i, "delta": delta, "logprobs": lp,
+                          "finish_reason": P.finish_reason(o.finish_reason, calls)}
+                    if fin:
+                        ch["stop_reason"] = o.stop_reason
+                    yield P.sse(P.chat_chunk(h, [ch], cont_usage(), with_usage))
+            if error is not None:
+                yield P.sse(P.error_body(str(error), P.SERVER_ERROR))
+            elif so.include_usage:
+                yield P.sse(P.chat_chunk(h, [], P.usage(len(ids), sum(ntok)), True))
+            yield P.sse("[DONE]")
+            done = True
+        finally:
+            inbox.close()
+            if not done:
+                self.aeng.abort(h.id)
+
+    # ------------------------------------------------------------------ completions
+    async def completions(self, body: dict, request: Request):
+        arrival = time.monotonic()
+        P.check_model(body, self.name)
+        stream = P.opt_bool(body, "stream", False)
+        so = P.stream_options(body, stream)
+        if body.get("suffix") is not None:
+            raise P.bad_request("suffix is not supported", "suffix")
+        echo = P.opt_bool(body, "echo", False)
+        prompts = P.completion_prompts(body, self.vocab_size)
+        ps = P.sampling_params(body, "completion", 16)
+        add_special = P.opt_bool(body, "add_special_tokens", True)
+
+        def tokenize():
+            return [list(p) if isinstance(p, list) else ([self.bos] if add_special else []) + self.tokenizer.encode(p)
+                    for p in prompts]
+
+        ids = await asyncio.to_thread(tokenize)
+        for k, p in enumerate(ids):
+            if not p:
+                raise P.bad_request(f"prompt {k} is empty", "prompt")
+            P.check_lengths(len(p), ps, self.max_model_len, "prompt")
+        echo_text = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if echo else "" for p in prompts]
+        self.check_capacity(len(ids))
+        h = P.ResponseHeader(P.random_id("cmpl"), self.name)
+        rids = [h.id if len(ids) == 1 else f"{h.id}-{k}" for k in range(len(ids))]
+        inbox = _Inbox()
+        await self.submit(rids, ids, ps.params, arrival, inbox, "prompt")
+        n = ps.params.n
+        ptoks = sum(len(p) for p in ids)
+        if stream:
+            return _SSEResponse(self._completion_stream(h, rids, ptoks, n, echo_text, ps, so, inbox, request),
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            outs = await self._collect(inbox, rids, request)
+        except ClientGone:
+            return Response(status_code=499)
+        choices = []
+        for k, out in enumerate(outs):
+            for o in out.outputs:
+                lp = P.completion_logprobs(o.token_ids, o.logprobs, self.tt, len(echo_text[k])) \
+                    if o.logprobs is not None else None
+                choices.append({"index": k * n + o.index, "text": echo_text[k] + o.text, "logprobs": lp,
+                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                                "prompt_logprobs": None})
+        use = P.usage(ptoks, sum(len(o.token_ids) for out in outs for o in out.outputs))
+        return JSONResponse(P.completion_response(h, choices, use))
+
+    async def _completion_stream(self, h, rids, ptoks, n, echo_text, ps, so, inbox: _Inbox, request: Request):
+        done = False
+        m = len(rids)
+        ntok = [0] * (m * n)
+        text_len = [0] * (m * n)
+        offsets = [len(echo_text[k]) for k in range(m) for _ in range(n)]
+        finished = [False] * (m * n)
+        with_usage = so.include_usage
+
+        def cont_usage():
+            return P.usage(ptoks, sum(ntok)) if so.continuous_usage_stats else None
+
+        try:
+            for k in range(m):
+                if echo_text[k]:
+                    for j in range(n):
+                        yield P.sse(P.completion_chunk(h, [{"index": k * n + j, "text": echo_text[k], "logprobs": None,
+                                                            "finish_reason": None}], cont_usage(), with_usage))
+            error = None
+            while not all(finished) and error is None:
+                try:
+                    items = await self._next(inbox, request)
+                except ClientGone:
+                    return
+                latest: dict[int, Any] = {}
+                for tag, out in items:
+                    if isinstance(out, Exception):
+                        error = out
+                        break
+                    latest[tag] = out
+                for tag, out in sorted(latest.items()):
+                    for o in out.outputs:
+                        i = tag * n + o.index
+                        if finished[i]:
+                            continue
+                        new = o.text[text_len[i]:]
+                        text_len[i] = len(o.text)
+                        fin = o.finish_reason is not None
+                        lp = None
+                        if o.logprobs is not None and len(o.token_ids) > ntok[i]:
+                            lp = P.completion_logprobs(o.token_ids[ntok[i]:], o.logprobs[ntok[i]:], self.tt, offsets[i])
+                            offsets[i] += sum(len(t) for t in lp["tokens"])
+                        ntok[i] = len(o.token_ids)
+                        if fin:
+                            finished[i] = True
+                            if o.finish_reason == "error":
+                                error = EngineError(o.error or "request failed")
+                        if not new and lp is None and not fin:
+                            continue
+                        ch = {"index": i, "text": new, "logprobs": lp, "finish_reason": o.finish_reason}
+                        if fin:
+                            ch["stop_reason"] = o.stop_reason
+                        yield P.sse(P.completion_chunk(h, [ch], cont_usage(), with_usage))
+            if error is not None:
+                yield P.sse(P.error_body(str(error), P.SERVER_ERROR))
+            elif so.include_usage:
+                yield P.sse(P.completion_chunk(h, [], P.usage(ptoks, sum(ntok)), True))
+            yield P.sse("[DONE]")
+            done = True
+        finally:
+            inbox.close()
+            if not done:
+                for rid in rids:
+                    self.aeng.abort(rid)
+
+    # ------------------------------------------------------------------ tokenizer routes
+    async def tokenize(self, body: dict) -> dict:
+        P.check_model(body, self.name)
+        return_strs = P.opt_bool(body, "return_token_strs", False)
+        if "messages" in body:
+            opts = P.chat_options(body)
+            try:
+                ids = await asyncio.to_thread(apply_chat_template, self.tokenizer, opts.messages, opts.tools,
+                                              opts.template_kwargs, opts.add_generation_prompt)
+            except ChatEncodingError as e:
+                raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise P.bad_request("prompt (a string) or messages is required", "prompt")
+            add_special = P.opt_bool(body, "add_special_tokens", True)
+            ids = ([self.bos] if add_special else []) + await asyncio.to_thread(self.tokenizer.encode, prompt)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": [self.tt(t) for t in ids] if return_strs else None}
+
+    def detokenize(self, body: dict) -> dict:
+        P.check_model(body, self.name)
+        toks = body.get("tokens")
+        if not isinstance(toks, list):
+            raise P.bad_request("tokens must be a list of token ids", "tokens")
+        bad = [t for t in toks if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise P.bad_request(f"tokens must be integers in [0, {self.vocab_size}); got {bad[:5]}", "tokens")
+        return {"prompt": self.tokenizer.decode(toks, skip_special_tokens=False)}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.name, "object": "model", "created": self.created, "owned_by": "dsv4", "root": self.root,
+            "parent": None, "max_model_len": self.max_model_len, "permission": []}]}
+
+    def metrics_response(self) -> Response:
+        s = self.aeng.snapshot
+        self.metrics.set_state(s.running, s.waiting, s.kv_usage)
+        data, ctype = self.metrics.render()
+        return Response(data, media_type=ctype)
+
+
+def _error(status: int, message: str, type: str, param=None, code=None) -> JSONResponse:
+    return JSONResponse(P.error_body(message, type, param, code), status_code=status)
+
+
+def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_model_name: str | None = None,
+              api_key: str | None = None, max_waiting: int | None = None, log: bool = True) -> FastAPI:
+    """The FastAPI app. ``engine_or_config``: an ``LLMEngine`` (or any object with its interface),
+    an ``EngineConfig`` (the engine is built now), or None (the default model, default config).
+    The engine thread starts with the app (lifespan) or on the first request."""
+    if engine_or_config is None or isinstance(engine_or_config, EngineConfig):
+        engine = LLMEngine(engine_or_config or EngineConfig(log=log))
+    else:
+        engine = engine_or_config
+    if max_waiting is not None and max_waiting < 0:
+        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    srv = OpenAIServer(engine, served_model_name, api_key, max_waiting, log=log)
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        srv.aeng.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(srv.aeng.shutdown)
+
+    app = FastAPI(title="dsv4", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = srv
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request: Request, e: P.APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = P.NOT_FOUND if e.status_code == 404 else P.INVALID_REQUEST
+        return _error(e.status_code, str(e.detail), kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return _error(400, str(e), P.INVALID_REQUEST)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        print(f"dsv4 serve: internal error on {request.url.path}: {type(e).__name__}: {e}", file=sys.stderr)
+        return _error(500, f"internal server error: {type(e).__name__}: {e}", P.SERVER_ERROR)
+
+    async def _json(request: Request) -> dict:
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            raise P.bad_request("the client disconnected while sending the body") from None
+        return P.parse_json_body(raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        srv.auth(request)
+        return await srv.chat(await _json(request), request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        srv.auth(request)
+        return await srv.completions(await _json(request), request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        srv.auth(request)
+        return srv.models()
+
+    @app.get("/health")
+    async def health():
+        if not srv.aeng.alive:
+            return _error(503, f"the engine is not running ({srv.aeng.dead})", P.UNAVAILABLE, None, "engine_dead")
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return srv.metrics_response()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await srv.tokenize(await _json(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return srv.detokenize(await _json(request))
+
+    return app

@@ -1,0 +1,815 @@
+"""The OpenAI-compatible server (``dsv4 serve``) and ``dsv4 bench serve``.
+
+Most tests talk to a REAL server process (``python -m dsv4.cli serve``) on 127.0.0.1, started
+once for the module on the default tiny model (invariant numerics: greedy text is the same alone
+or batched, so streamed and non-streamed results can be compared). Parsing of reasoning / DSML
+tool calls and the bounded waiting queue are tested in-process with a scripted fake engine,
+because the random tiny model does not emit well-formed ``</think>`` or DSML.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from dsv4.engine.sampling_params import SamplingParams  # noqa: E402
+from dsv4.engine.sequence import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-test-key"
+MODEL = "dsv4-tiny"
+MAX_MODEL_LEN = 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    port = _free_port()
+    env = dict(os.environ, DSV4_CACHE_DIR=str(tmp / "cache"), PYTHONUNBUFFERED="1")
+    env.pop("DSV4_API_KEY", None)
+    log_path = tmp / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsv4.cli", "serve", "--port", str(port), "--api-key", KEY,
+         "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN), "--numerics", "invariant",
+         "--disable-access-log", "--uvicorn-log-level", "warning"],
+        cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not come up:\n{log_path.read_text()}")
+            time.sleep(0.3)
+        yield SimpleNamespace(base=base, port=port, log=log_path, proc=proc, tmp=tmp)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def _h():
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        out[name] = float(value)
+    return out
+
+
+def _metric(m: dict, name: str, **labels) -> float:
+    for k, v in m.items():
+        if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()):
+            return v
+    return 0.0
+
+
+def _sse_events(lines) -> list:
+    """Parse SSE ``data:`` lines into JSON objects, '[DONE]' kept as the string."""
+    events = []
+    for line in lines:
+        if not line.strip():
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ============================================================================ CLI / README
+
+
+def test_serve_help_and_readme():
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "serve", "--help"], capture_output=True, text=True,
+                       cwd=str(ROOT), timeout=60)
+    assert r.returncode == 0, r.stderr
+    for flag in ("--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--api-key", "--kv-cache-memory", "--gpu-memory-utilization",
+                 "--numerics", "--max-waiting", "--device"):
+        assert flag in r.stdout, flag
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--help"], capture_output=True,
+                       text=True, cwd=str(ROOT), timeout=60)
+    assert r.returncode == 0 and "--request-rate" in r.stdout and "--max-concurrency" in r.stdout
+    readme = (ROOT / "README.md").read_text()
+    assert "python3 -m pip install -q torch==2.13.0 -e . && dsv4 serve\n" in readme
+    assert "python3 -m pip install -q torch==2.13.0 -e '.[test]' && python3 -m pytest -q\n" in readme
+    assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in readme
+    assert "from openai import OpenAI" in readme
+
+
+# ============================================================================ real server: basics
+
+
+def test_models_health_tokenize(server, client):
+    assert httpx.get(server.base + "/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    raw = httpx.get(server.base + "/v1/models", headers=_h()).json()
+    assert raw["object"] == "list" and raw["data"][0]["root"] and raw["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    t = httpx.post(server.base + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert t["tokens"][0] == 0 and t["count"] == len(t["tokens"]) and t["max_model_len"] == MAX_MODEL_LEN
+    d = httpx.post(server.base + "/detokenize", json={"tokens": t["tokens"][1:]}).json()
+    assert d == {"prompt": "Hello world"}
+    t = httpx.post(server.base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                    "return_token_strs": True}).json()
+    assert t["tokens"] == [0, 128803, t["tokens"][2], 128804, 128822]       # BOS User Hi Assistant </think>
+    assert t["token_strs"][1] == "<｜User｜>"
+    m = _metrics(server.base)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert any(k.split("{")[0] == name for k in m), name
+
+
+def test_chat_and_completions_streamed_and_not(server, client):
+    msgs = [{"role": "user", "content": "The capital of France is"}]
+    with ThreadPoolExecutor(4) as ex:
+        f_chat = ex.submit(client.chat.completions.create, model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+        f_cmpl = ex.submit(client.completions.create, model=MODEL, prompt="The capital of France is", max_tokens=6,
+                           temperature=0)
+        f_chat_s = ex.submit(lambda: list(client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True})))
+        f_cmpl_s = ex.submit(lambda: list(client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True})))
+        chat, cmpl, chat_s, cmpl_s = f_chat.result(), f_cmpl.result(), f_chat_s.result(), f_cmpl_s.result()
+
+    assert chat.object == "chat.completion" and chat.model == MODEL and chat.id.startswith("chatcmpl-")
+    c0 = chat.choices[0]
+    assert c0.message.role == "assistant" and isinstance(c0.message.content, str) and c0.message.content
+    assert c0.finish_reason in ("length", "stop")
+    n_chat = httpx.post(server.base + "/tokenize", json={"messages": msgs}).json()["count"]
+    n_cmpl = httpx.post(server.base + "/tokenize", json={"prompt": "The capital of France is"}).json()["count"]
+    assert chat.usage.prompt_tokens == n_chat and 1 <= chat.usage.completion_tokens <= 6
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    assert cmpl.object == "text_completion" and cmpl.choices[0].text and cmpl.usage.prompt_tokens == n_cmpl
+
+    # streamed chat: role first, finish_reason on the last content chunk, then the usage chunk
+    assert chat_s[0].choices[0].delta.role == "assistant"
+    content_chunks = [c for c in chat_s if c.choices]
+    assert content_chunks[-1].choices[0].finish_reason == c0.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == c0.message.content
+    assert chat_s[-1].choices == [] and chat_s[-1].usage.completion_tokens == chat.usage.completion_tokens
+    text = "".join(c.choices[0].text for c in cmpl_s if c.choices)
+    assert text == cmpl.choices[0].text
+    assert [c for c in cmpl_s if c.choices][-1].choices[0].finish_reason == cmpl.choices[0].finish_reason
+    assert cmpl_s[-1].usage.prompt_tokens == n_cmpl
+
+    # the raw wire format: data: {json}\n\n ... data: [DONE]\n\n
+    with httpx.stream("POST", server.base + "/v1/completions", headers=_h(), timeout=300,
+                      json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3,
+                            "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    assert body.endswith("data: [DONE]\n\n")
+    assert all(part.startswith("data: ") for part in body.split("\n\n") if part)
+
+
+def test_n_stop_logprobs_seed(server, client):
+    prompt = "Once upon a time"
+    with ThreadPoolExecutor(6) as ex:
+        f_ref = ex.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        f_n2 = ex.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=2)
+        f_chat_n2 = ex.submit(client.chat.completions.create, model=MODEL, n=2, max_tokens=4, temperature=1.0,
+                              seed=3, messages=[{"role": "user", "content": prompt}])
+        f_lp = ex.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                         logprobs=3)
+        f_clp = ex.submit(client.chat.completions.create, model=MODEL, max_tokens=4, temperature=0,
+                          logprobs=True, top_logprobs=2, messages=[{"role": "user", "content": prompt}])
+        seeded = [ex.submit(client.chat.completions.create, model=MODEL, max_tokens=6, temperature=1.0, seed=1234,
+                            messages=[{"role": "user", "content": "Tell me a story"}]) for _ in range(2)]
+        ref, n2, chat_n2, lp, clp = f_ref.result(), f_n2.result(), f_chat_n2.result(), f_lp.result(), f_clp.result()
+        seeded = [f.result() for f in seeded]
+
+    # n=2 greedy: two identical choices
+    assert [c.index for c in n2.choices] == [0, 1]
+    assert n2.choices[0].text == n2.choices[1].text == ref.choices[0].text
+    assert n2.usage.completion_tokens == 2 * ref.usage.completion_tokens
+    assert [c.index for c in chat_n2.choices] == [0, 1]
+    # seed reproducibility (sampled, temperature 1)
+    assert seeded[0].choices[0].message.content == seeded[1].choices[0].message.content
+
+    # completions logprobs: one entry per token, top-3 alternatives
+    L = lp.choices[0].logprobs
+    assert len(L.tokens) == len(L.token_logprobs) == len(L.top_logprobs) == lp.usage.completion_tokens
+    assert "".join(L.tokens) == lp.choices[0].text and L.text_offset[0] == 0
+    assert all(len(t) >= 3 and max(t.values()) <= 0 for t in L.top_logprobs)
+    assert all(lp_ == max(t.values()) for lp_, t in zip(L.token_logprobs, L.top_logprobs))   # greedy = top-1
+    # chat logprobs
+    C = clp.choices[0].logprobs.content
+    assert len(C) == clp.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 and e.bytes == list(e.token.encode()) for e in C)
+
+    # stop strings: cut the greedy text at a chosen substring
+    text = ref.choices[0].text
+    assert len(text) >= 4, text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text[:text.index(stop)]
+    with ThreadPoolExecutor(2) as ex:
+        f1 = ex.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                       stop=[stop])
+        f2 = ex.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                       stop=stop, extra_body={"include_stop_str_in_output": True})
+        r1, r2 = f1.result(), f2.result()
+    assert r1.choices[0].text == cut and r1.choices[0].finish_reason == "stop"
+    assert r1.choices[0].model_extra["stop_reason"] == stop
+    assert r2.choices[0].text == cut + stop
+
+
+def test_thinking_and_tool_messages_on_the_real_server(server, client):
+    # thinking mode: the prompt opens <think>; everything generated before </think> is reasoning
+    t = httpx.post(server.base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                    "chat_template_kwargs": {"thinking": True}}).json()
+    assert t["tokens"][-1] == 128821                                     # <think>
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22C and sunny"}]
+    with ThreadPoolExecutor(3) as ex:
+        f_think = ex.submit(client.chat.completions.create, model=MODEL, max_tokens=4, temperature=0,
+                            messages=[{"role": "user", "content": "Hi"}],
+                            extra_body={"chat_template_kwargs": {"thinking": True}})
+        f_effort = ex.submit(client.chat.completions.create, model=MODEL, max_tokens=2, temperature=0,
+                             messages=[{"role": "user", "content": "Hi"}], reasoning_effort="high")
+        f_tool = ex.submit(client.chat.completions.create, model=MODEL, max_tokens=3, temperature=0,
+                           messages=msgs, tools=tools)
+        think, effort, tool = f_think.result(), f_effort.result(), f_tool.result()
+    m = think.choices[0].message
+    extra = m.model_extra
+    assert isinstance(extra["reasoning_content"], str) and extra["reasoning_content"] == extra["reasoning"]
+    assert extra["reasoning_content"] + (m.content or "") != ""
+    assert isinstance(effort.choices[0].message.model_extra["reasoning_content"], str)   # top-level effort
+    assert tool.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the tool round trip is encoded: tools section, the DSML call, the result in the next user turn
+    t = httpx.post(server.base + "/tokenize", json={"messages": msgs, "tools": tools}).json()
+    prompt = httpx.post(server.base + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"]
+    assert "## Tools" in prompt and '"name": "get_weather"' in prompt
+    assert '<｜DSML｜invoke name="get_weather">' in prompt
+    assert '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>' in prompt
+    assert "<｜User｜><tool_result>22C and sunny</tool_result><｜Assistant｜></think>" in prompt
+
+
+# ============================================================================ bad input
+
+
+_DROP = object()     # remove this field from the good base request
+BAD = [
+    # (name, method, path, body (dict | raw str | None), headers override, status, error type, param)
+    ("malformed json", "POST", "/v1/chat/completions", "{bad", None, 400, "invalid_request_error", None),
+    ("body is a list", "POST", "/v1/chat/completions", "[1, 2]", None, 400, "invalid_request_error", None),
+    ("empty body", "POST", "/v1/completions", "", None, 400, "invalid_request_error", None),
+    ("missing messages", "POST", "/v1/chat/completions", {"messages": _DROP}, None, 400, "invalid_request_error",
+     "messages"),
+    ("empty messages", "POST", "/v1/chat/completions", {"messages": []}, None, 400, "invalid_request_error",
+     "messages"),
+    ("messages not a list", "POST", "/v1/chat/completions", {"messages": "hi"}, None, 400,
+     "invalid_request_error", "messages"),
+    ("unknown role", "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None,
+     400, "invalid_request_error", "messages"),
+    ("user without content", "POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, None, 400,
+     "invalid_request_error", "messages"),
+    ("orphan tool message", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}]}, None, 400,
+     "invalid_request_error", "messages"),
+    ("temperature < 0", "POST", "/v1/chat/completions", {"temperature": -1}, None, 400, "invalid_request_error",
+     "temperature"),
+    ("temperature str", "POST", "/v1/chat/completions", {"temperature": "hot"}, None, 400,
+     "invalid_request_error", "temperature"),
+    ("top_p 0", "POST", "/v1/chat/completions", {"top_p": 0}, None, 400, "invalid_request_error", "top_p"),
+    ("top_p > 1", "POST", "/v1/completions", {"top_p": 1.5}, None, 400, "invalid_request_error", "top_p"),
+    ("top_k -2", "POST", "/v1/completions", {"top_k": -2}, None, 400, "invalid_request_error", "top_k"),
+    ("min_p 2", "POST", "/v1/completions", {"min_p": 2}, None, 400, "invalid_request_error", "min_p"),
+    ("n 0", "POST", "/v1/chat/completions", {"n": 0}, None, 400, "invalid_request_error", "n"),
+    ("n str", "POST", "/v1/completions", {"n": "2"}, None, 400, "invalid_request_error", "n"),
+    ("max_tokens 0", "POST", "/v1/chat/completions", {"max_tokens": 0}, None, 400, "invalid_request_error",
+     "max_tokens"),
+    ("max_completion_tokens str", "POST", "/v1/chat/completions", {"max_completion_tokens": "x"}, None, 400,
+     "invalid_request_error", "max_completion_tokens"),
+    ("max_tokens over context", "POST", "/v1/completions", {"max_tokens": MAX_MODEL_LEN + 10}, None, 400,
+     "invalid_request_error", "max_tokens"),
+    ("presence_penalty 3", "POST", "/v1/chat/completions", {"presence_penalty": 3}, None, 400,
+     "invalid_request_error", "presence_penalty"),
+    ("frequency_penalty -3", "POST", "/v1/completions", {"frequency_penalty": -3}, None, 400,
+     "invalid_request_error", "frequency_penalty"),
+    ("repetition_penalty 0", "POST", "/v1/completions", {"repetition_penalty": 0}, None, 400,
+     "invalid_request_error", "repetition_penalty"),
+    ("stop int", "POST", "/v1/chat/completions", {"stop": 5}, None, 400, "invalid_request_error", "stop"),
+    ("stop empty string", "POST", "/v1/completions", {"stop": [""]}, None, 400, "invalid_request_error", "stop"),
+    ("stop_token_ids -1", "POST", "/v1/completions", {"stop_token_ids": [-1]}, None, 400,
+     "invalid_request_error", "stop_token_ids"),
+    ("seed str", "POST", "/v1/chat/completions", {"seed": "abc"}, None, 400, "invalid_request_error", "seed"),
+    ("min_tokens > max_tokens", "POST", "/v1/completions", {"min_tokens": 10, "max_tokens": 5}, None, 400,
+     "invalid_request_error", "min_tokens"),
+    ("ignore_eos int", "POST", "/v1/completions", {"ignore_eos": 1}, None, 400, "invalid_request_error",
+     "ignore_eos"),
+    ("skip_special_tokens str", "POST", "/v1/completions", {"skip_special_tokens": "no"}, None, 400,
+     "invalid_request_error", "skip_special_tokens"),
+    ("chat logprobs str", "POST", "/v1/chat/completions", {"logprobs": "yes"}, None, 400,
+     "invalid_request_error", "logprobs"),
+    ("top_logprobs without logprobs", "POST", "/v1/chat/completions", {"top_logprobs": 3}, None, 400,
+     "invalid_request_error", "top_logprobs"),
+    ("top_logprobs 50", "POST", "/v1/chat/completions", {"logprobs": True, "top_logprobs": 50}, None, 400,
+     "invalid_request_error", "top_logprobs"),
+    ("completion logprobs 21", "POST", "/v1/completions", {"logprobs": 21}, None, 400, "invalid_request_error",
+     "logprobs"),
+    ("stream str", "POST", "/v1/chat/completions", {"stream": "yes"}, None, 400, "invalid_request_error",
+     "stream"),
+    ("stream_options without stream", "POST", "/v1/completions", {"stream_options": {"include_usage": True}},
+     None, 400, "invalid_request_error", "stream_options"),
+    ("tools not a list", "POST", "/v1/chat/completions", {"tools": "x"}, None, 400, "invalid_request_error",
+     "tools"),
+    ("tool without name", "POST", "/v1/chat/completions", {"tools": [{"type": "function", "function": {}}]},
+     None, 400, "invalid_request_error", "tools"),
+    ("tool_choice required", "POST", "/v1/chat/completions", {"tool_choice": "required"}, None, 400,
+     "invalid_request_error", "tool_choice"),
+    ("chat_template_kwargs str", "POST", "/v1/chat/completions", {"chat_template_kwargs": "x"}, None, 400,
+     "invalid_request_error", "chat_template_kwargs"),
+    ("reasoning_effort int", "POST", "/v1/chat/completions", {"reasoning_effort": 5}, None, 400,
+     "invalid_request_error", "reasoning_effort"),
+    ("logit_bias", "POST", "/v1/completions", {"logit_bias": {"1": 5}}, None, 400, "invalid_request_error",
+     "logit_bias"),
+    ("response_format bogus", "POST", "/v1/chat/completions", {"response_format": {"type": "xml"}}, None, 400,
+     "invalid_request_error", "response_format"),
+    ("prompt too long", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hello " * (MAX_MODEL_LEN + 50)}]}, None, 400,
+     "invalid_request_error", "messages"),
+    ("completion prompt too long", "POST", "/v1/completions", {"prompt": list(range(1000, 1000 + MAX_MODEL_LEN))},
+     None, 400, "invalid_request_error", "prompt"),
+    ("missing prompt", "POST", "/v1/completions", {"prompt": _DROP}, None, 400, "invalid_request_error", "prompt"),
+    ("prompt float", "POST", "/v1/completions", {"prompt": 3.5}, None, 400, "invalid_request_error", "prompt"),
+    ("prompt mixed list", "POST", "/v1/completions", {"prompt": [1, "a"]}, None, 400, "invalid_request_error",
+     "prompt"),
+    ("prompt id out of vocab", "POST", "/v1/completions", {"prompt": [5, 999999]}, None, 400,
+     "invalid_request_error", "prompt"),
+    ("prompt empty list", "POST", "/v1/completions", {"prompt": []}, None, 400, "invalid_request_error", "prompt"),
+    ("suffix", "POST", "/v1/completions", {"suffix": "x"}, None, 400, "invalid_request_error", "suffix"),
+    ("best_of", "POST", "/v1/completions", {"best_of": 3}, None, 400, "invalid_request_error", "best_of"),
+    ("echo str", "POST", "/v1/completions", {"echo": "x"}, None, 400, "invalid_request_error", "echo"),
+    ("model int", "POST", "/v1/completions", {"model": 5}, None, 400, "invalid_request_error", "model"),
+    ("unknown model", "POST", "/v1/chat/completions", {"model": "gpt-4"}, None, 404, "invalid_request_error",
+     "model"),
+    ("unknown model (completions)", "POST", "/v1/completions", {"model": "nope"}, None, 404,
+     "invalid_request_error", "model"),
+    ("missing key", "POST", "/v1/chat/completions", {}, {}, 401, "authentication_error", None),
+    ("wrong key", "POST", "/v1/completions", {}, {"Authorization": "Bearer nope"}, 401, "authentication_error",
+     None),
+    ("models without key", "GET", "/v1/models", None, {}, 401, "authentication_error", None),
+    ("detokenize str", "POST", "/detokenize", {"tokens": "x"}, None, 400, "invalid_request_error", "tokens"),
+    ("detokenize bad id", "POST", "/detokenize", {"tokens": [-1]}, None, 400, "invalid_request_error", "tokens"),
+    ("tokenize without prompt", "POST", "/tokenize", {}, None, 400, "invalid_request_error", "prompt"),
+    ("unknown route", "GET", "/v1/nope", None, None, 404, "not_found_error", None),
+    ("wrong method", "GET", "/v1/completions", None, None, 405, "invalid_request_error", None),
+]
+_GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+_GOOD_CMPL = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+
+def test_bad_inputs_table(server):
+    assert len(BAD) >= 25
+    failures = []
+    with httpx.Client(base_url=server.base, timeout=120) as c:
+        for name, method, path, body, headers, status, etype, param in BAD:
+            hdr = _h() if headers is None else headers
+            if isinstance(body, dict) and path in ("/v1/chat/completions", "/v1/completions"):
+                base = _GOOD_CHAT if "chat" in path else _GOOD_CMPL
+                body = {k: v for k, v in {**base, **body}.items() if v is not _DROP}
+            content = body if isinstance(body, str) else (json.dumps(body) if body is not None else None)
+            r = c.request(method, path, content=content, headers={**hdr, "Content-Type": "application/json"})
+            try:
+                err = r.json()["error"]
+                ok = (r.status_code == status and err["type"] == etype and (param is None or err["param"] == param)
+                      and isinstance(err["message"], str) and err["message"] and set(err) == {
+                          "message", "type", "param", "code"})
+            except Exception as e:  # noqa: BLE001
+                ok, err = False, f"{type(e).__name__}: {r.text[:200]}"
+            if not ok:
+                failures.append(f"{name}: got {r.status_code} {err}")
+    assert not failures, "\n".join(failures)
+    # the server keeps serving
+    r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), json=_GOOD_CHAT, timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+# ============================================================================ concurrency + disconnects
+
+
+def test_64_concurrent_streams_with_disconnects(server):
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def main():"]
+    rng = random.Random(20260731)
+    n_clients = 64
+    quitters = set(rng.sample(range(n_clients), n_clients // 5))
+    quit_after = {i: rng.randint(0, 3) for i in quitters}        # data chunks read before hanging up
+
+    def payload(i: int, stream: bool) -> tuple[str, dict]:
+        p = prompts[(i // 2) % len(prompts)]
+        long = stream and i in quitters
+        body = {"model": MODEL, "max_tokens": 300 if long else 5, "temperature": 0, "stream": stream}
+        if long:
+            body["ignore_eos"] = True
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if i % 2 == 0:
+            return "/v1/completions", {**body, "prompt": p}
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": p}]}
+
+    async def reference(c, i):
+        path, body = payload(i, False)
+        r = await c.post(path, json=body)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        return ch["text"] if "text" in ch else ch["message"]["content"], ch["finish_reason"]
+
+    async def one(c, i):
+        path, body = payload(i, True)
+        events = []
+        async with c.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.strip():
+                    continue
+                if i in quitters and len(events) >= quit_after[i]:
+                    return i, None                                 # hang up mid-stream
+                events.append(line)
+        return i, _sse_events(events)
+
+    async def main():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.base, headers=_h(), timeout=600, limits=limits) as c:
+            refs = await asyncio.gather(*[reference(c, i) for i in range(2 * len(prompts))])
+            m0 = _metrics(server.base)
+            results = await asyncio.gather(*[one(c, i) for i in range(n_clients)])
+        return refs, m0, results
+
+    refs, m0, results = asyncio.run(main())
+    checked = 0
+    for i, events in results:
+        if i in quitters:
+            assert events is None
+            continue
+        assert events[-1] == "[DONE]", (i, events[-3:])
+        usage = events[-2]
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+        chunks = [e for e in events[:-2]]
+        assert all(e["choices"] and e["choices"][0]["index"] == 0 for e in chunks)
+        finals = [e["choices"][0]["finish_reason"] for e in chunks]
+        assert finals[-1] in ("stop", "length") and all(f is None for f in finals[:-1]), finals
+        if i % 2 == 0:
+            text = "".join(e["choices"][0]["text"] for e in chunks)
+        else:
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            text = "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
+        ref_text, ref_finish = refs[i % (2 * len(prompts))]
+        assert text == ref_text and finals[-1] == ref_finish, (i, text, ref_text)
+        checked += 1
+    assert checked == n_clients - len(quitters)
+
+    # every disconnect aborted its request: nothing runs, the KV cache is empty again
+    deadline = time.monotonic() + 60
+    while True:
+        m = _metrics(server.base)
+        idle = (_metric(m, "vllm:num_requests_running") == 0 and _metric(m, "vllm:num_requests_waiting") == 0
+                and _metric(m, "vllm:kv_cache_usage_perc") == 0)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert idle, {k: v for k, v in m.items() if "num_requests" in k or "kv_cache" in k}
+    aborts = _metric(m, "vllm:request_success_total", finished_reason="abort") - \
+        _metric(m0, "vllm:request_success_total", finished_reason="abort")
+    assert aborts == len(quitters)
+    assert _metric(m, "vllm:time_to_first_token_seconds_count") > _metric(m0, "vllm:time_to_first_token_seconds_count")
+    r = httpx.post(server.base + "/v1/completions", headers=_h(), json=_GOOD_CMPL, timeout=300)
+    assert r.status_code == 200
+
+
+# ============================================================================ bench serve
+
+
+def test_bench_serve(server):
+    out = server.tmp / "bench.json"
+    png = server.tmp / "bench.png"
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--port", str(server.port),
+                        "--api-key", KEY, "--num-prompts", "6", "--random-input-len", "8", "--random-output-len",
+                        "4", "--ignore-eos", "--max-concurrency", "3", "--seed", "1", "--save-result",
+                        "--result-file", str(out), "--plot", str(png)],
+                       capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Serving Benchmark Result" in r.stdout and "Mean TTFT (ms)" in r.stdout and "P99 ITL (ms)" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["completed"] == 6 and res["failed"] == 0
+    assert res["total_input_tokens"] == 6 * 8 and res["total_output_tokens"] == 6 * 4
+    for k in ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms",
+              "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p50_itl_ms",
+              "mean_e2el_ms", "p99_e2el_ms"):
+        assert res[k] > 0, k
+    assert res["max_concurrent_requests"] <= 3
+    assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
+    if png.exists():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ============================================================================ in-process: fake engine
+
+
+class _FakeCache:
+    def __init__(self):
+        self.num_blocks, self.used = 100, 0
+
+    def usage(self):
+        return self.used / self.num_blocks
+
+    @property
+    def num_free_blocks(self):
+        return self.num_blocks - self.used
+
+
+class _FakeSeq:
+    def __init__(self, rid, index, params, detok):
+        self.request_id, self.index, self.params = rid, index, params
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.detok = detok
+        self.finish_reason = None
+        self.logprobs = [] if params.logprobs is not None else None
+
+
+class FakeEngine:
+    """Engine stand-in that 'generates' a fixed reply, one token per step, with the real tokenizer
+    and incremental detokenizer. ``go`` unset: requests are admitted but make no progress."""
+
+    def __init__(self, reply: str, max_running: int = 4):
+        from dsv4.server.tokenizer import load_tokenizer
+        self.tokenizer = load_tokenizer(None)
+        self.model_config = SimpleNamespace(vocab_size=129280, eos_token_id=1, bos_token_id=0)
+        self.max_model_len = 4096
+        self.cfg = SimpleNamespace(model=None)
+        self.reply_ids = self.tokenizer.encode(reply)
+        self.scheduler = SimpleNamespace(running=[], waiting=deque(), num_preemptions=0)
+        self.cache = _FakeCache()
+        self.stats = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.max_running = max_running
+        self.requests: dict[str, tuple[list, list[_FakeSeq]]] = {}
+        self.go = threading.Event()
+        self.go.set()
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, rid, prompt, params, arrival=None):
+        self.thread_ids.add(threading.get_ident())
+        seqs = [_FakeSeq(rid, i, params, self.tokenizer.incremental_detokenizer(params.skip_special_tokens))
+                for i in range(params.n)]
+        self.requests[rid] = (list(prompt), seqs)
+        self.scheduler.waiting.extend(seqs)
+
+    def abort_request(self, rid):
+        for s in self.requests.get(rid, ([], []))[1]:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+                self._drop(s)
+
+    def _drop(self, s):
+        if s in self.scheduler.running:
+            self.scheduler.running.remove(s)
+            self.cache.used -= 1
+        elif s in self.scheduler.waiting:
+            self.scheduler.waiting.remove(s)
+
+    def has_unfinished_requests(self):
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        time.sleep(0.002)
+        touched = set()
+        while self.scheduler.waiting and len(self.scheduler.running) < self.max_running:
+            s = self.scheduler.waiting.popleft()
+            self.scheduler.running.append(s)
+            self.cache.used += 1
+        if self.go.is_set():
+            for s in list(self.scheduler.running):
+                k = len(s.token_ids)
+                if k >= len(self.reply_ids) or k >= (s.params.max_tokens or 10**9):
+                    continue
+                tok = self.reply_ids[k]
+                s.token_ids.append(tok)
+                if s.logprobs is not None:
+                    s.logprobs.append({tok: Logprob(-0.25), 5: Logprob(-2.0)})
+                s.text += s.detok.add(tok)
+                self.stats["generation_tokens"] += 1
+                if len(s.token_ids) == len(self.reply_ids):
+                    s.finish_reason = "stop"
+                elif len(s.token_ids) == s.params.max_tokens:
+                    s.finish_reason = "length"
+                if s.finish_reason:
+                    self._drop(s)
+                touched.add(s.request_id)
+            self.stats["steps"] += 1
+        for rid, (_, seqs) in self.requests.items():
+            if all(s.finish_reason for s in seqs):
+                touched.add(rid)
+        outs = []
+        for rid in touched:
+            prompt, seqs = self.requests[rid]
+            fin = all(s.finish_reason for s in seqs)
+            outs.append(RequestOutput(rid, None, prompt, [
+                CompletionOutput(s.index, s.text, list(s.token_ids), None,
+                                 list(s.logprobs) if s.logprobs is not None else None, s.finish_reason)
+                for s in seqs], fin, {"arrival": 0.0, "first_token_time": None}))
+            if fin:
+                del self.requests[rid]
+        return outs
+
+
+async def _asgi_call(app, fn):
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+        return await fn(c)
+
+
+def _fake_app(reply: str, **kw):
+    from dsv4.server.app import build_app
+    eng = FakeEngine(reply, max_running=kw.pop("max_running", 4))
+    app = build_app(eng, served_model_name=MODEL, **kw)
+    return app, eng
+
+
+DSML_REPLY = ("I'll check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"
+              "<｜DSML｜parameter name=\"city\" string=\"true\">Paris</｜DSML｜parameter>\n"
+              "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n"
+              "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+
+
+def test_tool_calls_and_reasoning_are_parsed_in_process():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+    async def run(app, body):
+        async def go(c):
+            r1 = await c.post("/v1/chat/completions", json=body)
+            r2 = await c.post("/v1/chat/completions", json={**body, "stream": True,
+                                                            "stream_options": {"include_usage": True}})
+            return r1, r2
+        try:
+            return await _asgi_call(app, go)
+        finally:
+            app.state.server.aeng.shutdown()
+
+    # DSML tool call -> OpenAI tool_calls, finish_reason tool_calls
+    app, eng = _fake_app(DSML_REPLY)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "tools": tools, "max_tokens": 200}
+    r1, r2 = asyncio.run(run(app, body))
+    assert r1.status_code == 200, r1.text
+    ch = r1.json()["choices"][0]
+    assert ch["finish_reason"] == "tool_calls"
+    assert ch["message"]["content"] == "I'll check."
+    [call] = ch["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    ev = _sse_events(r2.text.split("\n\n"))
+    assert ev[-1] == "[DONE]" and ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] > 10
+    deltas = [e["choices"][0] for e in ev[:-2]]
+    assert deltas[0]["delta"]["role"] == "assistant"
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "I'll check."
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    [tc] = deltas[-1]["delta"]["tool_calls"]
+    assert tc["index"] == 0 and tc["function"]["name"] == "get_weather"
+    assert json.loads(tc["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    assert not any("｜DSML｜" in (d["delta"].get("content") or "") for d in deltas)
+    assert eng.thread_ids and len(eng.thread_ids) == 1 and threading.get_ident() not in eng.thread_ids
+
+    # thinking: reasoning before </think>, content after; both spellings of the field
+    app, _ = _fake_app("Let me think. 2+2=4.</think>The answer is 4.")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 200,
+            "chat_template_kwargs": {"thinking": True}, "logprobs": True, "top_logprobs": 1}
+    r1, r2 = asyncio.run(run(app, body))
+    msg = r1.json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == msg["reasoning"] == "Let me think. 2+2=4."
+    assert msg["content"] == "The answer is 4." and msg["tool_calls"] == []
+    assert r1.json()["choices"][0]["finish_reason"] == "stop"
+    assert len(r1.json()["choices"][0]["logprobs"]["content"]) == r1.json()["usage"]["completion_tokens"]
+    ev = _sse_events(r2.text.split("\n\n"))
+    deltas = [e["choices"][0]["delta"] for e in ev[:-2]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me think. 2+2=4."
+    assert "".join(d.get("content") or "" for d in deltas) == "The answer is 4."
+    assert ev[-3]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_waiting_queue_bound_gives_503_and_recovers():
+    app, eng = _fake_app("Hello there, friend.", max_running=1, max_waiting=1)
+    srv = app.state.server
+    eng.go.clear()
+
+    async def go(c):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+        a = asyncio.create_task(c.post("/v1/completions", json=body))      # runs (but makes no progress)
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if srv.aeng.snapshot.running == 1:
+                break
+        b = asyncio.create_task(c.post("/v1/completions", json=body))      # waits
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if srv.aeng.snapshot.waiting == 1:
+                break
+        assert srv.aeng.snapshot.waiting == 1
+        full = await c.post("/v1/completions", json=body)                  # over the bound
+        full_chat = await c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                               "messages": [{"role": "user", "content": "x"}]})
+        eng.go.set()
+        ra, rb = await a, await b
+        ok = await c.post("/v1/completions", json=body)                    # serving again
+        metrics = (await c.get("/metrics")).text
+        return full, full_chat, ra, rb, ok, metrics
+
+    try:
+        full, full_chat, ra, rb, ok, metrics = asyncio.run(_asgi_call(app, go))
+    finally:
+        srv.aeng.shutdown()
+    for r in (full, full_chat):
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "service_unavailable_error" and r.json()["error"]["code"] == "queue_full"
+    for r in (ra, rb, ok):
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == eng.tokenizer.decode(eng.reply_ids[:3])
+    assert re.search(r'vllm:request_success_total\{finished_reason="length",model_name="dsv4-tiny"\} 3\.0', metrics)
+    assert 'vllm:num_requests_running{model_name="dsv4-tiny"} 0.0' in metrics
+
+
+def test_sampling_param_mapping_unit():
+    from dsv4.server import protocol as P
+    ps = P.sampling_params({"temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3,
+                            "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1,
+                            "stop": "x", "stop_token_ids": [7], "max_completion_tokens": 9, "max_tokens": 4,
+                            "min_tokens": 2, "ignore_eos": True, "n": 2, "logprobs": True, "top_logprobs": 4,
+                            "skip_special_tokens": False, "include_stop_str_in_output": True}, "chat", None)
+    p = ps.params
+    assert isinstance(p, SamplingParams)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.5, 0.9, 5, 0.1, 3)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, 0.25, 1.1)
+    assert p.stop == ["x"] and p.stop_token_ids == [7] and p.max_tokens == 9 and p.min_tokens == 2
+    assert p.ignore_eos and p.n == 2 and p.logprobs == 4 and ps.top_logprobs == 4
+    assert not p.skip_special_tokens and p.include_stop_str_in_output
+    assert P.sampling_params({}, "completion", 16).params.max_tokens == 16
+    assert P.sampling_params({}, "chat", None).params.max_tokens is None
+    assert P.sampling_params({"logprobs": 2}, "completion", 16).params.logprobs == 2
+    with pytest.raises(P.APIError) as e:
+        P.sampling_params({"max_completion_tokens": 0}, "chat", None)
+    assert e.value.status == 400 and e.value.param == "max_completion_tokens"
+    o = P.chat_options({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"})
+    assert o.template_kwargs == {"reasoning_effort": "max", "thinking": True}
+    o = P.chat_options({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none"})
+    assert "thinking" not in o.template_kwargs
+    o = P.chat_options({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}})
+    assert o.template_kwargs["thinking"] == {"type": "enabled"}
