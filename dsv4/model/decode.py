@@ -180,8 +180,12 @@ class FastDecoder:
             K = rows.shape[1]
             loc = torch.where(valid, torch.arange(B * K, device=x.device).view(B, K), -1)
             o = sparse_attention(q, rows.reshape(B * K, -1), loc, at.sink, at.scale, num)
-        o = apply_rope(o, freqs, inverse=True)
-        og = o.view(B, at.G, -1).float()
+        if self.attention == "triton":
+            from ..kernels.inverse_rope import inverse_rope
+            og = inverse_rope(o, freqs.real.float().contiguous(), freqs.imag.float().contiguous())
+            og = og.view(B, at.G, -1).float()
+        else:
+            og = apply_rope(o, freqs, inverse=True).view(B, at.G, -1).float()
         z = num.round(num.einsum("tgd,grd->tgr", og, at.wo_a.weight.view(at.G, -1, og.shape[-1])))
         return at.wo_b(z.flatten(1))
 
