@@ -5,6 +5,9 @@ import torch
 
 # Deterministic CPU numerics and a bounded thread count on the 2-core CI machines.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def skip_or_fail_without_shared(what: str) -> None:

@@ -94,6 +94,17 @@ class FastDecoder:
         self.scratch_block = cache.allocate_blocks(1)[0]
         dev = cache.device
         self._win_off = torch.arange(WINDOW, device=dev)
+        self.trace: dict | None = None      # name -> tensor, filled when set (``dsv4 validate``)
+        self.force: dict | None = None      # name -> tensor that replaces this path's value downstream
+
+    def _t(self, name, t):
+        """Trace point: record this path's value; continue with a forced one if given (module-by-
+        module comparison with identical inputs)."""
+        if self.trace is not None:
+            self.trace[name] = t.detach().clone()
+        if self.force is not None and name in self.force:
+            return self.force[name].to(t.dtype)
+        return t
 
     # ------------------------------------------------------------------ helpers
     def _entry_ids(self, bt, e, per_block, m, write_mask=None):
@@ -133,7 +144,7 @@ class FastDecoder:
     # ------------------------------------------------------------------ attention of one layer
     def _attention(self, blk: Block, lc, x, pos, slots, bt, freqs):
         at, num = blk.attn, self.num
-        B = x.shape[0]
+        B, L = x.shape[0], f"L{blk.layer_id}."
         qr = rms_norm(at.wq_a(x), at.q_norm, at.eps, num)
         q = at.wq_b(qr).view(B, at.H, at.D)
         kv = rms_norm(at.wkv(x), at.kv_norm, at.eps, num)
@@ -147,6 +158,8 @@ class FastDecoder:
             kv = apply_rope(kv, freqs)
             kv = torch.cat([fp8_qdq(kv[:, :at.nope], 64), kv[:, at.nope:]], dim=-1)
             write_entries(lc.window, win_slot, kv, WINDOW_PAGE)
+        q = self._t(L + "q", q)
+        kv = self._t(L + "kv", kv)
         # window index list: positions max(0, p-127) .. in order, -1 beyond p (reference layout)
         wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + self._win_off
         widx = torch.where(wpos <= pos[:, None], slots[:, None] * WINDOW + wpos % WINDOW, -1)
@@ -155,8 +168,10 @@ class FastDecoder:
             epb = lc.entries_per_block
             if at.indexer is not None:
                 picks = self._indexer(at.indexer, lc, x, qr, pos, slots, bt, freqs)
+                picks = self._t(L + "indexer_topk", picks)
             ck, cs = at.compressor.project(x, pos)
             new, complete = self._compress(at.compressor, lc.comp_state, slots, ck, cs, pos)
+            new = self._t(L + "compressor", torch.where(complete[:, None], new, 0))
             e_new = pos // blk.ratio
             write_entries(lc.entries, self._entry_ids(bt, e_new, epb, blk.ratio, complete), new, epb)
             if blk.ratio == 4:
@@ -180,6 +195,7 @@ class FastDecoder:
             K = rows.shape[1]
             loc = torch.where(valid, torch.arange(B * K, device=x.device).view(B, K), -1)
             o = sparse_attention(q, rows.reshape(B * K, -1), loc, at.sink, at.scale, num)
+        o = self._t(L + "sparse_attn", o)
         if self.attention == "triton":
             from ..kernels.inverse_rope import inverse_rope
             og = inverse_rope(o, freqs.real.float().contiguous(), freqs.imag.float().contiguous())
@@ -187,7 +203,8 @@ class FastDecoder:
         else:
             og = apply_rope(o, freqs, inverse=True).view(B, at.G, -1).float()
         z = num.round(num.einsum("tgd,grd->tgr", og, at.wo_a.weight.view(at.G, -1, og.shape[-1])))
-        return at.wo_b(z.flatten(1))
+        out = at.wo_b(z.flatten(1))
+        return self._t(L + "attn", out)
 
     def _indexer(self, ix, lc, x, qr, pos, slots, bt, freqs):
         """Indexer keys update + top-k over this sequence's keys; -1 for non-causal picks."""
@@ -218,13 +235,17 @@ class FastDecoder:
             lc = self.cache.layers[i]
             freqs = blk.attn.rope(pos)
             a, post, comb = blk.hc_attn.pre(h)
+            a = self._t(f"L{i}.hc_pre", a)
             a = self._attention(blk, lc, rms_norm(a, blk.attn_norm, self.cfg.rms_norm_eps, num), pos, slots, bt, freqs)
             h = blk.hc_attn.post(a, h, post, comb)
             f, post, comb = blk.hc_ffn.pre(h)
             f = self._moe(blk.moe, rms_norm(f, blk.ffn_norm, self.cfg.rms_norm_eps, num), tokens)
+            f = self._t(f"L{i}.moe", f)
             h = blk.hc_ffn.post(f, h, post, comb)
+            h = self._t(f"L{i}.hc_post", h)
         y = rms_norm(m.hc_head(h), m.norm, self.cfg.rms_norm_eps, num)
-        return m.head(y).float()
+        logits = m.head(y).float()
+        return self._t("logits", logits)
 
     def _moe(self, moe, x, ids):
         """Every expert on every row, masked: fixed shapes (the grouped-GEMM kernel replaces this)."""
