@@ -10,7 +10,7 @@ def _engine_kw(a: argparse.Namespace) -> dict:
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_model_len=a.max_model_len, kv_cache_memory=a.kv_cache_memory,
                 gpu_memory_utilization=a.gpu_memory_utilization, numerics=a.numerics, device=a.device,
-                log=not a.quiet)
+                attention_backend=a.attention_backend, cuda_graphs=not a.enforce_eager, log=not a.quiet)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -58,9 +58,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--numerics", choices=["official", "invariant", "exact"], default="invariant",
+    p.add_argument("--numerics", choices=["official", "invariant"], default="invariant",
                    help="reference numerics (invariant: batch-invariant official math)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--attention-backend", choices=["reference", "triton"], default=None,
+                   help="attention ops (default: triton on CUDA, reference on CPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or timing on stderr")
 
@@ -85,14 +88,15 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         return 2
     from .engine.llm_engine import EngineConfig, LLMEngine
 
-    if a.max_waiting is not None and a.max_waiting < 0:
-        raise ValueError(f"--max-waiting must be >= 0, got {a.max_waiting}")
+    if a.max_waiting is not None and a.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=a.model, max_num_seqs=a.max_num_seqs,
                                     max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                                     kv_cache_memory=a.kv_cache_memory,
                                     gpu_memory_utilization=a.gpu_memory_utilization, numerics=a.numerics,
-                                    device=a.device, log=not a.quiet))
+                                    device=a.device, attention_backend=a.attention_backend,
+                                    cuda_graphs=not a.enforce_eager, log=not a.quiet))
     api_key = a.api_key or os.environ.get("DSV4_API_KEY") or None
     app = build_app(engine, served_model_name=a.served_model_name, api_key=api_key, max_waiting=a.max_waiting,
                     log=not a.quiet)
@@ -120,15 +124,18 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (also env DSV4_API_KEY)")
     p.add_argument("--max-waiting", type=int, default=None,
-                   help="bound on requests waiting for the engine; more get 503 (default: unbounded)")
+                   help="when this many requests wait for the engine, new ones get 503 (default: unbounded)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--numerics", choices=["official", "invariant", "exact"], default="invariant",
+    p.add_argument("--numerics", choices=["official", "invariant"], default="invariant",
                    help="reference numerics (invariant: batch-invariant official math)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--attention-backend", choices=["reference", "triton"], default=None,
+                   help="attention ops (default: triton on CUDA, reference on CPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
@@ -160,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _serve_args(sv)
     sv.set_defaults(fn=_cmd_serve)
+    from .validate import add_parser as add_validate
+    add_validate(sub)
     t = sub.add_parser("make-tiny", help="write the deterministic tiny V4 checkpoint")
     t.add_argument("dir")
     t.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official")

@@ -7,7 +7,10 @@ Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``
 * Streaming is OpenAI's SSE: ``data: {json}\\n\\n`` chunks (chat: the first delta of each choice
   carries ``role``), ``finish_reason`` on each choice's last chunk, an optional usage chunk
   (``stream_options.include_usage``, ``choices: []``), then ``data: [DONE]``.
-* Chat prompts go through the V4 encoder (``apply_chat_template``); reasoning comes back as
+* Chat prompts go through the V4 encoder (``apply_chat_template``; ``chat_template_kwargs``
+  thinking / enable_thinking / reasoning_effort, or top-level ``reasoning_effort`` -- which turns
+  thinking on unless it is "none" or thinking is given -- and DeepSeek's ``thinking: {"type"}``);
+  reasoning comes back as
   ``reasoning_content`` (and vLLM's ``reasoning``), DSML tool calls as OpenAI ``tool_calls``
   (``finish_reason: "tool_calls"``).
 * The engine runs on its own thread (:mod:`.async_engine`); the event loop only tokenizes (in a
@@ -128,11 +131,11 @@ class OpenAIServer:
             raise P.APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                              P.AUTHENTICATION, None, "invalid_api_key")
 
-    def check_capacity(self, n_requests: int = 1) -> None:
+    def check_capacity(self) -> None:
         if not self.aeng.alive:
             raise P.APIError(503, f"the engine is not running ({self.aeng.dead})", P.UNAVAILABLE, None,
                              "engine_dead")
-        if self.max_waiting is not None and self.aeng.num_waiting() + n_requests > self.max_waiting:
+        if self.max_waiting is not None and self.aeng.num_waiting() >= self.max_waiting:
             raise P.APIError(503, f"the server is overloaded: {self.aeng.num_waiting()} requests are waiting "
                                   f"(--max-waiting {self.max_waiting}); retry later", P.UNAVAILABLE, None,
                              "queue_full")
@@ -140,22 +143,18 @@ class OpenAIServer:
     async def submit(self, rids: list[str], prompts: list, params, arrival: float, inbox: _Inbox,
                      param: str) -> None:
         """Add sub-requests (tag = position); on any rejection abort the ones accepted and raise 400."""
-        accepted = []
+        k = 0
         try:
             for k, (rid, prompt) in enumerate(zip(rids, prompts)):
                 await self.aeng.add(rid, prompt, params, arrival, inbox.queue, tag=k, prompt_tokens=len(prompt))
-                accepted.append(rid)
-        except EngineError as e:
-            for rid in accepted:
+        except BaseException as e:
+            for rid in rids[:k + 1]:      # aborting one that was never added is a no-op
                 self.aeng.abort(rid)
-            raise P.APIError(503, str(e), P.UNAVAILABLE, None, "engine_dead") from None
-        except ValueError as e:       # RequestRejected and friends
-            for rid in accepted:
-                self.aeng.abort(rid)
-            raise P.bad_request(str(e), param) from None
-        except BaseException:
-            for rid in accepted:
-                self.aeng.abort(rid)
+            inbox.close()
+            if isinstance(e, EngineError):
+                raise P.APIError(503, str(e), P.UNAVAILABLE, None, "engine_dead") from None
+            if isinstance(e, ValueError):     # RequestRejected and friends
+                raise P.bad_request(str(e), param) from None
             raise
 
     async def _next(self, inbox: _Inbox, request: Request):
@@ -333,7 +332,7 @@ class OpenAIServer:
                 raise P.bad_request(f"prompt {k} is empty", "prompt")
             P.check_lengths(len(p), ps, self.max_model_len, "prompt")
         echo_text = [(p if isinstance(p, str) else self.tokenizer.decode(p)) if echo else "" for p in prompts]
-        self.check_capacity(len(ids))
+        self.check_capacity()
         h = P.ResponseHeader(P.random_id("cmpl"), self.name)
         rids = [h.id if len(ids) == 1 else f"{h.id}-{k}" for k in range(len(ids))]
         inbox = _Inbox()
@@ -478,8 +477,8 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
         engine = LLMEngine(engine_or_config or EngineConfig(log=log))
     else:
         engine = engine_or_config
-    if max_waiting is not None and max_waiting < 0:
-        raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    if max_waiting is not None and max_waiting < 1:
+        raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     srv = OpenAIServer(engine, served_model_name, api_key, max_waiting, log=log)
 
     from contextlib import asynccontextmanager

@@ -166,7 +166,6 @@ class AsyncEngine:
                     self._step_failed(e)
                     continue
                 self._dispatch(outs)
-                self._publish()
 
     def _do_add(self, rid, prompt, params, arrival, route: _Route, fut) -> bool:
         with self._lock:
@@ -190,8 +189,11 @@ class AsyncEngine:
         return False
 
     def _dispatch(self, outs) -> None:
+        """Record metrics and publish the snapshot first, then deliver: a client that has its
+        result also sees it in /metrics."""
         now = time.monotonic()
         m = self.metrics
+        deliver = []
         for out in outs:
             route = self._routes.get(out.request_id)
             ntok = sum(len(o.token_ids) for o in out.outputs)
@@ -204,13 +206,9 @@ class AsyncEngine:
                     elif m:
                         m.inter_token(now - route.last_token)
                     route.last_token, route.last_count = now, ntok
-                try:
-                    route.loop.call_soon_threadsafe(_put, route.queue, (route.tag, out))
-                except RuntimeError:
-                    pass
+                deliver.append((route, out))
             if out.finished:
-                if route is not None:
-                    self._routes.pop(out.request_id, None)
+                self._routes.pop(out.request_id, None)
                 if m:
                     reasons = [o.finish_reason for o in out.outputs]
                     reason = "error" if "error" in reasons else (reasons[0] if reasons else None)
@@ -220,6 +218,12 @@ class AsyncEngine:
                     e2e = now - (route.arrival if route else (arrival or now))
                     ttft = (route.first_token - route.arrival) if route and route.first_token else None
                     m.finished(reason, e2e, len(out.prompt_token_ids), ntok, ttft)
+        self._publish()
+        for route, out in deliver:
+            try:
+                route.loop.call_soon_threadsafe(_put, route.queue, (route.tag, out))
+            except RuntimeError:
+                pass
 
     def _step_failed(self, e: Exception) -> None:
         print("dsv4 serve: engine step failed:", file=sys.stderr)
