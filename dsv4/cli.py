@@ -51,8 +51,8 @@ def _cmd_bench_throughput(a: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """Engine settings shared by generate, bench throughput and serve."""
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -64,6 +64,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=["reference", "triton"], default=None,
                    help="attention ops (default: triton on CUDA, reference on CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    _engine_flags(p)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or timing on stderr")
 
@@ -125,17 +130,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (also env DSV4_API_KEY)")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="when this many requests wait for the engine, new ones get 503 (default: unbounded)")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--numerics", choices=["official", "invariant"], default="invariant",
-                   help="reference numerics (invariant: batch-invariant official math)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--attention-backend", choices=["reference", "triton"], default=None,
-                   help="attention ops (default: triton on CUDA, reference on CPU)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
+    _engine_flags(p)
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
