@@ -1,0 +1,425 @@
+"""KV-compressor decode update + pooling + post-processing (spec §5), beside its torch twin.
+
+``compress_decode`` replaces ``FastDecoder._compress`` + ``Compressor.postprocess`` for a batch of
+decode tokens (one token per sequence), for the main compressor (c = 512, 584-byte FP8 entries)
+and the indexer's (c = 128, Hadamard + FP4, MXFP4 keys), CSA (ratio 4, overlapping windows) and
+HCA (ratio 128):
+
+1. every token writes its row ``[K (coff*c) | score (coff*c)]`` (fp32) into its slot's ring
+   ``state[slot, pos % (coff*m)]`` (``score`` already holds ``ape[pos % m]``, or pass ``ape`` and
+   the kernel adds it);
+2. tokens with ``(pos + 1) % m == 0`` pool the window they complete: CSA: the previous window's
+   first channel half (rows ``K[:c]``, scores ``S[:c]``; K = 0 / score = -inf when there is no
+   previous window, i.e. the first entry) stacked over the current window's second half (2m rows);
+   HCA: the m rows; softmax over the rows per channel in fp32, weighted sum;
+3. post-processing of the pooled vector: ``RMSNorm(bf16(pooled))`` with the compressor's norm
+   weight (fp32 math, bf16 out), RoPE on the last 64 dims at position ``pos + 1 - m`` (the
+   caller's fp32 cos/sin rows ``[B, 32]`` for that position), then main: FP8 e4m3 QDQ of dims
+   0..447 in 64-blocks (UE8M0 scales); indexer: Hadamard(128) * 128^-0.5, bf16, FP4 e2m1 QDQ in
+   32-blocks (UE8M0 scales);
+4. optionally the entry is written into a paged cache at ``page_slots`` (global slot id =
+   page * page_size + offset; -1 = skip; only completing tokens write): main: the 584-byte
+   ``MODEL1_FP8Sparse`` entry (``encode_kv_entries`` bytes, as ``kv_insert`` writes them); indexer:
+   the 68-byte MXFP4 key (``encode_index_keys`` bytes; page = [ps x 64 B codes][ps x 4 B scales]).
+
+Returns ``(entries bf16 [B, c], complete bool [B])`` (+ the fp32 pooled vectors with
+``return_pooled``); rows that complete nothing get zero entries and write nothing.
+
+Kernels: main CSA (c = 512, 8 x 512 tile per token): ``_comp_fused``, grid (B,), ring write +
+pooling + post-processing + paged write in one launch. Indexer CSA and HCA (and any ``block_c <
+c``): ``_comp_pool`` grid (B, c / CB) writes its channels of the ring row and pools a rows x CB tile
+(8 x 32 / 128 x 32), then ``_comp_post`` grid (B) post-processes (the pooled fp32 vector goes
+through an L2-resident workspace). The choice per variant is the faster one measured on the H200. The current token's own row comes from registers, never read back. Non-completing
+tokens only write their ring row (and a zero entry).
+
+Numerics vs the twin (``compress_decode_torch`` = ``FastDecoder._compress`` +
+``Compressor.postprocess`` with official numerics): the pooled fp32 vector agrees to fp32 rounding
+(softmax/sum order, exp ulps); with the same pooled vector the post-processing is bit-exact except
+where the 512-term square sum or the Hadamard's summation order moves a bf16 rounding (rare), and a
+moved bf16 value can move one FP8/FP4 quantisation step. RoPE products and sums are rounded
+separately (``enable_fp_fusion=False``), as the reference's complex64 multiply.
+
+The prefill (chunk) update stays with the reference twin (``Compressor.update``); only the decode
+step is a kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import interpreting, triton_available
+
+ROPE_DIM = 64
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .kv_insert import _e4m3_bits, _exp2i, _rne_bf16, _ue8m0_exp
+
+    @triton.jit
+    def _pool_part(STATE, SLOTS, POS, KIN, SIN_, APE, b, cb, stride_ss, stride_sr, stride_kb, stride_sb,
+                   M: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
+                   CB: tl.constexpr):
+        """Write channels [cb*CB, cb*CB + CB) (and C + those for CSA) of the token's ring row; return
+        (pooled fp32 [CB] of those channels (zeros if the token completes no window), done, pos)."""
+        COFF: tl.constexpr = 2 if OVERLAP else 1
+        R: tl.constexpr = COFF * M
+        W: tl.constexpr = COFF * C
+        NR: tl.constexpr = COFF * M                       # pooled rows: 2m (CSA) or m (HCA)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        p = tl.load(POS + b).to(tl.int64)
+        ring = STATE + slot * stride_ss
+        row = p % R
+        ch = cb * CB + tl.arange(0, CB)
+        # ---- 1. this token's row: channels ch (and C + ch for CSA) of K and score
+        kin = KIN + b.to(tl.int64) * stride_kb
+        sin = SIN_ + b.to(tl.int64) * stride_sb
+        k_lo = tl.load(kin + ch)
+        s_lo = tl.load(sin + ch)
+        if HAS_APE:
+            s_lo = s_lo + tl.load(APE + (p % M) * W + ch)
+        tl.store(ring + row * stride_sr + ch, k_lo)
+        tl.store(ring + row * stride_sr + W + ch, s_lo)
+        if OVERLAP:
+            k_hi = tl.load(kin + C + ch)
+            s_hi = tl.load(sin + C + ch)
+            if HAS_APE:
+                s_hi = s_hi + tl.load(APE + (p % M) * W + C + ch)
+            tl.store(ring + row * stride_sr + C + ch, k_hi)
+            tl.store(ring + row * stride_sr + W + C + ch, s_hi)
+        else:
+            k_hi = k_lo
+            s_hi = s_lo
+        # ---- 2. pool the completed window
+        done = (p + 1) % M == 0
+        pooled = tl.zeros([CB], tl.float32)
+        if done:
+            start = p + 1 - M
+            r = tl.arange(0, NR)
+            if OVERLAP:
+                is_prev = r < M
+                rpos = start - M + r                        # prev rows: start-m .. start-1; cur: start ..
+                cmask = (rpos >= 0) | (~is_prev)
+                coff_ch = tl.where(is_prev, 0, C)           # prev rows read channels [0, c), cur [c, 2c)
+            else:
+                rpos = start + r
+                cmask = r >= 0
+                coff_ch = r * 0
+            rrow = (tl.maximum(rpos, 0) % R)
+            is_cur = rpos == p                              # the token's own row: from registers
+            ld = (cmask & (~is_cur))[:, None]
+            off = rrow[:, None] * stride_sr + coff_ch[:, None] + ch[None, :]
+            kt = tl.load(ring + off, mask=ld, other=0.0)
+            st = tl.load(ring + W + off, mask=ld, other=float("-inf"))
+            kt = tl.where(is_cur[:, None], k_hi[None, :], kt)
+            st = tl.where(is_cur[:, None], s_hi[None, :], st)
+            mx = tl.max(st, axis=0)
+            e = tl.exp(st - mx[None, :])
+            pr = e / tl.sum(e, axis=0)[None, :]
+            pooled = tl.sum(kt * pr, axis=0)
+        return pooled, done, p
+
+    @triton.jit
+    def _comp_pool(STATE, SLOTS, POS, KIN, SIN_, APE, POOLED,
+                   stride_ss, stride_sr, stride_kb, stride_sb, stride_pb,
+                   M: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
+                   CB: tl.constexpr):
+        b = tl.program_id(0)
+        cb = tl.program_id(1)
+        pooled, done, p = _pool_part(STATE, SLOTS, POS, KIN, SIN_, APE, b, cb, stride_ss, stride_sr,
+                                     stride_kb, stride_sb, M, C, OVERLAP, HAS_APE, CB)
+        tl.store(POOLED + b.to(tl.int64) * stride_pb + cb * CB + tl.arange(0, CB), pooled)
+
+    @triton.jit
+    def _rope_vec(x, COS, SIN, C: tl.constexpr):
+        """Rotate the interleaved pairs of the last 64 of C dims of x [C] (fp32)."""
+        x0, x1 = tl.split(tl.reshape(x, [C // 2, 2]))
+        j = tl.arange(0, C // 2)
+        R0: tl.constexpr = (C - 64) // 2
+        is_rope = j >= R0
+        c = tl.load(COS + (j - R0), mask=is_rope, other=1.0)
+        s = tl.load(SIN + (j - R0), mask=is_rope, other=0.0)
+        y0 = x0 * c - x1 * s
+        y1 = x0 * s + x1 * c
+        y0 = tl.where(is_rope, y0, x0)
+        y1 = tl.where(is_rope, y1, x1)
+        return tl.reshape(tl.join(y0, y1), [C])
+
+    @triton.jit
+    def _fwht_stage(x, N: tl.constexpr, H: tl.constexpr):
+        x3 = tl.permute(tl.reshape(x, [N // (2 * H), 2, H]), (0, 2, 1))     # [A, H, 2]
+        a, b = tl.split(x3)
+        y = tl.permute(tl.join(a + b, a - b), (0, 2, 1))
+        return tl.reshape(y, [N])
+
+    @triton.jit
+    def _fwht128(x):
+        """Unnormalised natural-order Walsh-Hadamard transform of x [128] (= x @ H, H[i,j] = (-1)^popc(i&j))."""
+        x = _fwht_stage(x, 128, 1)
+        x = _fwht_stage(x, 128, 2)
+        x = _fwht_stage(x, 128, 4)
+        x = _fwht_stage(x, 128, 8)
+        x = _fwht_stage(x, 128, 16)
+        x = _fwht_stage(x, 128, 32)
+        x = _fwht_stage(x, 128, 64)
+        return x
+
+    @triton.jit
+    def _e2m1_code(a):
+        """|v| (<= 6) -> e2m1 magnitude code 0..7, nearest, ties to the even code (fp4_qdq's rule)."""
+        c = (a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
+            + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32) \
+            + (a > 5.0).to(tl.int32)
+        c += ((a == 0.75) | (a == 1.75) | (a == 3.5)).to(tl.int32)
+        return c
+
+    @triton.jit
+    def _e2m1_value(c):
+        cf = c.to(tl.float32)
+        return tl.where(c < 4, cf * 0.5, tl.where(c < 7, cf - 2.0, 6.0))
+
+    @triton.jit
+    def _ue8m0_exp6(amax):
+        """e with 2^e = pow2_ceil(max(amax, 6*2^-126) * fp32(1/6)) (fp4_qdq's scale), from the bits."""
+        v = tl.maximum(amax, 6.0 * 2.0 ** -126) * (1.0 / 6.0)
+        bits = v.to(tl.int32, bitcast=True)
+        return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+    @triton.jit
+    def _fp4_qdq_blocks(xb):
+        """fp4_qdq of xb [NB, 32] fp32 (bf16 values): returns (qdq fp32, code|sign<<3 int32, scale exp)."""
+        e = _ue8m0_exp6(tl.max(tl.abs(xb), axis=1))
+        v = tl.minimum(tl.maximum(xb * _exp2i(-e)[:, None], -6.0), 6.0)
+        code = _e2m1_code(tl.abs(v))
+        sgn = v.to(tl.uint32, bitcast=True) & 0x80000000
+        q = (_e2m1_value(code).to(tl.uint32, bitcast=True) | sgn).to(tl.float32, bitcast=True)
+        return q * _exp2i(e)[:, None], code | (sgn >> 28).to(tl.int32), e
+
+    @triton.jit
+    def _entry(x, b64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
+               C: tl.constexpr, INDEXER: tl.constexpr, WRITE: tl.constexpr):
+        """Post-process the pooled vector x [C] fp32 of token b, store the bf16 entry (and its cache bytes)."""
+        d = tl.arange(0, C)
+        x = _rne_bf16(x)
+        ms = tl.sum(x * x, axis=0) / C
+        r = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
+        w = tl.load(NORMW + d)
+        x = _rne_bf16(w * (x * r))
+        x = _rne_bf16(_rope_vec(x, COS + b64 * 32, SIN_ + b64 * 32, C))
+        if INDEXER:
+            x = _rne_bf16(_fwht128(x) * 0.08838834764831845)
+            q, _c0, _e0 = _fp4_qdq_blocks(tl.reshape(x, [C // 32, 32]))
+            out = tl.reshape(q, [C])
+            tl.store(OUT + b64 * stride_ob + d, out.to(tl.bfloat16))
+            if WRITE:
+                slot = tl.load(PSLOTS + b64)
+                if slot >= 0:
+                    # encode_index_keys bytes of the QDQ'd key (scale re-derived from it)
+                    _q, code, e = _fp4_qdq_blocks(tl.reshape(out, [C // 32, 32]))
+                    lo, hi = tl.split(tl.reshape(code, [C // 2, 2]))
+                    packed = (lo | (hi << 4)).to(tl.uint8)
+                    page = slot // page_size
+                    offs = slot - page * page_size
+                    base = PAGES + page * page_nbytes
+                    tl.store(base + offs * (C // 2) + tl.arange(0, C // 2), packed)
+                    tl.store(base + page_size * (C // 2) + offs * (C // 32) + tl.arange(0, C // 32),
+                             (127 + e).to(tl.uint8))
+        else:
+            xb = tl.reshape(x, [8, 64])                       # block 7 = the 64 rope dims
+            blk = tl.arange(0, 8)
+            e = _ue8m0_exp(tl.max(tl.abs(xb), axis=1))
+            qv = tl.minimum(tl.maximum(xb * _exp2i(-e)[:, None], -448.0), 448.0)
+            deq = _e4m3_bits(qv).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            deq = deq * _exp2i(e)[:, None]
+            is_nope = (blk < 7)[:, None]
+            out = tl.where(is_nope, deq, xb)
+            tl.store(OUT + b64 * stride_ob + d, tl.reshape(out, [C]).to(tl.bfloat16))
+            if WRITE:
+                slot = tl.load(PSLOTS + b64)
+                if slot >= 0:
+                    e2 = _ue8m0_exp(tl.max(tl.abs(deq), axis=1))
+                    q8 = _e4m3_bits(deq * _exp2i(-e2)[:, None]).to(tl.uint8)
+                    page = slot // page_size
+                    offs = slot - page * page_size
+                    base = PAGES + page * page_nbytes
+                    rowp = base + offs * 576
+                    o = blk[:, None] * 64 + tl.arange(0, 64)[None, :]
+                    tl.store(rowp + o, q8, mask=is_nope & (o < 448))
+                    rope_ptr = (rowp + 448).to(tl.pointer_type(tl.bfloat16))
+                    tl.store(rope_ptr + (o - 448), out.to(tl.bfloat16), mask=(o >= 448))
+                    tl.store(base + page_size * 576 + offs * 8 + blk, tl.where(blk < 7, 127 + e2, 0).to(tl.uint8))
+
+    @triton.jit
+    def _comp_post(POOLED, NORMW, COS, SIN_, POS, OUT, COMPLETE, PAGES, PSLOTS,
+                   stride_pb, stride_ob, page_size, page_nbytes, eps,
+                   M: tl.constexpr, C: tl.constexpr, INDEXER: tl.constexpr, WRITE: tl.constexpr):
+        b = tl.program_id(0)
+        b64 = b.to(tl.int64)
+        p = tl.load(POS + b)
+        done = (p + 1) % M == 0
+        tl.store(COMPLETE + b, done.to(tl.int8))
+        d = tl.arange(0, C)
+        if done:
+            x = tl.load(POOLED + b64 * stride_pb + d)
+            _entry(x, b64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
+                   C, INDEXER, WRITE)
+        else:
+            tl.store(OUT + b64 * stride_ob + d, tl.zeros([C], tl.float32).to(tl.bfloat16))
+
+    @triton.jit
+    def _comp_fused(STATE, SLOTS, POS, KIN, SIN_, APE, POOLED, NORMW, COS, COSIN_, OUT, COMPLETE, PAGES, PSLOTS,
+                    stride_ss, stride_sr, stride_kb, stride_sb, stride_pb, stride_ob, page_size, page_nbytes, eps,
+                    M: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
+                    INDEXER: tl.constexpr, WRITE: tl.constexpr, STORE_POOLED: tl.constexpr):
+        """One program per token, all c channels: ring write + pooling + post-processing in one launch."""
+        b = tl.program_id(0)
+        b64 = b.to(tl.int64)
+        pooled, done, p = _pool_part(STATE, SLOTS, POS, KIN, SIN_, APE, b, 0, stride_ss, stride_sr,
+                                     stride_kb, stride_sb, M, C, OVERLAP, HAS_APE, C)
+        d = tl.arange(0, C)
+        if STORE_POOLED:
+            tl.store(POOLED + b64 * stride_pb + d, pooled)
+        tl.store(COMPLETE + b, done.to(tl.int8))
+        if done:
+            _entry(pooled, b64, NORMW, COS, COSIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
+                   C, INDEXER, WRITE)
+        else:
+            tl.store(OUT + b64 * stride_ob + d, tl.zeros([C], tl.float32).to(tl.bfloat16))
+
+
+def _dims(state: torch.Tensor, ratio: int) -> tuple[int, int, bool]:
+    overlap = ratio == 4
+    coff = 2 if overlap else 1
+    if state.dim() != 3 or state.dtype != torch.float32 or state.shape[1] != coff * ratio \
+            or state.shape[2] % (2 * coff) != 0:
+        raise ValueError(f"state: expected fp32 [slots, {coff * ratio}, 2*{coff}*c], got {state.dtype} "
+                         f"{tuple(state.shape)}")
+    c = state.shape[2] // (2 * coff)
+    return c, coff, overlap
+
+
+def _check(state, slots, pos, k, s, cos, sin, ratio, indexer):
+    c, coff, _ = _dims(state, ratio)
+    B = pos.shape[0]
+    if c != (128 if indexer else 512):
+        raise ValueError(f"{'indexer' if indexer else 'main'} compressor needs c = {128 if indexer else 512}, got {c}")
+    for name, t in (("k", k), ("s", s)):
+        if t.shape != (B, coff * c) or t.dtype != torch.float32:
+            raise ValueError(f"{name}: expected fp32 [{B}, {coff * c}], got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (B, ROPE_DIM // 2) or t.dtype != torch.float32:
+            raise ValueError(f"{name}: expected fp32 [{B}, 32], got {t.dtype} {tuple(t.shape)}")
+    if slots.shape != (B,) or pos.shape != (B,):
+        raise ValueError(f"slots/pos: expected [{B}], got {tuple(slots.shape)} / {tuple(pos.shape)}")
+    return c, coff
+
+
+def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+                    s: torch.Tensor, norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                    ratio: int, indexer: bool = False, ape: torch.Tensor | None = None, eps: float = 1e-6,
+                    pages: torch.Tensor | None = None, page_slots: torch.Tensor | None = None,
+                    page_size: int = 64, return_pooled: bool = False, block_c: int | None = None,
+                    fused: bool | None = None, fused_warps: int = 8):
+    """Triton decode update of one compressor for a batch of tokens (see the module doc).
+
+    state fp32 [slots, coff*m, 2*coff*c] (updated in place); slots, pos int [B]; k, s fp32
+    [B, coff*c]; norm_w [c]; cos/sin fp32 [B, 32] at position pos + 1 - m; ape fp32 [m, coff*c]
+    (optional: added to s in the kernel). -> (entries bf16 [B, c], complete bool [B][, pooled fp32 [B, c]]).
+    """
+    c, coff = _check(state, slots, pos, k, s, cos, sin, ratio, indexer)
+    B = pos.shape[0]
+    dev = state.device
+    out = torch.empty(B, c, dtype=torch.bfloat16, device=dev)
+    complete = torch.empty(B, dtype=torch.int8, device=dev)
+    pooled = torch.empty(B, c, dtype=torch.float32, device=dev)
+    if B == 0:
+        return (out, complete.bool(), pooled) if return_pooled else (out, complete.bool())
+    if state.stride(2) != 1:
+        raise ValueError("state needs a contiguous last dim")
+    k, s = k.contiguous(), s.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    nrows = coff * ratio
+    # measured on the H200 (BENCHMARKS.md): main CSA fused (one program per token), indexer CSA and
+    # HCA two kernels over channel blocks (32 channels: more programs in flight)
+    CB = block_c or (c if (ratio == 4 and c >= 512) else max(16, min(c // 4, 4096 // nrows)))
+    interp = interpreting()
+    ape_t = ape.float().contiguous() if ape is not None else k
+    if ape is not None and ape.shape != (ratio, coff * c):
+        raise ValueError(f"ape: expected [{ratio}, {coff * c}], got {tuple(ape.shape)}")
+    write = pages is not None
+    if write:
+        from ..formats.kv_entry import page_bytes
+        want = page_size * 68 if indexer else page_bytes(page_size)
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != want:
+            raise ValueError(f"pages: expected uint8 [num_pages, {want}], got {pages.dtype} {tuple(pages.shape)}")
+        if page_slots is None or page_slots.shape != (B,):
+            raise ValueError("page_slots: expected [B] slot ids with pages")
+    pg, ps_t, pnb = (pages, page_slots, pages.shape[1]) if write else (out, pos, 0)
+    nw = fused_warps if CB == c else 4
+    kw = {} if interp else {"num_warps": nw, "enable_fp_fusion": False}
+    if fused if fused is not None else CB == c:
+        if CB != c:
+            raise ValueError("the fused kernel pools all c channels in one program (block_c == c)")
+        _comp_fused[(B,)](state, slots, pos, k, s, ape_t, pooled, norm_w.float().contiguous(), cos, sin, out,
+                          complete, pg, ps_t, state.stride(0), state.stride(1), k.stride(0), s.stride(0),
+                          pooled.stride(0), out.stride(0), page_size, pnb, eps, M=ratio, C=c,
+                          OVERLAP=ratio == 4, HAS_APE=ape is not None, INDEXER=indexer, WRITE=write,
+                          STORE_POOLED=return_pooled, **kw)
+    else:
+        _comp_pool[(B, c // CB)](state, slots, pos, k, s, ape_t, pooled,
+                                 state.stride(0), state.stride(1), k.stride(0), s.stride(0), pooled.stride(0),
+                                 M=ratio, C=c, OVERLAP=ratio == 4, HAS_APE=ape is not None, CB=CB, **kw)
+        _comp_post[(B,)](pooled, norm_w.float().contiguous(), cos, sin, pos, out, complete, pg, ps_t,
+                         pooled.stride(0), out.stride(0), page_size, pnb, eps,
+                         M=ratio, C=c, INDEXER=indexer, WRITE=write, **kw)
+    res = (out, complete.bool())
+    return res + (pooled,) if return_pooled else res
+
+
+# ------------------------------------------------------------------------------ torch twin
+def compress_decode_torch(state, slots, pos, k, s, norm_w, cos, sin, *, ratio, indexer=False, ape=None,
+                          eps=1e-6, pages=None, page_slots=None, page_size=64, return_pooled=False, **_):
+    """``FastDecoder._compress`` + ``Compressor.postprocess`` (official numerics) with the same API."""
+    from ..reference.compressor import Compressor
+    from ..reference.numerics import OFFICIAL
+    c, coff = _check(state, slots, pos, k, s, cos, sin, ratio, indexer)
+    m = ratio
+    slots, pos = slots.long(), pos.long()
+    if ape is not None:
+        s = s + ape.float()[pos % m]
+    R = state.shape[1]
+    state[slots, pos % R] = torch.cat([k, s], dim=1)
+    complete = (pos + 1) % m == 0
+    start = pos + 1 - m
+    cur = start[:, None] + torch.arange(m, device=pos.device)
+    rows = state[slots[:, None], cur.clamp(min=0) % R]
+    w = rows.shape[-1] // 2
+    ck, cs = rows[..., :w], rows[..., w:]
+    if m == 4:
+        prev = cur - m
+        prows = state[slots[:, None], prev.clamp(min=0) % R]
+        valid = (prev >= 0)[..., None]
+        pk = torch.where(valid, prows[..., :c], 0.0)
+        ps = torch.where(valid, prows[..., w:w + c], float("-inf"))
+        ck = torch.cat([pk, ck[..., c:]], dim=1)
+        cs = torch.cat([ps, cs[..., c:]], dim=1)
+    pooled = OFFICIAL.fn(lambda a, b: (a * b.softmax(dim=1)).sum(dim=1), ck, cs)
+    freqs = torch.complex(cos.float(), sin.float())
+    comp = Compressor(None, None, torch.zeros(m, coff * c), norm_w, m, c, lambda _p: freqs, eps, OFFICIAL, indexer)
+    out = comp.postprocess(pooled, start.clamp(min=0))
+    out = torch.where(complete[:, None], out, torch.zeros_like(out))
+    pooled = torch.where(complete[:, None], pooled, torch.zeros_like(pooled))
+    if pages is not None:
+        ws = torch.where(complete & (page_slots >= 0), page_slots.long(), -1)
+        if indexer:
+            from ..engine.kv_cache import write_index_entries
+            sel = ws >= 0
+            if bool(sel.any()):
+                write_index_entries(pages, ws[sel], out[sel], page_size)
+        else:
+            from ..formats.kv_entry import write_kv_entries
+            write_kv_entries(pages, ws, out, page_size)
+    return (out, complete, pooled) if return_pooled else (out, complete)
+
+
+__all__ = ["compress_decode", "compress_decode_torch"]

@@ -1,0 +1,445 @@
+"""Lightning-indexer kernels (spec §6), beside their torch twins: q prologue, scores, top-k.
+
+* ``index_q_prologue(q, cos, sin)``: q ``[T, H, 128]`` bf16 (the ``wq_b`` output) -> RoPE on dims
+  64..127 (interleaved pairs, the caller's fp32 cos/sin ``[T, 32]`` at the token positions), bf16;
+  Hadamard ``(x @ H) * 128^-0.5`` (natural-order Sylvester matrix, fp32 sums), bf16; FP4 e2m1 QDQ
+  with UE8M0 scales per 32 values, bf16. Twin: ``Indexer.queries`` without the wq_b GEMM and
+  weights_proj. One program per (token, 16 heads; 64 measured faster, 7.7 vs 9.6 us at T = 128); the Hadamard is a ``tl.dot`` with the +-1
+  matrix built in registers (bf16 operands are exact: products exact, fp32 accumulation).
+* ``index_scores(q, w, pages, block_table, pos)``: ``I[b, t] = sum_h relu(q[b,h] . K[t]) * w[b,h]``
+  over the sequence's keys read from the MXFP4 paged key cache (page = ``[64 x 64 B codes][64 x 4 B
+  e8m0 scales]``, entry t in block ``block_table[b, t // 64]`` at offset ``t % 64``), with the
+  reference's bf16 rounding points (dot -> bf16, relu * w -> bf16, fp32 head sum -> bf16) and the
+  causal rule ``t < (pos + 1) // 4`` (-inf otherwise, also for blocks that are -1). Output
+  ``[B, n]`` bf16 (default ``n = 64 * block_table.shape[1]``). One program per (row, group of
+  64-entry pages): the page is dequantised in registers (exact: e2m1 x 2^k in bf16) and scored with
+  one ``[H, 128] x [128, 64]`` ``tl.dot`` (``direct=True``: gathers straight in the [64, 128] tile
+  layout instead of unpacking [64, 64] bytes; measured 2x slower on the H200, kept as an option).
+* ``index_topk(scores, k, n_valid)``: indices ``[B, k]`` (int32) of the k largest scores of each
+  row among entries ``t < n_valid[b]``, in descending score order, ties broken by the lower index
+  (what the reference's stable descending sort gives), -1 past ``min(k, n_valid)``. bf16 scores
+  (the indexer's), any N (256K candidates for a 1M context), k <= 2048. Radix select on the 16-bit
+  order-preserving key, each row split into chunks so that batch 1 fills the GPU, 6 short launches
+  with no atomics (deterministic): 1. per-chunk histograms of the key's high byte; 2. per row: the
+  threshold byte; 3. per-chunk histograms of the low byte of the entries in that bin; 4. per row: the
+  exact threshold key, how many entries lie above it and how many of its ties to take, and per
+  chunk the offsets (entries above the threshold / ties in the chunks before it); 5. each chunk
+  writes its picks ``(0xFFFF - key) << 32 | index`` into a ``[B, k]`` buffer (all entries above the
+  threshold, the lowest-index ties up to k); 6. rank sort of the k picks (all distinct): every pick
+  counts the picks below it (k^2 compares spread over k/64 programs) and lands at its rank.
+  -0.0 counts as +0.0 (torch's sort treats them equal); NaN scores are not supported. H200: 37-46 us
+  at batch 1 over 256K (BENCHMARKS.md), latency of the six launches.
+
+Numerics vs the twins: the prologue's and the scores' fp32 sums run in another order than the
+reference's einsum/matmul: a bf16 rounding point can move by one ulp where the fp32 value lands
+next to a tie (rare). The top-k is exact (a deterministic function of the bf16 scores).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import interpreting, triton_available
+
+HEAD_DIM = 128
+INDEX_PAGE = 64                 # keys per page (dsv4.engine.kv_cache.INDEX_PAGE)
+INDEX_ENTRY_BYTES = 68          # 64 B codes + 4 B scales
+MAX_K = 2048
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .compressor import _e2m1_value, _fp4_qdq_blocks
+    from .kv_insert import _rne_bf16
+
+    # -------------------------------------------------------------------------- q prologue
+    @triton.jit
+    def _index_q_kernel(Q, COS, SIN, OUT, H, stride_qt, stride_qh, stride_ot, stride_oh,
+                        HB: tl.constexpr, INTERP: tl.constexpr):
+        t = tl.program_id(0)
+        hb = tl.program_id(1)
+        t64 = t.to(tl.int64)
+        h = hb * HB + tl.arange(0, HB)
+        hm = h < H
+        d = tl.arange(0, 128)
+        x = tl.load(Q + t64 * stride_qt + h[:, None] * stride_qh + d[None, :], mask=hm[:, None],
+                    other=0.0).to(tl.float32)
+        # RoPE on dims 64..127 (pairs 32..63)
+        x0, x1 = tl.split(tl.reshape(x, [HB, 64, 2]))
+        j = tl.arange(0, 64)
+        is_rope = j >= 32
+        c = tl.load(COS + t64 * 32 + (j - 32), mask=is_rope, other=1.0)
+        s = tl.load(SIN + t64 * 32 + (j - 32), mask=is_rope, other=0.0)
+        y0 = x0 * c[None, :] - x1 * s[None, :]
+        y1 = x0 * s[None, :] + x1 * c[None, :]
+        y0 = tl.where(is_rope[None, :], y0, x0)
+        y1 = tl.where(is_rope[None, :], y1, x1)
+        x = _rne_bf16(tl.reshape(tl.join(y0, y1), [HB, 128]))
+        # Hadamard: x @ H with H[i, j] = (-1)^popcount(i & j)
+        v = tl.arange(0, 128)[:, None] & tl.arange(0, 128)[None, :]
+        v ^= v >> 4
+        v ^= v >> 2
+        v ^= v >> 1
+        hmat = (1 - 2 * (v & 1)).to(tl.float32)
+        if INTERP:
+            y = tl.dot(x, hmat, input_precision="ieee")
+        else:
+            y = tl.dot(x.to(tl.bfloat16), hmat.to(tl.bfloat16))
+        y = _rne_bf16(y * 0.08838834764831845)
+        q, _code, _e = _fp4_qdq_blocks(tl.reshape(y, [HB * 4, 32]))
+        tl.store(OUT + t64 * stride_ot + h[:, None] * stride_oh + d[None, :],
+                 tl.reshape(q, [HB, 128]).to(tl.bfloat16), mask=hm[:, None])
+
+    # -------------------------------------------------------------------------- scores
+    @triton.jit
+    def _index_scores_kernel(Q, W, PAGES, BT, POS, OUT, H, N, n_bt, stride_qb, stride_qh, stride_wb,
+                             stride_btb, stride_ob, page_nbytes,
+                             TPP: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr,
+                             DIRECT: tl.constexpr = False):
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        b64 = b.to(tl.int64)
+        hh = tl.arange(0, HP)
+        hm = hh < H
+        d = tl.arange(0, 128)
+        q = tl.load(Q + b64 * stride_qb + hh[:, None] * stride_qh + d[None, :], mask=hm[:, None], other=0.0)
+        if INTERP:
+            q = q.to(tl.float32)
+        w = tl.load(W + b64 * stride_wb + hh, mask=hm, other=0.0).to(tl.float32)
+        vis = (tl.load(POS + b) + 1) // 4
+        e = tl.arange(0, 64)
+        cb = tl.arange(0, 64)
+        col = tl.arange(0, 128)
+        sb = tl.arange(0, 4)
+        for i in range(TPP):
+            tile = g * TPP + i
+            t = tile * 64 + e
+            out_ptr = OUT + b64 * stride_ob + t
+            has = (tile * 64 < vis) & (tile < n_bt)
+            blk = tl.load(BT + b64 * stride_btb + tile, mask=has, other=-1)
+            if blk >= 0:
+                page = PAGES + blk.to(tl.int64) * page_nbytes
+                if DIRECT:   # [64, 128] gathers straight in the tile layout (each byte loaded twice, L1)
+                    byte = tl.load(page + e[:, None] * 64 + (col // 2)[None, :]).to(tl.int32)
+                    cdd = (byte >> ((col % 2) * 4)[None, :]) & 15
+                    scd = tl.load(page + 64 * 64 + e[:, None] * 4 + (col // 32)[None, :]).to(tl.int32)
+                    vald = _e2m1_value(cdd & 7)
+                    vald = tl.where((cdd & 8) != 0, -vald, vald)
+                    kv = vald * (scd << 23).to(tl.float32, bitcast=True)                     # 2^(byte-127)
+                else:
+                    codes = tl.load(page + e[:, None] * 64 + cb[None, :]).to(tl.int32)        # [64, 64]
+                    sc = tl.load(page + 64 * 64 + e[:, None] * 4 + sb[None, :]).to(tl.int32)  # [64, 4]
+                    cd = tl.reshape(tl.join(codes & 15, codes >> 4), [64, 128])
+                    val = _e2m1_value(cd & 7)
+                    val = tl.where((cd & 8) != 0, -val, val)
+                    scale = (sc << 23).to(tl.float32, bitcast=True)                          # 2^(byte-127)
+                    kv = tl.reshape(tl.reshape(val, [64, 4, 32]) * scale[:, :, None], [64, 128])
+                if INTERP:
+                    s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(kv.to(tl.bfloat16)))                              # [HP, 64]
+                s = tl.maximum(_rne_bf16(s), 0.0)
+                s = _rne_bf16(s * w[:, None])
+                tot = _rne_bf16(tl.sum(s, axis=0))
+                tot = tl.where(t < vis, tot, float("-inf"))
+                tl.store(out_ptr, tot.to(OUT.dtype.element_ty), mask=t < N)
+            else:
+                tl.store(out_ptr, tl.full([64], float("-inf"), tl.float32).to(OUT.dtype.element_ty), mask=t < N)
+
+    # -------------------------------------------------------------------------- top-k
+    @triton.jit
+    def _key16(raw):
+        """bf16 bits (int32 of an int16 load) -> order-preserving 16-bit key (larger = larger)."""
+        u = raw & 0xFFFF
+        u = tl.where(u == 0x8000, 0, u)                      # -0.0 ranks as +0.0
+        return tl.where((u & 0x8000) != 0, (~u) & 0xFFFF, u | 0x8000)
+
+    @triton.jit
+    def _threshold(tot, need):
+        """Largest bin b with #(entries in bins >= b) >= need, and #(entries in bins > b)."""
+        bins = tl.arange(0, 256)
+        cge = tl.cumsum(tot, 0, reverse=True)
+        thr = tl.max(tl.where(cge >= need, bins, -1), axis=0)
+        above = tl.sum(tl.where(bins > thr, tot, 0), axis=0)
+        return thr, above
+
+    @triton.jit
+    def _topk_hist(SC, NV, ROW, HIST, N, K, stride_sb, CH, NC, LEVEL: tl.constexpr, TILE: tl.constexpr):
+        """Per-chunk 256-bin histogram of the key's high byte (LEVEL 1) or, among the entries whose
+        high byte is the row's threshold byte, of its low byte (LEVEL 2)."""
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        nv = tl.minimum(tl.load(NV + b), N)
+        hist = tl.zeros([256], tl.int32)
+        if LEVEL == 1:
+            hb = 0
+        else:
+            hb = tl.load(ROW + b * 8)
+        if hb >= 0:
+            row = SC + b.to(tl.int64) * stride_sb
+            for t0 in range(c * CH, tl.minimum((c + 1) * CH, nv), TILE):
+                i = t0 + tl.arange(0, TILE)
+                m = i < nv
+                key = _key16(tl.load(row + i, mask=m, other=0).to(tl.int32))
+                if LEVEL == 1:
+                    hist += tl.histogram(key >> 8, 256, mask=m)
+                else:
+                    hist += tl.histogram(key & 255, 256, mask=m & ((key >> 8) == hb))
+        tl.store(HIST + (b * NC + c).to(tl.int64) * 256 + tl.arange(0, 256), hist)
+
+    @triton.jit
+    def _topk_row1(NV, H1, ROW, N, K, NC, G: tl.constexpr):
+        """Per row: threshold high byte hb and #entries above its bin -> ROW[b, 0:2] (hb = -1: k == 0)."""
+        b = tl.program_id(0)
+        nv = tl.minimum(tl.load(NV + b), N)
+        kk = tl.minimum(K, nv)
+        bins = tl.arange(0, 256)
+        tot = tl.zeros([256], tl.int32)
+        for c0 in range(0, NC, G):
+            cc = c0 + tl.arange(0, G)
+            h = tl.load(H1 + ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :],
+                        mask=(cc < NC)[:, None], other=0)
+            tot += tl.sum(h, axis=0)
+        hb, above = _threshold(tot, kk)
+        hb = tl.where(kk > 0, hb, -1)
+        tl.store(ROW + b * 8, hb)
+        tl.store(ROW + b * 8 + 1, above)
+
+    @triton.jit
+    def _topk_row2(NV, H1, H2, ROW, BASE, N, K, NC, G: tl.constexpr):
+        """Per row: exact threshold key, #entries above it, #ties to take -> ROW[b, 2:5]; per chunk:
+        #entries above the threshold and #ties in the chunks before it -> BASE[b, c, 0:2]."""
+        b = tl.program_id(0)
+        nv = tl.minimum(tl.load(NV + b), N)
+        kk = tl.minimum(K, nv)
+        hb = tl.load(ROW + b * 8)
+        above1 = tl.load(ROW + b * 8 + 1)
+        if hb >= 0:
+            bins = tl.arange(0, 256)
+            tot = tl.zeros([256], tl.int32)
+            for c0 in range(0, NC, G):
+                cc = c0 + tl.arange(0, G)
+                h = tl.load(H2 + ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :],
+                            mask=(cc < NC)[:, None], other=0)
+                tot += tl.sum(h, axis=0)
+            lb, above2 = _threshold(tot, kk - above1)
+            n_gt = above1 + above2
+            tl.store(ROW + b * 8 + 2, hb * 256 + lb)
+            tl.store(ROW + b * 8 + 3, n_gt)
+            tl.store(ROW + b * 8 + 4, kk - n_gt)
+            carry_gt = tl.full([], 0, tl.int32)
+            carry_eq = tl.full([], 0, tl.int32)
+            for c0 in range(0, NC, G):
+                cc = c0 + tl.arange(0, G)
+                off = ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :]
+                cm = (cc < NC)[:, None]
+                h1 = tl.load(H1 + off, mask=cm, other=0)
+                h2 = tl.load(H2 + off, mask=cm, other=0)
+                gt = tl.sum(tl.where(bins[None, :] > hb, h1, 0) + tl.where(bins[None, :] > lb, h2, 0), axis=1)
+                eq = tl.sum(tl.where(bins[None, :] == lb, h2, 0), axis=1)
+                bp = BASE + (b * NC + cc).to(tl.int64) * 2
+                tl.store(bp, carry_gt + tl.cumsum(gt, 0) - gt, mask=cc < NC)
+                tl.store(bp + 1, carry_eq + tl.cumsum(eq, 0) - eq, mask=cc < NC)
+                carry_gt += tl.sum(gt, axis=0)
+                carry_eq += tl.sum(eq, axis=0)
+
+    @triton.jit
+    def _topk_select(SC, NV, ROW, BASE, BUF, N, K, stride_sb, CH, NC, KP, TILE: tl.constexpr):
+        """Write this chunk's picks as (0xFFFF - key) << 32 | index: every entry above the threshold
+        and the lowest-index ties up to k."""
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        nv = tl.minimum(tl.load(NV + b), N)
+        hb = tl.load(ROW + b * 8)
+        if hb >= 0:
+            thr = tl.load(ROW + b * 8 + 2)
+            n_gt = tl.load(ROW + b * 8 + 3)
+            need_eq = tl.load(ROW + b * 8 + 4)
+            base_gt = tl.load(BASE + (b * NC + c).to(tl.int64) * 2)
+            base_eq = tl.load(BASE + (b * NC + c).to(tl.int64) * 2 + 1)
+            row = SC + b.to(tl.int64) * stride_sb
+            buf = BUF + b.to(tl.int64) * KP
+            for t0 in range(c * CH, tl.minimum((c + 1) * CH, nv), TILE):
+                i = t0 + tl.arange(0, TILE)
+                m = i < nv
+                key = _key16(tl.load(row + i, mask=m, other=0).to(tl.int32))
+                gti = (m & (key > thr)).to(tl.int32)
+                eqi = (m & (key == thr)).to(tl.int32)
+                r_gt = base_gt + tl.cumsum(gti, 0) - 1
+                r_eq = base_eq + tl.cumsum(eqi, 0) - 1
+                comp = ((0xFFFF - key).to(tl.int64) << 32) | i.to(tl.int64)
+                tl.store(buf + r_gt, comp, mask=gti != 0)
+                tl.store(buf + n_gt + r_eq, comp, mask=(eqi != 0) & (r_eq < need_eq))
+                base_gt += tl.sum(gti, axis=0)
+                base_eq += tl.sum(eqi, axis=0)
+
+    @triton.jit
+    def _topk_rank(BUF, NV, OUT, N, K, stride_ob, KP, RB: tl.constexpr, CB: tl.constexpr):
+        """Sort the k picks (distinct keys) by rank: out[#{j: v_j < v_i}] = index_i; -1 past k picks."""
+        b = tl.program_id(0)
+        r0 = tl.program_id(1) * RB
+        nv = tl.minimum(tl.load(NV + b), N)
+        kk = tl.minimum(K, nv)
+        i = r0 + tl.arange(0, RB)
+        buf = BUF + b.to(tl.int64) * KP
+        orow = OUT + b.to(tl.int64) * stride_ob
+        vi = tl.load(buf + i, mask=i < kk, other=0x7FFFFFFFFFFFFFFF)
+        rank = tl.zeros([RB], tl.int32)
+        for j0 in range(0, kk, CB):
+            j = j0 + tl.arange(0, CB)
+            vj = tl.load(buf + j, mask=j < kk, other=0x7FFFFFFFFFFFFFFF)
+            rank += tl.sum((vj[None, :] < vi[:, None]).to(tl.int32), axis=1)
+        tl.store(orow + rank, (vi & 0xFFFFFFFF).to(OUT.dtype.element_ty), mask=i < kk)
+        tl.store(orow + i, tl.full([RB], -1, tl.int32).to(OUT.dtype.element_ty), mask=(i >= kk) & (i < K))
+
+
+def _kw(num_warps=4, **extra):
+    return {} if interpreting() else {"num_warps": num_warps, **extra}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ------------------------------------------------------------------------------ q prologue
+def index_q_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_per_program: int = 16,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE (dims 64..127) + Hadamard + FP4 QDQ of the indexer queries q bf16 [T, H, 128] -> bf16."""
+    T, H, D = q.shape
+    if D != HEAD_DIM or q.dtype != torch.bfloat16 or q.stride(2) != 1:
+        raise ValueError(f"q: expected bf16 [T, H, 128] (contiguous last dim), got {q.dtype} {tuple(q.shape)}")
+    if cos.shape != (T, 32) or sin.shape != (T, 32) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"cos/sin: expected fp32 [{T}, 32], got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    out = torch.empty_like(q) if out is None else out
+    if T == 0:
+        return out
+    HB = heads_per_program
+    _index_q_kernel[(T, triton.cdiv(H, HB))](q, cos.contiguous(), sin.contiguous(), out, H, q.stride(0),
+                                             q.stride(1), out.stride(0), out.stride(1), HB=HB,
+                                             INTERP=interpreting(),
+                                             **_kw(8 if HB >= 64 else 4, enable_fp_fusion=False))
+    return out
+
+
+def index_q_prologue_torch(q, cos, sin, **_):
+    from ..formats.fp4 import fp4_qdq
+    from ..reference.hadamard import hadamard_128
+    from ..reference.numerics import OFFICIAL
+    from ..reference.rope import apply_rope
+    x = apply_rope(q, torch.complex(cos.float(), sin.float()))
+    return fp4_qdq(hadamard_128(x, OFFICIAL), 32)
+
+
+# ------------------------------------------------------------------------------ scores
+def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
+                 pos: torch.Tensor, n: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                 pages_per_program: int | None = None, num_warps: int = 4, direct: bool = False) -> torch.Tensor:
+    """Indexer scores over the MXFP4 paged keys: q bf16 [B, H, 128], w [B, H] (bf16 head weights),
+    pages uint8 [num_blocks, 64*68], block_table int [B, W] (-1 pad), pos int [B] -> [B, n] (-inf
+    where not causal)."""
+    B, H, D = q.shape
+    if D != HEAD_DIM or q.dtype != torch.bfloat16 or q.stride(2) != 1:
+        raise ValueError(f"q: expected bf16 [B, H, 128], got {q.dtype} {tuple(q.shape)}")
+    if w.shape != (B, H):
+        raise ValueError(f"w: expected [{B}, {H}], got {tuple(w.shape)}")
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != INDEX_PAGE * INDEX_ENTRY_BYTES:
+        raise ValueError(f"pages: expected uint8 [num_blocks, {INDEX_PAGE * INDEX_ENTRY_BYTES}], got "
+                         f"{pages.dtype} {tuple(pages.shape)}")
+    n_bt = block_table.shape[1]
+    n = INDEX_PAGE * n_bt if n is None else n
+    out = torch.empty(B, n, dtype=out_dtype, device=q.device)
+    if B == 0 or n == 0:
+        return out
+    n_tiles = triton.cdiv(n, INDEX_PAGE)
+    tpp = pages_per_program or (1 if interpreting() else max(1, min(8, n_tiles * B // (8 * _num_sms(q.device)))))
+    grid = (B, triton.cdiv(n_tiles, tpp))
+    _index_scores_kernel[grid](q, w, pages, block_table, pos, out, H, n, n_bt, q.stride(0), q.stride(1),
+                               w.stride(0), block_table.stride(0), out.stride(0), pages.shape[1],
+                               TPP=tpp, HP=max(16, triton.next_power_of_2(H)), INTERP=interpreting(),
+                               DIRECT=direct, **_kw(num_warps))
+    return out
+
+
+def index_scores_torch(q, w, pages, block_table, pos, n=None, out_dtype=torch.bfloat16, **_):
+    """The scoring part of ``FastDecoder._indexer`` (official numerics)."""
+    from ..model.decode import read_index_keys
+    from ..reference.numerics import OFFICIAL as num
+    B = q.shape[0]
+    n_bt = block_table.shape[1]
+    n = INDEX_PAGE * n_bt if n is None else n
+    j = torch.arange(n, device=q.device)[None, :].expand(B, -1)
+    blk = block_table.long().gather(1, (j // INDEX_PAGE).clamp(max=n_bt - 1))
+    ids = torch.where(blk >= 0, blk * INDEX_PAGE + j % INDEX_PAGE, -1)
+    keys = read_index_keys(pages, ids)                                   # [B, n, 128] bf16
+    r = num.round
+    sc = r(num.einsum("bhd,btd->bht", q.float(), keys.float()))
+    sc = r(sc.relu() * w.bfloat16().unsqueeze(-1))
+    sc = r(sc.float().sum(dim=1))
+    visible = ((pos.long() + 1) // 4)[:, None]
+    sc = sc.masked_fill((j >= visible) | (blk < 0), float("-inf"))
+    return sc.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------ top-k
+def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.int32, chunks: int | None = None) -> torch.Tensor:
+    """Top-k indices [B, k] of bf16 scores [B, N] among entries < n_valid[b] (default N): descending
+    score, ties -> lower index, -1 past min(k, n_valid[b])."""
+    if scores.dim() != 2 or scores.dtype != torch.bfloat16 or scores.stride(1) != 1:
+        raise ValueError(f"scores: expected bf16 [B, N] with a contiguous last dim, got {scores.dtype} "
+                         f"{tuple(scores.shape)}")
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
+    B, N = scores.shape
+    dev = scores.device
+    out = torch.empty(B, k, dtype=out_dtype, device=dev)
+    if B == 0:
+        return out
+    if n_valid is None:
+        n_valid = torch.full((B,), N, dtype=torch.int32, device=dev)
+    n_valid = n_valid.to(torch.int32).contiguous()
+    interp = interpreting()
+    TILE = min(2048 if not interp else 256, triton.next_power_of_2(max(N, 16)))
+    n_tiles = triton.cdiv(max(N, 1), TILE)
+    NC = chunks or max(1, min(n_tiles, 64 if B == 1 else triton.cdiv(4 * _num_sms(dev), B)))
+    CH = triton.cdiv(triton.cdiv(max(N, 1), NC), TILE) * TILE
+    NC = triton.cdiv(max(N, 1), CH)
+    G = min(32, triton.next_power_of_2(NC))
+    KP = max(16, triton.next_power_of_2(k))
+    h1 = torch.empty(B, NC, 256, dtype=torch.int32, device=dev)
+    h2 = torch.empty(B, NC, 256, dtype=torch.int32, device=dev)
+    row = torch.empty(B, 8, dtype=torch.int32, device=dev)
+    base = torch.empty(B, NC, 2, dtype=torch.int32, device=dev)
+    buf = torch.empty(B, KP, dtype=torch.int64, device=dev)
+    sc = scores.view(torch.int16)
+    kw = _kw(8)
+    _topk_hist[(B, NC)](sc, n_valid, row, h1, N, k, sc.stride(0), CH, NC, LEVEL=1, TILE=TILE, **kw)
+    _topk_row1[(B,)](n_valid, h1, row, N, k, NC, G=G, **kw)
+    _topk_hist[(B, NC)](sc, n_valid, row, h2, N, k, sc.stride(0), CH, NC, LEVEL=2, TILE=TILE, **kw)
+    _topk_row2[(B,)](n_valid, h1, h2, row, base, N, k, NC, G=G, **kw)
+    _topk_select[(B, NC)](sc, n_valid, row, base, buf, N, k, sc.stride(0), CH, NC, KP, TILE=TILE, **kw)
+    RB = 64
+    _topk_rank[(B, triton.cdiv(k, RB))](buf, n_valid, out, N, k, out.stride(0), KP, RB=RB,
+                                         CB=min(256, KP), **_kw(8))
+    return out
+
+
+def index_topk_torch(scores, k, n_valid=None, out_dtype=torch.int32, **_):
+    """Stable descending sort (the reference's tie rule), -1 past min(k, n_valid)."""
+    B, N = scores.shape
+    if n_valid is None:
+        n_valid = torch.full((B,), N, device=scores.device)
+    nv = n_valid.long()[:, None]
+    j = torch.arange(N, device=scores.device)[None, :]
+    s = scores.float().masked_fill(j >= nv, float("-inf"))
+    idx = s.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    idx = idx.masked_fill(idx >= nv, -1)
+    if idx.shape[1] < k:
+        idx = torch.cat([idx, idx.new_full((B, k - idx.shape[1]), -1)], dim=1)
+    return idx.to(out_dtype)
+
+
+__all__ = ["index_q_prologue", "index_q_prologue_torch", "index_scores", "index_scores_torch",
+           "index_topk", "index_topk_torch"]

@@ -1,0 +1,496 @@
+"""Hot-path Triton kernels II (mHC, compressor decode update, indexer q/scores/top-k) against their twins.
+
+On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before
+triton is imported) at tiny shapes. On a GPU machine run with TRITON_INTERPRET=0: the same tests then
+run compiled on CUDA, and the ``gpu``-marked tests add the real V4 shapes. The AOT test compiles every
+kernel for sm_90 and sm_100 without a GPU.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from dsv4.engine.kv_cache import write_index_entries  # noqa: E402
+from dsv4.formats.kv_entry import page_bytes  # noqa: E402
+from dsv4.kernels import cuda_ok, interpreting  # noqa: E402
+from dsv4.kernels.compressor import compress_decode, compress_decode_torch  # noqa: E402
+from dsv4.kernels.indexer import (index_q_prologue, index_q_prologue_torch, index_scores,  # noqa: E402
+                                  index_scores_torch, index_topk, index_topk_torch)
+from dsv4.kernels.mhc import hc_head, hc_head_torch, hc_post, hc_post_torch, hc_pre, hc_pre_torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+if interpreting():
+    DEV = "cpu"
+elif torch.cuda.is_available():
+    DEV = "cuda"
+else:  # compiled triton without a GPU: nothing can run
+    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+
+
+def _ordered(x):
+    b = x.view(torch.int16).int()
+    return torch.where(b < 0, -(b & 0x7FFF), b)
+
+
+def _ulps(a, b):
+    """bf16 ulp distance (sign-aware, +0 == -0)."""
+    return (_ordered(a.cpu()) - _ordered(b.cpu())).abs()
+
+
+def _close_bf16(out, ref, mag, noise=2 ** -20):
+    """bf16 results within 1 ulp, or within fp32 rounding noise of the terms summed (``mag``: the
+    sum of their magnitudes) where the sum cancels; the 1-ulp flips must be rare."""
+    out, ref, mag = out.cpu(), ref.cpu(), mag.cpu()
+    u = _ulps(out, ref)
+    ok = (u <= 1) | ((out.float() - ref.float()).abs() <= noise * mag)
+    assert ok.all(), f"{int((~ok).sum())} values off by more than 1 ulp / fp32 noise"
+    assert int((u > 0).sum()) <= max(2, 1e-3 * u.numel())
+
+
+def _rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _rope(n, gen, device=DEV):
+    ang = torch.rand(n, 32, generator=gen) * 1000
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# mHC
+
+def _hc_inputs(T, D, gen, nmix=24, device=DEV):
+    x = (torch.randn(T, 4, D, generator=gen) * torch.rand(T, 4, 1, generator=gen) * 3).bfloat16()
+    fn = torch.randn(nmix, 4 * D, generator=gen) * (4 * D) ** -0.5 * 2
+    base = torch.randn(nmix, generator=gen) * 0.5
+    scale = torch.rand(3 if nmix == 24 else 1, generator=gen) + 0.5
+    return [t.to(device) for t in (x, fn, base, scale)]
+
+
+def _check_hc_pre(T, D, gen, device=DEV, noise=2 ** -20, **kw):
+    x, fn, base, scale = _hc_inputs(T, D, gen, device=device)
+    y, post, comb = hc_pre(x, fn, base, scale, **kw)
+    yr, pr, cr = hc_pre_torch(x, fn, base, scale)
+    assert _rel(post, pr) < 1e-5 and _rel(comb, cr) < 1e-5
+    assert torch.isfinite(comb).all()
+    # Sinkhorn: columns sum to 1 (the last normalisation), as in the reference
+    assert (comb.sum(-2) - 1).abs().max() < 1e-4
+    _close_bf16(y, yr, x.float().abs().sum(1), noise)
+
+
+@pytest.mark.parametrize("T,D", [(3, 256), (20, 192)])
+def test_hc_pre(T, D):
+    _check_hc_pre(T, D, torch.Generator().manual_seed(T))
+
+
+def test_hc_pre_split_configs():
+    gen = torch.Generator().manual_seed(9)
+    _check_hc_pre(2, 128, gen, config={"splits": 1})
+    _check_hc_pre(2, 128, gen, config={"splits": 3, "block_d": 64})
+
+
+def _check_hc_post(T, D, gen, device=DEV):
+    res = (torch.randn(T, 4, D, generator=gen) * 2).bfloat16().to(device)
+    y = torch.randn(T, D, generator=gen).bfloat16().to(device)
+    post = (torch.rand(T, 4, generator=gen) * 2).to(device)
+    comb = torch.rand(T, 4, 4, generator=gen).to(device)
+    comb = comb / comb.sum(-2, keepdim=True)
+    out = hc_post(y, res, post, comb)
+    ref = hc_post_torch(y, res, post, comb)
+    _close_bf16(out, ref, 2 * y.float().abs()[:, None] + res.float().abs().sum(1, keepdim=True))
+
+
+def test_hc_post():
+    _check_hc_post(3, 320, torch.Generator().manual_seed(1))
+
+
+def _check_hc_head(T, D, gen, device=DEV, noise=2 ** -20, **kw):
+    x, fn, base, scale = _hc_inputs(T, D, gen, nmix=4, device=device)
+    y = hc_head(x, fn, base, scale, **kw)
+    yr = hc_head_torch(x, fn, base, scale)
+    _close_bf16(y, yr, x.float().abs().sum(1), noise)
+
+
+def test_hc_head():
+    _check_hc_head(4, 256, torch.Generator().manual_seed(2))
+
+
+# ------------------------------------------------------------------------------------------------
+# compressor decode update
+
+def _comp_case(ratio, indexer, B, n_slots, positions, gen, device=DEV, page_size=4, n_pages=6):
+    c = 128 if indexer else 512
+    coff = 2 if ratio == 4 else 1
+    state = (torch.randn(n_slots, coff * ratio, 2 * coff * c, generator=gen)).to(device)
+    slots = torch.randperm(n_slots, generator=gen)[:B].to(device)
+    pos = torch.tensor(positions, dtype=torch.int64).to(device)
+    k = (torch.randn(B, coff * c, generator=gen) * 2).to(device)
+    s = (torch.randn(B, coff * c, generator=gen) * 2).to(device)
+    ape = torch.randn(ratio, coff * c, generator=gen).to(device)
+    w = (torch.rand(c, generator=gen) + 0.5).bfloat16().to(device)
+    cos, sin = _rope(B, gen, device)
+    n_pages = max(n_pages, B // page_size + 2)
+    pb = page_size * 68 if indexer else page_bytes(page_size)
+    pages = torch.randint(0, 256, (n_pages, pb), dtype=torch.uint8, generator=gen).to(device)
+    pslots = torch.randperm(n_pages * page_size, generator=gen)[:B].to(device)
+    pslots[0] = -1
+    return state, slots, pos, k, s, ape, w, cos, sin, pages, pslots
+
+
+def _check_compress(ratio, indexer, positions, gen, device=DEV, with_ape=True, page_size=4, n_slots=None,
+                    **extra):
+    B = len(positions)
+    state, slots, pos, k, s, ape, w, cos, sin, pages, pslots = _comp_case(
+        ratio, indexer, B, n_slots or B + 2, positions, gen, device, page_size)
+    if not with_ape:
+        s = s + ape[pos % ratio]
+        ape = None
+    st1, st2, p1, p2 = state.clone(), state.clone(), pages.clone(), pages.clone()
+    kw = dict(ratio=ratio, indexer=indexer, ape=ape, page_size=page_size, return_pooled=True)
+    out, done, pooled = compress_decode(st1, slots, pos, k, s, w, cos, sin, pages=p1, page_slots=pslots, **kw,
+                                        **extra)
+    ref, done_r, pooled_r = compress_decode_torch(st2, slots, pos, k, s, w, cos, sin, pages=p2,
+                                                  page_slots=pslots, **kw)
+    assert torch.equal(st1, st2)                                     # ring rows written, nothing else
+    assert torch.equal(done.cpu(), done_r.cpu())
+    assert _rel(pooled, pooled_r) < 1e-5
+    # post-processing: bit-exact on the same pooled vector up to rare summation-order flips
+    out2 = compress_decode_torch(state.clone(), slots, pos, k, s, w, cos, sin, **dict(kw, return_pooled=False))[0]
+    mism = (out.float() != ref.float()).float().mean().item()
+    assert mism < 2e-3, f"{mism:.2e} of the entry values differ"
+    assert torch.equal(out2.cpu(), ref.cpu())
+    assert (out[~done] == 0).all()
+    if mism == 0:
+        assert torch.equal(p1.cpu(), p2.cpu())
+    return out, ref, done
+
+
+@pytest.mark.parametrize("ratio,indexer", [(4, False), (4, True), (128, False)])
+def test_compress_decode(ratio, indexer):
+    gen = torch.Generator().manual_seed(ratio + indexer)
+    if ratio == 4:
+        # first CSA entry (no previous window), later entries, rows that complete nothing
+        positions = [3, 7, 5, 1002, 0, 11]
+    else:
+        positions = [127, 255, 100, 1023]
+    out, ref, done = _check_compress(ratio, indexer, positions, gen)
+    assert done.sum() >= 2
+
+
+def test_compress_decode_ape_presummed_and_two_kernel_path():
+    _check_compress(4, False, [3, 6, 15], torch.Generator().manual_seed(3), with_ape=False)
+    _check_compress(4, True, [3, 6, 15, 19], torch.Generator().manual_seed(3), fused=False, block_c=64)
+    _check_compress(4, False, [3, 6, 15, 19], torch.Generator().manual_seed(3), fused=False)
+
+
+def test_compress_decode_sequence_vs_reference_update():
+    """Token-by-token decode from an empty ring against the reference ``Compressor.update``."""
+    from dsv4.reference.compressor import Compressor
+    from dsv4.reference.numerics import OFFICIAL
+    from dsv4.reference.state import CompressorState
+    gen = torch.Generator().manual_seed(4)
+    for indexer in (False, True):
+        c, m, n = (128 if indexer else 512), 4, 13
+        ape = torch.randn(m, 2 * c, generator=gen)
+        w = (torch.rand(c, generator=gen) + 0.5).bfloat16()
+        freqs = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
+        rope = lambda p: torch.polar(torch.ones(p.shape[0], 32), torch.outer(p.float(), freqs))  # noqa: E731
+        comp = Compressor(None, None, ape, w, m, c, rope, 1e-6, OFFICIAL, indexer)
+        st = CompressorState(m, c, torch.bfloat16, "cpu")
+        ring = torch.full((2, 2 * m, 4 * c), float("nan")).to(DEV)      # never read before written
+        K = torch.randn(n, 2 * c, generator=gen) * 2
+        S = torch.randn(n, 2 * c, generator=gen) * 2 + ape[torch.arange(n) % m]
+        got = []
+        for p in range(n):
+            f = rope(torch.tensor([max(p + 1 - m, 0)]))
+            e, done = compress_decode(ring, torch.tensor([1], device=DEV), torch.tensor([p], device=DEV),
+                                      K[p:p + 1].to(DEV), S[p:p + 1].to(DEV), w.to(DEV),
+                                      f.real.contiguous().to(DEV), f.imag.contiguous().to(DEV),
+                                      ratio=m, indexer=indexer)
+            ref_entries = comp.update(st, K[p:p + 1], S[p:p + 1], p + 1)
+            assert bool(done.item()) == ((p + 1) % m == 0)
+            if done.item():
+                got.append(e.cpu())
+        got = torch.cat(got)
+        assert got.shape == ref_entries.shape
+        assert (got.float() != ref_entries.float()).float().mean() < 2e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# indexer
+
+@pytest.mark.parametrize("T,H", [(2, 64), (3, 8)])
+def test_index_q_prologue(T, H):
+    gen = torch.Generator().manual_seed(T * H)
+    q = (torch.randn(T, H, 128, generator=gen) * torch.rand(T, H, 1, generator=gen) * 4).bfloat16()
+    q[0, 0, :32] = 0                                                  # an all-zero FP4 block
+    cos, sin = _rope(T, gen, "cpu")
+    ref = index_q_prologue_torch(q, cos, sin)
+    for hpp in (16, 64):
+        out = index_q_prologue(q.to(DEV), cos.to(DEV), sin.to(DEV), heads_per_program=hpp).cpu()
+        assert (out.float() != ref.float()).float().mean() < 2e-3
+        assert _rel(out, ref) < 0.2
+
+
+def _index_cache(n_blocks, gen, device=DEV):
+    n = n_blocks * 64
+    keys = (torch.randn(n, 1, 128, generator=gen) * torch.rand(n, 1, 1, generator=gen)).bfloat16().to(device)
+    ones, zeros = torch.ones(n, 32, device=device), torch.zeros(n, 32, device=device)
+    keys = index_q_prologue_torch(keys, ones, zeros)[:, 0]            # FP4-QDQ'd, as the cache holds
+    pages = torch.randint(0, 256, (n_blocks, 64 * 68), dtype=torch.uint8, generator=gen).to(device)
+    write_index_entries(pages, torch.arange(n, device=device), keys)
+    return pages
+
+
+def _score_inputs(B, H, gen, device=DEV):
+    q = (torch.randn(B, H, 128, generator=gen)).bfloat16()
+    q = index_q_prologue_torch(q, torch.ones(B, 32), torch.zeros(B, 32))
+    w = (torch.randn(B, H, generator=gen) * 0.1).bfloat16()
+    return q.to(device), w.to(device)
+
+
+def _check_scores(sc, ref):
+    sc, ref = sc.float().cpu(), ref.float().cpu()
+    assert torch.equal(torch.isinf(sc), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    diff = (sc[fin] - ref[fin]).abs()
+    assert (diff > 0).float().mean() < 2e-3
+    assert (diff <= 2 ** -6 * ref[fin].abs().clamp(min=1e-3)).all()
+
+
+def test_index_scores():
+    gen = torch.Generator().manual_seed(5)
+    H = 16
+    pages = _index_cache(6, gen)
+    # row 0: two full pages + a partial one (block -1 past it); row 1: nothing visible yet (pos 2);
+    # row 2: pages in shuffled order, visible count inside the second page
+    bt = torch.tensor([[3, 1, 0, -1], [2, -1, -1, -1], [5, 4, -1, -1]], dtype=torch.int32).to(DEV)
+    pos = torch.tensor([700, 2, 300]).to(DEV)
+    q, w = _score_inputs(3, H, gen)
+    sc = index_scores(q, w, pages, bt, pos)
+    ref = index_scores_torch(q, w, pages, bt, pos)
+    assert sc.shape == (3, 256)
+    _check_scores(sc, ref)
+    assert torch.isinf(sc[1]).all()
+    sc2 = index_scores(q, w, pages, bt, pos, n=200, pages_per_program=2, direct=True)
+    _check_scores(sc2, ref[:, :200])
+
+
+@pytest.mark.parametrize("B,N,k,tie_every", [(3, 1000, 50, 3), (2, 300, 400, 2), (2, 5000, 64, 1)])
+def test_index_topk(B, N, k, tie_every):
+    gen = torch.Generator().manual_seed(N + k)
+    s = torch.randn(B, N, generator=gen).bfloat16()
+    s[0, ::tie_every] = 0.5                                          # many ties (all equal for 1)
+    s[:, 7] = -0.0                                                   # -0.0 ranks as +0.0
+    s[-1, 11] = float("-inf")                                        # a -inf entry inside the valid range
+    s[-1, 12] = 0.0
+    nv = torch.tensor([N, N // 3, 0][:B], dtype=torch.int32)         # full, partial, all masked
+    if B == 2:
+        nv[1] = 13 if N < k else N // 3
+    out = index_topk(s.to(DEV), k, nv.to(DEV)).cpu()
+    ref = index_topk_torch(s, k, nv)
+    assert torch.equal(out, ref)
+
+
+def test_index_topk_no_valid_and_small_k():
+    gen = torch.Generator().manual_seed(6)
+    s = torch.randn(2, 777, generator=gen).bfloat16()
+    out = index_topk(s.to(DEV), 1).cpu()
+    assert torch.equal(out, index_topk_torch(s, 1))
+    out = index_topk(s.to(DEV), 20, torch.zeros(2, dtype=torch.int32, device=DEV)).cpu()
+    assert (out == -1).all()
+    out = index_topk(s.to(DEV), 40, chunks=7).cpu()
+    assert torch.equal(out, index_topk_torch(s, 40))
+
+
+def test_index_scores_topk_match_fast_decoder_rule():
+    """scores + top-k == the reference path of FastDecoder._indexer (stable sort, -1 past visible)."""
+    gen = torch.Generator().manual_seed(8)
+    pages = _index_cache(4, gen)
+    bt = torch.tensor([[2, 0, 3], [1, -1, -1]], dtype=torch.int32).to(DEV)
+    pos = torch.tensor([600, 9]).to(DEV)
+    q, w = _score_inputs(2, 16, gen)
+    sc = index_scores(q, w, pages, bt, pos)
+    vis = ((pos + 1) // 4).to(torch.int32)
+    idx = index_topk(sc, 64, vis).cpu()
+    ref_sc = index_scores_torch(q, w, pages, bt, pos).cpu()
+    ref = ref_sc.sort(dim=-1, descending=True, stable=True).indices[:, :64]
+    ref = ref.masked_fill(ref >= vis.cpu().long()[:, None], -1)
+    if torch.equal(sc.cpu().float(), ref_sc.float()):
+        assert torch.equal(idx.long(), ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path.insert(0, sys.argv[1])
+    import triton, triton.language as tl
+    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget
+    from dsv4.kernels import mhc, compressor as cp, indexer as ix
+
+    def sig(fn, types, const):
+        return {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
+
+    P = lambda t: "*" + t
+    F = P("fp32")
+    cases = [
+        (mhc._hc_mix_partial, dict(X=P("bf16"), FN=F, PART=F, SQ=F),
+         dict(NMIX=24, NP=32, BT=16, BK=64, MODE=0), 4, False),
+        (mhc._hc_mix_partial, dict(X=P("bf16"), FN=P("bf16"), PART=F, SQ=F),
+         dict(NMIX=24, NP=32, BT=16, BK=64, MODE=1), 4, True),
+        (mhc._hc_mix_partial, dict(X=P("bf16"), FN=F, PART=F, SQ=F),
+         dict(NMIX=4, NP=16, BT=64, BK=64, MODE=0), 4, False),
+        (mhc._hc_finish, dict(X=P("bf16"), PART=F, SQ=F, BASE=F, SCALE=F, Y=P("bf16"), POST=F, COMB=F,
+                              inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+         dict(NP=32, SP=64, BD=512, HEAD=False), 4, False),
+        (mhc._hc_post_kernel, dict(Yin=P("bf16"), RES=P("bf16"), POST=F, COMB=F, OUT=P("bf16")), dict(BD=1024), 4, False),
+        (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
+         dict(M=4, C=512, OVERLAP=True, HAS_APE=True, CB=512), 4, False),
+        (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
+         dict(M=128, C=512, OVERLAP=False, HAS_APE=False, CB=32), 4, False),
+        (cp._comp_post, dict(POOLED=F, NORMW=F, COS=F, SIN_=F, POS=P("i64"), OUT=P("bf16"), COMPLETE=P("i8"),
+                             PAGES=P("u8"), PSLOTS=P("i64"), eps="fp32"),
+         dict(M=128, C=512, INDEXER=False, WRITE=True), 4, False),
+        (cp._comp_fused, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F, NORMW=F,
+                              COS=F, COSIN_=F, OUT=P("bf16"), COMPLETE=P("i8"), PAGES=P("u8"), PSLOTS=P("i64"),
+                              eps="fp32"),
+         dict(M=4, C=512, OVERLAP=True, HAS_APE=False, INDEXER=False, WRITE=True, STORE_POOLED=False), 8, False),
+        (cp._comp_fused, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F, NORMW=F,
+                              COS=F, COSIN_=F, OUT=P("bf16"), COMPLETE=P("i8"), PAGES=P("u8"), PSLOTS=P("i64"),
+                              eps="fp32"),
+         dict(M=4, C=128, OVERLAP=True, HAS_APE=True, INDEXER=True, WRITE=True, STORE_POOLED=True), 8, False),
+        (cp._comp_post, dict(POOLED=F, NORMW=F, COS=F, SIN_=F, POS=P("i64"), OUT=P("bf16"), COMPLETE=P("i8"),
+                             PAGES=P("u8"), PSLOTS=P("i64"), eps="fp32"),
+         dict(M=4, C=128, INDEXER=True, WRITE=True), 4, False),
+        (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16")), dict(HB=16, INTERP=False), 4, True),
+        (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16")), dict(HB=64, INTERP=False), 4, True),
+        (ix._index_scores_kernel, dict(Q=P("bf16"), W=P("bf16"), PAGES=P("u8"), BT=P("i32"), POS=P("i64"),
+                                       OUT=P("bf16")), dict(TPP=2, HP=64, INTERP=False), 4, True),
+        (ix._index_scores_kernel, dict(Q=P("bf16"), W=P("bf16"), PAGES=P("u8"), BT=P("i64"), POS=P("i64"),
+                                       OUT=P("bf16")), dict(TPP=1, HP=64, INTERP=False, DIRECT=False), 8, True),
+        (ix._topk_hist, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), HIST=P("i32")), dict(LEVEL=1, TILE=2048), 8, False),
+        (ix._topk_hist, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), HIST=P("i32")), dict(LEVEL=2, TILE=2048), 8, False),
+        (ix._topk_row1, dict(NV=P("i32"), H1=P("i32"), ROW=P("i32")), dict(G=32), 8, False),
+        (ix._topk_row2, dict(NV=P("i32"), H1=P("i32"), H2=P("i32"), ROW=P("i32"), BASE=P("i32")), dict(G=32), 8, False),
+        (ix._topk_select, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), BASE=P("i32"), BUF=P("i64")),
+         dict(TILE=2048), 8, False),
+        (ix._topk_rank, dict(BUF=P("i64"), NV=P("i32"), OUT=P("i32")), dict(RB=64, CB=256), 4, False),
+    ]
+    for cap in (90, 100):
+        for fn, types, const, warps, want_mma in cases:
+            t0 = time.time()
+            k = triton.compile(ASTSource(fn, sig(fn, types, const), const),
+                               target=GPUTarget("cuda", cap, 32), options={"num_warps": warps})
+            assert len(k.asm["cubin"]) > 0
+            ptx = k.asm["ptx"]
+            assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"
+            mma = ("wgmma" in ptx) or ("tcgen05.mma" in ptx) or ("mma.sync" in ptx)
+            print(f"sm_{cap} {fn.__name__} {const}: cubin {len(k.asm['cubin'])} B, mma={mma}, {time.time() - t0:.1f}s")
+            if want_mma:
+                assert mma, f"{fn.__name__} should use tensor-core MMAs"
+""")
+
+
+def test_aot_compile_sm90_sm100():
+    """Compile every hot-path kernel for GPUTarget('cuda', 90, 32) and ('cuda', 100, 32) here."""
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"this triton cannot compile ahead of time: {e}")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(REPO)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):  # pragma: no cover
+        pytest.skip(f"no ptxas for offline compilation: {r.stderr[-400:]}")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: real shapes (skipped without CUDA by the conftest; need TRITON_INTERPRET=0)
+
+def _need_gpu():
+    if not cuda_ok():
+        pytest.skip("needs a CUDA GPU with TRITON_INTERPRET=0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,T", [(4096, 1), (4096, 128), (7168, 64), (4096, 2048)])
+def test_gpu_mhc_real_shapes(D, T):
+    """Default (bf16x3 tensor-core) mode: post/comb within 1e-5, outputs within 1 ulp or 1e-5 of the
+    summed magnitudes (cancelling sums)."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(D + T)
+    _check_hc_pre(T, D, gen, device="cuda", noise=1e-5)
+    _check_hc_post(T, D, gen, device="cuda")
+    _check_hc_head(T, D, gen, device="cuda", noise=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,T", [(4096, 256), (4096, 2048)])
+def test_gpu_hc_ieee_mode(D, T):
+    """The fp32 FMA mode: the reference's fp32 accuracy (2^-20 of the summed magnitudes)."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(T)
+    _check_hc_pre(T, D, gen, device="cuda", config={"mode": "ieee"})
+    _check_hc_head(T, D, gen, device="cuda", config={"mode": "ieee"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,indexer", [(4, False), (4, True), (128, False)])
+def test_gpu_compress_decode_real_shapes(ratio, indexer):
+    _need_gpu()
+    gen = torch.Generator().manual_seed(ratio * 3 + indexer)
+    B = 128
+    pos = torch.randint(0, 1 << 20, (B,), generator=gen)
+    pos[: B // 2] = (pos[: B // 2] // ratio) * ratio + ratio - 1      # half the rows complete a window
+    pos[0] = ratio - 1                                                 # the first entry
+    _check_compress(ratio, indexer, pos.tolist(), gen, device="cuda", page_size=256 // ratio,
+                    n_slots=B + 8)
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_real_shapes():
+    _need_gpu()
+    gen = torch.Generator().manual_seed(11)
+    T, H = 64, 64
+    q = (torch.randn(T, H, 128, generator=gen) * 3).bfloat16()
+    cos, sin = _rope(T, gen, "cpu")
+    out = index_q_prologue(q.cuda(), cos.cuda(), sin.cuda()).cpu()
+    ref = index_q_prologue_torch(q, cos, sin)
+    assert (out.float() != ref.float()).float().mean() < 2e-3
+    # scores over 256K candidates (1M context) for 2 rows, one of them shorter
+    n_blocks = 4096
+    pages = _index_cache(n_blocks, gen, device="cuda")
+    bt = torch.stack([torch.randperm(n_blocks, generator=gen) for _ in range(2)]).int().cuda()
+    pos = torch.tensor([4 * 262144 - 1, 123457]).cuda()
+    q, w = _score_inputs(2, H, gen, device="cuda")
+    sc = index_scores(q, w, pages, bt, pos)
+    ref = index_scores_torch(q, w, pages, bt, pos)
+    _check_scores(sc, ref)
+    # top-k 512 / 2048 over 256K candidates, batch 1 and 2
+    vis = ((pos + 1) // 4).int()
+    for k in (512, 2048):
+        idx = index_topk(sc, k, vis)
+        assert torch.equal(idx.cpu(), index_topk_torch(sc.cpu(), k, vis.cpu()))
+        idx1 = index_topk(sc[:1], k)
+        assert torch.equal(idx1.cpu(), index_topk_torch(sc[:1].cpu(), k))
+    # heavy ties: quantised scores (few distinct values)
+    s = (torch.randint(-3, 4, (4, 262144), generator=gen).float() * 0.25).bfloat16().cuda()
+    idx = index_topk(s, 1024)
+    assert torch.equal(idx.cpu(), index_topk_torch(s.cpu(), 1024))
