@@ -1,0 +1,464 @@
+"""Mixture-of-experts layer on the GPU hot path (spec §8), beside its twin ``reference.moe.MoE``.
+
+``moe_forward(x, ids, weights)`` = ``MoE.__call__`` (official numerics) with no Python loop over
+experts and no host synchronisation (CUDA-graph capturable; every launch size follows from shapes):
+
+1. routing (``route``): fp32 gate GEMM and ``sqrt(softplus(.))`` as torch ops (the twin's own ops,
+   hence the same bits on the same device), then one Triton kernel per token: top-k of
+   ``score + bias`` (bias for selection only; ties -> lower expert id, as ``torch.topk``'s order
+   for distinct values) or the ``tid2eid`` row (hash layers), the gathered raw scores, and a
+   duplicate mask (a repeated hash id contributes once). The normalisation ``w / w.sum() *
+   route_scale`` is the twin's torch op over the same [T, k] tensor in the same order: ids and
+   weights equal the twin's bit for bit.
+2. sort: pairs (token, slot) sorted by expert (``torch.sort``, stable); ``_moe_prep`` (one Triton
+   program) finds every expert's first row, the per-expert m-tile prefix sum and the inverse
+   permutation. Duplicate / masked pairs get the sentinel expert ``E`` and sort last.
+3. act quant of x once per token (FP8 1x128, plus the f16 operand of the FP4 kernel).
+4. grouped FP4 GEMM over the active experts (``gemm._fp4_gemm_kernel``, grouped + gather + SwiGLU
+   modes): w1 and w3 tiles of the same 128 columns in one program, then the official clamped SwiGLU
+   (bf16-rounded w1/w3 outputs, fp32 math, routing weight applied before w2, one bf16 rounding) and
+   the FP8 quantisation of h for w2 (e4m3 bytes + scales), written in sorted pair order; its f16
+   copy for the next MMA is a torch cast.
+5. grouped FP4 GEMM for w2 -> bf16 per pair row.
+6. shared expert: FP8 GEMM with the SwiGLU epilogue, FP8 GEMM for w2 (no routing weight).
+7. ``_moe_combine``: per token, its pairs in increasing expert id (= increasing sorted position),
+   summed in fp32 starting from 0 (the twin's ``y[rows] += out_e`` loop order), plus the bf16 shared
+   output, one bf16 rounding. Given equal expert outputs the combine is bit-exact.
+
+Numerics vs the twin: routing exact; every expert output agrees within bf16 rounding (GEMM fp32
+summation order differs; a one-ulp flip of a bf16 w1/w3 output can move h by one FP8 step), so the
+layer output is compared at FP8/bf16 tolerance. (CPU interpreter: bit-identical to the twin at the
+test shapes. H200: the small-shape MoE tests passed; at V4-Flash dims the version that made the f16
+operands inside Triton kernels was wrong; the current torch-cast version is not yet GPU-validated.)
+
+Measured (H200, BENCHMARKS.md, earlier version): 5-130x faster than the Python expert loop;
+12-37% of the weight-bytes floor at decode (the FP4 GEMMs are latency-bound, gemm.py).
+
+Weights: ``MoEWeights`` holds the stacked packed experts ``w13 [E, 2I, d/2]`` (w1 rows then w3 rows
+of each expert), ``w2 [E, d, I/2]``, their scales, and the FP8 shared expert. Built once from the
+reference object (``MoEWeights.from_reference``: the reference keeps dequantised fp32 weights; they
+are re-quantised to MXFP4, which is lossless for MXFP4-born weights and checked) or from packed
+checkpoint tensors (``MoEWeights.from_packed``, MXFP4 or NVFP4).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+
+from . import interpreting, triton_available
+from .gemm import (QBLOCK, _u8, act_quant_fp8, f16_operand, fp4_config, fp4_launch, fp4_path, fp8_gemm,
+                   fp8_swiglu)
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .kv_insert import _rne_bf16
+
+    @triton.jit
+    def _route_kernel(S, BIAS, TID2EID, IDS, IDX, WRAW, EFLAT, E, stride_s,
+                      KTOP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        jk = tl.arange(0, KP)
+        km = jk < KTOP
+        if HASH:
+            tok = tl.load(IDS + t).to(tl.int64)
+            idx = tl.load(TID2EID + tok * KTOP + jk, mask=km, other=0).to(tl.int32)
+        else:
+            ar = tl.arange(0, EP)
+            em = ar < E
+            s = tl.load(S + t * stride_s + ar, mask=em, other=0.0)
+            b = tl.load(BIAS + ar, mask=em, other=0.0)
+            v = tl.where(em, s + b, float("-inf"))
+            idx = tl.zeros([KP], tl.int32)
+            for j in tl.static_range(KTOP):
+                m = tl.max(v, axis=0)
+                i = tl.min(tl.where(v == m, ar, EP), axis=0)
+                idx = tl.where(jk == j, i, idx)
+                v = tl.where(ar == i, float("-inf"), v)
+        w = tl.load(S + t * stride_s + idx, mask=km, other=0.0)
+        # a repeated id (hash rows) contributes once: later copies are masked
+        dup = tl.sum(((idx[None, :] == idx[:, None]) & (jk[None, :] < jk[:, None])).to(tl.int32), axis=1) > 0
+        tl.store(IDX + t * KTOP + jk, idx.to(tl.int64), mask=km)
+        tl.store(WRAW + t * KTOP + jk, w, mask=km)
+        tl.store(EFLAT + t * KTOP + jk, tl.where(dup | (idx < 0), E, idx), mask=km)
+
+    @triton.jit
+    def _moe_prep(SORTED_E, PERM, OFFS, TCUM, INV, P, E,
+                  BM: tl.constexpr, EP: tl.constexpr, LOG2P: tl.constexpr, CH: tl.constexpr):
+        """One program: OFFS[e] = first sorted row of expert e (e = 0..E, OFFS[E] = valid rows),
+        TCUM = inclusive prefix of ceil(count / BM) with TCUM[0] = 0, INV[perm[i]] = i."""
+        e = tl.arange(0, EP)
+        lo = tl.zeros([EP], tl.int32)
+        hi = tl.zeros([EP], tl.int32) + P
+        for _ in tl.static_range(LOG2P):          # lower_bound(sorted_e, e), vectorised over e
+            mid = (lo + hi) // 2
+            v = tl.load(SORTED_E + mid, mask=mid < P, other=2147483647)
+            go = (v < e) & (mid < hi)
+            lo = tl.where(go, mid + 1, lo)
+            hi = tl.where(go, hi, mid)
+        offs = lo
+        tl.store(OFFS + e, offs.to(tl.int64), mask=e <= E)
+        lo2 = tl.zeros([EP], tl.int32)               # lower_bound(sorted_e, e + 1)
+        hi2 = tl.zeros([EP], tl.int32) + P
+        for _ in tl.static_range(LOG2P):
+            mid = (lo2 + hi2) // 2
+            v = tl.load(SORTED_E + mid, mask=mid < P, other=2147483647)
+            go = (v < e + 1) & (mid < hi2)
+            lo2 = tl.where(go, mid + 1, lo2)
+            hi2 = tl.where(go, hi2, mid)
+        cnt = tl.where(e < E, lo2 - offs, 0)
+        tiles = (cnt + BM - 1) // BM
+        tc = tl.cumsum(tiles, axis=0)
+        tl.store(TCUM + 1 + e, tc.to(tl.int64), mask=e < E)
+        tl.store(TCUM + e, tl.zeros([EP], tl.int64), mask=e == 0)
+        for c0 in range(0, P, CH):
+            i = c0 + tl.arange(0, CH)
+            pm = i < P
+            p = tl.load(PERM + i, mask=pm, other=0)
+            tl.store(INV + p, i.to(tl.int32), mask=pm)
+
+    @triton.jit
+    def _moe_combine(OUT, INV, OFFS, SH, Y, d, E, stride_o, stride_sh, stride_y,
+                     KTOP: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, HAS_SHARED: tl.constexpr,
+                     INTERP: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        cm = cols < d
+        jk = tl.arange(0, KP)
+        big = 2147483647
+        nvalid = tl.load(OFFS + E).to(tl.int32)
+        pos = tl.load(INV + t * KTOP + jk, mask=jk < KTOP, other=big)
+        pos = tl.where(pos < nvalid, pos, big)
+        y = tl.zeros([BD], tl.float32)
+        for j in tl.static_range(KTOP):            # increasing sorted position = increasing expert id
+            p = tl.min(pos, axis=0)
+            pos = tl.where(pos == p, big, pos)
+            pv = (cols * 0 + p) < nvalid
+            o = tl.load(OUT + p.to(tl.int64) * stride_o + cols, mask=cm & pv, other=0.0)
+            y += o.to(tl.float32)
+        if HAS_SHARED:
+            y += tl.load(SH + t * stride_sh + cols, mask=cm, other=0.0).to(tl.float32)
+        if INTERP:
+            y = _rne_bf16(y)
+        tl.store(Y + t * stride_y + cols, y.to(tl.bfloat16), mask=cm)
+
+
+# -------------------------------------------------------------------------------------------------
+# weights
+
+@dataclass
+class MoEWeights:
+    """Stacked MoE tensors (see module doc). fmt 'mxfp4': w*_s uint8 e8m0 [E, N, K/32];
+    'nvfp4': w*_s e4m3 bytes [E, N, K/16] and per-row fp32 global scales w*_s2 [E, N]."""
+    gate_w: torch.Tensor                 # fp32 [E, d]
+    bias: torch.Tensor | None            # fp32 [E] (score layers) or None (hash layers)
+    tid2eid: torch.Tensor | None         # int32 [V, k] (hash layers)
+    topk: int
+    route_scale: float
+    limit: float
+    fmt: str
+    w13: torch.Tensor                    # uint8 [E, 2I, d/2]
+    w13_s: torch.Tensor
+    w13_s2: torch.Tensor | None
+    w2: torch.Tensor                     # uint8 [E, d, I/2]
+    w2_s: torch.Tensor
+    w2_s2: torch.Tensor | None
+    sh13: torch.Tensor | None            # e4m3 [2I_s, d]
+    sh13_s: torch.Tensor | None          # fp32 [2I_s/128, d/128]
+    sh2: torch.Tensor | None             # e4m3 [d, I_s]
+    sh2_s: torch.Tensor | None
+
+    @property
+    def n_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def inter(self) -> int:
+        return self.w13.shape[1] // 2
+
+    def to(self, device) -> "MoEWeights":
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in kw.items():
+            if isinstance(v, torch.Tensor):
+                kw[k] = v.to(device)
+        return replace(self, **kw)
+
+    # --------------------------------------------------------------- constructors
+    @staticmethod
+    def _shared_fp8(shared):
+        from ..formats.fp8 import dequant_fp8_weight, quant_fp8_weight
+        if shared is None:
+            return None, None, None, None
+        w13 = torch.cat([shared.w1.weight, shared.w3.weight], 0)
+        q13, s13 = quant_fp8_weight(w13)
+        q2, s2 = quant_fp8_weight(shared.w2.weight)
+        for w, q, s in ((w13, q13, s13), (shared.w2.weight, q2, s2)):
+            if not torch.equal(dequant_fp8_weight(q, s), w.float()):
+                raise ValueError("shared expert weights are not FP8 128x128-block representable")
+        return q13, s13.float(), q2, s2.float()
+
+    @classmethod
+    def from_reference(cls, moe, fmt: str = "mxfp4", allow_lossy: bool = False) -> "MoEWeights":
+        """Pack a ``reference.moe.MoE`` once. The reference keeps exact dequantised weights;
+        MXFP4-born weights re-quantise to the same codes/scales (checked unless ``allow_lossy``).
+        ``fmt='nvfp4'`` quantises with ModelOpt's recipe (w1/w3 share one global scale): lossy
+        unless the weights came from exactly that recipe."""
+        from ..formats.fp4 import dequant_mxfp4, quant_mxfp4, quant_nvfp4
+        E = len(moe.experts)
+        w13, s13, g13, w2, s2, g2 = [], [], [], [], [], []
+        for ex in moe.experts:                          # load time, once
+            a, b, c = ex.w1.weight, ex.w3.weight, ex.w2.weight
+            if fmt == "mxfp4":
+                for w, pl, sl in ((torch.cat([a, b], 0), w13, s13), (c, w2, s2)):
+                    q, s = quant_mxfp4(w)
+                    if not allow_lossy and not torch.equal(dequant_mxfp4(q, s), w.float()):
+                        raise ValueError("expert weights are not MXFP4 representable (pass allow_lossy)")
+                    pl.append(q.view(torch.uint8))
+                    sl.append(s.view(torch.uint8))
+            elif fmt == "nvfp4":
+                g = torch.maximum(a.abs().amax(), b.abs().amax()) / (6.0 * 448.0)
+                qa, sa, ga = quant_nvfp4(a, g)
+                qb, sb, gb = quant_nvfp4(b, g)
+                qc, sc, gc = quant_nvfp4(c)
+                w13.append(torch.cat([qa, qb], 0))
+                s13.append(torch.cat([sa, sb], 0).view(torch.uint8))
+                g13.append(torch.cat([ga.expand(a.shape[0]), gb.expand(b.shape[0])]))
+                w2.append(qc)
+                s2.append(sc.view(torch.uint8))
+                g2.append(gc.expand(c.shape[0]))
+            else:
+                raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+        sh = cls._shared_fp8(moe.shared)
+        return cls(gate_w=moe.gate_w.float().contiguous(),
+                   bias=None if moe.bias is None else moe.bias.float().contiguous(),
+                   tid2eid=None if moe.tid2eid is None else moe.tid2eid.to(torch.int32).contiguous(),
+                   topk=moe.topk, route_scale=float(moe.route_scale),
+                   limit=float(moe.experts[0].limit if E else moe.shared.limit), fmt=fmt,
+                   w13=torch.stack(w13), w13_s=torch.stack(s13),
+                   w13_s2=torch.stack(g13).float() if g13 else None,
+                   w2=torch.stack(w2), w2_s=torch.stack(s2), w2_s2=torch.stack(g2).float() if g2 else None,
+                   sh13=sh[0], sh13_s=sh[1], sh2=sh[2], sh2_s=sh[3])
+
+    @classmethod
+    def from_packed(cls, gate_w, bias, tid2eid, topk, route_scale, limit, fmt, w1, w1_s, w3, w3_s, w2, w2_s,
+                    w1_s2=None, w3_s2=None, w2_s2=None, shared=None) -> "MoEWeights":
+        """From checkpoint-format tensors stacked over experts: w1/w3 packed [E, I, d/2], w2
+        [E, d, I/2]; scales e8m0 [E, N, K/32] (mxfp4) or e4m3 [E, N, K/16] + fp32 [E] global
+        (nvfp4); ``shared`` = ((w1, s1), (w3, s3), (w2, s2)) FP8 weights with 128x128 scales."""
+        E, I = w1.shape[0], w1.shape[1]
+        d = w2.shape[1]
+        rows = lambda g, n: g.float().reshape(E, 1).expand(E, n)
+        sh13 = sh13_s = sh2 = sh2_s = None
+        if shared is not None:
+            (a, sa), (b, sb), (c, sc) = shared
+            sh13 = torch.cat([a, b], 0)
+            sh13_s = torch.cat([_e8m0_f32(sa), _e8m0_f32(sb)], 0) if a.shape[0] % QBLOCK == 0 else None
+            sh2, sh2_s = c, _e8m0_f32(sc)
+        return cls(gate_w=gate_w.float().contiguous(), bias=None if bias is None else bias.float(),
+                   tid2eid=None if tid2eid is None else tid2eid.to(torch.int32).contiguous(),
+                   topk=int(topk), route_scale=float(route_scale), limit=float(limit), fmt=fmt,
+                   w13=torch.cat([_u8(w1), _u8(w3)], 1).contiguous(),
+                   w13_s=torch.cat([_u8(w1_s), _u8(w3_s)], 1).contiguous(),
+                   w13_s2=None if fmt == "mxfp4" else torch.cat([rows(w1_s2, I), rows(w3_s2, I)], 1).contiguous(),
+                   w2=_u8(w2).contiguous(), w2_s=_u8(w2_s).contiguous(),
+                   w2_s2=None if fmt == "mxfp4" else rows(w2_s2, d).contiguous(),
+                   sh13=sh13, sh13_s=sh13_s, sh2=sh2, sh2_s=sh2_s)
+
+    def to_reference(self, num=None):
+        """The twin: a ``reference.moe.MoE`` over the dequantised tensors (CPU)."""
+        from ..formats.fp4 import dequant_mxfp4, dequant_nvfp4
+        from ..formats.fp8 import dequant_fp8_weight
+        from ..reference.linear import Linear
+        from ..reference.moe import MoE, Expert
+        from ..reference.numerics import OFFICIAL
+        num = num or OFFICIAL
+        I = self.inter
+        cpu = self.to("cpu")
+
+        def deq(w, s, s2):
+            if self.fmt == "mxfp4":
+                return dequant_mxfp4(w, s)
+            # per-row global scales: dequantise row blocks sharing one value
+            out = torch.empty(w.shape[0], w.shape[1] * 2)
+            for v in torch.unique(s2):
+                r = (s2 == v).nonzero().squeeze(1)
+                out[r] = dequant_nvfp4(w[r], s[r].view(torch.float8_e4m3fn), v.reshape(()))
+            return out
+
+        experts = []
+        for e in range(self.n_experts):
+            w13 = deq(cpu.w13[e], cpu.w13_s[e], None if cpu.w13_s2 is None else cpu.w13_s2[e])
+            w2 = deq(cpu.w2[e], cpu.w2_s[e], None if cpu.w2_s2 is None else cpu.w2_s2[e])
+            experts.append(Expert(Linear(w13[:I], "fp4", num), Linear(w2, "fp4", num),
+                                  Linear(w13[I:], "fp4", num), self.limit, num))
+        shared = None
+        if cpu.sh13 is not None:
+            s13 = dequant_fp8_weight(cpu.sh13.view(torch.float8_e4m3fn), cpu.sh13_s)
+            s2 = dequant_fp8_weight(cpu.sh2.view(torch.float8_e4m3fn), cpu.sh2_s)
+            Is = s13.shape[0] // 2
+            shared = Expert(Linear(s13[:Is], "fp8", num), Linear(s2, "fp8", num), Linear(s13[Is:], "fp8", num),
+                            self.limit, num)
+        return MoE(cpu.gate_w, cpu.bias, cpu.tid2eid, experts, shared, self.topk, self.route_scale, num)
+
+
+def _e8m0_f32(s: torch.Tensor) -> torch.Tensor:
+    if s.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return s.view(torch.float8_e8m0fnu).float()
+    return s.float()
+
+
+# -------------------------------------------------------------------------------------------------
+# forward
+
+def route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, _want_eflat: bool = False):
+    """(expert ids [T, k] int64, routing weights [T, k] fp32): ``MoE.route``'s result (module doc)."""
+    T = x.shape[0]
+    k, E = w.topk, w.n_experts
+    dev = x.device
+    scores = torch.sqrt(F.softplus(x.float() @ w.gate_w.T))             # the twin's ops, fp32
+    idx = torch.empty(T, k, dtype=torch.int64, device=dev)
+    wraw = torch.empty(T, k, dtype=torch.float32, device=dev)
+    eflat = torch.empty(T * k, dtype=torch.int32, device=dev)
+    if T:
+        hash_layer = w.tid2eid is not None
+        if hash_layer and ids is None:
+            raise ValueError("hash-routed layer needs the token ids")
+        kw = {} if interpreting() else {"num_warps": 4}
+        _route_kernel[(T,)](
+            scores, w.bias if w.bias is not None else scores, w.tid2eid if hash_layer else idx,
+            ids if hash_layer else idx, idx, wraw, eflat, E, scores.stride(0),
+            KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, **kw)
+    weights = wraw / wraw.sum(dim=-1, keepdim=True) * w.route_scale       # the twin's ops, same order
+    if _want_eflat:
+        return idx, weights, eflat
+    return idx, weights
+
+
+def route_torch(moe_ref, x, ids):
+    return moe_ref.route(x, ids)
+
+
+def sort_pairs(eflat: torch.Tensor, n_experts: int, bm: int):
+    """(perm int32 [P] sorted row -> pair id, offs int64 [E+1], tcum int64 [E+1], inv int32 [P])."""
+    P = eflat.numel()
+    dev = eflat.device
+    sorted_e, perm = torch.sort(eflat, stable=True)
+    perm = perm.to(torch.int32)
+    offs = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
+    tcum = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
+    inv = torch.empty(P, dtype=torch.int32, device=dev)
+    kw = {} if interpreting() else {"num_warps": 4}
+    _moe_prep[(1,)](sorted_e, perm, offs, tcum, inv, P, n_experts, BM=bm,
+                    EP=triton.next_power_of_2(n_experts + 1), LOG2P=max(1, P.bit_length()),
+                    CH=min(1024, triton.next_power_of_2(max(P, 1))), **kw)
+    return perm, offs, tcum, inv
+
+
+def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: str | None = None,
+                config: dict | None = None, routing: tuple | None = None, return_parts: bool = False):
+    """bf16 [T, d] = ``MoE.__call__(x, ids)`` (module doc). ``routing=(idx [T, k], weights [T, k])``
+    skips the router (ids < 0 = no expert for that slot)."""
+    if x.dim() != 2 or x.shape[1] != w.dim:
+        raise ValueError(f"moe_forward: expected x [T, {w.dim}], got {tuple(x.shape)}")
+    x = x.to(torch.bfloat16).contiguous()
+    T, d = x.shape
+    E, I, k = w.n_experts, w.inter, w.topk
+    dev = x.device
+    y = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
+    if T == 0:
+        return y
+    if routing is None:
+        idx, rw, eflat = route(x, ids, w, _want_eflat=True)
+    else:
+        idx, rw = routing
+        k = idx.shape[1]
+        first = torch.ones_like(idx, dtype=torch.bool)
+        for j in range(1, k):                                    # slots, not experts
+            first[:, j] = (idx[:, :j] != idx[:, j:j + 1]).all(dim=1)
+        eflat = torch.where(first & (idx >= 0), idx, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
+    P = T * k
+    path = path or fp4_path(w.fmt, dev)
+    bm = fp4_config(P / max(1, min(E, P)), dev)["BM"]
+    if config and "BM" in config:
+        bm = config["BM"]
+    perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
+    n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
+    # activations: one quantisation per token (the shared expert's e4m3 copy and the FP4 operand)
+    xq, xs, a16 = act_quant_fp8(x, with_f16=True)
+    a = _u8(xq) if path == "scaled" else a16
+    pw = rw.float().contiguous().reshape(-1)
+    # routed experts: grouped GEMM 1 (w1|w3 + SwiGLU + FP8 quant of h), grouped GEMM 2 (w2)
+    h = torch.empty(P, I, dtype=torch.uint8, device=dev)            # e4m3 bytes of h
+    hs = torch.empty(P, I // QBLOCK, dtype=torch.float32, device=dev)
+    cfg = dict(config or {}, BM=bm)
+    fp4_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit,
+               perm=perm, offs=offs, tcum=tcum, pw=pw, top_k=k, n_groups=E, n_tiles=n_tiles, path=path,
+               config=cfg)
+    h2 = h if path == "scaled" else f16_operand(h.view(torch.float8_e4m3fn))
+    out = torch.empty(P, d, dtype=torch.bfloat16, device=dev)
+    fp4_launch(h2, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, offs=offs, tcum=tcum,
+               n_groups=E, n_tiles=n_tiles, path=path, config=cfg)
+    # shared expert (FP8)
+    sh = None
+    if w.sh13 is not None:
+        hq, hsc = fp8_swiglu(xq, xs, w.sh13, w.sh13_s, w.limit)
+        sh = fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
+    kw = {} if interpreting() else {"num_warps": 4}
+    BD = min(1024, triton.next_power_of_2(d))
+    _moe_combine[(T, triton.cdiv(d, BD))](
+        out, inv, offs, sh if sh is not None else y, y, d, E, out.stride(0),
+        sh.stride(0) if sh is not None else 0, y.stride(0), KTOP=k, KP=triton.next_power_of_2(k),
+        BD=BD, HAS_SHARED=sh is not None, INTERP=interpreting(), **kw)
+    if return_parts:
+        return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh)
+    return y
+
+
+def moe_forward_torch(moe_ref, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """Twin: the reference layer (``reference.moe.MoE.__call__``, official numerics)."""
+    return moe_ref(x, ids)
+
+
+def moe_loop_torch(x: torch.Tensor, ids, w: MoEWeights, dense: dict) -> torch.Tensor:
+    """Plain-PyTorch baseline on the device: the reference's Python loop over experts (same
+    numerics: FP8 QDQ of x and h, bf16-rounded w1/w3 outputs, fp32 SwiGLU, weight before w2, fp32
+    accumulation in increasing expert order), with bf16 matmuls on dequantised weights (``dense``:
+    {'w13': [E, 2I, d], 'w2': [E, d, I], 'sh13': [2I, d], 'sh2': [d, I]} bf16; QDQ'd activations
+    are exact in bf16, the products exact in fp32)."""
+    from ..reference.linear import dequant_activation_fp8
+    idx, rw = route(x, ids, w)
+    T, d = x.shape
+    xq = dequant_activation_fp8(x).bfloat16()
+    y = torch.zeros(T, d, dtype=torch.float32, device=x.device)
+
+    def expert(xe, w13, w2, weight):
+        gu = (xe @ w13.T).float()
+        Ie = gu.shape[1] // 2
+        g, u = gu[:, :Ie], gu[:, Ie:].clamp(-w.limit, w.limit)
+        hh = F.silu(g.clamp(max=w.limit)) * u
+        if weight is not None:
+            hh = weight[:, None] * hh
+        hq = dequant_activation_fp8(hh.to(torch.bfloat16)).bfloat16()
+        return (hq @ w2.T).float()
+
+    for e in range(w.n_experts):
+        hit = idx == e
+        rows = hit.any(dim=1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        col = hit[rows].float().argmax(dim=1)
+        y[rows] += expert(xq[rows], dense["w13"][e], dense["w2"][e], rw[rows, col])
+    if "sh13" in dense:
+        y += expert(xq, dense["sh13"], dense["sh2"], None)
+    return y.to(torch.bfloat16)
+
+
+__all__ = ["MoEWeights", "moe_forward", "moe_forward_torch", "moe_loop_torch", "route", "route_torch",
+           "sort_pairs"]

@@ -1,0 +1,456 @@
+"""FP8 / FP4 GEMM and MoE kernels (dsv4/kernels/gemm.py, moe.py) against their torch twins.
+
+On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before
+triton is imported) at tiny shapes. With TRITON_INTERPRET=0 on a GPU machine the same tests run
+compiled on CUDA and the ``gpu``-marked tests add V4-Flash shapes. The AOT test compiles every
+kernel for sm_90 and sm_100 without a GPU.
+
+Tolerances (documented in the modules): ``act_quant`` and routing are bit-exact; GEMMs are held to
+the fp64-accumulated sum of the same (exact) products: |y - exact| <= 2^-8 |exact| (one bf16 ulp)
++ 2^-16 sum|products| (fp32 summation order; 2^-12 for FP8 MMAs on CUDA, whose 128-K partials keep
+~14 bits), and to the twin within twice that; the
+MoE layer to the reference within FP8-step tolerance (a one-ulp bf16 difference in a w1/w3 output
+can move h by one FP8 step).
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4  # noqa: E402
+from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref  # noqa: E402
+from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
+from dsv4.kernels import cuda_ok, interpreting  # noqa: E402
+from dsv4.kernels import gemm as G  # noqa: E402
+from dsv4.kernels import moe as Mo  # noqa: E402
+from dsv4.reference.linear import Linear  # noqa: E402
+from dsv4.reference.moe import Expert, MoE  # noqa: E402
+from dsv4.reference.numerics import OFFICIAL  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+if interpreting():
+    DEV = "cpu"
+elif torch.cuda.is_available():
+    DEV = "cuda"
+else:  # compiled triton without a GPU: nothing can run
+    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+
+
+def _exact(xq, xs, W):
+    """fp64 sum of the exact products (dequantised activation x dequantised weight), and sum|.|."""
+    M, K = xq.shape
+    x = (xq.double().view(M, K // 128, 128) * xs.double()[..., None]).view(M, K)
+    return x @ W.double().T, x.abs() @ W.double().abs().T
+
+
+# Hopper's FP8 tensor-core MMA keeps ~14 bits while it sums a 128-K block partial (the DeepSeek-V3
+# report; the official kernel promotes to fp32 per 128-K block for that reason, as fp8_gemm does):
+# on CUDA the FP8 GEMM's summation term is 2^-12 sum|products| instead of fp32's 2^-16.
+FP8_ACC = 2.0 ** -12 if DEV == "cuda" else 2.0 ** -16
+
+
+def _check_gemm(y, xq, xs, W, twin=None, acc=2.0 ** -16):
+    ex, mag = _exact(xq.cpu(), xs.cpu(), W.cpu())
+    y = y.cpu().double()
+    bound = 2.0 ** -8 * ex.abs() + acc * mag + 1e-30
+    assert torch.isfinite(y).all()
+    assert ((y - ex).abs() <= bound).all(), f"max excess {((y - ex).abs() - bound).max().item()}"
+    if twin is not None:
+        assert ((y - twin.cpu().double()).abs() <= 2 * bound).all()
+    rel = ((y - ex).norm() / ex.norm()).item()
+    assert rel < 4e-3, rel
+
+
+# ------------------------------------------------------------------------------------------------
+# act quant
+
+def _act_inputs(M, K, gen):
+    x = (torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen) * 4).bfloat16()
+    x[0, :128] = 0                                      # all-zero block: amax floor 1e-4
+    if M > 1:
+        x[1, :] = 0                                     # all-zero row
+    if M > 2:
+        x[2, 128:256] = torch.linspace(-1, 1, 128).bfloat16() * 448 * 2.0 ** -5   # block max 448*2^k
+        x[2, 0] = 2.0 ** -20                            # tiny values under the floor
+    if M > 3:
+        x[3, 5] = -3.0e38                               # huge: scale 2^119
+        x[3, 130] = 7.0625                              # rounding near a binade
+    return x
+
+
+@pytest.mark.parametrize("M,K", [(5, 256), (1, 384)])
+def test_act_quant_bit_exact(M, K):
+    gen = torch.Generator().manual_seed(M + K)
+    x = _act_inputs(M, K, gen)
+    q, s, a16 = G.act_quant_fp8(x.to(DEV), with_f16=True)
+    qr, sr = act_quant_ref(x)
+    assert torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s.cpu(), sr)
+    assert a16.dtype == torch.float16 and torch.equal(a16.cpu().float(), qr.float())
+    # leading dims are kept
+    q3, s3 = G.act_quant_fp8(x.view(1, M, K).to(DEV))
+    assert q3.shape == (1, M, K) and s3.shape == (1, M, K // 128)
+    assert torch.equal(q3.cpu().view(torch.uint8).view(M, K), qr.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 GEMM
+
+@pytest.mark.parametrize("M,N,K", [(5, 160, 256), (1, 96, 128), (33, 128, 384)])
+def test_fp8_gemm(M, N, K):
+    gen = torch.Generator().manual_seed(M * N + K)
+    x = (torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen) * 3).bfloat16()
+    W = torch.randn(N, K, generator=gen) * 0.05
+    W[:, :128] *= 8                                   # blocks with different scales
+    wq, ws = quant_fp8_weight(W)
+    Wd = dequant_fp8_weight(wq, ws)
+    xq, xs = act_quant_ref(x)
+    y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV))
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    twin = G.fp8_gemm_torch(xq, xs, wq, ws)
+    ref = Linear(Wd, "fp8", OFFICIAL)(x)              # the reference Linear (official numerics)
+    _check_gemm(y, xq, xs, Wd, twin, acc=FP8_ACC)
+    _check_gemm(ref, xq, xs, Wd)
+    # fp32 scales and e8m0 scales give the same bits; fused quant == two-step quant
+    y32 = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.float().to(DEV))
+    assert torch.equal(y32.cpu().view(torch.int16), y.cpu().view(torch.int16))
+    for fuse in (True, False):
+        yl = G.fp8_linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=fuse)
+        assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
+
+
+def test_fp8_gemm_matches_official_order_twin_closely():
+    """Same per-128-block fp32 partials as the official order: at most 1 bf16 ulp apart."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 256, generator=gen).bfloat16()
+    wq, ws = quant_fp8_weight(torch.randn(64, 256, generator=gen) * 0.1)
+    xq, xs = act_quant_ref(x)
+    y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV)).cpu()
+    t = G.fp8_gemm_torch(xq, xs, wq, ws)
+    b = lambda v: v.view(torch.int16).int()
+    if DEV == "cpu":
+        assert ((b(y) - b(t)).abs() <= 1).all()
+    else:    # FP8 MMA partials (see FP8_ACC): a few ulps on near-cancelling sums
+        _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), t, acc=FP8_ACC)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP4 GEMM
+
+def _fp4_weight(fmt, N, K, gen, spread=False):
+    W = torch.randn(N, K, generator=gen) * 0.05
+    if spread:     # per-32 scales 2^16 apart inside a 128-block (the folded path's exact limit)
+        W[:, 32:64] *= 2.0 ** -12
+        W[:, 64:96] *= 2.0 ** -16
+    if fmt == "mxfp4":
+        wp, s = quant_mxfp4(W)
+        return wp, s, None, dequant_mxfp4(wp, s)
+    wp, s, s2 = quant_nvfp4(W)
+    return wp, s, s2, dequant_nvfp4(wp, s, s2)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("M,N,K", [(5, 96, 256), (17, 64, 128)])
+def test_fp4_gemm(fmt, M, N, K):
+    gen = torch.Generator().manual_seed(M + N + K + len(fmt))
+    x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
+    wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
+    xq, xs = act_quant_ref(x)
+    y = G.fp4_gemm(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV))
+    twin = G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2)
+    ref = Linear(Wd, "fp4", OFFICIAL)(x)
+    _check_gemm(y, xq, xs, Wd, twin)
+    _check_gemm(ref, xq, xs, Wd)
+
+
+@pytest.mark.parametrize("bm", [16, 64])
+def test_fp4_gemm_mxfp4_scale_spread(bm):
+    """Per-32 promotion (BM < 64) and the folded relative scales (BM >= 64) stay exact."""
+    gen = torch.Generator().manual_seed(bm)
+    x = (torch.randn(6, 256, generator=gen) * 2).bfloat16()
+    wp, s, _, Wd = _fp4_weight("mxfp4", 64, 256, gen, spread=True)
+    xq, xs = act_quant_ref(x)
+    y = G.fp4_gemm(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), "mxfp4", config={"BM": bm})
+    _check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s))
+
+
+def test_fp4_gemm_pure_triton_decode_path():
+    """The portable (no inline PTX) e2m1 decode gives the same bits as the default path."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 128, generator=gen).bfloat16()
+    wp, s, _, _ = _fp4_weight("mxfp4", 32, 128, gen)
+    xq, xs = act_quant_ref(x)
+    outs = []
+    for use_asm in ((False, True) if DEV == "cuda" else (False,)):
+        a16 = G.f16_operand(xq.to(DEV))
+        out = torch.empty(4, 32, dtype=torch.bfloat16, device=DEV)
+        G.fp4_launch(a16, xs.to(DEV), G._u8(wp).to(DEV)[None], s.view(torch.uint8).to(DEV)[None], None,
+                     out, None, 4, 32, 128, 0, fmt="mxfp4", path="dequant", use_asm=use_asm)
+        outs.append(out.cpu())
+    assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs)
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE
+
+def _mx(w):
+    q, s = quant_mxfp4(w)
+    return dequant_mxfp4(q, s)
+
+
+def _f8(w):
+    q, s = quant_fp8_weight(w)
+    return dequant_fp8_weight(q, s)
+
+
+def _ref_moe(E, d, I, k, gen, hash_layer, vocab=64, shared=True, dup_row=None):
+    lin = lambda o, i, f, fmt: Linear(f(torch.randn(o, i, generator=gen) * 0.06), fmt, OFFICIAL)
+    experts = [Expert(lin(I, d, _mx, "fp4"), lin(d, I, _mx, "fp4"), lin(I, d, _mx, "fp4"), 10.0, OFFICIAL)
+               for _ in range(E)]
+    sh = Expert(lin(I, d, _f8, "fp8"), lin(d, I, _f8, "fp8"), lin(I, d, _f8, "fp8"), 10.0, OFFICIAL) if shared else None
+    gate = torch.randn(E, d, generator=gen) * 0.1
+    bias = None if hash_layer else torch.randn(E, generator=gen) * 0.05
+    tid = None
+    if hash_layer:
+        tid = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(vocab)])
+        if dup_row is not None:
+            tid[dup_row, 1] = tid[dup_row, 0]          # a repeated expert id in one row
+    return MoE(gate, bias, tid, experts, sh, k, 1.5, OFFICIAL)
+
+
+def _check_moe(y, yr):
+    y, yr = y.cpu().float(), yr.float()
+    assert torch.isfinite(y).all()
+    rel = ((y - yr).norm() / yr.norm()).item()
+    assert rel < 2e-2, rel
+    assert ((y - yr).abs() <= 0.05 * yr.abs().amax(-1, keepdim=True) + 1e-6).all()
+
+
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_route_exact(hash_layer):
+    gen = torch.Generator().manual_seed(3 + hash_layer)
+    ref = _ref_moe(8, 256, 128, 3, gen, hash_layer, dup_row=5, shared=False)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = (torch.randn(13, 256, generator=gen)).bfloat16()
+    ids = torch.randint(0, 64, (13,), generator=gen)
+    ids[2] = 5
+    i0, w0 = ref.route(x, ids)
+    i1, w1 = Mo.route(x.to(DEV), ids.to(DEV), w)
+    i1, w1 = i1.cpu(), w1.cpu()
+    if DEV == "cpu":   # same device as the twin: same bits in the same slot order
+        assert torch.equal(i1, i0) and torch.equal(w1, w0)
+    else:              # scores from another device's GEMM: compare as sets, weights to ~ulps
+        assert torch.equal(i1.sort(-1).values, i0.sort(-1).values)
+        o1, o0 = i1.argsort(-1), i0.argsort(-1)
+        torch.testing.assert_close(w1.gather(1, o1), w0.gather(1, o0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hash_layer,T", [(False, 9), (True, 7)])
+def test_moe_forward(hash_layer, T):
+    gen = torch.Generator().manual_seed(20 + T)
+    ref = _ref_moe(8, 256, 128, 2, gen, hash_layer, dup_row=4)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = (torch.randn(T, 256, generator=gen) * 1.5).bfloat16()
+    ids = torch.randint(0, 64, (T,), generator=gen)
+    ids[0] = 4
+    y, parts = Mo.moe_forward(x.to(DEV), ids.to(DEV), w, return_parts=True)
+    yr = ref(x, ids)
+    _check_moe(y, yr)
+    # pairs sorted by expert: offsets are the cumulative counts (duplicates dropped)
+    idx = parts["idx"].cpu()
+    first = torch.ones_like(idx, dtype=torch.bool)
+    first[:, 1] = idx[:, 1] != idx[:, 0]
+    counts = torch.bincount(idx[first], minlength=8)
+    assert torch.equal(parts["offs"].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+
+
+def test_moe_empty_experts_and_unrouted_tokens():
+    gen = torch.Generator().manual_seed(5)
+    ref = _ref_moe(8, 256, 128, 2, gen, False)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    # one token: six of the eight experts get none
+    x = torch.randn(1, 256, generator=gen).bfloat16()
+    _check_moe(Mo.moe_forward(x.to(DEV), None, w), ref(x, None))
+    # explicit routing with masked slots (-1): token 1 goes to no routed expert (shared only)
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    idx = torch.tensor([[1, 6], [-1, -1], [3, -1]])
+    rw = torch.tensor([[0.7, 0.8], [0.0, 0.0], [1.5, 0.0]])
+    y = Mo.moe_forward(x.to(DEV), None, w, routing=(idx.to(DEV), rw.to(DEV))).cpu()
+    yr = ref.shared(x).float()
+    for t in range(3):
+        for j in range(2):
+            e = int(idx[t, j])
+            if e >= 0:
+                yr[t] += ref.experts[e](x[t:t + 1], rw[t, j:j + 1])[0].float()
+    _check_moe(y, yr.bfloat16())
+    # no tokens
+    assert Mo.moe_forward(x[:0].to(DEV), None, w).shape == (0, 256)
+
+
+def test_moe_nvfp4_packed():
+    gen = torch.Generator().manual_seed(9)
+    E, d, I, k = 4, 256, 128, 2
+    pk = {n: [] for n in ("w1", "s1", "g1", "w3", "s3", "g3", "w2", "s2", "g2")}
+    for _ in range(E):
+        for a, (o, i) in (("1", (I, d)), ("3", (I, d)), ("2", (d, I))):
+            q, s, g = quant_nvfp4(torch.randn(o, i, generator=gen) * 0.06)
+            pk["w" + a].append(q)
+            pk["s" + a].append(s)
+            pk["g" + a].append(g)
+    st = {n: torch.stack(v) for n, v in pk.items()}
+    sh = tuple(quant_fp8_weight(torch.randn(o, i, generator=gen) * 0.06) for o, i in ((I, d), (I, d), (d, I)))
+    w = Mo.MoEWeights.from_packed(torch.randn(E, d, generator=gen) * 0.1, torch.zeros(E), None, k, 1.5, 10.0,
+                                  "nvfp4", st["w1"], st["s1"], st["w3"], st["s3"], st["w2"], st["s2"],
+                                  w1_s2=st["g1"], w3_s2=st["g3"], w2_s2=st["g2"], shared=sh)
+    ref = w.to_reference()
+    x = torch.randn(6, d, generator=gen).bfloat16()
+    _check_moe(Mo.moe_forward(x.to(DEV), None, w.to(DEV)), ref(x, None))
+
+
+# ------------------------------------------------------------------------------------------------
+# ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import os, re, sys, time
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path.insert(0, sys.argv[1])
+    import triton
+    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget
+    from dsv4.kernels import gemm as G, moe as Mo
+
+    DIV = ("K", "N_out", "n_half", "stride_am", "stride_sam", "stride_we", "stride_wn", "stride_wse",
+           "stride_wsn", "stride_w2e", "stride_cm", "stride_csm", "stride_bn", "stride_sbn", "stride_x",
+           "stride_q", "stride_s", "stride_a", "d", "stride_o", "stride_y")
+    P = lambda t: "*" + t
+
+    def comp(fn, types, const, cap, warps, stages=3):
+        sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if (n in types and types[n].startswith("*")) or n in DIV}
+        t0 = time.time()
+        k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
+                           options={"num_warps": warps, "num_stages": stages})
+        ptx = k.asm["ptx"]
+        assert len(k.asm["cubin"]) > 0
+        # an over-subscribed resource (e.g. sm_100 tensor memory) compiles to a lone trap
+        assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"
+        mma = sorted(set(re.findall(r"(wgmma\\.mma_async\\.\\S*|tcgen05\\.mma\\S*|mma\\.sync\\.\\S*)", ptx)))
+        print(f"sm_{cap} {fn.__name__} {const}: {time.time() - t0:.1f}s {mma[:2]}")
+        return ptx
+
+    fp8t = dict(A=P("u8"), SA=P("fp32"), B=P("u8"), SB=P("fp32"), C=P("bf16"), CS=P("fp32"), limit="fp32")
+    fp4t = dict(A16=P("fp16"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("bf16"), CS=P("fp32"),
+                PERM=P("i32"), OFFS=P("i64"), TCUM=P("i64"), PW=P("fp32"), limit="fp32")
+    sct = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), C=P("bf16"), CS=P("fp32"), PERM=P("i32"),
+               OFFS=P("i64"), TCUM=P("i64"), PW=P("fp32"), limit="fp32")
+    for cap in (90, 100):
+        comp(G._act_quant_kernel, dict(X=P("bf16"), Q=P("u8"), S=P("fp32")), dict(BLOCKS=8, INTERP=False), cap, 4)
+        ptx = comp(G._fp8_gemm_kernel, fp8t, dict(SB_SHIFT=7, A_BF16=False, SB_E8M0=False, SWIGLU=False,
+                                                  BM=128, BN=128, GROUP_M=8, INTERP=False), cap, 8, 4)
+        if cap == 90:
+            assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, "expected fp8 wgmma"
+        else:
+            assert "tcgen05.mma" in ptx
+        comp(G._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("u8")),
+             dict(SB_SHIFT=7, A_BF16=True, SB_E8M0=True, SWIGLU=True, BM=16, BN=128, GROUP_M=8, INTERP=False), cap, 4)
+        for fmt, bm in ((0, 16), (1, 16), (2, 64), (1, 64)):
+            comp(G._fp4_gemm_kernel, fp4t, dict(FMT=fmt, GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False,
+                                                USE_ASM=True, BM=bm, BN=128, LOG2G=9, INTERP=False), cap, 4, 3)
+        comp(G._fp4_gemm_kernel, dict(fp4t, C=P("u8")), dict(FMT=0, GROUPED=True, GATHER=True, SWIGLU=True,
+             HAS_PW=True, USE_ASM=True, BM=16, BN=128, LOG2G=9, INTERP=False), cap, 4, 3)
+        for sw in (False, True):
+            ptx = comp(G._fp4_scaled_kernel, dict(sct, C=P("u8") if sw else P("bf16")),
+                       dict(GROUPED=True, GATHER=True, SWIGLU=sw, HAS_PW=sw, BM=128, BN=128, LOG2G=9, INTERP=False),
+                       cap, 8, 3)
+            if cap == 100:
+                assert re.search(r"tcgen05\\.mma\\S*kind::mxf8f6f4\\.block_scale", ptx), "expected native MXFP4 MMA"
+        comp(Mo._route_kernel, dict(S=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"),
+             WRAW=P("fp32"), EFLAT=P("i32")), dict(KTOP=6, KP=8, EP=256, HASH=False), cap, 4)
+        comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i32"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
+             dict(BM=16, EP=512, LOG2P=15, CH=1024), cap, 4)
+        comp(Mo._moe_combine, dict(OUT=P("bf16"), INV=P("i32"), OFFS=P("i64"), SH=P("bf16"), Y=P("bf16")),
+             dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, INTERP=False), cap, 4)
+""")
+
+
+def test_aot_compile_sm90_sm100():
+    """Compile every kernel for GPUTarget('cuda', 90, 32) and ('cuda', 100, 32) on this machine."""
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"this triton cannot compile ahead of time: {e}")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(REPO)], capture_output=True, text=True,
+                       env=env, timeout=900)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):  # pragma: no cover
+        pytest.skip(f"no ptxas for offline compilation: {r.stderr[-400:]}")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: V4-Flash shapes (skipped without CUDA by the conftest; need TRITON_INTERPRET=0)
+
+def _need_gpu():
+    if not cuda_ok():
+        pytest.skip("needs a CUDA GPU with TRITON_INTERPRET=0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(256, 4096, 4096), (48, 1024, 4096), (1024, 4096, 2048)])
+def test_gpu_fp8_gemm_flash_shapes(M, N, K):
+    _need_gpu()
+    gen = torch.Generator().manual_seed(M + N)
+    x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
+    wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.02)
+    xq, xs = G.act_quant_fp8(x.cuda())
+    y = G.fp8_gemm(xq, xs, wq.cuda(), ws.cuda())
+    _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), acc=FP8_ACC)
+    yl = G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda())
+    assert torch.equal(yl.view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("M", [1, 16, 64, 300])
+def test_gpu_fp4_gemm_flash_shapes(fmt, M):
+    _need_gpu()
+    gen = torch.Generator().manual_seed(M)
+    N, K = 4096, 4096                                  # w1|w3 of one V4-Flash expert
+    x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
+    wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
+    xq, xs = G.act_quant_fp8(x.cuda())
+    y = G.fp4_gemm(xq, xs, wp.cuda(), s.cuda(), fmt, None if s2 is None else s2.cuda())
+    _check_gemm(y, xq, xs, Wd)
+    if fmt == "mxfp4":   # the portable decode and the dot_scaled path give the same products
+        for path, asm in (("dequant", False), ("scaled", None)):
+            out = torch.empty_like(y)
+            a = G.f16_operand(xq) if path == "dequant" else G._u8(xq)
+            G.fp4_launch(a, xs, G._u8(wp).cuda()[None], s.view(torch.uint8).cuda()[None], None, out, None,
+                         M, N, K, 0, fmt=fmt, path=path, use_asm=asm)
+            _check_gemm(out, xq, xs, Wd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hash_layer,T", [(False, 64), (True, 16)])
+def test_gpu_moe_flash_dims(hash_layer, T):
+    """V4-Flash dims (d 4096, inter 2048, top-6) with 8 experts (CPU reference time)."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(T)
+    ref = _ref_moe(8, 4096, 2048, 6, gen, hash_layer, vocab=256, dup_row=3)
+    w = Mo.MoEWeights.from_reference(ref).to("cuda")
+    x = torch.randn(T, 4096, generator=gen).bfloat16()
+    ids = torch.randint(0, 256, (T,), generator=gen)
+    ids[0] = 3
+    _check_moe(Mo.moe_forward(x.cuda(), ids.cuda(), w), ref(x, ids))
