@@ -68,6 +68,23 @@ KERNELS: dict[str, KernelInfo] = {k.name: k for k in (
                "sparse prefill attention: per-row index lists over the same caches, gather+dequant fused"),
     KernelInfo("inverse_rope", "inverse_rope", "inverse_rope", "inverse_rope_torch",
                "inverse RoPE on o -> wo_a input (bf16), optional FP8 1x128 act quant"),
+    KernelInfo("hc_pre", "mhc", "hc_pre", "hc_pre_torch",
+               "mHC pre: stream RMS, 24-wide mix GEMM, sigmoids, 20-step Sinkhorn, weighted stream sum"),
+    KernelInfo("hc_post", "mhc", "hc_post", "hc_post_torch", "mHC post: post * y + comb^T res"),
+    KernelInfo("hc_head", "mhc", "hc_head", "hc_head_torch", "mHC head: final stream collapse"),
+    KernelInfo("compress_decode", "compressor", "compress_decode", "compress_decode_torch",
+               "compressor decode update: ring write, window pooling, norm, RoPE, QDQ, paged insert"),
+    KernelInfo("index_q_prologue", "indexer", "index_q_prologue", "index_q_prologue_torch",
+               "indexer q: RoPE + Hadamard + FP4 QDQ"),
+    KernelInfo("index_scores", "indexer", "index_scores", "index_scores_torch",
+               "indexer scores over the paged MXFP4 key cache, causal mask"),
+    KernelInfo("index_topk", "indexer", "index_topk", "index_topk_torch",
+               "top-k over up to 256K candidates, descending, ties to the lower index"),
+    KernelInfo("act_quant_fp8", "gemm", "act_quant_fp8", "act_quant_fp8_torch", "FP8 1x128 UE8M0 act quant"),
+    KernelInfo("fp8_gemm", "gemm", "fp8_gemm", "fp8_gemm_torch", "block-scaled FP8 GEMM (official accumulation)"),
+    KernelInfo("fp4_gemm", "gemm", "fp4_gemm", "fp4_gemm_torch", "FP8 x FP4 (MXFP4 / NVFP4) expert GEMM"),
+    KernelInfo("moe_forward", "moe", "moe_forward", "moe_forward_torch",
+               "MoE layer: route, sort, grouped FP4 GEMMs + SwiGLU, combine, shared expert"),
 )}
 
 
