@@ -96,8 +96,9 @@ def run(args) -> int:
     cache = KVCache(cfg, CacheConfig(max_num_seqs=3, num_blocks=max_len // 256 * 1 + 2, device=str(dev)))
     fast_attn = args.attention or ("triton" if dev.type == "cuda" else "reference")
     ref_dec = FastDecoder(model, cache, max_len, "reference")
-    fast_dec = FastDecoder(model, cache, max_len, fast_attn)
-    print(f"dsv4 validate: {where} on {dev}; fast path = tensorised decode with {fast_attn} attention; "
+    fast_dec = FastDecoder(model, cache, max_len, fast_attn, fused=args.fused)
+    print(f"dsv4 validate: {where} on {dev}; fast path = tensorised decode with {fast_attn} attention"
+          f"{' + fused mHC/compressor/indexer/MoE kernels' if args.fused else ''}; "
           f"numerics {args.numerics}; loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     if tok is not None and args.prompt:
@@ -173,6 +174,8 @@ def add_parser(sub) -> None:
     v.add_argument("--prompt-len", type=int, default=300, help="random prompt length when no --prompt")
     v.add_argument("--steps", type=int, default=8)
     v.add_argument("--attention", choices=["reference", "triton"], default=None)
+    v.add_argument("--fused", action="store_true",
+                   help="also the Triton mHC, compressor, indexer and MoE kernels (needs --attention triton)")
     v.add_argument("--numerics", choices=["official", "invariant"], default="official")
     v.add_argument("--device", default=None)
     v.add_argument("--seed", type=int, default=0)

@@ -60,3 +60,30 @@ def test_triton_backend_greedy_matches_reference(tmp_path):
             assert cb.token_ids[i] == t, (len(a.prompt_token_ids), i)
             compared += 1
     assert compared >= len(LENS) * N_OUT // 2, compared
+
+
+def test_decode_step_profile_has_no_unfused_hot_ops(tmp_path):
+    """One fused decode step of the tiny model under the profiler: no gather + SDPA attention, no
+    complex-number RoPE, no data-dependent expert loop (nonzero / per-expert GEMMs), only kernels."""
+    import os
+    os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
+    from torch.profiler import ProfilerActivity, profile
+    llm = LLM(None, max_num_seqs=4, max_model_len=1024, log=False, kv_cache_memory="1GiB", device="cuda",
+              numerics="official", attention_backend="triton", fused_hotpath=True, cuda_graphs=False)
+    eng = llm.engine
+    eng.add_request("p", {"prompt_token_ids": _prompts()[2]["prompt_token_ids"]},
+                    SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    eng.step()                                   # prefill (reference ops)
+    eng.step()                                   # first decode: compiles the kernels
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.step()                               # one decode step
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    for bad in ("aten::scaled_dot_product_attention", "aten::_efficient_attention_forward",
+                "aten::_flash_attention_forward", "aten::view_as_complex", "aten::nonzero",
+                "aten::softmax", "aten::_softmax"):
+        assert bad not in names, bad
+    n_exp = eng.model_config.n_routed_experts * eng.model_config.num_hidden_layers
+    n_mm = sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::matmul", "aten::addmm"))
+    assert n_mm < n_exp, n_mm                    # no GEMM per expert
+    assert any("moe" in n.lower() or "fp4" in n.lower() for n in names)

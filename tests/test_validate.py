@@ -35,3 +35,12 @@ def test_validate_names_the_broken_module(tmp_path, capsys, monkeypatch):
     assert "RESULT: DIVERGED" in out
     bad = [line.split()[0] for line in out.splitlines() if "<-- diverged" in line]
     assert bad and all(name.endswith(".sparse_attn") for name in bad)   # nothing else is blamed
+
+
+def test_validate_fused_hot_path_kernels(tmp_path, capsys):
+    """The Triton mHC, compressor, indexer and MoE kernels inside the decode step, module by module
+    against the reference (interpreter on CPU)."""
+    pytest.importorskip("triton")
+    assert validate.run(_args(tmp_path, "--attention", "triton", "--fused", "--steps", "1")) == 0
+    out = capsys.readouterr().out
+    assert "RESULT: OK" in out and "L2.indexer_topk          top-k overlap 1.0000" in out

@@ -45,6 +45,7 @@ class EngineConfig:
     attention_backend: str | None = None     # reference | triton | None: triton on CUDA, else reference
     fast_decode: bool | None = None          # tensorised decode step; None: on for CUDA
     cuda_graphs: bool = True                 # capture the decode step per batch-size bucket (CUDA)
+    fused_hotpath: bool = False              # also Triton mHC/compressor/indexer/MoE kernels in decode
     device: str | None = None                # None: cuda if available else cpu
     log: bool = True
 
@@ -84,7 +85,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                                    self.max_model_len), self.cache)
         if fast:
-            backend = FastDecodeBackend(self.model, self.cache, self.max_model_len, attn, cfg.cuda_graphs)
+            backend = FastDecodeBackend(self.model, self.cache, self.max_model_len, attn, cfg.cuda_graphs,
+                                        cfg.fused_hotpath)
         else:
             backend = ReferenceBackend(self.model)
         self.backend_name = f"{'fast-decode' if fast else 'reference'}/{attn}"

@@ -39,11 +39,11 @@ class FastDecodeBackend:
     same paged cache. Both write identical cache contents, so they mix freely."""
 
     def __init__(self, model: ReferenceModel, cache, max_model_len: int, attention: str = "triton",
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, fused: bool = False):
         from ..model.decode import CudaGraphDecoder, FastDecoder
         self.model, self.cache = model, cache
         self.name = attention
-        self.decoder = FastDecoder(model, cache, max_model_len, attention)
+        self.decoder = FastDecoder(model, cache, max_model_len, attention, fused)
         self.step = self.decoder.forward
         if cuda_graphs and cache.device.type == "cuda":
             self.step = CudaGraphDecoder(self.decoder).forward

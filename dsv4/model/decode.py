@@ -83,11 +83,21 @@ class FastDecoder:
     tokens/pos/slots: int64 [B]; block_tables: int64 [B, W] (W = max_model_len / 256, -1 pad).
     """
 
-    def __init__(self, model: ReferenceModel, cache: KVCache, max_model_len: int, attention: str = "reference"):
+    def __init__(self, model: ReferenceModel, cache: KVCache, max_model_len: int, attention: str = "reference",
+                 fused: bool = False):
         if attention not in ("reference", "triton"):
             raise ValueError(f"attention backend must be 'reference' or 'triton', got {attention!r}")
+        if fused and attention != "triton":
+            raise ValueError("the fused hot path (Triton mHC / compressor / indexer / MoE kernels) needs "
+                             "attention='triton'")
         self.model, self.cache, self.cfg, self.num = model, cache, model.cfg, model.num
         self.attention = attention
+        # fused: every remaining hot op in a Triton kernel (issue "GPU hot path II"); the kernels
+        # pass their twin tests and `dsv4 validate --fused` compares them module by module
+        self.fused = fused
+        if fused:
+            from ..kernels.moe import MoEWeights
+            self.moe_weights = [MoEWeights.from_reference(b.moe) for b in model.layers]
         self.max_blocks = -(-max_model_len // BLOCK_TOKENS)
         # private scratch slot and block: writes of padding / non-completing rows land there
         self.scratch_slot = cache.allocate_slot()
@@ -116,6 +126,14 @@ class FastDecoder:
         if write_mask is not None:
             return torch.where(write_mask & (blk >= 0), ids, self.scratch_block * per_block)
         return torch.where((e >= 0) & (blk >= 0), ids, -1)
+
+    def _compress_fused(self, comp, ring, slots, k, s, pos, pages, page_ids, page_size):
+        from ..kernels.compressor import compress_decode
+        f = comp.rope(pos + 1 - comp.ratio)
+        new, complete = compress_decode(ring, slots, pos, k, s, comp.norm_w, f.real.float().contiguous(),
+                                        f.imag.float().contiguous(), ratio=comp.ratio, indexer=comp.is_indexer,
+                                        eps=comp.eps, pages=pages, page_slots=page_ids, page_size=page_size)
+        return new, complete.bool()
 
     def _compress(self, comp, ring, slots, k, s, pos):
         """Decode update of one compressor: write this token's row into the slot's ring, pool
@@ -170,10 +188,16 @@ class FastDecoder:
                 picks = self._indexer(at.indexer, lc, x, qr, pos, slots, bt, freqs)
                 picks = self._t(L + "indexer_topk", picks)
             ck, cs = at.compressor.project(x, pos)
-            new, complete = self._compress(at.compressor, lc.comp_state, slots, ck, cs, pos)
-            new = self._t(L + "compressor", torch.where(complete[:, None], new, 0))
             e_new = pos // blk.ratio
-            write_entries(lc.entries, self._entry_ids(bt, e_new, epb, blk.ratio, complete), new, epb)
+            if self.fused:
+                ids = self._entry_ids(bt, e_new, epb, blk.ratio, pos >= 0)
+                new, complete = self._compress_fused(at.compressor, lc.comp_state, slots, ck, cs, pos,
+                                                     lc.entries, ids, epb)
+                self._t(L + "compressor", torch.where(complete[:, None], new, 0))
+            else:
+                new, complete = self._compress(at.compressor, lc.comp_state, slots, ck, cs, pos)
+                new = self._t(L + "compressor", torch.where(complete[:, None], new, 0))
+                write_entries(lc.entries, self._entry_ids(bt, e_new, epb, blk.ratio, complete), new, epb)
             if blk.ratio == 4:
                 extra_idx = self._entry_ids(bt, picks, epb, 4)
             else:
@@ -208,6 +232,8 @@ class FastDecoder:
 
     def _indexer(self, ix, lc, x, qr, pos, slots, bt, freqs):
         """Indexer keys update + top-k over this sequence's keys; -1 for non-causal picks."""
+        if self.fused:
+            return self._indexer_fused(ix, lc, x, qr, pos, slots, bt, freqs)
         iq, iw = ix.queries(qr, x, freqs)
         ck, cs = ix.compressor.project(x, pos)
         new, complete = self._compress(ix.compressor, lc.index_state, slots, ck, cs, pos)
@@ -226,11 +252,26 @@ class FastDecoder:
         idx = sc.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         return idx.masked_fill(idx >= visible, -1)
 
+    def _indexer_fused(self, ix, lc, x, qr, pos, slots, bt, freqs):
+        from ..kernels.indexer import index_q_prologue, index_scores, index_topk
+        B = x.shape[0]
+        q = ix.wq_b(qr).view(B, ix.n_heads, ix.head_dim)
+        q = index_q_prologue(q, freqs.real.float().contiguous(), freqs.imag.float().contiguous())
+        w = self.num.round(ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))
+        ck, cs = ix.compressor.project(x, pos)
+        ids = self._entry_ids(bt, pos // 4, INDEX_PAGE, 4, pos >= 0)
+        self._compress_fused(ix.compressor, lc.index_state, slots, ck, cs, pos, lc.index_keys, ids, INDEX_PAGE)
+        n_max = self.max_blocks * INDEX_PAGE
+        scores = index_scores(q, w, lc.index_keys, bt, pos, n=n_max)
+        return index_topk(scores, min(ix.topk, n_max), n_valid=(pos + 1) // 4).long()
+
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def forward(self, tokens, pos, slots, bt):
         m, num = self.model, self.num
         h = num.round(F.embedding(tokens, m.embed)).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        if self.fused:
+            return self._forward_fused(tokens, pos, slots, bt, h)
         for i, blk in enumerate(m.layers):
             lc = self.cache.layers[i]
             freqs = blk.attn.rope(pos)
@@ -246,6 +287,28 @@ class FastDecoder:
         y = rms_norm(m.hc_head(h), m.norm, self.cfg.rms_norm_eps, num)
         logits = m.head(y).float()
         return self._t("logits", logits)
+
+    def _forward_fused(self, tokens, pos, slots, bt, h):
+        from ..kernels.mhc import hc_head, hc_post, hc_pre
+        from ..kernels.moe import moe_forward
+        m, num, cfg = self.model, self.num, self.cfg
+
+        def pre(hc, x):
+            return hc_pre(x, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.rms_eps)
+        for i, blk in enumerate(m.layers):
+            lc = self.cache.layers[i]
+            freqs = blk.attn.rope(pos)
+            a, post, comb = pre(blk.hc_attn, h)
+            a = self._t(f"L{i}.hc_pre", a)
+            a = self._attention(blk, lc, rms_norm(a, blk.attn_norm, cfg.rms_norm_eps, num), pos, slots, bt, freqs)
+            h = hc_post(a, h, post, comb)
+            f, post, comb = pre(blk.hc_ffn, h)
+            f = moe_forward(rms_norm(f, blk.ffn_norm, cfg.rms_norm_eps, num), tokens, self.moe_weights[i])
+            f = self._t(f"L{i}.moe", f)
+            h = self._t(f"L{i}.hc_post", hc_post(f, h, post, comb))
+        hh = m.hc_head
+        y = rms_norm(hc_head(h, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, cfg.rms_norm_eps, num)
+        return self._t("logits", m.head(y).float())
 
     def _moe(self, moe, x, ids):
         """Every expert on every row, masked: fixed shapes (the grouped-GEMM kernel replaces this)."""
