@@ -9,12 +9,11 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from kernel_helpers import need_gpu, run_aot_script  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -353,25 +352,13 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 def test_aot_compile_sm90_sm100():
     """Compile every kernel for GPUTarget('cuda', 90, 32) and ('cuda', 100, 32) on this machine."""
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as e:  # pragma: no cover
-        pytest.skip(f"this triton cannot compile ahead of time: {e}")
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(REPO)], capture_output=True, text=True,
-                       env=env, timeout=600)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):  # pragma: no cover
-        pytest.skip(f"no ptxas for offline compilation: {r.stderr[-400:]}")
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    run_aot_script(_AOT_SCRIPT, REPO, timeout=600, TRITON_DEFAULT_FP_FUSION="1")
 
 
 # ------------------------------------------------------------------------------------------------
 # GPU: real shapes (skipped without CUDA by the conftest; need TRITON_INTERPRET=0)
 
-def _need_gpu():
-    if not cuda_ok():
-        pytest.skip("needs a CUDA GPU with TRITON_INTERPRET=0")
+_need_gpu = need_gpu
 
 
 @pytest.mark.gpu

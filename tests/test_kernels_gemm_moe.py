@@ -16,12 +16,11 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from kernel_helpers import need_gpu, run_aot_script  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -29,7 +28,7 @@ triton = pytest.importorskip("triton")
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
-from dsv4.kernels import cuda_ok, interpreting  # noqa: E402
+from dsv4.kernels import interpreting  # noqa: E402
 from dsv4.kernels import gemm as G  # noqa: E402
 from dsv4.kernels import moe as Mo  # noqa: E402
 from dsv4.reference.linear import Linear  # noqa: E402
@@ -386,25 +385,13 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 def test_aot_compile_sm90_sm100():
     """Compile every kernel for GPUTarget('cuda', 90, 32) and ('cuda', 100, 32) on this machine."""
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError as e:  # pragma: no cover
-        pytest.skip(f"this triton cannot compile ahead of time: {e}")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(REPO)], capture_output=True, text=True,
-                       env=env, timeout=900)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):  # pragma: no cover
-        pytest.skip(f"no ptxas for offline compilation: {r.stderr[-400:]}")
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    run_aot_script(_AOT_SCRIPT, REPO, timeout=900)
 
 
 # ------------------------------------------------------------------------------------------------
 # GPU: V4-Flash shapes (skipped without CUDA by the conftest; need TRITON_INTERPRET=0)
 
-def _need_gpu():
-    if not cuda_ok():
-        pytest.skip("needs a CUDA GPU with TRITON_INTERPRET=0")
+_need_gpu = need_gpu
 
 
 @pytest.mark.gpu
