@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import roofline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -159,25 +160,6 @@ def kernel_info():
     return "; ".join(out)
 
 
-def roofline(dev, smoke):
-    if smoke:
-        return 1e12, 1e14
-    import triton.testing
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
-    a.random_(0, 255)
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
-    copy_bw = 2 * n / (ms * 1e-3)
-    del a, b
-    m = 8192
-    x = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
-    y = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
-    ms = triton.testing.do_bench(lambda: x @ y, warmup=20, rep=200, return_mode="median")
-    mm = 2 * m ** 3 / (ms * 1e-3)
-    del x, y
-    torch.cuda.empty_cache()
-    return copy_bw, mm
 
 
 SWEEP = [

@@ -1,0 +1,26 @@
+"""Shared benchmark pieces: the roofline measured in the same run as the kernels."""
+from __future__ import annotations
+
+import torch
+
+
+def roofline(dev, smoke, mm_reps: int = 200):
+    """(copy bandwidth B/s counting read + write, dense bf16 matmul FLOP/s) of this GPU."""
+    if smoke:
+        return 1e12, 1e14
+    import triton.testing
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    a.random_(0, 255)
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
+    copy_bw = 2 * n / (ms * 1e-3)
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: x @ y, warmup=20, rep=mm_reps, return_mode="median")
+    mm = 2 * m ** 3 / (ms * 1e-3)
+    del x, y
+    torch.cuda.empty_cache()
+    return copy_bw, mm
