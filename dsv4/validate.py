@@ -14,8 +14,6 @@ hold a checkpoint. The reference holds experts dequantised in fp32, so synthetic
 """
 from __future__ import annotations
 
-import argparse
-import math
 import sys
 import time
 from collections import defaultdict

@@ -13,7 +13,7 @@ from .runner import FastDecodeBackend, ModelRunner, ReferenceBackend
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Logprob, RequestOutput, Sequence, SequenceStatus
+from .sequence import Logprob, RequestOutput, Sequence
 
 
 class RequestRejected(ValueError):
