@@ -130,7 +130,7 @@ class FastDecoder:
         """Decode update of one compressor: write this token's row into the slot's ring, pool
         the window it completes (masked for rows that complete none). -> (entries [B, c],
         complete [B])."""
-        m, c = comp.ratio, comp.dim
+        m = comp.ratio
         R = ring.shape[1]
         ring[slots, pos % R] = torch.cat([k, s], dim=1)
         complete = (pos + 1) % m == 0
@@ -138,16 +138,8 @@ class FastDecoder:
         cur = start[:, None] + torch.arange(m, device=pos.device)
         rows = ring[slots[:, None], cur.clamp(min=0) % R]        # [B, m, 2*coff*c]
         w = rows.shape[-1] // 2
-        ck, cs = rows[..., :w], rows[..., w:]
-        if comp.overlap:
-            prev = cur - m
-            prows = ring[slots[:, None], prev.clamp(min=0) % R]
-            valid = (prev >= 0)[..., None]
-            pk = torch.where(valid, prows[..., :c], 0.0)
-            ps = torch.where(valid, prows[..., w:w + c], float("-inf"))
-            ck = torch.cat([pk, ck[..., c:]], dim=1)
-            cs = torch.cat([ps, cs[..., c:]], dim=1)
-        pooled = self.num.fn(lambda a, b: (a * b.softmax(dim=1)).sum(dim=1), ck, cs)
+        prows = ring[slots[:, None], (cur - m).clamp(min=0) % R] if comp.overlap else rows
+        pooled = comp.pool(rows[..., :w], rows[..., w:], prows[..., :w], prows[..., w:], (cur - m >= 0)[..., None])
         return comp.postprocess(pooled, start.clamp(min=0)), complete
 
     # ------------------------------------------------------------------ attention of one layer

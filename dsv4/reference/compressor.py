@@ -36,7 +36,7 @@ class Compressor:
 
     def update(self, st: CompressorState, k: torch.Tensor, s: torch.Tensor, end_pos: int) -> torch.Tensor:
         """Append one sequence's new rows (ending at ``end_pos``); returns all entries [E, c]."""
-        m, c = self.ratio, self.dim
+        m = self.ratio
         p0 = end_pos - k.shape[0]
         pk, ps, start = st.pending(p0)
         rows_k, rows_s = torch.cat([pk, k]), torch.cat([ps, s])
@@ -44,20 +44,25 @@ class Compressor:
         if last > first:
             j = torch.arange(first, last, device=k.device)
             cur = (j * m - start)[:, None] + torch.arange(m, device=k.device)  # [nE, m]
-            ck, cs = rows_k[cur], rows_s[cur]
-            if self.overlap:
-                # previous window's first channel half ("b" series) + current window's second half
-                prev = cur - m
-                valid = (j > 0)[:, None, None]
-                pk = torch.where(valid, rows_k[prev.clamp(min=0)][..., :c], 0.0)
-                ps = torch.where(valid, rows_s[prev.clamp(min=0)][..., :c], float("-inf"))
-                ck = torch.cat([pk, ck[..., c:]], dim=1)          # [nE, 2m, c]
-                cs = torch.cat([ps, cs[..., c:]], dim=1)
-            pooled = self.num.fn(lambda k, s: (k * s.softmax(dim=1)).sum(dim=1), ck, cs)   # fp32 [nE, c]
+            prev = (cur - m).clamp(min=0)
+            pooled = self.pool(rows_k[cur], rows_s[cur], rows_k[prev], rows_s[prev], (j > 0)[:, None, None])
             st.append_entries(self.postprocess(pooled, j * m))
         keep_from = m * max(0, last - 1) if self.overlap else m * last
         st.set_pending(rows_k[keep_from - start:], rows_s[keep_from - start:], keep_from)
         return st.entries()
+
+    def pool(self, ck, cs, pk, ps, prev_valid) -> torch.Tensor:
+        """Softmax pooling of windows: current rows ``ck``/``cs`` [n, m, coff*c] fp32; with overlap
+        the previous window's rows ``pk``/``ps`` contribute their first channel half ("b" series,
+        K=0 / score=-inf where ``prev_valid`` is False) and the current rows their second half.
+        -> fp32 [n, c]."""
+        c = self.dim
+        if self.overlap:
+            pk = torch.where(prev_valid, pk[..., :c], 0.0)
+            ps = torch.where(prev_valid, ps[..., :c], float("-inf"))
+            ck = torch.cat([pk, ck[..., c:]], dim=1)          # [n, 2m, c]
+            cs = torch.cat([ps, cs[..., c:]], dim=1)
+        return self.num.fn(lambda k, s: (k * s.softmax(dim=1)).sum(dim=1), ck, cs)
 
     def postprocess(self, pooled: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """norm(bf16(pooled)) -> RoPE at the window's first position -> QDQ (indexer: Hadamard first)."""
