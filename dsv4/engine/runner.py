@@ -35,8 +35,9 @@ class ReferenceBackend:
 class FastDecodeBackend:
     """Decode tokens (1-token chunks of sequences past position 0) go through the tensorised
     ``FastDecoder`` — CUDA-graph replays on a GPU — with attention by the Triton kernels
-    (``attention='triton'``) or the reference twin; prefill chunks run the reference ops on the
-    same paged cache. Both write identical cache contents, so they mix freely."""
+    (``attention='triton'``) or the reference twin. Prefill chunks run the reference ops on the
+    same paged cache, or with ``fused`` the kernels (``FastPrefiller``). All write the same cache
+    layout, so they mix freely."""
 
     def __init__(self, model: ReferenceModel, cache, max_model_len: int, attention: str = "triton",
                  cuda_graphs: bool = True, fused: bool = False):
@@ -45,6 +46,10 @@ class FastDecodeBackend:
         self.name = attention
         self.decoder = FastDecoder(model, cache, max_model_len, attention, fused)
         self.step = self.decoder.forward
+        self.prefill = self.model.forward
+        if fused:
+            from ..model.prefill import FastPrefiller
+            self.prefill = FastPrefiller(self.decoder).forward
         if cuda_graphs and cache.device.type == "cuda":
             self.step = CudaGraphDecoder(self.decoder).forward
 
@@ -53,7 +58,7 @@ class FastDecodeBackend:
         rest = [i for i in range(len(chunks)) if i not in set(dec)]
         out: list = [None] * len(chunks)
         if rest:
-            for i, lg in zip(rest, self.model.forward([chunks[i] for i in rest])):
+            for i, lg in zip(rest, self.prefill([chunks[i] for i in rest])):
                 out[i] = lg
         if dec:
             dev = self.cache.device

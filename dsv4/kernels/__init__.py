@@ -74,6 +74,8 @@ KERNELS: dict[str, KernelInfo] = {k.name: k for k in (
     KernelInfo("hc_head", "mhc", "hc_head", "hc_head_torch", "mHC head: final stream collapse"),
     KernelInfo("compress_decode", "compressor", "compress_decode", "compress_decode_torch",
                "compressor decode update: ring write, window pooling, norm, RoPE, QDQ, paged insert"),
+    KernelInfo("compress_prefill", "compressor", "compress_prefill", "compress_prefill_torch",
+               "compressor prefill chunk: window pooling of the chunk's entries, norm, RoPE, QDQ, paged insert"),
     KernelInfo("index_q_prologue", "indexer", "index_q_prologue", "index_q_prologue_torch",
                "indexer q: RoPE + Hadamard + FP4 QDQ"),
     KernelInfo("index_scores", "indexer", "index_scores", "index_scores_torch",

@@ -1,4 +1,4 @@
-"""KV-compressor decode update + pooling + post-processing (spec §5), beside its torch twin.
+"""KV-compressor decode and prefill-chunk updates + pooling + post-processing (spec §5), beside their torch twins.
 
 ``compress_decode`` replaces ``FastDecoder._compress`` + ``Compressor.postprocess`` for a batch of
 decode tokens (one token per sequence), for the main compressor (c = 512, 584-byte FP8 entries)
@@ -39,8 +39,20 @@ where the 512-term square sum or the Hadamard's summation order moves a bf16 rou
 moved bf16 value can move one FP8/FP4 quantisation step. RoPE products and sums are rounded
 separately (``enable_fp_fusion=False``), as the reference's complex64 multiply.
 
-The prefill (chunk) update stays with the reference twin (``Compressor.update``); only the decode
-step is a kernel.
+Prefill chunk: ``compress_prefill(rows_k, rows_s, base, first, last, ...)`` produces the entries j =
+first .. last-1 completed by a chunk (``Compressor.update``'s pooling + post-processing; the caller
+keeps the pending rows, as ``CompressorState`` does). Row i of ``rows_k`` / ``rows_s`` (fp32
+[R, coff*c], scores with ape) is position ``base + i``; entry j pools positions j*m .. j*m+m-1 (CSA:
+stacked under the first channel half of positions (j-1)*m .., K = 0 / score = -inf for j = 0), RoPE
+at position j*m (cos/sin rows [last-first, 32]), the same post-processing, QDQ and optional paged
+write (``page_slots`` [last-first], -1 = skip) as the decode step. The rows must cover positions
+[(first-1)*m (CSA, first > 0) or first*m, last*m) (checked on the host: ValueError). Kernels: CSA
+(main and indexer): ``_pref_pool`` with ``POST``, grid (entries,), all c channels of a 2m x c tile
+and the post-processing in one program; HCA (m x c = 128 x 512 does not fit one program):
+``_pref_pool`` grid (entries, c / 32) writes the pooled fp32 vectors, then ``_pref_post`` grid
+(entries,). Same numerics as the decode step vs ``compress_prefill_torch`` (``Compressor.pool`` +
+``Compressor.postprocess``, official numerics). The default path choice is by construction, not
+measured on the H200.
 """
 from __future__ import annotations
 
@@ -113,11 +125,39 @@ if triton_available():
             st = tl.load(ring + W + off, mask=ld, other=float("-inf"))
             kt = tl.where(is_cur[:, None], k_hi[None, :], kt)
             st = tl.where(is_cur[:, None], s_hi[None, :], st)
-            mx = tl.max(st, axis=0)
-            e = tl.exp(st - mx[None, :])
-            pr = e / tl.sum(e, axis=0)[None, :]
-            pooled = tl.sum(kt * pr, axis=0)
+            pooled = _softmax_pool(kt, st)
         return pooled, done, p
+
+    @triton.jit
+    def _softmax_pool(kt, st):
+        """Softmax of the scores st [rows, CB] over the rows (per channel), weighted sum of kt -> [CB]."""
+        mx = tl.max(st, axis=0)
+        e = tl.exp(st - mx[None, :])
+        pr = e / tl.sum(e, axis=0)[None, :]
+        return tl.sum(kt * pr, axis=0)
+
+    @triton.jit
+    def _pool_rows(RK, RS, j, base, cb, stride_rk, stride_rs,
+                   M: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr, CB: tl.constexpr):
+        """Pooled fp32 [CB] (channels cb*CB ..) of entry j from the prefill rows (row i = position base + i)."""
+        NR: tl.constexpr = 2 * M if OVERLAP else M
+        ch = cb * CB + tl.arange(0, CB)
+        r = tl.arange(0, NR)
+        if OVERLAP:
+            is_prev = r < M
+            rpos = (j - 1) * M + r                          # prev rows (j-1)m ..; cur rows jm ..
+            cmask = (rpos >= 0) | (~is_prev)                # entry 0: no previous window
+            coff_ch = tl.where(is_prev, 0, C)               # prev rows read channels [0, c), cur [c, 2c)
+        else:
+            rpos = j * M + r
+            cmask = r >= 0
+            coff_ch = r * 0
+        row = tl.maximum(rpos - base, 0)
+        ld = cmask[:, None]
+        kt = tl.load(RK + row[:, None] * stride_rk + coff_ch[:, None] + ch[None, :], mask=ld, other=0.0)
+        st = tl.load(RS + row[:, None] * stride_rs + coff_ch[:, None] + ch[None, :], mask=ld,
+                     other=float("-inf"))
+        return _softmax_pool(kt, st)
 
     @triton.jit
     def _comp_pool(STATE, SLOTS, POS, KIN, SIN_, APE, POOLED,
@@ -286,6 +326,31 @@ if triton_available():
         else:
             tl.store(OUT + b64 * stride_ob + d, tl.zeros([C], tl.float32).to(tl.bfloat16))
 
+    @triton.jit
+    def _pref_pool(RK, RS, POOLED, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, base, first,
+                   stride_rk, stride_rs, stride_pb, stride_ob, page_size, page_nbytes, eps,
+                   M: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr, CB: tl.constexpr,
+                   POST: tl.constexpr, INDEXER: tl.constexpr, WRITE: tl.constexpr, STORE_POOLED: tl.constexpr):
+        """Prefill chunk: program (i, cb) pools channels [cb*CB, cb*CB + CB) of entry j = first + i; with
+        POST (CB == C) it also post-processes the entry (and writes its cache bytes)."""
+        i64 = tl.program_id(0).to(tl.int64)
+        cb = tl.program_id(1)
+        j = i64 + first
+        pooled = _pool_rows(RK, RS, j, base, cb, stride_rk, stride_rs, M, C, OVERLAP, CB)
+        if STORE_POOLED:
+            tl.store(POOLED + i64 * stride_pb + cb * CB + tl.arange(0, CB), pooled)
+        if POST:
+            _entry(pooled, i64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
+                   C, INDEXER, WRITE)
+
+    @triton.jit
+    def _pref_post(POOLED, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_pb, stride_ob, page_size, page_nbytes,
+                   eps, C: tl.constexpr, INDEXER: tl.constexpr, WRITE: tl.constexpr):
+        i64 = tl.program_id(0).to(tl.int64)
+        x = tl.load(POOLED + i64 * stride_pb + tl.arange(0, C))
+        _entry(x, i64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
+               C, INDEXER, WRITE)
+
 
 def _dims(state: torch.Tensor, ratio: int) -> tuple[int, int, bool]:
     overlap = ratio == 4
@@ -376,6 +441,90 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
     return res + (pooled,) if return_pooled else res
 
 
+def _check_prefill(rows_k, rows_s, base, first, last, norm_w, cos, sin, ratio, indexer):
+    """Validate a prefill chunk's arguments (host ints and shapes); -> (c, coff, n entries)."""
+    if ratio not in (4, 128):
+        raise ValueError(f"ratio must be 4 (CSA) or 128 (HCA), got {ratio}")
+    overlap = ratio == 4
+    coff = 2 if overlap else 1
+    c = 128 if indexer else 512
+    base, first, last = int(base), int(first), int(last)
+    for name, t in (("rows_k", rows_k), ("rows_s", rows_s)):
+        if t.dim() != 2 or t.dtype != torch.float32 or t.shape[1] != coff * c:
+            raise ValueError(f"{name}: {'indexer' if indexer else 'main'} compressor (ratio {ratio}) needs fp32 "
+                             f"[R, {coff * c}], got {t.dtype} {tuple(t.shape)}")
+        if t.shape[0] and t.stride(1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+    if rows_s.shape[0] != rows_k.shape[0]:
+        raise ValueError(f"rows_k / rows_s: {rows_k.shape[0]} vs {rows_s.shape[0]} rows")
+    if norm_w.shape != (c,):
+        raise ValueError(f"norm_w: expected [{c}], got {tuple(norm_w.shape)}")
+    if base < 0 or first < 0 or last < first:
+        raise ValueError(f"need 0 <= base and 0 <= first <= last, got base={base}, first={first}, last={last}")
+    n = last - first
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (n, ROPE_DIM // 2) or t.dtype != torch.float32:
+            raise ValueError(f"{name}: expected fp32 [{n}, 32] (rows for positions j*{ratio}, j = first .. last-1), "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if n:
+        lo = (first - 1) * ratio if overlap and first > 0 else first * ratio
+        hi = last * ratio
+        R = rows_k.shape[0]
+        if base > lo or base + R < hi:
+            raise ValueError(f"rows cover positions [{base}, {base + R}) but entries {first} .. {last - 1} "
+                             f"(ratio {ratio}{', overlapping windows' if overlap else ''}) need [{lo}, {hi})")
+    return c, coff, n
+
+
+def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, first: int, last: int,
+                     norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, ratio: int,
+                     indexer: bool = False, eps: float = 1e-6, pages: torch.Tensor | None = None,
+                     page_slots: torch.Tensor | None = None, page_size: int = 64, return_pooled: bool = False,
+                     block_c: int | None = None, fused: bool | None = None):
+    """Triton prefill-chunk update of one compressor: entries j = first .. last-1 (see the module doc).
+
+    rows_k, rows_s fp32 [R, coff*c]: row i = position base + i (scores include ape); norm_w [c];
+    cos/sin fp32 [last-first, 32] at positions j*ratio; pages / page_slots [last-first] (-1 = skip)
+    as in ``compress_decode``. -> entries bf16 [last-first, c] (, pooled fp32 [last-first, c]).
+    ``fused`` (default: CSA) pools all c channels and post-processes in one program per entry;
+    otherwise ``_pref_pool`` over channel blocks of ``block_c`` then ``_pref_post``.
+    """
+    c, coff, n = _check_prefill(rows_k, rows_s, base, first, last, norm_w, cos, sin, ratio, indexer)
+    dev = rows_k.device
+    out = torch.empty(n, c, dtype=torch.bfloat16, device=dev)
+    pooled = torch.empty(n, c, dtype=torch.float32, device=dev)
+    write = pages is not None
+    if write:
+        from ..formats.kv_entry import page_bytes
+        want = page_size * 68 if indexer else page_bytes(page_size)
+        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != want:
+            raise ValueError(f"pages: expected uint8 [num_pages, {want}], got {pages.dtype} {tuple(pages.shape)}")
+        if page_slots is None or page_slots.shape != (n,):
+            raise ValueError(f"page_slots: expected [{n}] slot ids with pages")
+    if n == 0:
+        return (out, pooled) if return_pooled else out
+    cos, sin = cos.contiguous(), sin.contiguous()
+    nrows = coff * ratio
+    use_fused = fused if fused is not None else (ratio == 4 and block_c in (None, c))
+    CB = c if use_fused else (block_c or max(16, min(c // 4, 4096 // nrows)))
+    if use_fused and CB != c:
+        raise ValueError("the fused kernel pools all c channels in one program (block_c == c)")
+    if c % CB != 0 or CB & (CB - 1):
+        raise ValueError(f"block_c must be a power of two dividing {c}, got {CB}")
+    pg, ps_t, pnb = (pages, page_slots.to(torch.int64).contiguous(), pages.shape[1]) if write else (out, out, 0)
+    nw = (8 if c >= 512 else 4) if use_fused else 4
+    kw = {} if interpreting() else {"num_warps": nw, "enable_fp_fusion": False}
+    w = norm_w.float().contiguous()
+    _pref_pool[(n, c // CB)](rows_k, rows_s, pooled, w, cos, sin, out, pg, ps_t, int(base), int(first),
+                             rows_k.stride(0), rows_s.stride(0), pooled.stride(0), out.stride(0), page_size, pnb,
+                             eps, M=ratio, C=c, OVERLAP=ratio == 4, CB=CB, POST=use_fused, INDEXER=indexer,
+                             WRITE=write, STORE_POOLED=return_pooled or not use_fused, **kw)
+    if not use_fused:
+        _pref_post[(n,)](pooled, w, cos, sin, out, pg, ps_t, pooled.stride(0), out.stride(0), page_size, pnb, eps,
+                         C=c, INDEXER=indexer, WRITE=write, **kw)
+    return (out, pooled) if return_pooled else out
+
+
 # ------------------------------------------------------------------------------ torch twin
 def compress_decode_torch(state, slots, pos, k, s, norm_w, cos, sin, *, ratio, indexer=False, ape=None,
                           eps=1e-6, pages=None, page_slots=None, page_size=64, return_pooled=False, **_):
@@ -422,4 +571,37 @@ def compress_decode_torch(state, slots, pos, k, s, norm_w, cos, sin, *, ratio, i
     return (out, complete, pooled) if return_pooled else (out, complete)
 
 
-__all__ = ["compress_decode", "compress_decode_torch"]
+def compress_prefill_torch(rows_k, rows_s, base, first, last, norm_w, cos, sin, *, ratio, indexer=False, eps=1e-6,
+                           pages=None, page_slots=None, page_size=64, return_pooled=False, **_):
+    """``Compressor.pool`` + ``Compressor.postprocess`` (official numerics) with ``compress_prefill``'s API."""
+    from ..reference.compressor import Compressor
+    from ..reference.numerics import OFFICIAL
+    c, coff, n = _check_prefill(rows_k, rows_s, base, first, last, norm_w, cos, sin, ratio, indexer)
+    m = ratio
+    dev = rows_k.device
+    freqs = torch.complex(cos.float(), sin.float())
+    comp = Compressor(None, None, torch.zeros(m, coff * c), norm_w, m, c, lambda _p: freqs, eps, OFFICIAL, indexer)
+    j = torch.arange(int(first), int(last), device=dev)
+    cur = (j * m - int(base))[:, None] + torch.arange(m, device=dev)          # [n, m]
+    ck, cs = rows_k[cur], rows_s[cur]
+    if m == 4:
+        prev = (cur - m).clamp(min=0)
+        pk, ps = rows_k[prev], rows_s[prev]
+    else:
+        pk, ps = ck, cs                                                         # unused without overlap
+    pooled = comp.pool(ck, cs, pk, ps, (j > 0)[:, None, None])
+    out = comp.postprocess(pooled, j * m)
+    if pages is not None:
+        ws = page_slots.long()
+        if indexer:
+            from ..engine.kv_cache import write_index_entries
+            sel = ws >= 0
+            if bool(sel.any()):
+                write_index_entries(pages, ws[sel], out[sel], page_size)
+        else:
+            from ..formats.kv_entry import write_kv_entries
+            write_kv_entries(pages, ws, out, page_size)
+    return (out, pooled) if return_pooled else out
+
+
+__all__ = ["compress_decode", "compress_decode_torch", "compress_prefill", "compress_prefill_torch"]

@@ -68,6 +68,16 @@ def read_index_keys(pages, slots, dim=128):
     return keys.view(*slots.shape, dim)
 
 
+def fp8_weight_of(lin):
+    """(e4m3 [N, K], fp32 [N/128, K/128]) of a reference FP8 ``Linear``: its exact dequantised
+    weight re-quantises to the checkpoint's codes and power-of-two scales (checked)."""
+    from ..formats.fp8 import dequant_fp8_weight, quant_fp8_weight
+    q, s = quant_fp8_weight(lin.weight)
+    if not torch.equal(dequant_fp8_weight(q, s), lin.weight):
+        raise ValueError(f"linear {tuple(lin.weight.shape)} is not FP8 128x128-block representable")
+    return q, s.float()
+
+
 class FastDecoder:
     """``forward(tokens, pos, slots, block_tables)`` -> fp32 logits [B, V] for one decode step.
 
@@ -89,6 +99,18 @@ class FastDecoder:
         if fused:
             from ..kernels.moe import MoEWeights
             self.moe_weights = [MoEWeights.from_reference(b.moe) for b in model.layers]
+            self._fp8 = {}
+            for b in model.layers:
+                lins = [b.attn.wq_a, b.attn.wq_b, b.attn.wkv, b.attn.wo_b]
+                if b.attn.indexer is not None:
+                    lins.append(b.attn.indexer.wq_b)
+                for lin in lins:
+                    if lin.kind == "fp8":
+                        self._fp8[id(lin)] = fp8_weight_of(lin)
+            # wo_a: the official bf16 einsum (bf16 operands, fp32 accumulation, bf16 out) as one
+            # batched tensor-core GEMM over the G groups
+            self._wo_a = [b.attn.wo_a.weight.to(torch.bfloat16).view(b.attn.G, -1, b.attn.wo_a.weight.shape[1])
+                          for b in model.layers]
         self.max_blocks = -(-max_model_len // BLOCK_TOKENS)
         # private scratch slot and block: writes of padding / non-completing rows land there
         self.scratch_slot = cache.allocate_slot()
@@ -142,13 +164,21 @@ class FastDecoder:
         pooled = comp.pool(rows[..., :w], rows[..., w:], prows[..., :w], prows[..., w:], (cur - m >= 0)[..., None])
         return comp.postprocess(pooled, start.clamp(min=0)), complete
 
+    def _lin(self, lin, x):
+        """A checkpoint linear: the block-scaled FP8 Triton GEMM on the fused path, else the
+        reference's (dequantised-weight GEMM with the same quantised operands)."""
+        if self.fused and lin.kind == "fp8":
+            from ..kernels.gemm import fp8_linear
+            return fp8_linear(x, *self._fp8[id(lin)])
+        return lin(x)
+
     # ------------------------------------------------------------------ attention of one layer
     def _attention(self, blk: Block, lc, x, pos, slots, bt, freqs):
         at, num = blk.attn, self.num
         B, L = x.shape[0], f"L{blk.layer_id}."
-        qr = rms_norm(at.wq_a(x), at.q_norm, at.eps, num)
-        q = at.wq_b(qr).view(B, at.H, at.D)
-        kv = rms_norm(at.wkv(x), at.kv_norm, at.eps, num)
+        qr = rms_norm(self._lin(at.wq_a, x), at.q_norm, at.eps, num)
+        q = self._lin(at.wq_b, qr).view(B, at.H, at.D)
+        kv = rms_norm(self._lin(at.wkv, x), at.kv_norm, at.eps, num)
         win_slot = slots * WINDOW + pos % WINDOW
         if self.attention == "triton":
             from ..kernels.kv_insert import kv_insert
@@ -209,8 +239,11 @@ class FastDecoder:
             og = og.view(B, at.G, -1).float()
         else:
             og = apply_rope(o, freqs, inverse=True).view(B, at.G, -1).float()
-        z = num.round(num.einsum("tgd,grd->tgr", og, at.wo_a.weight.view(at.G, -1, og.shape[-1])))
-        out = at.wo_b(z.flatten(1))
+        if self.fused:
+            z = torch.einsum("tgd,grd->tgr", og.to(torch.bfloat16), self._wo_a[blk.layer_id])
+        else:
+            z = num.round(num.einsum("tgd,grd->tgr", og, at.wo_a.weight.view(at.G, -1, og.shape[-1])))
+        out = self._lin(at.wo_b, z.flatten(1))
         return self._t(L + "attn", out)
 
     def _indexer(self, ix, lc, x, qr, pos, slots, bt, freqs):
@@ -238,7 +271,7 @@ class FastDecoder:
     def _indexer_fused(self, ix, lc, x, qr, pos, slots, bt, freqs):
         from ..kernels.indexer import index_q_prologue, index_scores, index_topk
         B = x.shape[0]
-        q = ix.wq_b(qr).view(B, ix.n_heads, ix.head_dim)
+        q = self._lin(ix.wq_b, qr).view(B, ix.n_heads, ix.head_dim)
         q = index_q_prologue(q, freqs.real.float().contiguous(), freqs.imag.float().contiguous())
         w = self.num.round(ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))
         ck, cs = ix.compressor.project(x, pos)
@@ -272,25 +305,34 @@ class FastDecoder:
         return self._t("logits", logits)
 
     def _forward_fused(self, tokens, pos, slots, bt, h):
-        from ..kernels.mhc import hc_head, hc_post, hc_pre
+        for i in range(len(self.model.layers)):
+            h = self.fused_layer(i, h, tokens, pos, slots, bt)
+        return self.fused_head(h)
+
+    def fused_layer(self, i, h, tokens, pos, slots, bt):
+        """Layer i of the fused step: residual streams h [B, hc, d] -> [B, hc, d] (separate so a
+        benchmark can capture and time one layer)."""
+        from ..kernels.mhc import hc_post, hc_pre
         from ..kernels.moe import moe_forward
-        m, num, cfg = self.model, self.num, self.cfg
+        blk, lc, num, cfg = self.model.layers[i], self.cache.layers[i], self.num, self.cfg
 
         def pre(hc, x):
             return hc_pre(x, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.rms_eps)
-        for i, blk in enumerate(m.layers):
-            lc = self.cache.layers[i]
-            freqs = blk.attn.rope(pos)
-            a, post, comb = pre(blk.hc_attn, h)
-            a = self._t(f"L{i}.hc_pre", a)
-            a = self._attention(blk, lc, rms_norm(a, blk.attn_norm, cfg.rms_norm_eps, num), pos, slots, bt, freqs)
-            h = hc_post(a, h, post, comb)
-            f, post, comb = pre(blk.hc_ffn, h)
-            f = moe_forward(rms_norm(f, blk.ffn_norm, cfg.rms_norm_eps, num), tokens, self.moe_weights[i])
-            f = self._t(f"L{i}.moe", f)
-            h = self._t(f"L{i}.hc_post", hc_post(f, h, post, comb))
+        freqs = blk.attn.rope(pos)
+        a, post, comb = pre(blk.hc_attn, h)
+        a = self._t(f"L{i}.hc_pre", a)
+        a = self._attention(blk, lc, rms_norm(a, blk.attn_norm, cfg.rms_norm_eps, num), pos, slots, bt, freqs)
+        h = hc_post(a, h, post, comb)
+        f, post, comb = pre(blk.hc_ffn, h)
+        f = moe_forward(rms_norm(f, blk.ffn_norm, cfg.rms_norm_eps, num), tokens, self.moe_weights[i])
+        f = self._t(f"L{i}.moe", f)
+        return self._t(f"L{i}.hc_post", hc_post(f, h, post, comb))
+
+    def fused_head(self, h):
+        from ..kernels.mhc import hc_head
+        m, cfg = self.model, self.cfg
         hh = m.hc_head
-        y = rms_norm(hc_head(h, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, cfg.rms_norm_eps, num)
+        y = rms_norm(hc_head(h, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, cfg.rms_norm_eps, self.num)
         return self._t("logits", m.head(y).float())
 
     def _moe(self, moe, x, ids):
