@@ -10,7 +10,8 @@ def _engine_kw(a: argparse.Namespace) -> dict:
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_model_len=a.max_model_len, kv_cache_memory=a.kv_cache_memory,
                 gpu_memory_utilization=a.gpu_memory_utilization, numerics=a.numerics, device=a.device,
-                attention_backend=a.attention_backend, cuda_graphs=not a.enforce_eager, log=not a.quiet)
+                attention_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
+                fused_hotpath=a.fused_hotpath, log=not a.quiet)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -64,6 +65,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=["reference", "triton"], default=None,
                    help="attention ops (default: triton on CUDA, reference on CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
+    p.add_argument("--fused-hotpath", action="store_true",
+                   help="every hot op in a Triton kernel: mHC, FP8/FP4 GEMMs, compressor, indexer, MoE, "
+                        "prefill included (needs the triton attention backend)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -101,7 +105,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                                     kv_cache_memory=a.kv_cache_memory,
                                     gpu_memory_utilization=a.gpu_memory_utilization, numerics=a.numerics,
                                     device=a.device, attention_backend=a.attention_backend,
-                                    cuda_graphs=not a.enforce_eager, log=not a.quiet))
+                                    cuda_graphs=not a.enforce_eager, fused_hotpath=a.fused_hotpath,
+                                    log=not a.quiet))
     api_key = a.api_key or os.environ.get("DSV4_API_KEY") or None
     app = build_app(engine, served_model_name=a.served_model_name, api_key=api_key, max_waiting=a.max_waiting,
                     log=not a.quiet)

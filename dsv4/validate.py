@@ -66,6 +66,27 @@ def compare(ref: dict, fast: dict) -> dict:
     return out
 
 
+def _compare_prefill(model, fast_dec, cache, ids, logits, agg, dev):
+    """The prompt through the fused prefill twice more, into two more sequences of the cache: with
+    the kernels' torch twins (same orchestration; its logits must match the reference model's:
+    row ``prefill.orchestration``) and with the kernels, each module on the twin run's inputs
+    (forced, as for decode), rows ``prefill.L<i>.<module>``."""
+    from .engine.kv_cache import PagedSequenceState
+    from .model.prefill import FastPrefiller
+    tok = torch.tensor(ids, device=dev)
+    runs = []
+    for twins in (True, False):
+        st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(cache.blocks_needed(len(ids))))
+        fp = FastPrefiller(fast_dec, twins=twins)
+        fp.trace, fp.force = {}, (runs[0][1] if runs else None)
+        lg = fp.forward([(tok, st)])[0]
+        runs.append((lg, fp.trace))
+        st.release()
+    agg["prefill.orchestration"].append(compare({"x": logits}, {"x": runs[0][0]})["x"])
+    for k, v in compare(runs[0][1], runs[1][1]).items():
+        agg["prefill." + k].append(v)
+
+
 def run(args) -> int:
     from .engine.kv_cache import CacheConfig, KVCache, PagedSequenceState
     from .model.decode import FastDecoder
@@ -91,7 +112,8 @@ def run(args) -> int:
     tensors = {k: v.to(dev) for k, v in tensors.items()}
     model = ReferenceModel(cfg, tensors, numerics=args.numerics)
     max_len = max(256, -(-(args.prompt_len + args.steps + 1) // 256) * 256)
-    cache = KVCache(cfg, CacheConfig(max_num_seqs=3, num_blocks=max_len // 256 * 1 + 2, device=str(dev)))
+    # slots: the two decoders' scratch, the sequence, and (--fused) one for the fused prefill runs
+    cache = KVCache(cfg, CacheConfig(max_num_seqs=4, num_blocks=max_len // 256 * 2 + 2, device=str(dev)))
     fast_attn = args.attention or ("triton" if dev.type == "cuda" else "reference")
     ref_dec = FastDecoder(model, cache, max_len, "reference")
     fast_dec = FastDecoder(model, cache, max_len, fast_attn, fused=args.fused)
@@ -108,10 +130,12 @@ def run(args) -> int:
     table = cache.allocate_blocks(cache.blocks_needed(len(ids) + args.steps))
     st = PagedSequenceState(cache, slot, table)
     logits = model.forward([(torch.tensor(ids, device=dev), st)])[0]
+    agg = defaultdict(list)
+    if args.fused:
+        _compare_prefill(model, fast_dec, cache, ids, logits, agg, dev)
     bt = torch.full((1, ref_dec.max_blocks), -1, dtype=torch.long)
     bt[0, :len(table)] = torch.tensor(table)
     bt = bt.to(dev)
-    agg = defaultdict(list)
     first_eos = first_nan = False
     argmax_agree = 0
     for step in range(args.steps):

@@ -40,14 +40,16 @@ def test_fast_decode_with_cuda_graphs_is_bit_identical_to_reference(tmp_path):
         assert la == lb
 
 
-def test_triton_backend_greedy_matches_reference(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["attention-kernels", "fused-hot-path"])
+def test_triton_backend_greedy_matches_reference(tmp_path, fused):
     """Triton attention (fp32 online softmax in its own block order) against the reference twin.
     V4's discrete steps (FP8 act-quant, MoE routing, indexer top-k) turn any rounding difference
     into occasional argmax flips where the top-1 margin is thin (dsv4-architecture §15), so tokens
     are compared until the first step whose reference margin is below 0.5; before it they must
-    be equal, and every request must agree on its first tokens."""
+    be equal, and every request must agree on its first tokens. ``fused``: every hot op in a
+    kernel (prefill chunks included: ``FastPrefiller``)."""
     _, ref = _run(tmp_path, numerics="official", fast_decode=True, attention_backend="reference")
-    llm, tri = _run(tmp_path, numerics="official", attention_backend="triton")
+    llm, tri = _run(tmp_path, numerics="official", attention_backend="triton", fused_hotpath=fused)
     assert llm.engine.backend_name == "fast-decode/triton"
     compared = 0
     for a, b in zip(ref, tri):
@@ -73,7 +75,7 @@ def test_decode_step_profile_has_no_unfused_hot_ops(tmp_path):
     eng = llm.engine
     eng.add_request("p", {"prompt_token_ids": _prompts()[2]["prompt_token_ids"]},
                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    eng.step()                                   # prefill (reference ops)
+    eng.step()                                   # prefill (fused kernels)
     eng.step()                                   # first decode: compiles the kernels
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         eng.step()                               # one decode step

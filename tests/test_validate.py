@@ -8,11 +8,11 @@ import torch
 from dsv4 import validate
 
 
-def _args(tmp_path, *extra):
+def _args(tmp_path, *extra, prompt_len=140):
     os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
     p = argparse.ArgumentParser()
     validate.add_parser(p.add_subparsers())
-    return p.parse_args(["validate", "--prompt-len", "140", "--steps", "2", "-q", *extra])
+    return p.parse_args(["validate", "--prompt-len", str(prompt_len), "--steps", "2", "-q", *extra])
 
 
 def test_validate_passes_on_a_correct_fast_path(tmp_path, capsys):
@@ -39,8 +39,12 @@ def test_validate_names_the_broken_module(tmp_path, capsys, monkeypatch):
 
 def test_validate_fused_hot_path_kernels(tmp_path, capsys):
     """The Triton mHC, compressor, indexer and MoE kernels inside the decode step, module by module
-    against the reference (interpreter on CPU)."""
+    against the reference, and the fused prefill's logits and cache contents (interpreter on CPU:
+    a short prompt; the GPU run uses long ones)."""
     pytest.importorskip("triton")
-    assert validate.run(_args(tmp_path, "--attention", "triton", "--fused", "--steps", "1")) == 0
+    assert validate.run(_args(tmp_path, "--attention", "triton", "--fused", "--steps", "1", prompt_len=27)) == 0
     out = capsys.readouterr().out
     assert "RESULT: OK" in out and "L2.indexer_topk          top-k overlap 1.0000" in out
+    for row in ("prefill.orchestration", "prefill.logits", "prefill.L2.sparse_attn", "prefill.L2.compressor",
+                "prefill.L2.indexer_compressor", "prefill.L2.indexer_topk", "prefill.L3.moe"):
+        assert row in out

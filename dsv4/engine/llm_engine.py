@@ -45,7 +45,7 @@ class EngineConfig:
     attention_backend: str | None = None     # reference | triton | None: triton on CUDA, else reference
     fast_decode: bool | None = None          # tensorised decode step; None: on for CUDA
     cuda_graphs: bool = True                 # capture the decode step per batch-size bucket (CUDA)
-    fused_hotpath: bool = False              # also Triton mHC/compressor/indexer/MoE kernels in decode
+    fused_hotpath: bool = False              # every hot op in a kernel (decode and prefill)
     device: str | None = None                # None: cuda if available else cpu
     log: bool = True
 
@@ -89,7 +89,7 @@ class LLMEngine:
                                         cfg.fused_hotpath)
         else:
             backend = ReferenceBackend(self.model)
-        self.backend_name = f"{'fast-decode' if fast else 'reference'}/{attn}"
+        self.backend_name = f"{'fast-decode' if fast else 'reference'}/{attn}" + ("+fused" if cfg.fused_hotpath else "")
         self.runner = ModelRunner(backend, self.device)
         self.sampler = Sampler(mc.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}

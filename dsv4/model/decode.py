@@ -107,6 +107,19 @@ class FastDecoder:
                 for lin in lins:
                     if lin.kind == "fp8":
                         self._fp8[id(lin)] = fp8_weight_of(lin)
+            # fp32 GEMMs of bf16 values (head, compressor wkv/wgate: bf16 weights upcast, inputs
+            # bf16-rounded): on CUDA one bf16 tensor-core GEMM with fp32 output (exact products,
+            # fp32 sums: the official result up to summation order) at half the weight bytes
+            self._bf16 = {}
+            if cache.device.type == "cuda":
+                comps = [model.head]
+                for b in model.layers:
+                    for c in (b.attn.compressor, b.attn.indexer.compressor if b.attn.indexer else None):
+                        if c is not None:
+                            comps += [c.wkv, c.wgate]
+                for lin in comps:
+                    if lin.kind in ("fp32", "bf16") and torch.equal(lin.weight.bfloat16().float(), lin.weight):
+                        self._bf16[id(lin)] = lin.weight.bfloat16()
             # wo_a: the official bf16 einsum (bf16 operands, fp32 accumulation, bf16 out) as one
             # batched tensor-core GEMM over the G groups
             self._wo_a = [b.attn.wo_a.weight.to(torch.bfloat16).view(b.attn.G, -1, b.attn.wo_a.weight.shape[1])
@@ -170,7 +183,14 @@ class FastDecoder:
         if self.fused and lin.kind == "fp8":
             from ..kernels.gemm import fp8_linear
             return fp8_linear(x, *self._fp8[id(lin)])
+        w = self._bf16.get(id(lin)) if self.fused else None
+        if w is not None and x.dtype == torch.bfloat16:
+            return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
         return lin(x)
+
+    def project(self, comp, x, pos):
+        """``Compressor.project`` (fp32 K rows and scores + ape) through ``_lin``."""
+        return self._lin(comp.wkv, x), self._lin(comp.wgate, x) + comp.ape[pos % comp.ratio]
 
     # ------------------------------------------------------------------ attention of one layer
     def _attention(self, blk: Block, lc, x, pos, slots, bt, freqs):
@@ -200,7 +220,7 @@ class FastDecoder:
             if at.indexer is not None:
                 picks = self._indexer(at.indexer, lc, x, qr, pos, slots, bt, freqs)
                 picks = self._t(L + "indexer_topk", picks)
-            ck, cs = at.compressor.project(x, pos)
+            ck, cs = self.project(at.compressor, x, pos)
             e_new = pos // blk.ratio
             if self.fused:
                 ids = self._entry_ids(bt, e_new, epb, blk.ratio, pos >= 0)
@@ -274,7 +294,7 @@ class FastDecoder:
         q = self._lin(ix.wq_b, qr).view(B, ix.n_heads, ix.head_dim)
         q = index_q_prologue(q, freqs.real.float().contiguous(), freqs.imag.float().contiguous())
         w = self.num.round(ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))
-        ck, cs = ix.compressor.project(x, pos)
+        ck, cs = self.project(ix.compressor, x, pos)
         ids = self._entry_ids(bt, pos // 4, INDEX_PAGE, 4, pos >= 0)
         self._compress_fused(ix.compressor, lc.index_state, slots, ck, cs, pos, lc.index_keys, ids, INDEX_PAGE)
         n_max = self.max_blocks * INDEX_PAGE
@@ -333,7 +353,7 @@ class FastDecoder:
         m, cfg = self.model, self.cfg
         hh = m.hc_head
         y = rms_norm(hc_head(h, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, cfg.rms_norm_eps, self.num)
-        return self._t("logits", m.head(y).float())
+        return self._t("logits", self._lin(m.head, y).float())
 
     def _moe(self, moe, x, ids):
         """Every expert on every row, masked: fixed shapes (the grouped-GEMM kernel replaces this)."""

@@ -65,11 +65,16 @@ class KernelOps:
                 setattr(self, n, pick(mod, n))
         self.sparse_prefill = sa.sparse_attention_torch if twins else sa.sparse_prefill
         layers = dec.model.layers
-        if twins:   # the reference Linear / MoE: the twins of fp8_linear and moe_forward
+        num = dec.num
+        if twins:   # the reference Linear / MoE / fp32 wo_a einsum: the twins of the GEMM kernels
+            self.wo_a = lambda i, og: num.round(num.einsum(
+                "tgd,grd->tgr", og.float(), dec._wo_a[i].float()))
             self.linear = lambda lin, x: lin(x)
+            self.project = lambda comp, x, pos: comp.project(x, pos)
             self.moe = lambda i, x, ids: layers[i].moe(x, ids)
         else:
-            self.linear = dec._lin
+            self.linear, self.project = dec._lin, dec.project
+            self.wo_a = lambda i, og: torch.einsum("tgd,grd->tgr", og.to(torch.bfloat16), dec._wo_a[i])
             self.moe = lambda i, x, ids: moe.moe_forward(x, ids, dec.moe_weights[i])
 
 
@@ -82,6 +87,15 @@ class FastPrefiller:
         self.dec, self.model, self.cfg, self.num = dec, dec.model, dec.cfg, dec.num
         self.cache = dec.cache
         self.k = KernelOps(dec, twins)
+        self.trace: dict | None = None      # as FastDecoder's: per-module values for `dsv4 validate`
+        self.force: dict | None = None
+
+    def _t(self, name, t):
+        if self.trace is not None:
+            self.trace[name] = t.detach().clone()
+        if self.force is not None and name in self.force:
+            return self.force[name].to(t.dtype)
+        return t
 
     @torch.no_grad()
     def forward(self, chunks, all_logits: bool = False):
@@ -107,17 +121,19 @@ class FastPrefiller:
         for i, blk in enumerate(m.layers):
             freqs = blk.attn.rope(pos)
             a, post, comb = pre(blk.hc_attn, h)
+            a = self._t(f"L{i}.hc_pre", a)
             a = self._attention(blk, self.cache.layers[i], rms_norm(a, blk.attn_norm, cfg.rms_norm_eps, num),
                                 pos, segs, freqs)
             h = k.hc_post(a, h, post, comb)
             f, post, comb = pre(blk.hc_ffn, h)
-            h = k.hc_post(k.moe(i, rms_norm(f, blk.ffn_norm, cfg.rms_norm_eps, num), ids), h, post, comb)
+            f = self._t(f"L{i}.moe", k.moe(i, rms_norm(f, blk.ffn_norm, cfg.rms_norm_eps, num), ids))
+            h = self._t(f"L{i}.hc_post", k.hc_post(f, h, post, comb))
         rows = torch.arange(h.shape[0], device=dev) if all_logits else \
             torch.tensor([s.r1 - 1 for s in segs], device=dev)
         hh = m.hc_head
         y = rms_norm(k.hc_head(h[rows].contiguous(), hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm,
                      cfg.rms_norm_eps, num)
-        logits = m.head(y).float()
+        logits = self._t("logits", k.linear(m.head, y).float())
         out = []
         for j, s in enumerate(segs):
             s.st.advance_to(s.end)
@@ -146,6 +162,9 @@ class FastPrefiller:
                               s.slot * WINDOW + prev % WINDOW, WINDOW_PAGE)
             chunk_ids[s.r0:s.r1] = off + s.w_prev + torch.arange(s.n, device=dev)
         q, kv = k.kv_insert(q, kv, cos, sin, scratch, chunk_ids, WINDOW_PAGE, at.eps)
+        L = f"L{blk.layer_id}."
+        q = self._t(L + "q", q)
+        self._t(L + "kv", kv)
         # window lists: positions max(0, p-127) .. p (the reference layout), -1 beyond p
         wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + torch.arange(WINDOW, device=dev)
         seg_base = torch.empty(T, dtype=torch.long, device=dev)    # scratch id of position 0
@@ -159,6 +178,7 @@ class FastPrefiller:
                            None if extra_idx is None else extra_idx.to(torch.int32),
                            lc.entries if blk.ratio else None, lc.entries_per_block or 64,
                            sinks=at.sink, scale=at.scale)
+        o = self._t(L + "sparse_attn", o)
         # the ring keeps each sequence's last 128 entries
         for s, off in zip(segs, offs):
             keep = min(s.n, WINDOW)
@@ -166,10 +186,10 @@ class FastPrefiller:
             _copy_entries(lc.window, s.slot * WINDOW + p % WINDOW, scratch,
                           off + s.w_prev + (p - s.p0), WINDOW_PAGE)
         og = k.inverse_rope(o, cos, sin).view(T, at.G, -1)
-        z = torch.einsum("tgd,grd->tgr", og.to(torch.bfloat16), self.dec._wo_a[blk.layer_id])
-        return k.linear(at.wo_b, z.flatten(1))
+        z = k.wo_a(blk.layer_id, og)
+        return self._t(L + "attn", k.linear(at.wo_b, z.flatten(1)))
 
-    def _compress(self, comp, ring, s, k, sc, pages, per_block, m):
+    def _compress(self, comp, ring, s, k, sc, pages, per_block, m, name):
         """Chunk update of one compressor of one sequence: entries completed by the chunk pooled,
         post-processed and written into the paged cache, the ring left holding the pending rows
         (positions [start, end) at pos % R, the layout the decode kernel reads)."""
@@ -187,9 +207,10 @@ class FastPrefiller:
             j = torch.arange(first, last, device=dev)
             f = comp.rope(j * m)
             page_slots = self.dec._entry_ids(s.bt, j[None, :], per_block, m, torch.ones_like(j[None, :], dtype=torch.bool))
-            self.k.compress_prefill(rows_k, rows_s, base, first, last, comp.norm_w, f.real.float().contiguous(),
+            new = self.k.compress_prefill(rows_k, rows_s, base, first, last, comp.norm_w, f.real.float().contiguous(),
                              f.imag.float().contiguous(), ratio=m, indexer=comp.is_indexer, eps=comp.eps,
                              pages=pages, page_slots=page_slots.view(-1), page_size=per_block)
+            self._t(name, new)
         start = m * max(0, last - 1) if comp.overlap else m * last
         keep_from = max(start, s.p0)
         if s.end > keep_from:
@@ -201,19 +222,21 @@ class FastPrefiller:
         entry ids into ``lc.entries`` (-1 pad)."""
         at, dec, dev, k = blk.attn, self.dec, x.device, self.k
         T, epb = x.shape[0], lc.entries_per_block
-        ck, cs = at.compressor.project(x, pos)
+        ck, cs = k.project(at.compressor, x, pos)
         if at.indexer is not None:
             ix = at.indexer
             iq = k.linear(ix.wq_b, qr).view(T, ix.n_heads, ix.head_dim)
             iq = k.index_q_prologue(iq, freqs.real.float().contiguous(), freqs.imag.float().contiguous())
             iw = self.num.round(ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))
-            ik, isc = ix.compressor.project(x, pos)
+            ik, isc = k.project(ix.compressor, x, pos)
         lists = []
         for s in segs:
             r = slice(s.r0, s.r1)
             if at.indexer is not None:
-                self._compress(ix.compressor, lc.index_state, s, ik[r], isc[r], lc.index_keys, INDEX_PAGE, 4)
-            self._compress(at.compressor, lc.comp_state, s, ck[r], cs[r], lc.entries, epb, blk.ratio)
+                self._compress(ix.compressor, lc.index_state, s, ik[r], isc[r], lc.index_keys, INDEX_PAGE, 4,
+                               f"L{blk.layer_id}.indexer_compressor")
+            self._compress(at.compressor, lc.comp_state, s, ck[r], cs[r], lc.entries, epb, blk.ratio,
+                           f"L{blk.layer_id}.compressor")
             n_e = s.end // blk.ratio                    # entries complete at the chunk's end
             p = pos[r]
             if n_e == 0:
@@ -223,6 +246,7 @@ class FastPrefiller:
                 sc = k.index_scores(iq[r].contiguous(), iw[r].contiguous(), lc.index_keys,
                                   s.bt.expand(s.n, -1), p, n=n_e)
                 picks = k.index_topk(sc, min(ix.topk, n_e), n_valid=(p + 1) // 4).long()
+                picks = self._t(f"L{blk.layer_id}.indexer_topk", picks)
                 lists.append(dec._entry_ids(s.bt.expand(s.n, -1), picks, epb, 4))
             else:
                 j = torch.arange(n_e, device=dev)[None, :].expand(s.n, -1)

@@ -1,0 +1,193 @@
+"""One fused decode step of a synthetic V4 model (real layer shapes, random weights in the real
+formats) at batch 1 and 64, with the time of every layer and of the head.
+
+    PYTHONPATH=. python benchmarks/decode_step.py --model flash --layers 4 --batch 1,64 --ctx 8192
+
+The reference (which the fast decoder shares weights with) holds experts in fp32, so it is built
+with 8 experts; the fused step's MoE then gets the preset's full expert count (256 / 384) as
+random packed MXFP4 weights (``MoEWeights``), so the MoE time is the real one. The caches hold
+``ctx`` positions of valid random FP8 / MXFP4 / fp32 contents for every sequence.
+
+Times are CUDA-graph replays (``do_bench`` medians, L2 not flushed: consecutive layers of a step
+do not share weights). floor = bytes a step must move / measured copy bandwidth: the layer's
+checkpoint-format weights (routed experts: only the experts the batch hits, expected number for
+uniform routing), the KV entries attention reads (128 window + top-k CSA / all HCA entries, 584 B),
+the indexer keys scored (68 B) and the compressor rings.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import roofline  # noqa: E402
+from dsv4.checkpoint.tiny import build_tiny_tensors  # noqa: E402
+from dsv4.config import preset  # noqa: E402
+from dsv4.engine.kv_cache import (BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE, CacheConfig,  # noqa: E402
+                                  KVCache)
+from dsv4.kernels.moe import MoEWeights  # noqa: E402
+from dsv4.model.decode import FastDecoder, write_entries, write_index_keys  # noqa: E402
+from dsv4.reference.model import ReferenceModel  # noqa: E402
+from dsv4.validate import synthetic_config  # noqa: E402
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def real_moe(cfg_real, layer, dev, gen):
+    E, d, I, k = cfg_real.n_routed_experts, cfg_real.hidden_size, cfg_real.moe_intermediate_size, \
+        cfg_real.num_experts_per_tok
+    r8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device=dev, generator=gen)  # noqa: E731
+    sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, device=dev, generator=gen)  # noqa: E731
+    from dsv4.formats.fp8 import quant_fp8_weight
+    sh13, sh13s = quant_fp8_weight(torch.randn(2 * I, d, device=dev, generator=gen) * 0.02)
+    sh2, sh2s = quant_fp8_weight(torch.randn(d, I, device=dev, generator=gen) * 0.02)
+    hash_layer = layer < cfg_real.num_hash_layers
+    return MoEWeights(
+        gate_w=torch.randn(E, d, device=dev, generator=gen) * 0.02,
+        bias=None if hash_layer else torch.randn(E, device=dev, generator=gen) * 0.01,
+        tid2eid=torch.randint(0, E, (cfg_real.vocab_size, k), dtype=torch.int32, device=dev, generator=gen)
+        if hash_layer else None,
+        topk=k, route_scale=cfg_real.routed_scaling_factor, limit=cfg_real.swiglu_limit, fmt="mxfp4",
+        w13=r8(E, 2 * I, d // 2), w13_s=sc(E, 2 * I, d // 32), w13_s2=None,
+        w2=r8(E, d, I // 2), w2_s=sc(E, d, I // 32), w2_s2=None,
+        sh13=sh13, sh13_s=sh13s.float(), sh2=sh2, sh2_s=sh2s.float())
+
+
+def fill_caches(cache, dev, gen, n_blocks):
+    """Valid random contents everywhere a step may read."""
+    for lc in cache.layers:
+        n = lc.window.shape[0] * WINDOW_PAGE
+        for i in range(0, n, 65536):
+            ids = torch.arange(i, min(n, i + 65536), device=dev)
+            write_entries(lc.window, ids, torch.randn(ids.numel(), 512, device=dev, generator=gen).bfloat16(),
+                          WINDOW_PAGE)
+        if lc.entries is not None:
+            n = n_blocks * lc.entries_per_block
+            for i in range(0, n, 65536):
+                ids = torch.arange(i, min(n, i + 65536), device=dev)
+                write_entries(lc.entries, ids, torch.randn(ids.numel(), 512, device=dev, generator=gen).bfloat16(),
+                              lc.entries_per_block)
+            lc.comp_state.normal_(generator=gen)
+        if lc.index_keys is not None:
+            n = n_blocks * INDEX_PAGE
+            for i in range(0, n, 65536):
+                ids = torch.arange(i, min(n, i + 65536), device=dev)
+                write_index_keys(lc.index_keys, ids, torch.randn(ids.numel(), 128, device=dev, generator=gen))
+            lc.index_state.normal_(generator=gen)
+
+
+def layer_bytes(tensors, cfg_real, i, B, ctx, ratio):
+    pre = f"layers.{i}."
+    dense = sum(v.numel() * v.element_size() for k, v in tensors.items()
+                if k.startswith(pre) and ".experts." not in k)
+    E, d, I, k = cfg_real.n_routed_experts, cfg_real.hidden_size, cfg_real.moe_intermediate_size, \
+        cfg_real.num_experts_per_tok
+    per_expert = 3 * d * I // 2 + 3 * d * I // 32
+    hit = E * (1 - (1 - k / E) ** B)
+    kv = B * WINDOW * 584
+    if ratio == 4:
+        kv += B * (min(cfg_real.index_topk, ctx // 4) * 584 + (ctx // 4) * 68)
+    elif ratio:
+        kv += B * (ctx // ratio) * 584
+    return dense + hit * per_expert + kv
+
+
+def graph_time(fn, reps=3):
+    if not torch.cuda.is_available():       # smoke run (CPU interpreter): runs, does not time
+        fn()
+        return float("nan")
+    import triton.testing
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    t = triton.testing.do_bench(g.replay, warmup=5, rep=100, return_mode="median") / reps
+    del g
+    return t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="flash", choices=["flash", "pro", "tiny"], help="tiny: CPU smoke run")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", default="1,64")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="append the markdown section to this file")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    batches = [int(b) for b in args.batch.split(",")]
+    Bmax = max(batches)
+    cfg_real = preset(args.model)
+    cfg = synthetic_config(args.model, args.layers, 8)
+    tensors = {k: v.to(dev) for k, v in build_tiny_tensors(cfg, 0).items()}
+    model = ReferenceModel(cfg, tensors)
+    per_seq = -(-(args.ctx + 1) // BLOCK_TOKENS)
+    cache = KVCache(cfg, CacheConfig(max_num_seqs=Bmax + 1, num_blocks=Bmax * per_seq + 1, device=str(dev)))
+    dec = FastDecoder(model, cache, per_seq * BLOCK_TOKENS, "triton", fused=True)
+    dec.moe_weights = [real_moe(cfg_real, i, dev, gen) for i in range(args.layers)]
+    fill_caches(cache, dev, gen, Bmax * per_seq + 1)
+    copy_bw, _ = roofline(dev, dev.type != "cuda")
+    log(f"roofline: copy {copy_bw / 1e12:.2f} TB/s; {args.model} {args.layers} layers, ratios "
+        f"{cfg.compress_ratios[:args.layers]}, {cfg_real.n_routed_experts} experts, ctx {args.ctx}")
+    slots = [cache.allocate_slot() for _ in range(Bmax)]
+    tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
+    rows = []
+    for B in batches:
+        tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
+        pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
+        sl = torch.tensor(slots[:B], device=dev)
+        bt = torch.full((B, dec.max_blocks), -1, dtype=torch.long)
+        for r in range(B):
+            bt[r, :per_seq] = torch.tensor(tables[r])
+        bt = bt.to(dev)
+        with torch.no_grad():
+            h0 = model.num.round(torch.nn.functional.embedding(tokens, model.embed)).unsqueeze(1).repeat(
+                1, cfg.hc_mult, 1)
+            step = graph_time(lambda: dec.forward(tokens, pos, sl, bt))
+            per_layer = [graph_time(lambda i=i: dec.fused_layer(i, h0, tokens, pos, sl, bt))
+                         for i in range(args.layers)]
+            head = graph_time(lambda: dec.fused_head(h0))
+        for i, t in enumerate(per_layer):
+            r = cfg.compress_ratios[i]
+            nb = layer_bytes(tensors, cfg_real, i, B, args.ctx, r)
+            rows.append((B, f"layer {i} ({'CSA' if r == 4 else 'HCA' if r else 'window'}"
+                            f"{', hash' if i < cfg_real.num_hash_layers else ''})", t * 1e3, nb))
+        hb = cfg_real.vocab_size * cfg.hidden_size * 2
+        rows.append((B, "hc_head + norm + head", head * 1e3, hb))
+        rows.append((B, "full step", step * 1e3, sum(x[3] for x in rows if x[0] == B and x[1] != "full step")))
+        for x in rows[-(args.layers + 2):]:
+            log(f"B={x[0]:3d} {x[1]:28s} {x[2]:9.1f} us  floor {x[3] / copy_bw * 1e6:8.1f} us "
+                f"({x[3] / copy_bw * 1e6 / x[2] * 100:4.0f}%)")
+    md = [f"## Fused decode step, synthetic {args.model} ({args.layers} layers), {datetime.date.today()}, "
+          f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU smoke run'}", "",
+          f"Command: `PYTHONPATH=. python benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
+          f"--batch {args.batch} --ctx {args.ctx}`; torch {torch.__version__}. Copy bandwidth measured in the "
+          f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
+          f"{cfg_real.n_routed_experts} routed experts (MXFP4). Times: CUDA-graph replays.", "",
+          "| batch | part | us | floor us (bytes / copy BW) | % of floor |", "|---|---|---|---|---|"]
+    for B, name, us, nb in rows:
+        fl = nb / copy_bw * 1e6
+        md.append(f"| {B} | {name} | {us:.1f} | {fl:.1f} | {fl / us * 100:.0f}% |")
+    text = "\n".join(md) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
