@@ -50,7 +50,7 @@ def test_triton_backend_greedy_matches_reference(tmp_path, fused):
     kernel (prefill chunks included: ``FastPrefiller``)."""
     _, ref = _run(tmp_path, numerics="official", fast_decode=True, attention_backend="reference")
     llm, tri = _run(tmp_path, numerics="official", attention_backend="triton", fused_hotpath=fused)
-    assert llm.engine.backend_name == "fast-decode/triton"
+    assert llm.engine.backend_name == "fast-decode/triton" + ("+fused" if fused else "")
     compared = 0
     for a, b in zip(ref, tri):
         ca, cb = a.outputs[0], b.outputs[0]
