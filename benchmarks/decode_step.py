@@ -133,7 +133,7 @@ def main():
     Bmax = max(batches)
     cfg_real = preset(args.model)
     cfg = synthetic_config(args.model, args.layers, 8)
-    tensors = {k: v.to(dev) for k, v in build_tiny_tensors(cfg, 0).items()}
+    tensors = {k: v.to(dev) for k, v in build_tiny_tensors(cfg, 0, threads=os.cpu_count() or 1).items()}
     model = ReferenceModel(cfg, tensors)
     per_seq = -(-(args.ctx + 1) // BLOCK_TOKENS)
     cache = KVCache(cfg, CacheConfig(max_num_seqs=Bmax + 1, num_blocks=Bmax * per_seq + 1, device=str(dev)))

@@ -14,6 +14,7 @@ hold a checkpoint. The reference holds experts dequantised in fp32, so synthetic
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import defaultdict
@@ -97,7 +98,7 @@ def run(args) -> int:
     if args.synthetic:
         from .checkpoint.tiny import build_tiny_tensors
         cfg = synthetic_config(args.synthetic, args.layers, args.experts)
-        tensors = build_tiny_tensors(cfg, args.seed)
+        tensors = build_tiny_tensors(cfg, args.seed, threads=os.cpu_count() or 1)
         tok = None
         where = f"synthetic {args.synthetic}, {args.layers} layers, {cfg.n_routed_experts} experts"
     else:

@@ -78,14 +78,15 @@ class _Draw:
         return self.normal(dim, std=0.05 * mean, mean=mean)
 
 
-def build_tiny_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1) -> dict[str, torch.Tensor]:
     """Canonical official-layout tensors for ``cfg`` (MXFP4 experts unless expert_dtype is fp8/null).
 
-    Runs single-threaded (the tensors are small; intra-op threads only add overhead on a busy
-    machine) and restores the caller's torch thread count; the result does not depend on it.
+    Runs single-threaded by default (the tiny tensors are small; intra-op threads only add overhead
+    on a busy machine; real-shaped synthetic layers pass more) and restores the caller's torch
+    thread count; the result does not depend on it.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    threads, n = torch.get_num_threads(), threads
+    torch.set_num_threads(max(1, n))
     try:
         return _build(cfg, seed)
     finally:

@@ -39,6 +39,8 @@ interpreter (whose casts truncate) gives the GPU's values.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import interpreting, triton_available
@@ -167,9 +169,12 @@ _PREPARED: dict = {}
 
 def prepare_bf16x3(fn: torch.Tensor, np_: int) -> torch.Tensor:
     """fn fp32 [N, K] -> bf16 [K, 3*np_]: columns [0, np_) = hi, [np_, 2np_) = mid, [2np_, 3np_) = lo with
-    hi + mid + lo == fn (each the RNE bf16 of the remainder: exact to 2^-24 relative). Cached per tensor."""
-    key = (fn.data_ptr(), fn._version, tuple(fn.shape), np_)
-    w = _PREPARED.get(key)
+    hi + mid + lo == fn (each the RNE bf16 of the remainder: exact to 2^-24 relative). Cached per live
+    tensor object and version (a weak reference: a freed ``fn`` whose memory is reused by another
+    tensor must not hit the cache)."""
+    key = (id(fn), np_)
+    hit = _PREPARED.get(key)
+    w = hit[2] if hit is not None and hit[0]() is fn and hit[1] == fn._version else None
     if w is None:
         f = fn.float()
         hi = f.bfloat16()
@@ -179,9 +184,10 @@ def prepare_bf16x3(fn: torch.Tensor, np_: int) -> torch.Tensor:
         w = torch.zeros(f.shape[1], 3 * np_, dtype=torch.bfloat16, device=fn.device)
         for i, part in enumerate((hi, mid, lo)):
             w[:, i * np_:i * np_ + f.shape[0]] = part.T
-        if len(_PREPARED) > 64:
-            _PREPARED.clear()
-        _PREPARED[key] = w
+        if len(_PREPARED) > 256:
+            for k in [k for k, v in _PREPARED.items() if v[0]() is None]:
+                del _PREPARED[k]
+        _PREPARED[key] = (weakref.ref(fn), fn._version, w)
     return w
 
 
