@@ -119,25 +119,6 @@ def graph_time(fn, reps=3):
     return t
 
 
-def kernel_profile(fn, reps=5, top=25):
-    """[(kernel name, launches per call, GPU us per call)] of ``fn``, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    agg = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            n, t = agg.get(e.name, (0, 0.0))
-            agg[e.name] = (n + 1, t + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)))
-    rows = sorted(((k, n // reps, t / reps) for k, (n, t) in agg.items()), key=lambda r: -r[2])
-    total = sum(r[2] for r in rows)
-    return rows[:top] + [("(all kernels)", sum(r[1] for r in rows), total)]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="flash", choices=["flash", "pro", "tiny"], help="tiny: CPU smoke run")
@@ -145,8 +126,6 @@ def main():
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--out", default=None, help="append the markdown section to this file")
-    ap.add_argument("--profile-layer", type=int, default=None,
-                    help="also list the GPU kernels of this layer (torch.profiler, eager calls)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -166,7 +145,7 @@ def main():
         f"{cfg.compress_ratios[:args.layers]}, {cfg_real.n_routed_experts} experts, ctx {args.ctx}")
     slots = [cache.allocate_slot() for _ in range(Bmax)]
     tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
-    rows, profiles = [], []
+    rows = []
     for B in batches:
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
@@ -182,8 +161,6 @@ def main():
             per_layer = [graph_time(lambda i=i: dec.fused_layer(i, h0, tokens, pos, sl, bt))
                          for i in range(args.layers)]
             head = graph_time(lambda: dec.fused_head(h0))
-        if args.profile_layer is not None and dev.type == "cuda":
-            profiles.append((B, kernel_profile(lambda: dec.fused_layer(args.profile_layer, h0, tokens, pos, sl, bt))))
         for i, t in enumerate(per_layer):
             r = cfg.compress_ratios[i]
             nb = layer_bytes(tensors, cfg_real, i, B, args.ctx, r)
@@ -205,11 +182,6 @@ def main():
     for B, name, us, nb in rows:
         fl = nb / copy_bw * 1e6
         md.append(f"| {B} | {name} | {us:.1f} | {fl:.1f} | {fl / us * 100:.0f}% |")
-    for B, prof in profiles:
-        md += ["", f"<details><summary>layer {args.profile_layer} at batch {B}: GPU kernels (eager calls, "
-                   f"torch.profiler; us per layer call)</summary>", "", "| kernel | calls | us |", "|---|---|---|"]
-        md += [f"| `{name[:90]}` | {n} | {us:.1f} |" for name, n, us in prof]
-        md += ["", "</details>"]
     text = "\n".join(md) + "\n"
     print(text)
     if args.out:

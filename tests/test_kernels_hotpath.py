@@ -542,12 +542,12 @@ _AOT_SCRIPT = textwrap.dedent("""
                                        OUT=P("bf16")), dict(TPP=2, HP=64, INTERP=False), 4, True),
         (ix._index_scores_kernel, dict(Q=P("bf16"), W=P("bf16"), PAGES=P("u8"), BT=P("i64"), POS=P("i64"),
                                        OUT=P("bf16")), dict(TPP=1, HP=64, INTERP=False, DIRECT=False), 8, True),
-        (ix._topk_hist, dict(SC=P("i16"), NV=P("i32"), H1=P("i32"), HIST=P("i32")),
-         dict(LEVEL=1, TILE=2048, G=32), 8, False),
-        (ix._topk_hist, dict(SC=P("i16"), NV=P("i32"), H1=P("i32"), HIST=P("i32")),
-         dict(LEVEL=2, TILE=2048, G=32), 8, False),
-        (ix._topk_select, dict(SC=P("i16"), NV=P("i32"), H1=P("i32"), H2=P("i32"), BUF=P("i64")),
-         dict(TILE=2048, G=32), 8, False),
+        (ix._topk_hist, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), HIST=P("i32")), dict(LEVEL=1, TILE=2048), 8, False),
+        (ix._topk_hist, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), HIST=P("i32")), dict(LEVEL=2, TILE=2048), 8, False),
+        (ix._topk_row1, dict(NV=P("i32"), H1=P("i32"), ROW=P("i32")), dict(G=32), 8, False),
+        (ix._topk_row2, dict(NV=P("i32"), H1=P("i32"), H2=P("i32"), ROW=P("i32"), BASE=P("i32")), dict(G=32), 8, False),
+        (ix._topk_select, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), BASE=P("i32"), BUF=P("i64")),
+         dict(TILE=2048), 8, False),
         (ix._topk_rank, dict(BUF=P("i64"), NV=P("i32"), OUT=P("i32")), dict(RB=64, CB=256), 4, False),
     ]
     for cap in (90, 100):

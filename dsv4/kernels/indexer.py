@@ -164,30 +164,7 @@ if triton_available():
         return thr, above
 
     @triton.jit
-    def _chunk_sum(H, b, NC, NCU, G: tl.constexpr):
-        """Sum of the 256-bin histograms of chunks [0, NCU) of row b."""
-        bins = tl.arange(0, 256)
-        tot = tl.zeros([256], tl.int32)
-        for c0 in range(0, NCU, G):
-            cc = c0 + tl.arange(0, G)
-            h = tl.load(H + ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :],
-                        mask=(cc < NCU)[:, None], other=0)
-            tot += tl.sum(h, axis=0)
-        return tot
-
-    @triton.jit
-    def _row_level1(NV, H1, b, N, K, NC, G: tl.constexpr):
-        """Row b: (#picks kk, threshold high byte hb (-1: nothing to pick), #entries above its bin).
-        Every program that needs it recomputes it from the level-1 histograms (an L2-resident
-        NC x 1 KB read) instead of a separate one-program launch."""
-        nv = tl.minimum(tl.load(NV + b), N)
-        kk = tl.minimum(K, nv)
-        hb, above = _threshold(_chunk_sum(H1, b, NC, NC, G), kk)
-        return kk, tl.where(kk > 0, hb, -1), above
-
-    @triton.jit
-    def _topk_hist(SC, NV, H1, HIST, N, K, stride_sb, CH, NC, LEVEL: tl.constexpr, TILE: tl.constexpr,
-                   G: tl.constexpr):
+    def _topk_hist(SC, NV, ROW, HIST, N, K, stride_sb, CH, NC, LEVEL: tl.constexpr, TILE: tl.constexpr):
         """Per-chunk 256-bin histogram of the key's high byte (LEVEL 1) or, among the entries whose
         high byte is the row's threshold byte, of its low byte (LEVEL 2)."""
         b = tl.program_id(0)
@@ -197,7 +174,7 @@ if triton_available():
         if LEVEL == 1:
             hb = 0
         else:
-            _kk, hb, _above = _row_level1(NV, H1, b, N, K, NC, G)
+            hb = tl.load(ROW + b * 8)
         if hb >= 0:
             row = SC + b.to(tl.int64) * stride_sb
             for t0 in range(c * CH, tl.minimum((c + 1) * CH, nv), TILE):
@@ -211,24 +188,75 @@ if triton_available():
         tl.store(HIST + (b * NC + c).to(tl.int64) * 256 + tl.arange(0, 256), hist)
 
     @triton.jit
-    def _topk_select(SC, NV, H1, H2, BUF, N, K, stride_sb, CH, NC, KP, TILE: tl.constexpr, G: tl.constexpr):
+    def _topk_row1(NV, H1, ROW, N, K, NC, G: tl.constexpr):
+        """Per row: threshold high byte hb and #entries above its bin -> ROW[b, 0:2] (hb = -1: k == 0)."""
+        b = tl.program_id(0)
+        nv = tl.minimum(tl.load(NV + b), N)
+        kk = tl.minimum(K, nv)
+        bins = tl.arange(0, 256)
+        tot = tl.zeros([256], tl.int32)
+        for c0 in range(0, NC, G):
+            cc = c0 + tl.arange(0, G)
+            h = tl.load(H1 + ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :],
+                        mask=(cc < NC)[:, None], other=0)
+            tot += tl.sum(h, axis=0)
+        hb, above = _threshold(tot, kk)
+        hb = tl.where(kk > 0, hb, -1)
+        tl.store(ROW + b * 8, hb)
+        tl.store(ROW + b * 8 + 1, above)
+
+    @triton.jit
+    def _topk_row2(NV, H1, H2, ROW, BASE, N, K, NC, G: tl.constexpr):
+        """Per row: exact threshold key, #entries above it, #ties to take -> ROW[b, 2:5]; per chunk:
+        #entries above the threshold and #ties in the chunks before it -> BASE[b, c, 0:2]."""
+        b = tl.program_id(0)
+        nv = tl.minimum(tl.load(NV + b), N)
+        kk = tl.minimum(K, nv)
+        hb = tl.load(ROW + b * 8)
+        above1 = tl.load(ROW + b * 8 + 1)
+        if hb >= 0:
+            bins = tl.arange(0, 256)
+            tot = tl.zeros([256], tl.int32)
+            for c0 in range(0, NC, G):
+                cc = c0 + tl.arange(0, G)
+                h = tl.load(H2 + ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :],
+                            mask=(cc < NC)[:, None], other=0)
+                tot += tl.sum(h, axis=0)
+            lb, above2 = _threshold(tot, kk - above1)
+            n_gt = above1 + above2
+            tl.store(ROW + b * 8 + 2, hb * 256 + lb)
+            tl.store(ROW + b * 8 + 3, n_gt)
+            tl.store(ROW + b * 8 + 4, kk - n_gt)
+            carry_gt = tl.full([], 0, tl.int32)
+            carry_eq = tl.full([], 0, tl.int32)
+            for c0 in range(0, NC, G):
+                cc = c0 + tl.arange(0, G)
+                off = ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :]
+                cm = (cc < NC)[:, None]
+                h1 = tl.load(H1 + off, mask=cm, other=0)
+                h2 = tl.load(H2 + off, mask=cm, other=0)
+                gt = tl.sum(tl.where(bins[None, :] > hb, h1, 0) + tl.where(bins[None, :] > lb, h2, 0), axis=1)
+                eq = tl.sum(tl.where(bins[None, :] == lb, h2, 0), axis=1)
+                bp = BASE + (b * NC + cc).to(tl.int64) * 2
+                tl.store(bp, carry_gt + tl.cumsum(gt, 0) - gt, mask=cc < NC)
+                tl.store(bp + 1, carry_eq + tl.cumsum(eq, 0) - eq, mask=cc < NC)
+                carry_gt += tl.sum(gt, axis=0)
+                carry_eq += tl.sum(eq, axis=0)
+
+    @triton.jit
+    def _topk_select(SC, NV, ROW, BASE, BUF, N, K, stride_sb, CH, NC, KP, TILE: tl.constexpr):
         """Write this chunk's picks as (0xFFFF - key) << 32 | index: every entry above the threshold
-        and the lowest-index ties up to k. The exact threshold key and this chunk's output offsets
-        (entries above it / ties in the chunks before) come from the two histogram levels."""
+        and the lowest-index ties up to k."""
         b = tl.program_id(0)
         c = tl.program_id(1)
         nv = tl.minimum(tl.load(NV + b), N)
-        kk, hb, above1 = _row_level1(NV, H1, b, N, K, NC, G)
+        hb = tl.load(ROW + b * 8)
         if hb >= 0:
-            bins = tl.arange(0, 256)
-            lb, above2 = _threshold(_chunk_sum(H2, b, NC, NC, G), kk - above1)
-            thr = hb * 256 + lb
-            n_gt = above1 + above2
-            need_eq = kk - n_gt
-            before1 = _chunk_sum(H1, b, NC, c, G)
-            before2 = _chunk_sum(H2, b, NC, c, G)
-            base_gt = tl.sum(tl.where(bins > hb, before1, 0), axis=0) + tl.sum(tl.where(bins > lb, before2, 0), axis=0)
-            base_eq = tl.sum(tl.where(bins == lb, before2, 0), axis=0)
+            thr = tl.load(ROW + b * 8 + 2)
+            n_gt = tl.load(ROW + b * 8 + 3)
+            need_eq = tl.load(ROW + b * 8 + 4)
+            base_gt = tl.load(BASE + (b * NC + c).to(tl.int64) * 2)
+            base_eq = tl.load(BASE + (b * NC + c).to(tl.int64) * 2 + 1)
             row = SC + b.to(tl.int64) * stride_sb
             buf = BUF + b.to(tl.int64) * KP
             for t0 in range(c * CH, tl.minimum((c + 1) * CH, nv), TILE):
@@ -382,14 +410,16 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
     KP = max(16, triton.next_power_of_2(k))
     h1 = torch.empty(B, NC, 256, dtype=torch.int32, device=dev)
     h2 = torch.empty(B, NC, 256, dtype=torch.int32, device=dev)
+    row = torch.empty(B, 8, dtype=torch.int32, device=dev)
+    base = torch.empty(B, NC, 2, dtype=torch.int32, device=dev)
     buf = torch.empty(B, KP, dtype=torch.int64, device=dev)
     sc = scores.view(torch.int16)
     kw = _kw(8)
-    # four launches: high-byte histograms, low-byte histograms, select, rank (the per-row
-    # thresholds and per-chunk offsets are recomputed from the histograms where needed)
-    _topk_hist[(B, NC)](sc, n_valid, h1, h1, N, k, sc.stride(0), CH, NC, LEVEL=1, TILE=TILE, G=G, **kw)
-    _topk_hist[(B, NC)](sc, n_valid, h1, h2, N, k, sc.stride(0), CH, NC, LEVEL=2, TILE=TILE, G=G, **kw)
-    _topk_select[(B, NC)](sc, n_valid, h1, h2, buf, N, k, sc.stride(0), CH, NC, KP, TILE=TILE, G=G, **kw)
+    _topk_hist[(B, NC)](sc, n_valid, row, h1, N, k, sc.stride(0), CH, NC, LEVEL=1, TILE=TILE, **kw)
+    _topk_row1[(B,)](n_valid, h1, row, N, k, NC, G=G, **kw)
+    _topk_hist[(B, NC)](sc, n_valid, row, h2, N, k, sc.stride(0), CH, NC, LEVEL=2, TILE=TILE, **kw)
+    _topk_row2[(B,)](n_valid, h1, h2, row, base, N, k, NC, G=G, **kw)
+    _topk_select[(B, NC)](sc, n_valid, row, base, buf, N, k, sc.stride(0), CH, NC, KP, TILE=TILE, **kw)
     RB = 64
     _topk_rank[(B, triton.cdiv(k, RB))](buf, n_valid, out, N, k, out.stride(0), KP, RB=RB,
                                          CB=min(256, KP), **_kw(8))
