@@ -8,8 +8,7 @@ with 8 experts; the fused step's MoE then gets the preset's full expert count (2
 random packed MXFP4 weights (``MoEWeights``), so the MoE time is the real one. The caches hold
 ``ctx`` positions of valid random FP8 / MXFP4 / fp32 contents for every sequence.
 
-Times are CUDA-graph replays (``do_bench`` medians, L2 not flushed: consecutive layers of a step
-do not share weights). floor = bytes a step must move / measured copy bandwidth: the layer's
+Times are CUDA-graph replays (``do_bench`` medians) with the L2 flushed before every call. floor = bytes a step must move / measured copy bandwidth: the layer's
 checkpoint-format weights (routed experts: only the experts the batch hits, expected number for
 uniform routing), the KV entries attention reads (128 window + top-k CSA / all HCA entries, 584 B),
 the indexer keys scored (68 B) and the compressor rings.
@@ -99,24 +98,56 @@ def layer_bytes(tensors, cfg_real, i, B, ctx, ratio):
     return dense + hit * per_expert + kv
 
 
+_FLUSH = None
+
+
 def graph_time(fn, reps=3):
+    """GPU time of fn from CUDA-graph replays with the L2 flushed before every call (a 256 MB
+    write, timed alone in its own graph and subtracted): no call finds weights left in L2 by
+    the previous one."""
+    global _FLUSH
     if not torch.cuda.is_available():       # smoke run (CPU interpreter): runs, does not time
         fn()
         return float("nan")
     import triton.testing
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def capture(body):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                _FLUSH.zero_()
+                body()
+        t = triton.testing.do_bench(g.replay, warmup=5, rep=100, return_mode="median") / reps
+        del g
+        return t
+    return capture(fn) - capture(lambda: None)
+
+
+def kernel_profile(fn, reps=5, top=25):
+    """[(kernel name, launches per call, GPU us per call)] of ``fn``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
-    t = triton.testing.do_bench(g.replay, warmup=5, rep=100, return_mode="median") / reps
-    del g
-    return t
+        torch.cuda.synchronize()
+    agg = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n, t = agg.get(e.name, (0, 0.0))
+            agg[e.name] = (n + 1, t + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)))
+    rows = sorted(((k, n // reps, t / reps) for k, (n, t) in agg.items()), key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    return rows[:top] + [("(all kernels)", sum(r[1] for r in rows), total)]
 
 
 def main():
@@ -126,6 +157,8 @@ def main():
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--out", default=None, help="append the markdown section to this file")
+    ap.add_argument("--profile-layer", type=int, default=None,
+                    help="also list the GPU kernels of this layer (torch.profiler, eager calls)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -145,7 +178,7 @@ def main():
         f"{cfg.compress_ratios[:args.layers]}, {cfg_real.n_routed_experts} experts, ctx {args.ctx}")
     slots = [cache.allocate_slot() for _ in range(Bmax)]
     tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
-    rows = []
+    rows, profiles = [], []
     for B in batches:
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
@@ -161,6 +194,8 @@ def main():
             per_layer = [graph_time(lambda i=i: dec.fused_layer(i, h0, tokens, pos, sl, bt))
                          for i in range(args.layers)]
             head = graph_time(lambda: dec.fused_head(h0))
+        if args.profile_layer is not None and dev.type == "cuda":
+            profiles.append((B, kernel_profile(lambda: dec.fused_layer(args.profile_layer, h0, tokens, pos, sl, bt))))
         for i, t in enumerate(per_layer):
             r = cfg.compress_ratios[i]
             nb = layer_bytes(tensors, cfg_real, i, B, args.ctx, r)
@@ -177,11 +212,16 @@ def main():
           f"Command: `PYTHONPATH=. python benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
           f"--batch {args.batch} --ctx {args.ctx}`; torch {torch.__version__}. Copy bandwidth measured in the "
           f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
-          f"{cfg_real.n_routed_experts} routed experts (MXFP4). Times: CUDA-graph replays.", "",
+          f"{cfg_real.n_routed_experts} routed experts (MXFP4). Times: CUDA-graph replays, L2 flushed before each call.", "",
           "| batch | part | us | floor us (bytes / copy BW) | % of floor |", "|---|---|---|---|---|"]
     for B, name, us, nb in rows:
         fl = nb / copy_bw * 1e6
         md.append(f"| {B} | {name} | {us:.1f} | {fl:.1f} | {fl / us * 100:.0f}% |")
+    for B, prof in profiles:
+        md += ["", f"<details><summary>layer {args.profile_layer} at batch {B}: GPU kernels (eager calls, "
+                   f"torch.profiler; us per layer call)</summary>", "", "| kernel | calls | us |", "|---|---|---|"]
+        md += [f"| `{name[:90]}` | {n} | {us:.1f} |" for name, n, us in prof]
+        md += ["", "</details>"]
     text = "\n".join(md) + "\n"
     print(text)
     if args.out:

@@ -205,6 +205,50 @@ def bench_fp8(dev, gen, timer, smoke, fp8_peak, bf16_rate, sweep_rows):
     return rows, best
 
 
+FP8_DECODE_SHAPES = [("Flash wq_a", 1024, 4096), ("Flash wq_b", 32768, 1024), ("Flash wkv", 512, 4096),
+                     ("Flash wo_b", 4096, 8192), ("Flash indexer wq_b", 8192, 1024),
+                     ("Flash shared w1|w3", 4096, 4096), ("Flash shared w2", 4096, 2048)]
+FP8_DECODE_CONFIGS = {f"bn{bn}.w{w}.s{st}": dict(BM=16, BN=bn, num_warps=w, num_stages=st)
+                      for bn in (32, 64, 128) for w in (4,) for st in (3, 5)}
+
+
+def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 64)):
+    """fp8_linear (act quant fused into the GEMM) at decode batch sizes over the V4-Flash decode
+    linears: weight bytes / time against the copy bandwidth, default tile vs an in-run sweep."""
+    rows = []
+    for name, N, K in FP8_DECODE_SHAPES:
+        for M in Ms:
+            x, xq, xs, wq, ws = fp8_case(M, N, K, dev, gen)
+            nbytes = wq.numel() + ws.numel() * 4 + x.numel() * 2 + M * N * 2
+            res = {}
+            for cname, cfg in [("default", None)] + list(FP8_DECODE_CONFIGS.items()):
+                if M > 16 and cfg is not None:
+                    cfg = dict(cfg, BM=64)
+                try:
+                    y = G.fp8_linear(x, wq, ws, config=cfg)
+                    err = fp8_check(y, xq, xs, wq, ws)
+                    t = timer.graph(lambda: G.fp8_linear(x, wq, ws, config=cfg)) or timer(
+                        lambda: G.fp8_linear(x, wq, ws, config=cfg))
+                    res[cname] = (t, err)
+                except Exception as e:
+                    log(f"fp8 decode {name} M{M} {cname} failed: {type(e).__name__}: {e}")
+            ok = {k: v for k, v in res.items() if v[1] < 5e-3}
+            best = min(ok, key=lambda k: ok[k][0])
+            td, tb = res["default"][0], ok[best][0]
+            rows.append(dict(name=name, M=M, N=N, K=K, default_us=td * 1e3, best=best, best_us=tb * 1e3,
+                             bw_default=nbytes / (td * 1e-3) / copy_bw * 100, bw_best=nbytes / (tb * 1e-3) / copy_bw * 100,
+                             err=res["default"][1]))
+            log(f"fp8 decode {name:20s} M{M:3d}: default {td * 1e3:7.1f} us ({rows[-1]['bw_default']:4.0f}% BW)"
+                f"  best {best} {tb * 1e3:7.1f} us ({rows[-1]['bw_best']:4.0f}% BW)  err {res['default'][1]:.1e}")
+    md = ["", "### FP8 linear at decode batch sizes (fp8_linear, quantisation fused into the GEMM)", "",
+          "GB moved = e4m3 weight + scales + activations + output; % BW = that / time / copy bandwidth. "
+          "Graph-replay times (L2 not flushed; weights > L2 except wq_a, wkv).", "",
+          "| linear | M | N | K | default us | % BW | best tile (sweep) | us | % BW | err |", "|---|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['name']} | {r['M']} | {r['N']} | {r['K']} | {r['default_us']:.1f} | {r['bw_default']:.0f}% | "
+           f"{r['best']} | {r['best_us']:.1f} | {r['bw_best']:.0f}% | {r['err']:.1e} |" for r in rows]
+    return rows, "\n".join(md) + "\n"
+
+
 # ------------------------------------------------------------------------------------------- FP4
 
 FP4_SHAPES = [("Flash w1|w3", 4096, 4096, 32), ("Flash w2", 4096, 2048, 64),
@@ -475,6 +519,9 @@ def main():
     log(f"roofline: copy {copy_bw / 1e12:.2f} TB/s, fp8 {fp8_peak / 1e12:.0f} TFLOP/s, bf16 {bf16 / 1e12:.0f} TFLOP/s")
     sweep_rows, fp8_rows, fp4_rows, moe_rows, fp8_cfg = [], [], [], [], None
     only = set(args.only.split(","))
+    dec_md = ""
+    if "fp8dec" in only:
+        _rows, dec_md = bench_fp8_decode(dev, gen, timer, copy_bw)
     if "fp8" in only:
         fp8_rows, fp8_cfg = bench_fp8(dev, gen, timer, smoke, fp8_peak, bf16, sweep_rows)
     if "fp4" in only:
@@ -484,7 +531,7 @@ def main():
     meta = dict(date=datetime.date.today().isoformat(), gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                 cmd="PYTHONPATH=. python benchmarks/gemm_moe.py " + " ".join(sys.argv[1:]), copy_bw=copy_bw,
                 fp8_peak=fp8_peak, bf16=bf16, fp8_cfg=fp8_cfg)
-    md = markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows)
+    md = markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows) + dec_md
     print(md)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -130,6 +130,7 @@ class FastDecoder:
         self.scratch_block = cache.allocate_blocks(1)[0]
         dev = cache.device
         self._win_off = torch.arange(WINDOW, device=dev)
+        self._memo: dict | None = None      # per-step values shared by the layers (see _once)
         self.trace: dict | None = None      # name -> tensor, filled when set (``dsv4 validate``)
         self.force: dict | None = None      # name -> tensor that replaces this path's value downstream
 
@@ -143,6 +144,22 @@ class FastDecoder:
         return t
 
     # ------------------------------------------------------------------ helpers
+    def _once(self, key, fn):
+        """A value every layer of the step needs (RoPE rows, window lists, entry ids): computed by
+        the first layer, reused by the others (fewer small launches per step)."""
+        if self._memo is None:
+            return fn()
+        if key not in self._memo:
+            self._memo[key] = fn()
+        return self._memo[key]
+
+    def _rope(self, rope, p, key):
+        """(complex freqs, fp32 cos, fp32 sin) of positions p from a RoPE table."""
+        def make():
+            f = rope(p)
+            return f, f.real.float().contiguous(), f.imag.float().contiguous()
+        return self._once((key, id(rope)), make)
+
     def _entry_ids(self, bt, e, per_block, m, write_mask=None):
         """Global page-entry ids of entries e [B, ...] of ratio-m layers; -1 where e is invalid
         (e < 0) — or, for writes (``write_mask``), the scratch block where the mask is False."""
@@ -155,9 +172,9 @@ class FastDecoder:
 
     def _compress_fused(self, comp, ring, slots, k, s, pos, pages, page_ids, page_size):
         from ..kernels.compressor import compress_decode
-        f = comp.rope(pos + 1 - comp.ratio)
-        new, complete = compress_decode(ring, slots, pos, k, s, comp.norm_w, f.real.float().contiguous(),
-                                        f.imag.float().contiguous(), ratio=comp.ratio, indexer=comp.is_indexer,
+        _f, cos, sin = self._rope(comp.rope, pos + 1 - comp.ratio, ("comp", comp.ratio))
+        new, complete = compress_decode(ring, slots, pos, k, s, comp.norm_w, cos, sin, ratio=comp.ratio,
+                                        indexer=comp.is_indexer,
                                         eps=comp.eps, pages=pages, page_slots=page_ids, page_size=page_size)
         return new, complete.bool()
 
@@ -199,11 +216,11 @@ class FastDecoder:
         qr = rms_norm(self._lin(at.wq_a, x), at.q_norm, at.eps, num)
         q = self._lin(at.wq_b, qr).view(B, at.H, at.D)
         kv = rms_norm(self._lin(at.wkv, x), at.kv_norm, at.eps, num)
-        win_slot = slots * WINDOW + pos % WINDOW
+        win_slot = self._once("win_slot", lambda: slots * WINDOW + pos % WINDOW)
+        freqs, cos, sin = freqs
         if self.attention == "triton":
             from ..kernels.kv_insert import kv_insert
-            q, kv = kv_insert(q, kv, freqs.real.float().contiguous(), freqs.imag.float().contiguous(),
-                              lc.window, win_slot, WINDOW_PAGE, at.eps)
+            q, kv = kv_insert(q, kv, cos, sin, lc.window, win_slot, WINDOW_PAGE, at.eps)
         else:
             q = apply_rope(head_rms_norm(q, at.eps, num), freqs)
             kv = apply_rope(kv, freqs)
@@ -212,18 +229,21 @@ class FastDecoder:
         q = self._t(L + "q", q)
         kv = self._t(L + "kv", kv)
         # window index list: positions max(0, p-127) .. in order, -1 beyond p (reference layout)
-        wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + self._win_off
-        widx = torch.where(wpos <= pos[:, None], slots[:, None] * WINDOW + wpos % WINDOW, -1)
+        def window_list():
+            wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + self._win_off
+            return torch.where(wpos <= pos[:, None], slots[:, None] * WINDOW + wpos % WINDOW, -1)
+        widx = self._once("widx", window_list)
         extra_idx = None
         if blk.ratio:
             epb = lc.entries_per_block
             if at.indexer is not None:
-                picks = self._indexer(at.indexer, lc, x, qr, pos, slots, bt, freqs)
+                picks = self._indexer(at.indexer, lc, x, qr, pos, slots, bt, (freqs, cos, sin))
                 picks = self._t(L + "indexer_topk", picks)
             ck, cs = self.project(at.compressor, x, pos)
             e_new = pos // blk.ratio
             if self.fused:
-                ids = self._entry_ids(bt, e_new, epb, blk.ratio, pos >= 0)
+                ids = self._once(("wid", blk.ratio, epb),
+                                 lambda: self._entry_ids(bt, e_new, epb, blk.ratio, pos >= 0))
                 new, complete = self._compress_fused(at.compressor, lc.comp_state, slots, ck, cs, pos,
                                                      lc.entries, ids, epb)
                 self._t(L + "compressor", torch.where(complete[:, None], new, 0))
@@ -234,13 +254,14 @@ class FastDecoder:
             if blk.ratio == 4:
                 extra_idx = self._entry_ids(bt, picks, epb, 4)
             else:
-                n_max = self.max_blocks * epb
-                j = torch.arange(n_max, device=x.device)[None, :].expand(B, -1)
-                vis = j < ((pos + 1) // blk.ratio)[:, None]
-                extra_idx = self._entry_ids(bt, torch.where(vis, j, -1), epb, blk.ratio)
+                def visible_entries():
+                    j = torch.arange(self.max_blocks * epb, device=x.device)[None, :].expand(B, -1)
+                    vis = j < ((pos + 1) // blk.ratio)[:, None]
+                    return self._entry_ids(bt, torch.where(vis, j, -1), epb, blk.ratio)
+                extra_idx = self._once(("visible", blk.ratio, epb), visible_entries)
         if self.attention == "triton":
             from ..kernels.sparse_attention import sparse_decode
-            o = sparse_decode(q, widx.to(torch.int32), lc.window, WINDOW_PAGE,
+            o = sparse_decode(q, self._once("widx32", lambda: widx.to(torch.int32)), lc.window, WINDOW_PAGE,
                               None if extra_idx is None else extra_idx.to(torch.int32),
                               lc.entries, lc.entries_per_block or 64, sinks=at.sink, scale=at.scale)
         else:
@@ -255,7 +276,7 @@ class FastDecoder:
         o = self._t(L + "sparse_attn", o)
         if self.attention == "triton":
             from ..kernels.inverse_rope import inverse_rope
-            og = inverse_rope(o, freqs.real.float().contiguous(), freqs.imag.float().contiguous())
+            og = inverse_rope(o, cos, sin)
             og = og.view(B, at.G, -1).float()
         else:
             og = apply_rope(o, freqs, inverse=True).view(B, at.G, -1).float()
@@ -270,7 +291,7 @@ class FastDecoder:
         """Indexer keys update + top-k over this sequence's keys; -1 for non-causal picks."""
         if self.fused:
             return self._indexer_fused(ix, lc, x, qr, pos, slots, bt, freqs)
-        iq, iw = ix.queries(qr, x, freqs)
+        iq, iw = ix.queries(qr, x, freqs[0])
         ck, cs = ix.compressor.project(x, pos)
         new, complete = self._compress(ix.compressor, lc.index_state, slots, ck, cs, pos)
         write_index_keys(lc.index_keys, self._entry_ids(bt, pos // 4, INDEX_PAGE, 4, complete), new)
@@ -292,10 +313,10 @@ class FastDecoder:
         from ..kernels.indexer import index_q_prologue, index_scores, index_topk
         B = x.shape[0]
         q = self._lin(ix.wq_b, qr).view(B, ix.n_heads, ix.head_dim)
-        q = index_q_prologue(q, freqs.real.float().contiguous(), freqs.imag.float().contiguous())
+        q = index_q_prologue(q, freqs[1], freqs[2])
         w = self.num.round(ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))
         ck, cs = self.project(ix.compressor, x, pos)
-        ids = self._entry_ids(bt, pos // 4, INDEX_PAGE, 4, pos >= 0)
+        ids = self._once("index_wid", lambda: self._entry_ids(bt, pos // 4, INDEX_PAGE, 4, pos >= 0))
         self._compress_fused(ix.compressor, lc.index_state, slots, ck, cs, pos, lc.index_keys, ids, INDEX_PAGE)
         n_max = self.max_blocks * INDEX_PAGE
         scores = index_scores(q, w, lc.index_keys, bt, pos, n=n_max)
@@ -304,13 +325,20 @@ class FastDecoder:
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def forward(self, tokens, pos, slots, bt):
+        self._memo = {}
+        try:
+            return self._forward(tokens, pos, slots, bt)
+        finally:
+            self._memo = None
+
+    def _forward(self, tokens, pos, slots, bt):
         m, num = self.model, self.num
         h = num.round(F.embedding(tokens, m.embed)).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
         if self.fused:
             return self._forward_fused(tokens, pos, slots, bt, h)
         for i, blk in enumerate(m.layers):
             lc = self.cache.layers[i]
-            freqs = blk.attn.rope(pos)
+            freqs = self._rope(blk.attn.rope, pos, "attn")
             a, post, comb = blk.hc_attn.pre(h)
             a = self._t(f"L{i}.hc_pre", a)
             a = self._attention(blk, lc, rms_norm(a, blk.attn_norm, self.cfg.rms_norm_eps, num), pos, slots, bt, freqs)
@@ -338,7 +366,7 @@ class FastDecoder:
 
         def pre(hc, x):
             return hc_pre(x, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.rms_eps)
-        freqs = blk.attn.rope(pos)
+        freqs = self._rope(blk.attn.rope, pos, "attn")
         a, post, comb = pre(blk.hc_attn, h)
         a = self._t(f"L{i}.hc_pre", a)
         a = self._attention(blk, lc, rms_norm(a, blk.attn_norm, cfg.rms_norm_eps, num), pos, slots, bt, freqs)
