@@ -128,6 +128,27 @@ def test_fp8_gemm(M, N, K):
         assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
 
 
+@pytest.mark.parametrize("M,N,K,S", [(1, 96, 1024, None), (3, 64, 768, 3), (9, 160, 512, 4)])
+def test_fp8_gemm_split_k(M, N, K, S):
+    """Decode-sized GEMMs split K over programs (fp32 partials summed in split order): within the
+    GEMM tolerance of the twin and of the unsplit kernel; the fused-quant path splits the same way."""
+    gen = torch.Generator().manual_seed(M + N + K)
+    x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
+    W = torch.randn(N, K, generator=gen) * 0.05
+    W[:, 256:384] *= 16
+    wq, ws = quant_fp8_weight(W)
+    xq, xs = act_quant_ref(x)
+    if S is None:
+        assert G._split_k(M, N, K, 16, 64, torch.device(DEV), False) > 1    # the default splits here
+    cfg = None if S is None else {"SPLIT_K": S}
+    y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config=cfg)
+    y1 = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config={"SPLIT_K": 1})
+    _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), G.fp8_gemm_torch(xq, xs, wq, ws), acc=FP8_ACC)
+    _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), y1.cpu(), acc=FP8_ACC)
+    yl = G.fp8_linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=True, config=cfg)
+    assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
+
+
 def test_fp8_gemm_matches_official_order_twin_closely():
     """Same per-128-block fp32 partials as the official order: at most 1 bf16 ulp apart."""
     gen = torch.Generator().manual_seed(7)
@@ -356,13 +377,19 @@ _AOT_SCRIPT = textwrap.dedent("""
     for cap in (90, 100):
         comp(G._act_quant_kernel, dict(X=P("bf16"), Q=P("u8"), S=P("fp32")), dict(BLOCKS=8, INTERP=False), cap, 4)
         ptx = comp(G._fp8_gemm_kernel, fp8t, dict(SB_SHIFT=7, A_BF16=False, SB_E8M0=False, SWIGLU=False,
-                                                  BM=128, BN=128, GROUP_M=8, INTERP=False), cap, 8, 4)
+                                                  BM=128, BN=128, GROUP_M=8, SPLIT=False, INTERP=False), cap, 8, 4)
         if cap == 90:
             assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, "expected fp8 wgmma"
         else:
             assert "tcgen05.mma" in ptx
         comp(G._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("u8")),
-             dict(SB_SHIFT=7, A_BF16=True, SB_E8M0=True, SWIGLU=True, BM=16, BN=128, GROUP_M=8, INTERP=False), cap, 4)
+             dict(SB_SHIFT=7, A_BF16=True, SB_E8M0=True, SWIGLU=True, BM=16, BN=128, GROUP_M=8, SPLIT=False,
+                  INTERP=False), cap, 4)
+        # decode: split-K partials (fp32 workspace) + the ordered sum
+        comp(G._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("fp32")),
+             dict(SB_SHIFT=7, A_BF16=True, SB_E8M0=True, SWIGLU=False, BM=16, BN=32, GROUP_M=8, SPLIT=True,
+                  INTERP=False), cap, 4, 5)
+        comp(G._splitk_sum, dict(WS=P("fp32"), C=P("bf16")), dict(BLOCK=1024, INTERP=False), cap, 4)
         for fmt, bm in ((0, 16), (1, 16), (2, 64), (1, 64)):
             comp(G._fp4_gemm_kernel, fp4t, dict(FMT=fmt, GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False,
                                                 USE_ASM=True, BM=bm, BN=128, LOG2G=9, INTERP=False), cap, 4, 3)

@@ -205,11 +205,14 @@ if triton_available():
 
     @triton.jit
     def _fp8_gemm_kernel(A, SA, B, SB, C, CS, M, N_out, K, n_half,
-                         stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_csm, limit,
+                         stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_csm, limit, k_per_split,
                          SB_SHIFT: tl.constexpr, A_BF16: tl.constexpr, SB_E8M0: tl.constexpr,
                          SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-                         INTERP: tl.constexpr):
+                         SPLIT: tl.constexpr, INTERP: tl.constexpr):
+        """SPLIT: program axis 1 takes K range [ks * k_per_split, ...) and stores its fp32 partial
+        in C = workspace [S, M, N] (``_splitk_sum`` adds them in split order)."""
         pid = tl.program_id(0)
+        ks = tl.program_id(1)
         num_m = tl.cdiv(M, BM)
         num_n = tl.cdiv(N_out, BN)
         width = GROUP_M * num_n
@@ -227,7 +230,7 @@ if triton_available():
         kc = tl.arange(0, 128)
         acc = tl.zeros([BM, BN], tl.float32)
         acc2 = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, K, 128):
+        for k0 in range(ks * k_per_split, tl.minimum(K, (ks + 1) * k_per_split), 128):
             kb = k0 // 128
             k = k0 + kc
             if A_BF16:
@@ -262,9 +265,23 @@ if triton_available():
             tl.store(C + rm64[:, None] * stride_cm + rn64[None, :], q.to(tl.uint8, bitcast=True),
                      mask=mm[:, None] & mn[None, :])
             tl.store(CS + rm64 * stride_csm + pid_n, _exp2i(e), mask=mm)
+        elif SPLIT:
+            tl.store(C + ks.to(tl.int64) * M * N_out + rm64[:, None] * N_out + rn64[None, :], acc,
+                     mask=mm[:, None] & mn[None, :])
         else:
             _store_bf16(C + rm64[:, None] * stride_cm + rn64[None, :], acc,
                         mm[:, None] & mn[None, :], INTERP)
+
+    @triton.jit
+    def _splitk_sum(WS, C, M, N, S, stride_cm, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+        """C[m, n] = bf16(sum over splits s = 0.. of WS[s, m, n]) (fp32, fixed order)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        msk = i < M * N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in range(0, S):
+            acc += tl.load(WS + s * M * N + i, mask=msk, other=0.0)
+        m = i // N
+        _store_bf16(C + m.to(tl.int64) * stride_cm + (i - m * N), acc, msk, INTERP)
 
     # ---------------------------------------------------------------------------------------
     # FP8 x FP4 GEMM, Hopper / portable: in-register dequant, fp16 MMAs, grouped + SwiGLU modes
@@ -526,11 +543,30 @@ def act_quant_fp8_torch(x: torch.Tensor, block: int = QBLOCK):
 def _fp8_config(M: int, N: int, dev) -> dict:
     if interpreting() or dev.type != "cuda":
         return {"BM": 16, "BN": 32 if N <= 32 else 64, "GROUP_M": 8}
+    # decode sizes: tiles from the H200 sweep (benchmarks/gemm_moe.py --only fp8dec); narrow N tiles
+    # (more programs) except for very wide outputs
+    bn = 128 if N >= 16384 else (32 if N <= 4096 else 64)
     if M <= 16:
-        return {"BM": 16, "BN": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+        return {"BM": 16, "BN": bn, "GROUP_M": 8, "num_warps": 4, "num_stages": 5 if bn == 32 else 3}
     if M <= 64:
-        return {"BM": 64, "BN": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+        return {"BM": 64, "BN": bn, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     return {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+
+
+def _sm_count(dev) -> int:
+    if interpreting() or dev.type != "cuda":
+        return 4                                   # small, so CPU tests exercise the split path
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def _split_k(M, N, K, BM, BN, dev, swiglu) -> int:
+    """K splits for decode-sized GEMMs whose output tiles cannot fill the GPU (latency-bound
+    weight streaming): about two programs per SM, at least two 128-K blocks per split."""
+    if swiglu or M > 64:
+        return 1
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    kb = K // QBLOCK
+    return max(1, min(kb // 2, triton.cdiv(2 * _sm_count(dev), tiles)))
 
 
 def _launch_fp8(a, sa, w, ws, out, out_s, M, N_out, K, n_half, a_bf16, swiglu, limit, config):
@@ -542,17 +578,27 @@ def _launch_fp8(a, sa, w, ws, out, out_s, M, N_out, K, n_half, a_bf16, swiglu, l
         if not config and not interpreting() and a.device.type == "cuda" and M > 16:
             cfg.update(BM=64, num_warps=8, num_stages=3)   # two accumulators (ptxas: no spills)
     BM, BN, GM = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GROUP_M")
+    S = cfg.pop("SPLIT_K", None) or _split_k(M, N_out, K, BM, BN, a.device, swiglu)
+    S = 1 if swiglu else S                   # the SwiGLU epilogue needs the whole K sum
+    kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
+    S = triton.cdiv(K, kps)
     kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     sb_e8m0 = ws.dtype in (torch.float8_e8m0fnu, torch.uint8)
     wsv = _u8(ws) if sb_e8m0 else ws.float()
     per_row = wsv.shape[0] == w.shape[0] and w.shape[0] != triton.cdiv(w.shape[0], QBLOCK)
-    grid = (triton.cdiv(M, BM) * triton.cdiv(N_out, BN),)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N_out, BN), S)
+    split = S > 1 and not swiglu
+    dst = torch.empty(S, M, N_out, dtype=torch.float32, device=out.device) if split else out
     _fp8_gemm_kernel[grid](
-        a, sa if sa is not None else wsv, _u8(w), wsv, out, out_s if out_s is not None else out,
+        a, sa if sa is not None else wsv, _u8(w), wsv, dst, out_s if out_s is not None else out,
         M, N_out, K, n_half, a.stride(0), sa.stride(0) if sa is not None else 0, w.stride(0),
-        wsv.stride(0), out.stride(0), out_s.stride(0) if out_s is not None else 0, float(limit),
+        wsv.stride(0), out.stride(0), out_s.stride(0) if out_s is not None else 0, float(limit), kps,
         SB_SHIFT=0 if per_row else 7, A_BF16=a_bf16, SB_E8M0=sb_e8m0, SWIGLU=swiglu,
-        BM=BM, BN=BN, GROUP_M=GM, INTERP=interpreting(), **kw)
+        BM=BM, BN=BN, GROUP_M=GM, SPLIT=split, INTERP=interpreting(), **kw)
+    if split:
+        BLOCK = 1024
+        _splitk_sum[(triton.cdiv(M * N_out, BLOCK),)](dst, out, M, N_out, S, out.stride(0), BLOCK=BLOCK,
+                                                      INTERP=interpreting(), **({} if interpreting() else {"num_warps": 4}))
 
 
 def _check_fp8_weight(w, ws):
