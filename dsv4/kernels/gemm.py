@@ -543,13 +543,13 @@ def act_quant_fp8_torch(x: torch.Tensor, block: int = QBLOCK):
 def _fp8_config(M: int, N: int, dev) -> dict:
     if interpreting() or dev.type != "cuda":
         return {"BM": 16, "BN": 32 if N <= 32 else 64, "GROUP_M": 8}
-    # decode sizes: tiles from the H200 sweep (benchmarks/gemm_moe.py --only fp8dec); narrow N tiles
-    # (more programs) except for very wide outputs
-    bn = 128 if N >= 16384 else (32 if N <= 4096 else 64)
+    # decode sizes (split-K fills the GPU): tiles from the H200 sweep of the V4-Flash decode linears
+    # (benchmarks/gemm_moe.py --only fp8dec)
     if M <= 16:
+        bn = 32 if N <= 1024 else (128 if 2048 < N <= 4096 else 64)
         return {"BM": 16, "BN": bn, "GROUP_M": 8, "num_warps": 4, "num_stages": 5 if bn == 32 else 3}
     if M <= 64:
-        return {"BM": 64, "BN": bn, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+        return {"BM": 64, "BN": 128 if N > 1024 else 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     return {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
 
 
