@@ -363,6 +363,16 @@ def _dims(state: torch.Tensor, ratio: int) -> tuple[int, int, bool]:
     return c, coff, overlap
 
 
+def _check_pages(pages, page_slots, page_size, indexer, n):
+    """The paged cache a kernel writes: main 584-byte entries or indexer 68-byte MXFP4 keys."""
+    from ..formats.kv_entry import page_bytes
+    want = page_size * 68 if indexer else page_bytes(page_size)
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != want:
+        raise ValueError(f"pages: expected uint8 [num_pages, {want}], got {pages.dtype} {tuple(pages.shape)}")
+    if page_slots is None or page_slots.shape != (n,):
+        raise ValueError(f"page_slots: expected [{n}] slot ids with pages")
+
+
 def _check(state, slots, pos, k, s, cos, sin, ratio, indexer):
     c, coff, _ = _dims(state, ratio)
     B = pos.shape[0]
@@ -413,12 +423,7 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
         raise ValueError(f"ape: expected [{ratio}, {coff * c}], got {tuple(ape.shape)}")
     write = pages is not None
     if write:
-        from ..formats.kv_entry import page_bytes
-        want = page_size * 68 if indexer else page_bytes(page_size)
-        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != want:
-            raise ValueError(f"pages: expected uint8 [num_pages, {want}], got {pages.dtype} {tuple(pages.shape)}")
-        if page_slots is None or page_slots.shape != (B,):
-            raise ValueError("page_slots: expected [B] slot ids with pages")
+        _check_pages(pages, page_slots, page_size, indexer, B)
     pg, ps_t, pnb = (pages, page_slots, pages.shape[1]) if write else (out, pos, 0)
     nw = fused_warps if CB == c else 4
     kw = {} if interp else {"num_warps": nw, "enable_fp_fusion": False}
@@ -495,12 +500,7 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
     pooled = torch.empty(n, c, dtype=torch.float32, device=dev)
     write = pages is not None
     if write:
-        from ..formats.kv_entry import page_bytes
-        want = page_size * 68 if indexer else page_bytes(page_size)
-        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != want:
-            raise ValueError(f"pages: expected uint8 [num_pages, {want}], got {pages.dtype} {tuple(pages.shape)}")
-        if page_slots is None or page_slots.shape != (n,):
-            raise ValueError(f"page_slots: expected [{n}] slot ids with pages")
+        _check_pages(pages, page_slots, page_size, indexer, n)
     if n == 0:
         return (out, pooled) if return_pooled else out
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -526,6 +526,18 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
 
 
 # ------------------------------------------------------------------------------ torch twin
+def _write_pages_torch(pages, slots, entries, page_size, indexer):
+    """The twins' paged write: main entries as 584-byte FP8 entries, indexer keys as MXFP4 (slot -1: skip)."""
+    if indexer:
+        from ..engine.kv_cache import write_index_entries
+        sel = slots >= 0
+        if bool(sel.any()):
+            write_index_entries(pages, slots[sel], entries[sel], page_size)
+    else:
+        from ..formats.kv_entry import write_kv_entries
+        write_kv_entries(pages, slots, entries, page_size)
+
+
 def compress_decode_torch(state, slots, pos, k, s, norm_w, cos, sin, *, ratio, indexer=False, ape=None,
                           eps=1e-6, pages=None, page_slots=None, page_size=64, return_pooled=False, **_):
     """``FastDecoder._compress`` + ``Compressor.postprocess`` (official numerics) with the same API."""
@@ -559,15 +571,8 @@ def compress_decode_torch(state, slots, pos, k, s, norm_w, cos, sin, *, ratio, i
     out = torch.where(complete[:, None], out, torch.zeros_like(out))
     pooled = torch.where(complete[:, None], pooled, torch.zeros_like(pooled))
     if pages is not None:
-        ws = torch.where(complete & (page_slots >= 0), page_slots.long(), -1)
-        if indexer:
-            from ..engine.kv_cache import write_index_entries
-            sel = ws >= 0
-            if bool(sel.any()):
-                write_index_entries(pages, ws[sel], out[sel], page_size)
-        else:
-            from ..formats.kv_entry import write_kv_entries
-            write_kv_entries(pages, ws, out, page_size)
+        _write_pages_torch(pages, torch.where(complete & (page_slots >= 0), page_slots.long(), -1), out,
+                           page_size, indexer)
     return (out, complete, pooled) if return_pooled else (out, complete)
 
 
@@ -592,15 +597,7 @@ def compress_prefill_torch(rows_k, rows_s, base, first, last, norm_w, cos, sin, 
     pooled = comp.pool(ck, cs, pk, ps, (j > 0)[:, None, None])
     out = comp.postprocess(pooled, j * m)
     if pages is not None:
-        ws = page_slots.long()
-        if indexer:
-            from ..engine.kv_cache import write_index_entries
-            sel = ws >= 0
-            if bool(sel.any()):
-                write_index_entries(pages, ws[sel], out[sel], page_size)
-        else:
-            from ..formats.kv_entry import write_kv_entries
-            write_kv_entries(pages, ws, out, page_size)
+        _write_pages_torch(pages, page_slots.long(), out, page_size, indexer)
     return (out, pooled) if return_pooled else out
 
 
