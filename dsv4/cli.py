@@ -59,8 +59,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--numerics", choices=["official", "invariant"], default="invariant",
-                   help="reference numerics (invariant: batch-invariant official math)")
+    p.add_argument("--numerics", choices=["official", "invariant"], default=None,
+                   help="reference numerics (default invariant: batch-invariant official math; "
+                        "official with --fused-hotpath)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--attention-backend", choices=["reference", "triton"], default=None,
                    help="attention ops (default: triton on CUDA, reference on CPU)")

@@ -169,3 +169,14 @@ def test_fast_decode_path_is_bit_identical_on_cpu(tmp_path):
         c = o.outputs[0]
         assert c.token_ids == toks
         assert [c.logprobs[i][t].logprob for i, t in enumerate(toks)] == lps
+
+
+def test_fused_hotpath_numerics(tmp_path, monkeypatch):
+    """fused_hotpath runs the kernels' rounding: numerics default to 'official' with it, and an
+    explicit 'invariant' (a batch-invariance promise the kernels cannot keep) is refused by name."""
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+    from dsv4.engine.llm_engine import EngineConfig, LLMEngine
+    with pytest.raises(ValueError, match="fused_hotpath.*numerics='invariant'"):
+        LLMEngine(EngineConfig(fused_hotpath=True, numerics="invariant", log=False))
+    eng = LLMEngine(EngineConfig(log=False, max_num_seqs=2, kv_cache_memory="64MiB"))
+    assert eng.cfg.numerics == "invariant" and eng.model.num.name == "invariant"

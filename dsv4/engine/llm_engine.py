@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,7 +41,8 @@ class EngineConfig:
     kv_cache_memory: str | int | None = None  # bytes for the KV caches (CPU default 256MiB)
     gpu_memory_utilization: float = 0.9      # on CUDA when kv_cache_memory is not given
     num_kv_blocks: int | None = None         # override: exact number of 256-token KV blocks
-    numerics: str = "invariant"              # see dsv4.reference.numerics; invariant = batch invariant
+    numerics: str | None = None              # dsv4.reference.numerics; None: invariant (batch invariant),
+                                             # official with fused_hotpath (the kernels' rounding)
     attention_backend: str | None = None     # reference | triton | None: triton on CUDA, else reference
     fast_decode: bool | None = None          # tensorised decode step; None: on for CUDA
     cuda_graphs: bool = True                 # capture the decode step per batch-size bucket (CUDA)
@@ -58,6 +59,12 @@ class LLMEngine:
         from ..reference.model import ReferenceModel
         from ..server.tokenizer import load_tokenizer
 
+        if cfg.numerics is None:
+            cfg = replace(cfg, numerics="official" if cfg.fused_hotpath else "invariant")
+        elif cfg.fused_hotpath and cfg.numerics != "official":
+            raise ValueError(f"fused_hotpath runs the kernels' own rounding (official numerics, not batch "
+                             f"invariant); numerics={cfg.numerics!r} cannot hold with it: pass numerics='official' "
+                             f"or leave it unset")
         self.cfg = cfg
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         path = resolve_model(cfg.model)
