@@ -294,6 +294,36 @@ def test_moe_forward(hash_layer, T):
     assert torch.equal(parts["offs"].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
 
 
+def _nv_expert(I, d, gen):
+    """A ModelOpt-style expert: w1/w3 share one global scale, w2 has its own (exact dequantised values)."""
+    a, b, c = (torch.randn(I, d, generator=gen) * 0.06, torch.randn(I, d, generator=gen) * 0.05,
+               torch.randn(d, I, generator=gen) * 0.06)
+    g = torch.maximum(a.abs().amax(), b.abs().amax()) / (6 * 448)
+    deq = [dequant_nvfp4(*quant_nvfp4(a, g)), dequant_nvfp4(*quant_nvfp4(b, g)), dequant_nvfp4(*quant_nvfp4(c))]
+    return Expert(Linear(deq[0], "fp4", OFFICIAL), Linear(deq[2], "fp4", OFFICIAL), Linear(deq[1], "fp4", OFFICIAL),
+                  10.0, OFFICIAL)
+
+
+def test_moe_weights_pick_the_checkpoint_fp4_format():
+    """The fused path packs experts in the FP4 format that holds them exactly: MXFP4 for official
+    checkpoints, NVFP4 for ModelOpt ones (w1/w3 sharing a global scale); neither is a named error."""
+    gen = torch.Generator().manual_seed(11)
+    ref = _ref_moe(4, 256, 128, 2, gen, False)
+    assert Mo.MoEWeights.from_reference_exact(ref).fmt == "mxfp4"
+    ref.experts = [_nv_expert(128, 256, gen) for _ in range(4)]
+    w = Mo.MoEWeights.from_reference_exact(ref, layer=3)
+    assert w.fmt == "nvfp4"
+    back = w.to_reference()
+    for e0, e1 in zip(ref.experts, back.experts):
+        for n in ("w1", "w2", "w3"):
+            assert torch.equal(getattr(e0, n).weight, getattr(e1, n).weight)
+    x = (torch.randn(5, 256, generator=gen) * 1.5).bfloat16()
+    _check_moe(Mo.moe_forward(x.to(DEV), None, w.to(DEV)), ref(x, None))
+    ref.experts[1].w2.weight = ref.experts[1].w2.weight * 1.001          # no longer on either grid
+    with pytest.raises(ValueError, match="layer 3: routed experts fit neither FP4 kernel format"):
+        Mo.MoEWeights.from_reference_exact(ref, layer=3)
+
+
 def test_moe_empty_experts_and_unrouted_tokens():
     gen = torch.Generator().manual_seed(5)
     ref = _ref_moe(8, 256, 128, 2, gen, False)

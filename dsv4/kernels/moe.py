@@ -210,7 +210,7 @@ class MoEWeights:
         MXFP4-born weights re-quantise to the same codes/scales (checked unless ``allow_lossy``).
         ``fmt='nvfp4'`` quantises with ModelOpt's recipe (w1/w3 share one global scale): lossy
         unless the weights came from exactly that recipe."""
-        from ..formats.fp4 import dequant_mxfp4, quant_mxfp4, quant_nvfp4
+        from ..formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4
         E = len(moe.experts)
         w13, s13, g13, w2, s2, g2 = [], [], [], [], [], []
         for ex in moe.experts:                          # load time, once
@@ -227,6 +227,10 @@ class MoEWeights:
                 qa, sa, ga = quant_nvfp4(a, g)
                 qb, sb, gb = quant_nvfp4(b, g)
                 qc, sc, gc = quant_nvfp4(c)
+                if not allow_lossy and not all(torch.equal(dequant_nvfp4(q, s_, g_), w.float()) for q, s_, g_, w in
+                                               ((qa, sa, ga, a), (qb, sb, gb, b), (qc, sc, gc, c))):
+                    raise ValueError("expert weights are not NVFP4 representable with ModelOpt's scales "
+                                     "(pass allow_lossy)")
                 w13.append(torch.cat([qa, qb], 0))
                 s13.append(torch.cat([sa, sb], 0).view(torch.uint8))
                 g13.append(torch.cat([ga.expand(a.shape[0]), gb.expand(b.shape[0])]))
@@ -245,6 +249,19 @@ class MoEWeights:
                    w13_s2=torch.stack(g13).float() if g13 else None,
                    w2=torch.stack(w2), w2_s=torch.stack(s2), w2_s2=torch.stack(g2).float() if g2 else None,
                    sh13=sh[0], sh13_s=sh[1], sh2=sh[2], sh2_s=sh[3])
+
+    @classmethod
+    def from_reference_exact(cls, moe, layer: int | None = None) -> "MoEWeights":
+        """The packed form in which the reference's (exact, dequantised) experts are represented
+        bit for bit: MXFP4 (official checkpoints) or else NVFP4 (ModelOpt); neither is an error."""
+        errors = []
+        for fmt in ("mxfp4", "nvfp4"):
+            try:
+                return cls.from_reference(moe, fmt)
+            except ValueError as e:
+                errors.append(f"{fmt}: {e}")
+        where = "" if layer is None else f"layer {layer}: "
+        raise ValueError(f"{where}routed experts fit neither FP4 kernel format exactly ({'; '.join(errors)})")
 
     @classmethod
     def from_packed(cls, gate_w, bias, tid2eid, topk, route_scale, limit, fmt, w1, w1_s, w3, w3_s, w2, w2_s,

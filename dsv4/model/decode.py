@@ -98,7 +98,7 @@ class FastDecoder:
         self.fused = fused
         if fused:
             from ..kernels.moe import MoEWeights
-            self.moe_weights = [MoEWeights.from_reference(b.moe) for b in model.layers]
+            self.moe_weights = [MoEWeights.from_reference_exact(b.moe, i) for i, b in enumerate(model.layers)]
             self._fp8 = {}
             for b in model.layers:
                 lins = [b.attn.wq_a, b.attn.wq_b, b.attn.wkv, b.attn.wo_b]
