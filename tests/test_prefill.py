@@ -121,3 +121,11 @@ def test_fused_prefill_rejects_short_block_table(model):
     fast = FastPrefiller(FastDecoder(model, cache, MAX_LEN, "triton", fused=True), twins=True)
     with pytest.raises(ValueError, match="block table too short"):
         fast.forward([(torch.arange(3, 303), st)])
+
+
+def test_fused_prefill_scores_in_row_blocks(model, monkeypatch):
+    """Indexer scores of a long chunk are computed in row blocks (bounded memory): same picks,
+    logits and caches as one block."""
+    import dsv4.model.prefill as P
+    monkeypatch.setattr(P, "SCORE_BYTES", 2 * 40 * 7)          # blocks of 7 rows at 40 entries
+    _compare_prefill(model, (170,), [[(0, 170)]], twins=True, seed=9)

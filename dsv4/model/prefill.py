@@ -23,6 +23,8 @@ from ..engine.kv_cache import INDEX_PAGE, WINDOW, WINDOW_PAGE
 from ..formats.kv_entry import _page_views, page_bytes
 from ..reference.norm import rms_norm
 
+SCORE_BYTES = 256 << 20          # bound of one block of indexer scores during a prefill chunk
+
 
 def _copy_entries(dst, dst_ids, src, src_ids, page_size):
     """Byte copy of 584-B entries between two paged buffers (same page size)."""
@@ -243,9 +245,14 @@ class FastPrefiller:
                 lists.append(torch.full((s.n, 1), -1, dtype=torch.long, device=dev))
                 continue
             if blk.ratio == 4:
-                sc = k.index_scores(iq[r].contiguous(), iw[r].contiguous(), lc.index_keys,
-                                  s.bt.expand(s.n, -1), p, n=n_e)
-                picks = k.index_topk(sc, min(ix.topk, n_e), n_valid=(p + 1) // 4).long()
+                # scores [rows, n_e] bf16 in row blocks of <= SCORE_BYTES (a 4K-row chunk at 1M
+                # context would otherwise hold 2 GB of scores)
+                rb = max(1, min(s.n, SCORE_BYTES // (2 * n_e)))
+                picks = torch.cat([
+                    k.index_topk(k.index_scores(iq[r][i:i + rb].contiguous(), iw[r][i:i + rb].contiguous(),
+                                                lc.index_keys, s.bt.expand(min(rb, s.n - i), -1), p[i:i + rb], n=n_e),
+                                 min(ix.topk, n_e), n_valid=(p[i:i + rb] + 1) // 4).long()
+                    for i in range(0, s.n, rb)])
                 picks = self._t(f"L{blk.layer_id}.indexer_topk", picks)
                 lists.append(dec._entry_ids(s.bt.expand(s.n, -1), picks, epb, 4))
             else:
