@@ -612,6 +612,17 @@ def _check_fp8_weight(w, ws):
         raise ValueError(f"fp8 weight scale: expected {nb} (or per-row {(N, K // QBLOCK)}), got {tuple(ws.shape)}")
 
 
+def fp8_weight_exact(w: torch.Tensor, what: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [N, K], fp32 [N/128, K/128]) of an exactly dequantised FP8 weight (the reference keeps
+    weights as fp32 values): re-quantising gives the checkpoint's codes and power-of-two scales back,
+    which is checked."""
+    from ..formats.fp8 import dequant_fp8_weight, quant_fp8_weight
+    q, s = quant_fp8_weight(w)
+    if not torch.equal(dequant_fp8_weight(q, s), w.float()):
+        raise ValueError(f"{what} {tuple(w.shape)} is not FP8 128x128-block representable")
+    return q, s.float()
+
+
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """bf16 [M, N] = official block-scaled FP8 GEMM of act_quant output (xq e4m3 [M, K], xs fp32

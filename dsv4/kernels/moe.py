@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from . import interpreting, triton_available
 from .gemm import (QBLOCK, _u8, act_quant_fp8, f16_operand, fp4_config, fp4_launch, fp4_path, fp8_gemm,
-                   fp8_swiglu)
+                   fp8_swiglu, fp8_weight_exact)
 
 if triton_available():
     import triton
@@ -193,16 +193,11 @@ class MoEWeights:
     # --------------------------------------------------------------- constructors
     @staticmethod
     def _shared_fp8(shared):
-        from ..formats.fp8 import dequant_fp8_weight, quant_fp8_weight
         if shared is None:
             return None, None, None, None
-        w13 = torch.cat([shared.w1.weight, shared.w3.weight], 0)
-        q13, s13 = quant_fp8_weight(w13)
-        q2, s2 = quant_fp8_weight(shared.w2.weight)
-        for w, q, s in ((w13, q13, s13), (shared.w2.weight, q2, s2)):
-            if not torch.equal(dequant_fp8_weight(q, s), w.float()):
-                raise ValueError("shared expert weights are not FP8 128x128-block representable")
-        return q13, s13.float(), q2, s2.float()
+        q13, s13 = fp8_weight_exact(torch.cat([shared.w1.weight, shared.w3.weight], 0), "shared expert w1|w3")
+        q2, s2 = fp8_weight_exact(shared.w2.weight, "shared expert w2")
+        return q13, s13, q2, s2
 
     @classmethod
     def from_reference(cls, moe, fmt: str = "mxfp4", allow_lossy: bool = False) -> "MoEWeights":
