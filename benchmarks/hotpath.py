@@ -193,6 +193,30 @@ def comp_cases(dev, gen, smoke, sweep=False):
                    lambda: cp.compress_decode_torch(state, slots, pos, k, s, w, cos, sin, **kw), nbytes, 0)
 
 
+def comp_prefill_cases(dev, gen, smoke):
+    """compress_prefill over one T-token chunk starting at 0: every window of the chunk pooled,
+    post-processed and written; bytes = the K / score rows read once + entries + page bytes."""
+    for label, ratio, indexer in (("CSA main", 4, False), ("CSA indexer", 4, True), ("HCA main", 128, False)):
+        c = 128 if indexer else 512
+        coff = 2 if ratio == 4 else 1
+        for T in ([256] if smoke else [4096, 16384]):
+            n = T // ratio
+            rows_k, rows_s = _r(gen, T, coff * c, dev=dev), _r(gen, T, coff * c, dev=dev)
+            w = (torch.rand(c, generator=gen, device=dev) + 0.5).bfloat16()
+            ang = torch.rand(n, 32, generator=gen, device=dev) * 100
+            cos, sin = ang.cos(), ang.sin()
+            ps = 256 // ratio
+            n_pages = n // ps + 2
+            pages = torch.zeros(n_pages, ps * 68 if indexer else page_bytes(ps), dtype=torch.uint8, device=dev)
+            pslots = torch.randperm(n_pages * ps, generator=gen, device=dev)[:n]
+            kw = dict(ratio=ratio, indexer=indexer)
+            nbytes = T * 2 * coff * c * 4 + n * (2 * c + (68 if indexer else 584))
+            yield (f"compress prefill {label} (c{c}, m{ratio}), T={T}", n,
+                   lambda: cp.compress_prefill(rows_k, rows_s, 0, 0, n, w, cos, sin, pages=pages, page_slots=pslots,
+                                               page_size=ps, **kw),
+                   lambda: cp.compress_prefill_torch(rows_k, rows_s, 0, 0, n, w, cos, sin, **kw), nbytes, 0)
+
+
 def _score_case(B, N, gen, dev, H=64):
     nb = B * N // 64
     pages = torch.randint(0, 256, (nb, 64 * 68), dtype=torch.uint8, generator=gen, device=dev)
@@ -269,7 +293,8 @@ def main():
     log(f"roofline: copy {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s")
     rows = []
     phases = [lambda: topk_cases(dev, gen, smoke), lambda: mhc_cases(dev, gen, smoke),
-              lambda: comp_cases(dev, gen, smoke), lambda: index_cases(dev, gen, smoke),
+              lambda: comp_cases(dev, gen, smoke), lambda: comp_prefill_cases(dev, gen, smoke),
+              lambda: index_cases(dev, gen, smoke),
               lambda: topk_cases(dev, gen, smoke, sweep=True), lambda: mhc_cases(dev, gen, smoke, sweep=True),
               lambda: comp_cases(dev, gen, smoke, sweep=True), lambda: index_cases(dev, gen, smoke, sweep=True)]
     for phase in phases:
