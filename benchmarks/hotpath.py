@@ -154,6 +154,17 @@ def mhc_cases(dev, gen, smoke, sweep=False):
                    lambda: mhc.hc_head_torch(x, fh, bh, sh), xb + 4 * 4 * d * 4 + T * d * 2, 2 * T * 4 * d * 4)
 
 
+def _entry_outputs(n, c, ratio, indexer, gen, dev):
+    """Norm weight, RoPE rows and a paged cache with n random slots for n compressed entries."""
+    w = (torch.rand(c, generator=gen, device=dev) + 0.5).bfloat16()
+    ang = torch.rand(n, 32, generator=gen, device=dev) * 100
+    ps = 256 // ratio
+    n_pages = n // ps + 2
+    pages = torch.zeros(n_pages, ps * 68 if indexer else page_bytes(ps), dtype=torch.uint8, device=dev)
+    pslots = torch.randperm(n_pages * ps, generator=gen, device=dev)[:n]
+    return w, ang.cos(), ang.sin(), ps, pages, pslots
+
+
 def comp_cases(dev, gen, smoke, sweep=False):
     Bs = [3] if smoke else [256, 64, 1024]
     for label, ratio, indexer in (("CSA main", 4, False), ("CSA indexer", 4, True), ("HCA main", 128, False)):
@@ -167,13 +178,7 @@ def comp_cases(dev, gen, smoke, sweep=False):
             pos = torch.randint(1, 1 << 18, (B,), generator=gen, device=dev) * ratio - 1   # all complete
             k = _r(gen, B, coff * c, dev=dev)
             s = _r(gen, B, coff * c, dev=dev)
-            w = (torch.rand(c, generator=gen, device=dev) + 0.5).bfloat16()
-            ang = torch.rand(B, 32, generator=gen, device=dev) * 100
-            cos, sin = ang.cos(), ang.sin()
-            ps = 256 // ratio
-            n_pages = B // ps + 2
-            pages = torch.zeros(n_pages, ps * 68 if indexer else page_bytes(ps), dtype=torch.uint8, device=dev)
-            pslots = torch.randperm(n_pages * ps, generator=gen, device=dev)[:B]
+            w, cos, sin, ps, pages, pslots = _entry_outputs(B, c, ratio, indexer, gen, dev)
             kw = dict(ratio=ratio, indexer=indexer)
             nr = coff * ratio
             # inputs k, s + ring row write + the other pooled rows (K and score halves) + entry + page write
@@ -202,13 +207,7 @@ def comp_prefill_cases(dev, gen, smoke):
         for T in ([256] if smoke else [4096, 16384]):
             n = T // ratio
             rows_k, rows_s = _r(gen, T, coff * c, dev=dev), _r(gen, T, coff * c, dev=dev)
-            w = (torch.rand(c, generator=gen, device=dev) + 0.5).bfloat16()
-            ang = torch.rand(n, 32, generator=gen, device=dev) * 100
-            cos, sin = ang.cos(), ang.sin()
-            ps = 256 // ratio
-            n_pages = n // ps + 2
-            pages = torch.zeros(n_pages, ps * 68 if indexer else page_bytes(ps), dtype=torch.uint8, device=dev)
-            pslots = torch.randperm(n_pages * ps, generator=gen, device=dev)[:n]
+            w, cos, sin, ps, pages, pslots = _entry_outputs(n, c, ratio, indexer, gen, dev)
             kw = dict(ratio=ratio, indexer=indexer)
             nbytes = T * 2 * coff * c * 4 + n * (2 * c + (68 if indexer else 584))
             yield (f"compress prefill {label} (c{c}, m{ratio}), T={T}", n,
