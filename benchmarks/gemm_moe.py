@@ -41,6 +41,7 @@ from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
 from dsv4.kernels import gemm as G  # noqa: E402
 from dsv4.kernels import moe as Mo  # noqa: E402
+from dsv4.kernels.gemv import gemv_launch  # noqa: E402
 
 MODELS = {"flash": dict(d=4096, I=2048, E=256, k=6, rs=1.5), "pro": dict(d=7168, I=3072, E=384, k=6, rs=2.5)}
 
@@ -210,6 +211,8 @@ FP8_DECODE_SHAPES = [("Flash wq_a", 1024, 4096), ("Flash wq_b", 32768, 1024), ("
                      ("Flash shared w1|w3", 4096, 4096), ("Flash shared w2", 4096, 2048)]
 FP8_DECODE_CONFIGS = {f"bn{bn}.w{w}.s{st}": dict(BM=16, BN=bn, num_warps=w, num_stages=st)
                       for bn in (32, 64, 128) for w in (4,) for st in (3, 5)}
+FP8_GEMV_CONFIGS = {f"gemv.bn{bn}.w{w}.s{st}": dict(BN=bn, num_warps=w, num_stages=st)
+                    for bn, w, st in ((16, 4, 3), (32, 4, 3), (32, 4, 5), (64, 4, 3), (64, 8, 3))}
 
 
 def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 64)):
@@ -221,15 +224,17 @@ def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 64)):
             x, xq, xs, wq, ws = fp8_case(M, N, K, dev, gen)
             nbytes = wq.numel() + ws.numel() * 4 + x.numel() * 2 + M * N * 2
             res = {}
-            for cname, cfg in [("default", None)] + list(FP8_DECODE_CONFIGS.items()):
+            gemv_cfgs = list(FP8_GEMV_CONFIGS.items()) if M <= G.GEMV_MAX_ROWS else []
+            for cname, cfg in [("default", None)] + list(FP8_DECODE_CONFIGS.items()) + gemv_cfgs:
                 if M > 16 and cfg is not None:
                     cfg = dict(cfg, BM=64)
+                gemv = cname.startswith("gemv") or None
                 try:
-                    y = G.fp8_linear(x, wq, ws, config=cfg)
+                    y = G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv)
                     err = fp8_check(y, xq, xs, wq, ws)
                     # do_bench clears the L2 before every call: these weights (<= 32 MB) would
                     # otherwise be read from the 50 MB L2 on repeated calls
-                    t = timer(lambda: G.fp8_linear(x, wq, ws, config=cfg))
+                    t = timer(lambda: G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv))
                     res[cname] = (t, err)
                 except Exception as e:
                     log(f"fp8 decode {name} M{M} {cname} failed: {type(e).__name__}: {e}")
@@ -257,6 +262,9 @@ FP4_SHAPES = [("Flash w1|w3", 4096, 4096, 32), ("Flash w2", 4096, 2048, 64),
 
 
 def fp4_variants(m):
+    gemv = {f"gemv.bn{bn}.w{w}.s{st}": (dict(BM=1 if m == 1 else (2 if m == 2 else 4), BN=bn, num_warps=w, num_stages=st), "gemv", True)
+            for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 4, 5), (128, 4, 3), (64, 8, 3), (128, 8, 3))} \
+        if m <= G.GEMV_MAX_ROWS else {}
     big = m > 32
     bm = 64 if big else (32 if m > 16 else 16)
     base = dict(BM=bm)
@@ -264,7 +272,7 @@ def fp4_variants(m):
         return {"ptx.bn128.w4.s3": (dict(base, BN=128, num_warps=4, num_stages=3), "dequant", True),
                 "ptx.bn128.w8.s3": (dict(base, BN=128, num_warps=8, num_stages=3), "dequant", True),
                 "dot_scaled.bn128.w4.s3": (dict(base, BN=128, num_warps=4, num_stages=3), "scaled", None)}
-    return {"ptx.bn128.w4.s3": (dict(base, BN=128, num_warps=4, num_stages=3), "dequant", True),
+    return {**gemv, "ptx.bn128.w4.s3": (dict(base, BN=128, num_warps=4, num_stages=3), "dequant", True),
             "ptx.bn128.w4.s4": (dict(base, BN=128, num_warps=4, num_stages=4), "dequant", True),
             "ptx.bn64.w4.s4": (dict(base, BN=64, num_warps=4, num_stages=4), "dequant", True),
             "portable.bn128.w4.s3": (dict(base, BN=128, num_warps=4, num_stages=3), "dequant", False),
@@ -291,6 +299,11 @@ class Fp4Case:
         bm = cfg["BM"]
         tiles = -(-self.m // bm)
         tcum = (torch.arange(self.E + 1, device=self.w.device) * tiles).to(torch.int64)
+        if path == "gemv":
+            c = {k: v for k, v in cfg.items() if k != "BM"}
+            return gemv_launch(G._u8(self.xq), self.xs, self.w, self.s, self.s2, self.R, self.N, self.K, wfmt=self.fmt,
+                               out=self.out, offs=self.offs, tcum=tcum, n_groups=self.E, n_tiles=self.E * tiles,
+                               bm=bm, config=c)
         a = self.a16 if path == "dequant" else G._u8(self.xq)
         G.fp4_launch(a, self.xs, self.w, self.s, self.s2, self.out, None, self.R, self.N, self.K, 0,
                      fmt=self.fmt, offs=self.offs, tcum=tcum, n_groups=self.E, n_tiles=self.E * tiles,
@@ -329,7 +342,7 @@ def bench_fp4(dev, gen, timer, smoke, copy_bw, sweep_rows, quick=False):
         shapes, ms = FP4_SHAPES[:1], [1, 16, 64]
     else:
         shapes, ms = FP4_SHAPES, [1, 4, 16, 64]
-    best = {}
+    best, best_mma = {}, {}
     # variant sweep at the first shape: small m (16-row tiles) and m = 64
     name, N, K, E = shapes[0]
     for m in ([1, 64] if not (smoke or quick) else [1]):
@@ -349,12 +362,18 @@ def bench_fp4(dev, gen, timer, smoke, copy_bw, sweep_rows, quick=False):
                 log(f"fp4 sweep m{m} {vname}: {t * 1e3:.1f} us {gbs:.0f} GB/s err {err:.1e}")
                 if ok and (bt is None or t < bt):
                     bt, bcfg = t, (cfg, path, asm, vname)
+                if ok and path != "gemv" and (m not in best_mma or t < best_mma[m][4]):
+                    best_mma[m] = (cfg, path, asm, vname, t)
             except Exception as e:
                 sweep_rows.append((f"fp4 {name} m{m}", vname, float("nan"), float("nan"), type(e).__name__))
                 log(f"fp4 sweep m{m} {vname} failed: {type(e).__name__}: {str(e)[:300]}")
         best[m] = bcfg
         del case
-    pick = lambda m: best.get(1 if m <= 16 else 64) or best.get(1)
+    def pick(m):
+        b = best.get(1 if m <= 16 else 64) or best.get(1)
+        if b[1] == "gemv" and m > G.GEMV_MAX_ROWS:
+            b = best_mma.get(1 if m <= 16 else 64)
+        return b
     for name, N, K, E in shapes:
         for fmt in (("mxfp4", "nvfp4") if name.endswith("w1|w3") else ("mxfp4",)):
             for m in ms:
@@ -362,9 +381,12 @@ def bench_fp4(dev, gen, timer, smoke, copy_bw, sweep_rows, quick=False):
                     continue
                 try:
                     case = Fp4Case(E, N, K, m, fmt, dev, gen)
-                    cfg, path, asm, vname = pick(m)
-                    cfg = dict(cfg, BM=64 if m > 32 else (32 if m > 16 else 16))
-                    if fmt == "nvfp4":
+                    cfg, path, asm, vname = pick(m)[:4]
+                    if path == "gemv":
+                        cfg = dict(cfg, BM=1 if m == 1 else (2 if m == 2 else 4))
+                    else:
+                        cfg = dict(cfg, BM=64 if m > 32 else (32 if m > 16 else 16))
+                    if fmt == "nvfp4" and path != "gemv":
                         path, asm = "dequant", True if not smoke else None
                     y = case.run(cfg, path, asm)
                     err = case.check(y)

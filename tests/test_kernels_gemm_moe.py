@@ -124,7 +124,7 @@ def test_fp8_gemm(M, N, K):
     y32 = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.float().to(DEV))
     assert torch.equal(y32.cpu().view(torch.int16), y.cpu().view(torch.int16))
     for fuse in (True, False):
-        yl = G.fp8_linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=fuse)
+        yl = G.fp8_linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=fuse, gemv=False)
         assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
 
 
@@ -221,6 +221,49 @@ def test_fp4_gemm_pure_triton_decode_path():
 
 
 # ------------------------------------------------------------------------------------------------
+# decode GEMV (CUDA cores): same products, another fp32 summation order
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8"])
+@pytest.mark.parametrize("M,split", [(1, None), (3, 2), (5, 1)])
+def test_gemv_against_exact(fmt, M, split):
+    """Plain (non-grouped) GEMV: 1-, 2- and 4-row tiles (M=3 pads a 4-row tile, M=5 takes two),
+    split-K partials summed in split order; FP8 with the activation quantised in the prologue is
+    bit-identical to the pre-quantised input."""
+    from dsv4.kernels import gemv as V
+    gen = torch.Generator().manual_seed(M * 7 + len(fmt))
+    K, N = 512, 80
+    x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
+    xq, xs = act_quant_ref(x)
+    cfg = {"SPLIT_K": split} if split else None
+    if fmt == "fp8":
+        W = torch.randn(N, K, generator=gen) * 0.05
+        q, s = quant_fp8_weight(W)
+        Wd = dequant_fp8_weight(q, s)
+        y = V.fp8_gemv(x.to(DEV), q.to(DEV), s.to(DEV), config=cfg)
+        y2 = V.fp8_gemv(xq.to(DEV), q.to(DEV), s.to(DEV), xs=xs.to(DEV), config=cfg)
+        assert torch.equal(y.cpu().view(torch.int16), y2.cpu().view(torch.int16))
+        # fp8_linear picks the GEMV up to GEMV_MAX_ROWS rows
+        yl = G.fp8_linear(x.to(DEV), q.to(DEV), s.to(DEV))
+        if M <= G.GEMV_MAX_ROWS and split is None:
+            assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
+        twin = G.fp8_gemm_torch(xq, xs, q, s)
+        _check_gemm(y, xq, xs, Wd, twin, acc=2.0 ** -16)
+    else:
+        wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
+        y = V.fp4_gemv(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV),
+                       config=cfg)
+        _check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
+
+
+def test_gemv_rejects_bad_tile_rows():
+    from dsv4.kernels import gemv as V
+    q, s = quant_fp8_weight(torch.randn(128, 128))
+    a = torch.zeros(3, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bm must be 1, 2 or 4"):
+        V.gemv_launch(a, torch.ones(3, 1), q, s, None, 3, 128, 128, wfmt="fp8", bm=3)
+
+
+# ------------------------------------------------------------------------------------------------
 # MoE
 
 def _mx(w):
@@ -275,15 +318,20 @@ def test_route_exact(hash_layer):
         torch.testing.assert_close(w1.gather(1, o1), w0.gather(1, o0), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("hash_layer,T", [(False, 9), (True, 7)])
-def test_moe_forward(hash_layer, T):
+@pytest.mark.parametrize("hash_layer,T,path,bm", [(False, 9, "dequant", None), (True, 7, "dequant", None),
+                                                  (False, 9, "gemv", 2), (True, 7, "gemv", 4), (False, 1, "gemv", 1),
+                                                  (True, 2, None, None)])
+def test_moe_forward(hash_layer, T, path, bm):
+    """Both expert-GEMM paths: the MMA kernels and the decode GEMV (1/2/4-row tiles, the shared
+    expert on the FP8 GEMV for <= 4 tokens); the default picks the GEMV at <= 4 rows per expert."""
     gen = torch.Generator().manual_seed(20 + T)
     ref = _ref_moe(8, 256, 128, 2, gen, hash_layer, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
     x = (torch.randn(T, 256, generator=gen) * 1.5).bfloat16()
     ids = torch.randint(0, 64, (T,), generator=gen)
     ids[0] = 4
-    y, parts = Mo.moe_forward(x.to(DEV), ids.to(DEV), w, return_parts=True)
+    y, parts = Mo.moe_forward(x.to(DEV), ids.to(DEV), w, path=path, config=None if bm is None else {"BM": bm},
+                              return_parts=True)
     yr = ref(x, ids)
     _check_moe(y, yr)
     # pairs sorted by expert: offsets are the cumulative counts (duplicates dropped)
@@ -377,11 +425,11 @@ _AOT_SCRIPT = textwrap.dedent("""
     import triton
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    from dsv4.kernels import gemm as G, moe as Mo
+    from dsv4.kernels import gemm as G, gemv as V, moe as Mo
 
     DIV = ("K", "N_out", "n_half", "stride_am", "stride_sam", "stride_we", "stride_wn", "stride_wse",
            "stride_wsn", "stride_w2e", "stride_cm", "stride_csm", "stride_bn", "stride_sbn", "stride_x",
-           "stride_q", "stride_s", "stride_a", "d", "stride_o", "stride_y")
+           "stride_q", "stride_s", "stride_a", "d", "stride_o", "stride_y", "N", "k_per_split", "N2", "n_half")
     P = lambda t: "*" + t
 
     def comp(fn, types, const, cap, warps, stages=3):
@@ -431,6 +479,17 @@ _AOT_SCRIPT = textwrap.dedent("""
                        cap, 8, 3)
             if cap == 100:
                 assert re.search(r"tcgen05\\.mma\\S*kind::mxf8f6f4\\.block_scale", ptx), "expected native MXFP4 MMA"
+        # decode GEMV (CUDA cores): FP4 grouped split-K partials, FP8 with the prologue act quant
+        gvt = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("fp32"), PERM=P("i32"),
+                   OFFS=P("i64"), TCUM=P("i64"))
+        for wf, ng, gb, bm in ((0, 4, 16, 1), (1, 8, 8, 2), (0, 4, 16, 4)):
+            comp(V._gemv_kernel, gvt, dict(WFMT=wf, SB_SHIFT=7, SB_E8M0=False, A_BF16=False, GROUPED=True, GATHER=True,
+                 USE_ASM=True, BM=bm, BN=64, NG=ng, GB=gb, LOG2G=9, SPLIT=True, INTERP=False), cap, 4)
+        comp(V._gemv_kernel, dict(gvt, A=P("bf16"), WS=P("fp32"), C=P("bf16")), dict(WFMT=3, SB_SHIFT=7, SB_E8M0=False,
+             A_BF16=True, GROUPED=False, GATHER=False, USE_ASM=True, BM=1, BN=32, NG=8, GB=16, LOG2G=1, SPLIT=False,
+             INTERP=False), cap, 4)
+        comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i32"),
+             limit="fp32"), dict(GATHER=True, HAS_PW=True, INTERP=False), cap, 4)
         comp(Mo._route_kernel, dict(S=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"),
              WRAW=P("fp32"), EFLAT=P("i32")), dict(KTOP=6, KP=8, EP=256, HASH=False), cap, 4)
         comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i32"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
@@ -461,8 +520,31 @@ def test_gpu_fp8_gemm_flash_shapes(M, N, K):
     xq, xs = G.act_quant_fp8(x.cuda())
     y = G.fp8_gemm(xq, xs, wq.cuda(), ws.cuda())
     _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), acc=FP8_ACC)
-    yl = G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda())
+    yl = G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda(), gemv=False)
     assert torch.equal(yl.view(torch.int16), y.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("M", [1, 2, 4])
+def test_gpu_gemv_flash_shapes(fmt, M):
+    """The decode GEMV at V4-Flash decode shapes (split-K chosen by the launcher) against the exact sum."""
+    _need_gpu()
+    from dsv4.kernels import gemv as V
+    gen = torch.Generator().manual_seed(M + len(fmt))
+    shapes = [(1024, 4096), (32768, 1024), (4096, 8192)] if fmt == "fp8" else [(4096, 4096), (4096, 2048)]
+    for N, K in shapes:
+        x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
+        xq, xs = G.act_quant_fp8(x.cuda())
+        if fmt == "fp8":
+            wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.02)
+            y = V.fp8_gemv(x.cuda(), wq.cuda(), ws.cuda())
+            _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws))
+            assert torch.equal(y.view(torch.int16), G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda()).view(torch.int16))
+        else:
+            wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
+            y = V.fp4_gemv(xq, xs, wp.cuda(), s.cuda(), fmt, None if s2 is None else s2.cuda())
+            _check_gemm(y, xq, xs, Wd)
 
 
 @pytest.mark.gpu

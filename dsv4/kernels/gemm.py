@@ -80,6 +80,7 @@ import torch
 from . import interpreting, triton_available
 
 QBLOCK = 128        # activation / FP8 weight block
+GEMV_MAX_ROWS = 4   # up to this many rows (per expert) the decode GEMV (gemv.py) replaces the MMA kernels
 FP8_MAX = 448.0
 
 if triton_available():
@@ -642,10 +643,11 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tens
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, fuse_quant: bool | None = None,
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None, gemv: bool | None = None) -> torch.Tensor:
     """bf16 x [..., K] -> bf16 [..., N]: act_quant_fp8 + fp8_gemm (the quantisation fused into the
     GEMM's A-tile load when M <= 64, unless ``fuse_quant`` says otherwise). Bit-identical to the
-    two-step path."""
+    two-step path. Up to ``GEMV_MAX_ROWS`` rows (and no ``config``) it runs on the CUDA-core GEMV
+    (``gemv.fp8_gemv``: same products and quantisation, another fp32 summation order)."""
     _check_fp8_weight(w, ws)
     K = x.shape[-1]
     N = w.shape[0]
@@ -655,6 +657,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, fuse_quant: b
     M = x2.shape[0]
     if fuse_quant is None:
         fuse_quant = M <= 64
+    if gemv is None:
+        gemv = 0 < M <= GEMV_MAX_ROWS and config is None
+    if gemv:
+        from .gemv import fp8_gemv
+        return fp8_gemv(x2, w, ws).reshape(*x.shape[:-1], N)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M:
         if fuse_quant:

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from . import interpreting, triton_available
-from .gemm import (QBLOCK, _u8, act_quant_fp8, f16_operand, fp4_config, fp4_launch, fp4_path, fp8_gemm,
+from .gemm import (GEMV_MAX_ROWS, QBLOCK, _u8, act_quant_fp8, f16_operand, fp4_config, fp4_launch, fp4_path, fp8_gemm,
                    fp8_swiglu, fp8_weight_exact)
 
 if triton_available():
@@ -396,8 +396,12 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
             first[:, j] = (idx[:, :j] != idx[:, j:j + 1]).all(dim=1)
         eflat = torch.where(first & (idx >= 0), idx, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
     P = T * k
-    path = path or fp4_path(w.fmt, dev)
-    bm = fp4_config(P / max(1, min(E, P)), dev)["BM"]
+    rows_per_expert = P / max(1, min(E, P))
+    if path is None:
+        path = "gemv" if rows_per_expert <= GEMV_MAX_ROWS else fp4_path(w.fmt, dev)
+    if path == "gemv":
+        return _moe_gemv(x, w, idx, rw, eflat, k, rows_per_expert, config, return_parts)
+    bm = fp4_config(rows_per_expert, dev)["BM"]
     if config and "BM" in config:
         bm = config["BM"]
     perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
@@ -422,12 +426,61 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     if w.sh13 is not None:
         hq, hsc = fp8_swiglu(xq, xs, w.sh13, w.sh13_s, w.limit)
         sh = fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
+    _combine(out, inv, offs, sh, y, k)
+    if return_parts:
+        return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh)
+    return y
+
+
+def _combine(out, inv, offs, sh, y, k):
+    """y [T, d] = sum over each token's pairs of the expert outputs ``out`` (+ shared expert ``sh``)."""
+    T, d = y.shape
     kw = {} if interpreting() else {"num_warps": 4}
     BD = min(1024, triton.next_power_of_2(d))
     _moe_combine[(T, triton.cdiv(d, BD))](
-        out, inv, offs, sh if sh is not None else y, y, d, E, out.stride(0),
+        out, inv, offs, sh if sh is not None else y, y, d, offs.numel() - 1, out.stride(0),
         sh.stride(0) if sh is not None else 0, y.stride(0), KTOP=k, KP=triton.next_power_of_2(k),
         BD=BD, HAS_SHARED=sh is not None, INTERP=interpreting(), **kw)
+
+
+def gemv_rows(rows_per_expert: float) -> int:
+    """m-tile of the GEMV path: 1, 2 or 4 rows (the kernel's unrolled row accumulators)."""
+    return 1 if rows_per_expert <= 1.25 else (2 if rows_per_expert <= 2.5 else 4)
+
+
+def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, return_parts):
+    """Decode MoE on the CUDA-core GEMV (``gemv.py``): grouped w1|w3 (split-K fp32 partials), the
+    SwiGLU + FP8 quantisation pass, grouped w2; the shared expert on the same kernels; combine."""
+    from .gemv import gemv_launch, swiglu_quant
+    T, d = x.shape
+    E, I = w.n_experts, w.inter
+    P = T * k
+    dev = x.device
+    cfg = dict(config or {})
+    bm = cfg.pop("BM", None) or gemv_rows(rows_per_expert)
+    perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
+    n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
+    xq, xs = act_quant_fp8(x)
+    xq = _u8(xq)
+    pw = rw.float().contiguous().reshape(-1)
+    grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=n_tiles, bm=bm,
+                   config=cfg or None)
+    part = gemv_launch(xq, xs, w.w13, w.w13_s, w.w13_s2, P, 2 * I, d, wfmt=w.fmt, partial=True, **grouped)
+    h, hs = swiglu_quant(part, w.limit, pw=pw, perm=perm)
+    grouped.update(perm=None, top_k=1)
+    out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, **grouped)
+    sh = None
+    if w.sh13 is not None:
+        tb = 1 if T == 1 else (2 if T == 2 else 4)
+        if T <= GEMV_MAX_ROWS:
+            part = gemv_launch(xq, xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True, bm=tb)
+            hq, hsc = swiglu_quant(part, w.limit)
+            sh = gemv_launch(hq, hsc, w.sh2, w.sh2_s, None, T, d, w.sh2.shape[1], wfmt="fp8", bm=tb)
+        else:
+            hq, hsc = fp8_swiglu(xq.view(torch.float8_e4m3fn), xs, w.sh13, w.sh13_s, w.limit)
+            sh = fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
+    y = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
+    _combine(out, inv, offs, sh, y, k)
     if return_parts:
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh)
     return y

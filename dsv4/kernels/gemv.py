@@ -1,0 +1,347 @@
+"""Decode-sized block-scaled GEMMs on CUDA cores: FP8 (128x128 scales) and FP4 (MXFP4 / NVFP4) weights.
+
+At decode a routed expert sees 1-4 rows and a linear layer 1-4 tokens: the tensor-core kernels of
+``gemm.py`` then stream weights through 16-row MMA tiles whose dot-operand layout conversion
+(registers -> shared memory -> registers, 4 bytes per weight element) and one tile per (expert,
+128 columns) leave the H200 mostly idle (BENCHMARKS.md session 3: ~440 GB/s on the FP4 expert
+weights at batch 1). Here every program streams a ``[BN, 128-K]`` weight slab in the layout it is
+loaded in (16 contiguous bytes per thread), decodes it in registers and reduces each scale group
+inside the thread: no layout conversion, no shared memory. Split-K over a third grid axis fills the
+GPU when few (expert, column block) tiles exist (batch 1: six experts).
+
+Numerics (the official structure up to fp32 summation order, as ``gemm.py``):
+  - FP4: an e2m1 code becomes ``value * 2^-6`` exactly (``gemm._e2m1_f16``), the activation is the
+    e4m3 value; every product is exact in fp32. Per scale group (32 MXFP4 / 16 NVFP4) the products
+    are summed in fp32, then scaled by ``sB * 2^6 * sA`` (powers of two for MXFP4: exact; the e4m3
+    NVFP4 block scale: one fp32 rounding) and accumulated; the NVFP4 fp32 global scale multiplies
+    the final sum.
+  - FP8: e4m3 x e4m3 products (exact in fp32) summed per 16, scaled by ``sA * sB`` per 128-K block.
+  - ``A_BF16``: the activation is quantised in the prologue (the official ``act_quant``: UE8M0 scale
+    per 1x128 block, RNE), bit-identical to ``gemm.act_quant_fp8``.
+Outputs: bf16 (one rounding of the fp32 sum), or with split-K fp32 partials ``[S, M, N]`` summed in
+split order by ``gemm._splitk_sum`` or by the SwiGLU epilogue (``swiglu_quant``: w1/w3 halves ->
+``_swiglu_h`` -> FP8 h + scales, the grouped FP4 kernel's epilogue as a separate pass).
+
+Grouped (MoE) mode: rows are pair rows sorted by expert, m-tiles of ``BM`` rows found by the same
+binary search as the FP4 kernel (``gemm._find_tile``); ``perm`` maps a sorted row to its pair.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import interpreting, triton_available
+from .gemm import GEMV_MAX_ROWS, QBLOCK, _sm_count, _u8, _use_asm
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from .gemm import _e2m1_f16, _find_tile, _quant_rows, _splitk_sum, _store_bf16, _swiglu_h
+    from .kv_insert import _e4m3_bits, _exp2i, _ue8m0_exp
+
+    @triton.jit
+    def _row_dot(w, A, SA, row, k0, kb, stride_am, stride_sam, NG: tl.constexpr, KG: tl.constexpr,
+                 A_BF16: tl.constexpr, INTERP: tl.constexpr):
+        """One activation row against the decoded weight slab w f32 [BN, NG, KG] (the 128-K block at
+        k0): (per-group fp32 sums [BN, NG] of exact products, the row's block scale sA)."""
+        c = tl.arange(0, NG)[:, None] * KG + tl.arange(0, KG)[None, :]
+        ptr = A + row * stride_am + k0 + c         # row: always a real row (the tile's padding repeats one)
+        if A_BF16:   # the official act_quant of this 1x128 block, in the prologue
+            x = tl.load(ptr).to(tl.float32)
+            e = _ue8m0_exp(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+            v = tl.minimum(tl.maximum(x * _exp2i(-e), -448.0), 448.0)
+            if INTERP:
+                q = _e4m3_bits(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            else:
+                q = v.to(tl.float8e4nv)
+            a = q.to(tl.float32)
+            sa = _exp2i(e)
+        else:
+            a = tl.load(ptr).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            sa = tl.load(SA + row * stride_sam + kb)
+        return tl.sum(w * a[None, :, :], axis=2), sa
+
+    @triton.jit
+    def _gemv_kernel(A, SA, W, WS, WS2, C, PERM, OFFS, TCUM,
+                     M, N, K, n_groups, top_k, k_per_split,
+                     stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_w2e,
+                     stride_cm,
+                     WFMT: tl.constexpr, SB_SHIFT: tl.constexpr, SB_E8M0: tl.constexpr,
+                     A_BF16: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
+                     USE_ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+                     GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+        """WFMT 0 MXFP4, 1 NVFP4, 3 FP8. One K step = one 128-wide activation block; the weight slab
+        is [BN, NG, GB] bytes (FP4: NG scale groups of GB bytes, decoded and interleaved to [BN, NG,
+        2 GB] values; FP8: [BN, 8, 16]), in the layout it is loaded in (every product and group sum
+        inside one thread). BM in (1, 2, 4) rows, one accumulator each (a 4-D broadcast would make Triton
+        pick a layout that moves the weights through shared memory)."""
+        t = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        ks = tl.program_id(2)
+        if GROUPED:
+            total = tl.load(TCUM + n_groups)
+            if t >= total:
+                return
+            e, m0, m_end = _find_tile(TCUM, OFFS, t, n_groups, BM, LOG2G)
+        else:
+            e = 0
+            m0 = t * BM
+            m_end = M
+        # activation rows of the tile (scalars: up to 4)
+        v0 = m0 < m_end
+        v1 = m0 + 1 < m_end
+        v2 = m0 + 2 < m_end
+        v3 = m0 + 3 < m_end
+        if GATHER:
+            a0 = tl.load(PERM + m0, mask=v0, other=0).to(tl.int64) // top_k
+            a1 = a0
+            a2 = a0
+            a3 = a0
+            if BM > 1:
+                a1 = tl.load(PERM + m0 + 1, mask=v1, other=0).to(tl.int64) // top_k
+            if BM > 2:
+                a2 = tl.load(PERM + m0 + 2, mask=v2, other=0).to(tl.int64) // top_k
+                a3 = tl.load(PERM + m0 + 3, mask=v3, other=0).to(tl.int64) // top_k
+        else:     # rows past the end repeat the last row (results dropped at the store)
+            a0 = m0.to(tl.int64)
+            a1 = tl.minimum(a0 + 1, M - 1)
+            a2 = tl.minimum(a0 + 2, M - 1)
+            a3 = tl.minimum(a0 + 3, M - 1)
+        rn = pid_n * BN + tl.arange(0, BN)
+        nmask = rn < N
+        rn64 = rn.to(tl.int64)
+        e64 = e.to(tl.int64)
+        g = tl.arange(0, NG)
+        j = tl.arange(0, GB)
+        wbase = W + e64 * stride_we + rn64[:, None, None] * stride_wn + (g[:, None] * GB + j[None, :])[None, :, :]
+        wmask = nmask[:, None, None]
+        acc0 = tl.zeros([BN, NG], tl.float32)
+        acc1 = tl.zeros([BN, NG], tl.float32)
+        acc2 = tl.zeros([BN, NG], tl.float32)
+        acc3 = tl.zeros([BN, NG], tl.float32)
+        KG: tl.constexpr = GB if WFMT == 3 else 2 * GB       # K values per scale group in the slab
+        kb_lo = (ks * k_per_split) // 128
+        kb_hi = tl.minimum(K, ks * k_per_split + k_per_split) // 128
+        for kb in range(kb_lo, kb_hi):
+            k0 = kb * 128
+            if WFMT == 3:
+                b = tl.load(wbase + k0, mask=wmask, other=0)
+                w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                if SB_SHIFT == 7:
+                    sptr = WS + (rn64 >> 7) * stride_wsn + kb
+                else:
+                    sptr = WS + rn64 * stride_wsn + kb
+                if SB_E8M0:
+                    sbb = tl.load(sptr, mask=nmask, other=127).to(tl.int32)
+                    sb = tl.where(sbb == 0, 5.877471754111438e-39, (sbb << 23).to(tl.float32, bitcast=True))
+                else:
+                    sb = tl.load(sptr, mask=nmask, other=0.0)
+                sb = sb[:, None]
+            else:
+                b = tl.load(wbase + kb * 64, mask=wmask, other=0)
+                wl, wh = _e2m1_f16(b, USE_ASM)            # even / odd K elements, value * 2^-6
+                w = tl.reshape(tl.join(wl, wh), [BN, NG, 2 * GB]).to(tl.float32)
+                sptr = WS + e64 * stride_wse + rn64[:, None] * stride_wsn + kb * NG + g[None, :]
+                if WFMT == 0:
+                    sbb = tl.load(sptr, mask=nmask[:, None], other=0).to(tl.int32)
+                    sb = ((sbb + 6) << 23).to(tl.float32, bitcast=True)        # 2^(byte-127) * 2^6
+                else:
+                    sb = tl.load(sptr, mask=nmask[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+                    sb = sb.to(tl.float32) * 64.0
+            p, sa = _row_dot(w, A, SA, a0, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+            acc0 += p * (sb * sa)
+            if BM > 1:
+                p, sa = _row_dot(w, A, SA, a1, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+                acc1 += p * (sb * sa)
+            if BM > 2:
+                p, sa = _row_dot(w, A, SA, a2, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+                acc2 += p * (sb * sa)
+                p, sa = _row_dot(w, A, SA, a3, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+                acc3 += p * (sb * sa)
+        if WFMT == 1:
+            s2 = tl.load(WS2 + e64 * stride_w2e + rn64, mask=nmask, other=0.0)
+        else:
+            s2 = tl.full([BN], 1.0, tl.float32)
+        _gemv_store(C, tl.sum(acc0, axis=1) * s2, m0, m_end, rn64, nmask, ks, M, N, stride_cm, SPLIT, INTERP)
+        if BM > 1:
+            _gemv_store(C, tl.sum(acc1, axis=1) * s2, m0 + 1, m_end, rn64, nmask, ks, M, N, stride_cm, SPLIT, INTERP)
+        if BM > 2:
+            _gemv_store(C, tl.sum(acc2, axis=1) * s2, m0 + 2, m_end, rn64, nmask, ks, M, N, stride_cm, SPLIT, INTERP)
+            _gemv_store(C, tl.sum(acc3, axis=1) * s2, m0 + 3, m_end, rn64, nmask, ks, M, N, stride_cm, SPLIT, INTERP)
+
+    @triton.jit
+    def _gemv_store(C, y, r, m_end, rn64, nmask, ks, M, N, stride_cm, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+        r64 = r.to(tl.int64)
+        mask = nmask & ((rn64 * 0 + r64) < m_end)
+        if SPLIT:
+            tl.store(C + ks.to(tl.int64) * M * N + r64 * N + rn64, y, mask=mask)
+        else:
+            _store_bf16(C + r64 * stride_cm + rn64, y, mask, INTERP)
+
+    @triton.jit
+    def _swiglu_quant_kernel(WSP, H, HS, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm,
+                             GATHER: tl.constexpr, HAS_PW: tl.constexpr, INTERP: tl.constexpr):
+        """h[r, 128 c ..] = FP8(_swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols]))."""
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        i = c * 128 + tl.arange(0, 128)
+        base = WSP + r * N2 + i
+        gs = tl.zeros([128], tl.float32)
+        us = tl.zeros([128], tl.float32)
+        for s in range(0, S):
+            gs += tl.load(base + s * M * N2)
+            us += tl.load(base + s * M * N2 + n_half)
+        if HAS_PW:
+            if GATHER:
+                pair = tl.load(PERM + r).to(tl.int64)
+            else:
+                pair = r
+            pw = tl.load(PW + pair + tl.zeros([1], tl.int64))
+        else:
+            pw = tl.zeros([1], tl.float32)
+        h = _swiglu_h(gs[None, :], us[None, :], pw, limit, HAS_PW)
+        q, eh = _quant_rows(h, INTERP)
+        tl.store(H + r * stride_hm + i[None, :], q.to(tl.uint8, bitcast=True))
+        tl.store(HS + r * stride_hsm + c + tl.arange(0, 1), _exp2i(eh))
+
+
+# -------------------------------------------------------------------------------------------------
+# host side
+
+def gemv_config(N: int, dev, fp8: bool) -> dict:
+    if interpreting() or torch.device(dev).type != "cuda":
+        return {"BN": 16}
+    return {"BN": 32 if fp8 else 64, "num_warps": 4, "num_stages": 3}
+
+
+def _splits(tiles: int, K: int, dev) -> int:
+    """K splits so that ~4 programs per SM exist, >= 2 K blocks of 128 per split, at most 16."""
+    kb = K // QBLOCK
+    target = 4 * _sm_count(torch.device(dev))
+    s = 1
+    while s < 16 and tiles * s < target and kb // (2 * s) >= 2:
+        s *= 2
+    return s
+
+
+def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: bool = False,
+                a_bf16: bool = False, perm=None, offs=None, tcum=None, top_k: int = 1, n_groups: int = 1,
+                n_tiles: int | None = None, bm: int = 1, split: int | None = None, config: dict | None = None,
+                use_asm: bool | None = None):
+    """Launch the decode GEMV. a: e4m3 bytes (or bf16 with ``a_bf16``) [rows, K]; sa fp32 [rows, K/128]
+    (unused with ``a_bf16``). w: FP4 packed uint8 [G, N, K/2] with scales uint8 [G, N, K/32] (mxfp4) /
+    e4m3 bytes [G, N, K/16] + fp32 ws2 [G, N] (nvfp4), or FP8 e4m3 [N, K] with ws [N/128, K/128] or
+    per-row [N, K/128] (e8m0 bytes or fp32). Returns bf16 ``out`` [M, N], or with ``partial`` the fp32
+    split partials [S, M, N]."""
+    if bm not in (1, 2, 4):
+        raise ValueError(f"gemv: tile rows bm must be 1, 2 or 4, got {bm}")
+    dev = w.device
+    fp8 = wfmt == "fp8"
+    cfg = dict(gemv_config(N, dev, fp8))
+    if config:
+        cfg.update(config)
+    BN = cfg.pop("BN")
+    grouped = tcum is not None
+    grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, bm) + min(n_groups, M)) if grouped \
+        else triton.cdiv(M, bm)
+    grid_m = max(grid_m, 1)
+    grid_n = triton.cdiv(N, BN)
+    S = split or cfg.pop("SPLIT_K", None) or _splits(grid_m * grid_n, K, dev)
+    kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
+    S = triton.cdiv(K, kps)
+    if partial or S > 1:
+        dst = torch.empty(S, M, N, dtype=torch.float32, device=dev)
+    else:
+        dst = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    if fp8:
+        sb_e8m0 = ws.dtype in (torch.float8_e8m0fnu, torch.uint8)
+        wsv = _u8(ws) if sb_e8m0 else ws.float()
+        per_row = wsv.shape[0] == w.shape[0] and w.shape[0] != triton.cdiv(w.shape[0], QBLOCK)
+        wv = _u8(w)
+        strides = (0, wv.stride(0), 0, wsv.stride(0), 0)
+        ng, gb, wfmt_i = 8, 16, 3
+    else:
+        sb_e8m0, per_row, wsv, wv = False, False, ws, w
+        strides = (w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), ws2.stride(0) if ws2 is not None else 0)
+        ng, gb, wfmt_i = (4, 16, 0) if wfmt == "mxfp4" else (8, 8, 1)
+    if use_asm is None:
+        use_asm = _use_asm(dev)
+    kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
+    _gemv_kernel[(grid_m, grid_n, S)](
+        a, sa if sa is not None else wsv, wv, wsv, ws2 if ws2 is not None else wsv, dst,
+        perm if perm is not None else wsv, offs if offs is not None else wsv,
+        tcum if tcum is not None else wsv, M, N, K, n_groups, top_k, kps,
+        a.stride(0), sa.stride(0) if sa is not None else 0, *strides, dst.stride(-2),
+        WFMT=wfmt_i, SB_SHIFT=0 if per_row else 7, SB_E8M0=sb_e8m0, A_BF16=a_bf16, GROUPED=grouped,
+        GATHER=perm is not None, USE_ASM=use_asm, BM=bm, BN=BN, NG=ng, GB=gb,
+        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
+    if partial:
+        return dst
+    if dst.dtype == torch.float32:
+        out = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+        BLOCK = 1024
+        _splitk_sum[(triton.cdiv(M * N, BLOCK),)](dst, out, M, N, S, out.stride(0), BLOCK=BLOCK,
+                                                  INTERP=interpreting(), **({} if interpreting() else {"num_warps": 4}))
+        return out
+    return dst
+
+
+def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None):
+    """fp32 partials [S, M, 2I] of the w1|w3 GEMM -> (h e4m3 bytes [M, I], hs fp32 [M, I/128]):
+    the official expert middle (``gemm._swiglu_h``: bf16 rounding, clamps, silu, routing weight ``pw``
+    per pair id, one bf16 rounding) and its FP8 1x128 quantisation."""
+    S, M, N2 = partials.shape
+    I = N2 // 2
+    if I % QBLOCK:
+        raise ValueError(f"swiglu_quant: intermediate size {I} must be a multiple of 128")
+    dev = partials.device
+    h = torch.empty(M, I, dtype=torch.uint8, device=dev)
+    hs = torch.empty(M, I // QBLOCK, dtype=torch.float32, device=dev)
+    if M:
+        kw = {} if interpreting() else {"num_warps": 4}
+        _swiglu_quant_kernel[(M, I // QBLOCK)](
+            partials, h, hs, pw if pw is not None else partials, perm if perm is not None else partials,
+            M, N2, I, S, float(limit), h.stride(0), hs.stride(0), GATHER=perm is not None,
+            HAS_PW=pw is not None, INTERP=interpreting(), **kw)
+    return h, hs
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, xs: torch.Tensor | None = None,
+             config: dict | None = None) -> torch.Tensor:
+    """bf16 [M, N] = the official FP8 linear of a few rows: x bf16 [M, K] (quantised in the
+    prologue), or e4m3 x with its scales ``xs``. Same products as ``gemm.fp8_gemm``."""
+    from .gemm import _check_fp8_weight
+    _check_fp8_weight(w, ws)
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} vs w {tuple(w.shape)}")
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    if M == 0:
+        return out
+    a_bf16 = xs is None
+    a = x.to(torch.bfloat16).contiguous() if a_bf16 else _u8(x.contiguous())
+    bm = 1 if M == 1 else (2 if M == 2 else 4)
+    return gemv_launch(a, None if a_bf16 else xs.float().contiguous(), w.contiguous(), ws.contiguous(), None,
+                       M, N, K, wfmt="fp8", out=out, a_bf16=a_bf16, bm=bm, config=config)
+
+
+def fp4_gemv(xq, xs, w_packed, w_scale, fmt: str = "mxfp4", w_scale_2=None, config: dict | None = None):
+    """bf16 [M, N] = FP8 activations x FP4 weights (the ``gemm.fp4_gemm`` contract) on the GEMV kernel."""
+    from .gemm import _check_fp4
+    N, K = _check_fp4(w_packed, w_scale, fmt, w_scale_2)
+    M = xq.shape[0]
+    dev = w_packed.device
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    if M == 0:
+        return out
+    ws2 = None
+    if fmt == "nvfp4":
+        ws2 = w_scale_2.float().reshape(-1).to(dev)
+        ws2 = (ws2.expand(N) if ws2.numel() == 1 else ws2).contiguous().unsqueeze(0)
+    bm = 1 if M == 1 else (2 if M == 2 else 4)
+    return gemv_launch(_u8(xq.contiguous()), xs.float().contiguous(), _u8(w_packed).contiguous()[None],
+                       _u8(w_scale).contiguous()[None], ws2, M, N, K, wfmt=fmt, out=out, bm=bm, config=config)
+
+
+__all__ = ["GEMV_MAX_ROWS", "fp4_gemv", "fp8_gemv", "gemv_launch", "swiglu_quant"]
