@@ -24,3 +24,36 @@ def roofline(dev, smoke, mm_reps: int = 200):
     del x, y
     torch.cuda.empty_cache()
     return copy_bw, mm
+
+
+_FLUSH = None
+
+
+def graph_time(fn, reps=3):
+    """GPU ms of fn from CUDA-graph replays with the L2 flushed before every call (a 256 MB
+    write, timed alone in its own graph and subtracted): no call finds weights left in L2 by
+    the previous one, and no host launch overhead is counted."""
+    global _FLUSH
+    if not torch.cuda.is_available():       # smoke run (CPU interpreter): runs, does not time
+        fn()
+        return float("nan")
+    import triton.testing
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def capture(body):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                _FLUSH.zero_()
+                body()
+        t = triton.testing.do_bench(g.replay, warmup=5, rep=100, return_mode="median") / reps
+        del g
+        return t
+    return capture(fn) - capture(lambda: None)

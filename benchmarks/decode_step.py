@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import roofline  # noqa: E402
+from benchmarks.common import graph_time, roofline  # noqa: E402
 from dsv4.checkpoint.tiny import build_tiny_tensors  # noqa: E402
 from dsv4.config import preset  # noqa: E402
 from dsv4.engine.kv_cache import (BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE, CacheConfig,  # noqa: E402
@@ -96,39 +96,6 @@ def layer_bytes(tensors, cfg_real, i, B, ctx, ratio):
     elif ratio:
         kv += B * (ctx // ratio) * 584
     return dense + hit * per_expert + kv
-
-
-_FLUSH = None
-
-
-def graph_time(fn, reps=3):
-    """GPU time of fn from CUDA-graph replays with the L2 flushed before every call (a 256 MB
-    write, timed alone in its own graph and subtracted): no call finds weights left in L2 by
-    the previous one."""
-    global _FLUSH
-    if not torch.cuda.is_available():       # smoke run (CPU interpreter): runs, does not time
-        fn()
-        return float("nan")
-    import triton.testing
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-
-    def capture(body):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                _FLUSH.zero_()
-                body()
-        t = triton.testing.do_bench(g.replay, warmup=5, rep=100, return_mode="median") / reps
-        del g
-        return t
-    return capture(fn) - capture(lambda: None)
 
 
 def kernel_profile(fn, reps=5, top=25):

@@ -37,6 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import graph_time  # noqa: E402
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
 from dsv4.kernels import gemm as G  # noqa: E402
@@ -61,29 +62,6 @@ class Timer:
             return (time.perf_counter() - t0) * 1e3
         import triton.testing
         return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
-
-    def graph(self, fn, reps=4) -> float | None:
-        """GPU time per call from CUDA-graph replays (host launch overhead removed), L2 not flushed."""
-        if self.smoke:
-            return None
-        import triton.testing
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for _ in range(reps):
-                    fn()
-            t = triton.testing.do_bench(g.replay, warmup=5, rep=60, return_mode="median")
-            del g
-            return t / reps
-        except Exception as e:   # pragma: no cover
-            log(f"graph capture failed: {type(e).__name__}: {e}")
-            return None
 
 
 def relerr(a, b):
@@ -211,8 +189,9 @@ FP8_DECODE_SHAPES = [("Flash wq_a", 1024, 4096), ("Flash wq_b", 32768, 1024), ("
                      ("Flash shared w1|w3", 4096, 4096), ("Flash shared w2", 4096, 2048)]
 FP8_DECODE_CONFIGS = {f"bn{bn}.w{w}.s{st}": dict(BM=16, BN=bn, num_warps=w, num_stages=st)
                       for bn in (32, 64, 128) for w in (4,) for st in (3, 5)}
-FP8_GEMV_CONFIGS = {f"gemv.bn{bn}.w{w}.s{st}": dict(BN=bn, num_warps=w, num_stages=st)
-                    for bn, w, st in ((16, 4, 3), (32, 4, 3), (32, 4, 5), (64, 4, 3), (64, 8, 3))}
+FP8_GEMV_CONFIGS = {f"gemv.bn{bn}.w{w}.p{int(p)}": dict(BN=bn, num_warps=w, num_stages=1, PREFETCH=p)
+                    for bn, w, p in ((16, 4, True), (32, 4, True), (32, 4, False), (64, 4, True), (64, 8, True),
+                                     (128, 8, True))}
 
 
 def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 64)):
@@ -232,9 +211,10 @@ def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 64)):
                 try:
                     y = G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv)
                     err = fp8_check(y, xq, xs, wq, ws)
-                    # do_bench clears the L2 before every call: these weights (<= 32 MB) would
-                    # otherwise be read from the 50 MB L2 on repeated calls
-                    t = timer(lambda: G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv))
+                    # CUDA-graph replays with the L2 flushed before every call: the weights (<= 32 MB)
+                    # would otherwise come from the 50 MB L2, and a decode step runs as a graph
+                    t = graph_time(lambda: G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv)) if not timer.smoke \
+                        else timer(lambda: G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv))
                     res[cname] = (t, err)
                 except Exception as e:
                     log(f"fp8 decode {name} M{M} {cname} failed: {type(e).__name__}: {e}")
@@ -248,7 +228,7 @@ def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 64)):
                 f"  best {best} {tb * 1e3:7.1f} us ({rows[-1]['bw_best']:4.0f}% BW)  err {res['default'][1]:.1e}")
     md = ["", "### FP8 linear at decode batch sizes (fp8_linear, quantisation fused into the GEMM)", "",
           "GB moved = e4m3 weight + scales + activations + output; % BW = that / time / copy bandwidth. "
-          "Times: `do_bench` medians, L2 cleared before every call (host launch included).", "",
+          "Times: CUDA-graph replays (no host launch overhead), L2 flushed before every call.", "",
           "| linear | M | N | K | default us | % BW | best tile (sweep) | us | % BW | err |", "|---|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['name']} | {r['M']} | {r['N']} | {r['K']} | {r['default_us']:.1f} | {r['bw_default']:.0f}% | "
            f"{r['best']} | {r['best_us']:.1f} | {r['bw_best']:.0f}% | {r['err']:.1e} |" for r in rows]
@@ -262,9 +242,10 @@ FP4_SHAPES = [("Flash w1|w3", 4096, 4096, 32), ("Flash w2", 4096, 2048, 64),
 
 
 def fp4_variants(m):
-    gemv = {f"gemv.bn{bn}.w{w}.s{st}": (dict(BM=1 if m == 1 else (2 if m == 2 else 4), BN=bn, num_warps=w, num_stages=st), "gemv", True)
-            for bn, w, st in ((32, 4, 3), (64, 4, 3), (64, 4, 5), (128, 4, 3), (64, 8, 3), (128, 8, 3))} \
-        if m <= G.GEMV_MAX_ROWS else {}
+    gemv = {f"gemv.bn{bn}.w{w}.p{int(p)}": (dict(BM=1 if m == 1 else (2 if m == 2 else 4), BN=bn, num_warps=w,
+                                                num_stages=1, PREFETCH=p), "gemv", True)
+            for bn, w, p in ((64, 8, False), (32, 4, True), (64, 4, True), (64, 8, True), (128, 4, True), (128, 8, True),
+                             (256, 8, True))} if m <= G.GEMV_MAX_ROWS else {}
     big = m > 32
     bm = 64 if big else (32 if m > 16 else 16)
     base = dict(BM=bm)
@@ -453,7 +434,7 @@ def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
                 active = int(torch.unique(idx).numel())
                 nbytes = active * per_expert + shared_bytes
                 floor = nbytes / copy_bw * 1e6
-                tg = timer.graph(lambda: Mo.moe_forward(x, None, w))
+                tg = None if timer.smoke else graph_time(lambda: Mo.moe_forward(x, None, w))
                 te = timer(lambda: Mo.moe_forward(x, None, w), rep=100)
                 tl_ = timer(lambda: Mo.moe_loop_torch(x, None, w, dense), rep=200)
                 best = tg * 1e3 if tg is not None else te * 1e3
@@ -503,7 +484,7 @@ def markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows):
         L.append(f"| {r['name']} | {r['fmt']} | {r['E']} | {r['m']} | {r['wmb']:.0f} | {r['us']:.1f} | {r['gbs']:.0f} | "
                  f"{r['pct']:.0f}% | {tu:.1f} | {tu / r['us']:.1f}x | {r['variant']} | {r['err']:.1e} |")
     L.append("\n### MoE layer (route + sort + grouped FP4 w1|w3+SwiGLU + grouped FP4 w2 + shared FP8 expert + combine)\n")
-    L.append("Triton graph = CUDA-graph replay (no host overhead), eager = plain call; loop = the reference's "
+    L.append("Triton graph = CUDA-graph replay (no host overhead, L2 flushed before every call), eager = plain call; loop = the reference's "
              "Python loop over experts in plain PyTorch on the GPU (same numerics: FP8 QDQ of x and h, bf16 "
              "matmuls on bf16-dequantised weights, eager); floor = bytes of the experts hit + shared expert / "
              "copy bandwidth; err = relative difference to the loop.\n")

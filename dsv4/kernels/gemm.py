@@ -661,7 +661,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, fuse_quant: b
         gemv = 0 < M <= GEMV_MAX_ROWS and config is None
     if gemv:
         from .gemv import fp8_gemv
-        return fp8_gemv(x2, w, ws).reshape(*x.shape[:-1], N)
+        return fp8_gemv(x2, w, ws, config=config).reshape(*x.shape[:-1], N)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M:
         if fuse_quant:

@@ -62,6 +62,27 @@ if triton_available():
         return tl.sum(w * a[None, :, :], axis=2), sa
 
     @triton.jit
+    def _slab_load(wbase, WS, e64, rn64, nmask, g, kb, kb_hi, stride_wse, stride_wsn, WFMT: tl.constexpr,
+                   SB_SHIFT: tl.constexpr, SB_E8M0: tl.constexpr, NG: tl.constexpr):
+        """raw weight bytes [BN, NG, GB] and scales of K block kb (zeros from kb_hi on)."""
+        m = nmask & ((rn64 * 0 + kb) < kb_hi)
+        if WFMT == 3:
+            b = tl.load(wbase + kb * 128, mask=m[:, None, None], other=0)
+            if SB_SHIFT == 7:
+                sptr = WS + (rn64 >> 7) * stride_wsn + kb
+            else:
+                sptr = WS + rn64 * stride_wsn + kb
+            if SB_E8M0:
+                s = tl.load(sptr, mask=m, other=127)
+            else:
+                s = tl.load(sptr, mask=m, other=0.0)
+        else:
+            b = tl.load(wbase + kb * 64, mask=m[:, None, None], other=0)
+            s = tl.load(WS + e64 * stride_wse + rn64[:, None] * stride_wsn + kb * NG + g[None, :], mask=m[:, None],
+                        other=0)
+        return b, s
+
+    @triton.jit
     def _gemv_kernel(A, SA, W, WS, WS2, C, PERM, OFFS, TCUM,
                      M, N, K, n_groups, top_k, k_per_split,
                      stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_w2e,
@@ -69,7 +90,8 @@ if triton_available():
                      WFMT: tl.constexpr, SB_SHIFT: tl.constexpr, SB_E8M0: tl.constexpr,
                      A_BF16: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
                      USE_ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
-                     GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                     GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
+                     INTERP: tl.constexpr):
         """WFMT 0 MXFP4, 1 NVFP4, 3 FP8. One K step = one 128-wide activation block; the weight slab
         is [BN, NG, GB] bytes (FP4: NG scale groups of GB bytes, decoded and interleaved to [BN, NG,
         2 GB] values; FP8: [BN, 8, 16]), in the layout it is loaded in (every product and group sum
@@ -114,7 +136,6 @@ if triton_available():
         g = tl.arange(0, NG)
         j = tl.arange(0, GB)
         wbase = W + e64 * stride_we + rn64[:, None, None] * stride_wn + (g[:, None] * GB + j[None, :])[None, :, :]
-        wmask = nmask[:, None, None]
         acc0 = tl.zeros([BN, NG], tl.float32)
         acc1 = tl.zeros([BN, NG], tl.float32)
         acc2 = tl.zeros([BN, NG], tl.float32)
@@ -122,32 +143,35 @@ if triton_available():
         KG: tl.constexpr = GB if WFMT == 3 else 2 * GB       # K values per scale group in the slab
         kb_lo = (ks * k_per_split) // 128
         kb_hi = tl.minimum(K, ks * k_per_split + k_per_split) // 128
+        # the next K block's weight bytes and scales are loaded before this block's math (plain
+        # register loads are not pipelined by Triton: this keeps two slabs in flight per thread)
+        b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb_lo, kb_hi, stride_wse, stride_wsn,
+                             WFMT, SB_SHIFT, SB_E8M0, NG)
         for kb in range(kb_lo, kb_hi):
             k0 = kb * 128
+            if PREFETCH:
+                b_next, s_next = _slab_load(wbase, WS, e64, rn64, nmask, g, kb + 1, kb_hi, stride_wse,
+                                            stride_wsn, WFMT, SB_SHIFT, SB_E8M0, NG)
+            else:
+                b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb, kb_hi, stride_wse, stride_wsn,
+                                     WFMT, SB_SHIFT, SB_E8M0, NG)
+                b_next = b
+                s_next = sraw
             if WFMT == 3:
-                b = tl.load(wbase + k0, mask=wmask, other=0)
                 w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                if SB_SHIFT == 7:
-                    sptr = WS + (rn64 >> 7) * stride_wsn + kb
-                else:
-                    sptr = WS + rn64 * stride_wsn + kb
                 if SB_E8M0:
-                    sbb = tl.load(sptr, mask=nmask, other=127).to(tl.int32)
+                    sbb = sraw.to(tl.int32)
                     sb = tl.where(sbb == 0, 5.877471754111438e-39, (sbb << 23).to(tl.float32, bitcast=True))
                 else:
-                    sb = tl.load(sptr, mask=nmask, other=0.0)
+                    sb = sraw
                 sb = sb[:, None]
             else:
-                b = tl.load(wbase + kb * 64, mask=wmask, other=0)
                 wl, wh = _e2m1_f16(b, USE_ASM)            # even / odd K elements, value * 2^-6
                 w = tl.reshape(tl.join(wl, wh), [BN, NG, 2 * GB]).to(tl.float32)
-                sptr = WS + e64 * stride_wse + rn64[:, None] * stride_wsn + kb * NG + g[None, :]
                 if WFMT == 0:
-                    sbb = tl.load(sptr, mask=nmask[:, None], other=0).to(tl.int32)
-                    sb = ((sbb + 6) << 23).to(tl.float32, bitcast=True)        # 2^(byte-127) * 2^6
+                    sb = ((sraw.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)   # 2^(byte-127) * 2^6
                 else:
-                    sb = tl.load(sptr, mask=nmask[:, None], other=0).to(tl.float8e4nv, bitcast=True)
-                    sb = sb.to(tl.float32) * 64.0
+                    sb = sraw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
             p, sa = _row_dot(w, A, SA, a0, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
             acc0 += p * (sb * sa)
             if BM > 1:
@@ -158,6 +182,8 @@ if triton_available():
                 acc2 += p * (sb * sa)
                 p, sa = _row_dot(w, A, SA, a3, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
                 acc3 += p * (sb * sa)
+            b = b_next
+            sraw = s_next
         if WFMT == 1:
             s2 = tl.load(WS2 + e64 * stride_w2e + rn64, mask=nmask, other=0.0)
         else:
@@ -211,7 +237,7 @@ if triton_available():
 def gemv_config(N: int, dev, fp8: bool) -> dict:
     if interpreting() or torch.device(dev).type != "cuda":
         return {"BN": 16}
-    return {"BN": 32 if fp8 else 64, "num_warps": 4, "num_stages": 3}
+    return {"BN": 32 if fp8 else 64, "num_warps": 8 if not fp8 else 4, "num_stages": 1, "PREFETCH": True}
 
 
 def _splits(tiles: int, K: int, dev) -> int:
@@ -241,6 +267,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
     if config:
         cfg.update(config)
     BN = cfg.pop("BN")
+    prefetch = bool(cfg.pop("PREFETCH", True))
     grouped = tcum is not None
     grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, bm) + min(n_groups, M)) if grouped \
         else triton.cdiv(M, bm)
@@ -274,7 +301,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         a.stride(0), sa.stride(0) if sa is not None else 0, *strides, dst.stride(-2),
         WFMT=wfmt_i, SB_SHIFT=0 if per_row else 7, SB_E8M0=sb_e8m0, A_BF16=a_bf16, GROUPED=grouped,
         GATHER=perm is not None, USE_ASM=use_asm, BM=bm, BN=BN, NG=ng, GB=gb,
-        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
+        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, PREFETCH=prefetch, INTERP=interpreting(), **kw)
     if partial:
         return dst
     if dst.dtype == torch.float32:
