@@ -189,9 +189,8 @@ FP8_DECODE_SHAPES = [("Flash wq_a", 1024, 4096), ("Flash wq_b", 32768, 1024), ("
                      ("Flash shared w1|w3", 4096, 4096), ("Flash shared w2", 4096, 2048)]
 FP8_DECODE_CONFIGS = {f"bn{bn}.w{w}.s{st}": dict(BM=16, BN=bn, num_warps=w, num_stages=st)
                       for bn in (32, 64, 128) for w in (4,) for st in (3, 5)}
-FP8_GEMV_CONFIGS = {f"gemv.bn{bn}.w{w}.p{int(p)}": dict(BN=bn, num_warps=w, num_stages=1, PREFETCH=p)
-                    for bn, w, p in ((16, 4, True), (32, 4, True), (32, 4, False), (64, 4, True), (64, 8, True),
-                                     (128, 8, True))}
+FP8_GEMV_CONFIGS = {f"gemv.bn{bn}.w{w}": dict(BN=bn, num_warps=w, num_stages=1)
+                    for bn, w in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))}
 
 
 def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 64)):
@@ -207,7 +206,7 @@ def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 64)):
             for cname, cfg in [("default", None)] + list(FP8_DECODE_CONFIGS.items()) + gemv_cfgs:
                 if M > 16 and cfg is not None:
                     cfg = dict(cfg, BM=64)
-                gemv = cname.startswith("gemv") or None
+                gemv = cname.startswith("gemv")
                 try:
                     y = G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv)
                     err = fp8_check(y, xq, xs, wq, ws)
@@ -242,10 +241,9 @@ FP4_SHAPES = [("Flash w1|w3", 4096, 4096, 32), ("Flash w2", 4096, 2048, 64),
 
 
 def fp4_variants(m):
-    gemv = {f"gemv.bn{bn}.w{w}.p{int(p)}": (dict(BM=1 if m == 1 else (2 if m == 2 else 4), BN=bn, num_warps=w,
-                                                num_stages=1, PREFETCH=p), "gemv", True)
-            for bn, w, p in ((64, 8, False), (32, 4, True), (64, 4, True), (64, 8, True), (128, 4, True), (128, 8, True),
-                             (256, 8, True))} if m <= G.GEMV_MAX_ROWS else {}
+    gemv = {f"gemv.bn{bn}.w{w}": (dict(BM=1 if m == 1 else (2 if m == 2 else 4), BN=bn, num_warps=w, num_stages=1),
+                                  "gemv", True)
+            for bn, w in ((64, 4), (64, 8), (128, 8), (256, 8), (128, 16))} if m <= G.GEMV_MAX_ROWS else {}
     big = m > 32
     bm = 64 if big else (32 if m > 16 else 16)
     base = dict(BM=bm)
@@ -438,9 +436,15 @@ def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
                 te = timer(lambda: Mo.moe_forward(x, None, w), rep=100)
                 tl_ = timer(lambda: Mo.moe_loop_torch(x, None, w, dense), rep=200)
                 best = tg * 1e3 if tg is not None else te * 1e3
+                variants = {}
+                if T <= 64 and not timer.smoke:   # the decode GEMV vs the MMA kernels, tile rows
+                    for vn, kw in (("mma", dict(path=G.fp4_path(w.fmt, dev))), ("gemv.bm1", dict(path="gemv", config={"BM": 1})),
+                                   ("gemv.bm2", dict(path="gemv", config={"BM": 2})), ("gemv.bm4", dict(path="gemv", config={"BM": 4}))):
+                        variants[vn] = graph_time(lambda kw=kw: Mo.moe_forward(x, None, w, **kw)) * 1e3
+                    log(f"moe {model} T{T} variants (graph us): " + ", ".join(f"{k} {v:.1f}" for k, v in variants.items()))
                 row = dict(model=model, T=T, E=E, active=active, graph_us=None if tg is None else tg * 1e3,
                            eager_us=te * 1e3, loop_us=tl_ * 1e3, speedup=tl_ * 1e3 / best, floor_us=floor,
-                           pct_floor=100 * floor / best, err=err, gb=nbytes / 1e9)
+                           pct_floor=100 * floor / best, err=err, gb=nbytes / 1e9, variants=variants)
                 rows.append(row)
                 log(f"moe {model} T{T:5d}: graph {row['graph_us'] or 0:9.1f} us eager {row['eager_us']:9.1f} us | "
                     f"loop {row['loop_us']:9.1f} us x{row['speedup']:.1f} | active {active} floor {floor:.1f} us "
@@ -494,6 +498,14 @@ def markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows):
         g = f"{r['graph_us']:.1f}" if r["graph_us"] is not None else "-"
         L.append(f"| {r['model']} | {r['T']} | {r['active']} | {r['gb']:.2f} | {g} | {r['eager_us']:.1f} | "
                  f"{r['loop_us']:.1f} | {r['speedup']:.1f}x | {r['floor_us']:.1f} | {r['pct_floor']:.0f}% | {r['err']:.1e} |")
+    var = [r for r in moe_rows if r.get("variants")]
+    if var:
+        L.append("\nExpert-GEMM path per decode batch (CUDA-graph us, L2 flushed): `mma` = the tensor-core FP4 "
+                 "kernels, `gemv.bmN` = the CUDA-core GEMV with N-row tiles (the default picks by rows per expert).\n")
+        L.append("| model | tokens | " + " | ".join(var[0]["variants"]) + " |")
+        L.append("|---|---|" + "---|" * len(var[0]["variants"]))
+        for r in var:
+            L.append(f"| {r['model']} | {r['T']} | " + " | ".join(f"{v:.1f}" for v in r["variants"].values()) + " |")
     if sweep_rows:
         L.append("\n<details><summary>in-run variant sweep</summary>\n")
         L.append("| shape | variant | us | err | note |")

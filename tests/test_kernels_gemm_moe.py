@@ -124,7 +124,7 @@ def test_fp8_gemm(M, N, K):
     y32 = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.float().to(DEV))
     assert torch.equal(y32.cpu().view(torch.int16), y.cpu().view(torch.int16))
     for fuse in (True, False):
-        yl = G.fp8_linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=fuse, gemv=False)
+        yl = G.fp8_linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=fuse)
         assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
 
 
@@ -242,9 +242,8 @@ def test_gemv_against_exact(fmt, M, split):
         y = V.fp8_gemv(x.to(DEV), q.to(DEV), s.to(DEV), config=cfg)
         y2 = V.fp8_gemv(xq.to(DEV), q.to(DEV), s.to(DEV), xs=xs.to(DEV), config=cfg)
         assert torch.equal(y.cpu().view(torch.int16), y2.cpu().view(torch.int16))
-        # fp8_linear picks the GEMV up to GEMV_MAX_ROWS rows
-        yl = G.fp8_linear(x.to(DEV), q.to(DEV), s.to(DEV))
-        if M <= G.GEMV_MAX_ROWS and split is None:
+        if split is None:     # fp8_linear(gemv=True) is this kernel
+            yl = G.fp8_linear(x.to(DEV), q.to(DEV), s.to(DEV), gemv=True)
             assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
         twin = G.fp8_gemm_torch(xq, xs, q, s)
         _check_gemm(y, xq, xs, Wd, twin, acc=2.0 ** -16)
@@ -484,10 +483,10 @@ _AOT_SCRIPT = textwrap.dedent("""
                    OFFS=P("i64"), TCUM=P("i64"))
         for wf, ng, gb, bm in ((0, 4, 16, 1), (1, 8, 8, 2), (0, 4, 16, 4)):
             comp(V._gemv_kernel, gvt, dict(WFMT=wf, SB_SHIFT=7, SB_E8M0=False, A_BF16=False, GROUPED=True, GATHER=True,
-                 USE_ASM=True, BM=bm, BN=64, NG=ng, GB=gb, LOG2G=9, SPLIT=True, PREFETCH=True, INTERP=False), cap, 8, 1)
+                 USE_ASM=True, BM=bm, BN=64, NG=ng, GB=gb, LOG2G=9, SPLIT=True, INTERP=False), cap, 8, 1)
         comp(V._gemv_kernel, dict(gvt, A=P("bf16"), WS=P("fp32"), C=P("bf16")), dict(WFMT=3, SB_SHIFT=7, SB_E8M0=False,
              A_BF16=True, GROUPED=False, GATHER=False, USE_ASM=True, BM=1, BN=32, NG=8, GB=16, LOG2G=1, SPLIT=False,
-             PREFETCH=True, INTERP=False), cap, 4, 1)
+             INTERP=False), cap, 4, 1)
         comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i32"),
              limit="fp32"), dict(GATHER=True, HAS_PW=True, INTERP=False), cap, 4)
         comp(Mo._route_kernel, dict(S=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"),
@@ -520,7 +519,7 @@ def test_gpu_fp8_gemm_flash_shapes(M, N, K):
     xq, xs = G.act_quant_fp8(x.cuda())
     y = G.fp8_gemm(xq, xs, wq.cuda(), ws.cuda())
     _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), acc=FP8_ACC)
-    yl = G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda(), gemv=False)
+    yl = G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda())
     assert torch.equal(yl.view(torch.int16), y.view(torch.int16))
 
 
@@ -540,7 +539,7 @@ def test_gpu_gemv_flash_shapes(fmt, M):
             wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.02)
             y = V.fp8_gemv(x.cuda(), wq.cuda(), ws.cuda())
             _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws))
-            assert torch.equal(y.view(torch.int16), G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda()).view(torch.int16))
+            assert torch.equal(y.view(torch.int16), G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda(), gemv=True).view(torch.int16))
         else:
             wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
             y = V.fp4_gemv(xq, xs, wp.cuda(), s.cuda(), fmt, None if s2 is None else s2.cuda())

@@ -643,11 +643,12 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tens
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, fuse_quant: bool | None = None,
-               config: dict | None = None, gemv: bool | None = None) -> torch.Tensor:
+               config: dict | None = None, gemv: bool = False) -> torch.Tensor:
     """bf16 x [..., K] -> bf16 [..., N]: act_quant_fp8 + fp8_gemm (the quantisation fused into the
     GEMM's A-tile load when M <= 64, unless ``fuse_quant`` says otherwise). Bit-identical to the
-    two-step path. Up to ``GEMV_MAX_ROWS`` rows (and no ``config``) it runs on the CUDA-core GEMV
-    (``gemv.fp8_gemv``: same products and quantisation, another fp32 summation order)."""
+    two-step path. ``gemv=True`` runs the CUDA-core GEMV instead (``gemv.fp8_gemv``: same products
+    and quantisation, another fp32 summation order); not the default: at 1-4 rows the split-K MMA
+    kernel measured faster on the H200 for every V4-Flash linear (BENCHMARKS.md)."""
     _check_fp8_weight(w, ws)
     K = x.shape[-1]
     N = w.shape[0]
@@ -657,8 +658,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, fuse_quant: b
     M = x2.shape[0]
     if fuse_quant is None:
         fuse_quant = M <= 64
-    if gemv is None:
-        gemv = 0 < M <= GEMV_MAX_ROWS and config is None
     if gemv:
         from .gemv import fp8_gemv
         return fp8_gemv(x2, w, ws, config=config).reshape(*x.shape[:-1], N)

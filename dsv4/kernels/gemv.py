@@ -90,8 +90,7 @@ if triton_available():
                      WFMT: tl.constexpr, SB_SHIFT: tl.constexpr, SB_E8M0: tl.constexpr,
                      A_BF16: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
                      USE_ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
-                     GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
         """WFMT 0 MXFP4, 1 NVFP4, 3 FP8. One K step = one 128-wide activation block; the weight slab
         is [BN, NG, GB] bytes (FP4: NG scale groups of GB bytes, decoded and interleaved to [BN, NG,
         2 GB] values; FP8: [BN, 8, 16]), in the layout it is loaded in (every product and group sum
@@ -143,20 +142,11 @@ if triton_available():
         KG: tl.constexpr = GB if WFMT == 3 else 2 * GB       # K values per scale group in the slab
         kb_lo = (ks * k_per_split) // 128
         kb_hi = tl.minimum(K, ks * k_per_split + k_per_split) // 128
-        # the next K block's weight bytes and scales are loaded before this block's math (plain
-        # register loads are not pipelined by Triton: this keeps two slabs in flight per thread)
-        b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb_lo, kb_hi, stride_wse, stride_wsn,
-                             WFMT, SB_SHIFT, SB_E8M0, NG)
         for kb in range(kb_lo, kb_hi):
             k0 = kb * 128
-            if PREFETCH:
-                b_next, s_next = _slab_load(wbase, WS, e64, rn64, nmask, g, kb + 1, kb_hi, stride_wse,
-                                            stride_wsn, WFMT, SB_SHIFT, SB_E8M0, NG)
-            else:
-                b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb, kb_hi, stride_wse, stride_wsn,
-                                     WFMT, SB_SHIFT, SB_E8M0, NG)
-                b_next = b
-                s_next = sraw
+            # (loading block kb + 1 before block kb's math measured slower on the H200: BENCHMARKS.md)
+            b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb, kb_hi, stride_wse, stride_wsn,
+                                 WFMT, SB_SHIFT, SB_E8M0, NG)
             if WFMT == 3:
                 w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 if SB_E8M0:
@@ -182,8 +172,6 @@ if triton_available():
                 acc2 += p * (sb * sa)
                 p, sa = _row_dot(w, A, SA, a3, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
                 acc3 += p * (sb * sa)
-            b = b_next
-            sraw = s_next
         if WFMT == 1:
             s2 = tl.load(WS2 + e64 * stride_w2e + rn64, mask=nmask, other=0.0)
         else:
@@ -237,7 +225,8 @@ if triton_available():
 def gemv_config(N: int, dev, fp8: bool) -> dict:
     if interpreting() or torch.device(dev).type != "cuda":
         return {"BN": 16}
-    return {"BN": 32 if fp8 else 64, "num_warps": 8 if not fp8 else 4, "num_stages": 1, "PREFETCH": True}
+    # H200 sweep (benchmarks/gemm_moe.py, V4-Flash w1|w3 at one row per expert): 64 rows x 8 warps
+    return {"BN": 32 if fp8 else 64, "num_warps": 4 if fp8 else 8, "num_stages": 1}
 
 
 def _splits(tiles: int, K: int, dev) -> int:
@@ -267,7 +256,6 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
     if config:
         cfg.update(config)
     BN = cfg.pop("BN")
-    prefetch = bool(cfg.pop("PREFETCH", True))
     grouped = tcum is not None
     grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, bm) + min(n_groups, M)) if grouped \
         else triton.cdiv(M, bm)
@@ -301,7 +289,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         a.stride(0), sa.stride(0) if sa is not None else 0, *strides, dst.stride(-2),
         WFMT=wfmt_i, SB_SHIFT=0 if per_row else 7, SB_E8M0=sb_e8m0, A_BF16=a_bf16, GROUPED=grouped,
         GATHER=perm is not None, USE_ASM=use_asm, BM=bm, BN=BN, NG=ng, GB=gb,
-        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, PREFETCH=prefetch, INTERP=interpreting(), **kw)
+        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
     if partial:
         return dst
     if dst.dtype == torch.float32:

@@ -473,9 +473,11 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, retu
     if w.sh13 is not None:
         tb = 1 if T == 1 else (2 if T == 2 else 4)
         if T <= GEMV_MAX_ROWS:
+            # w1|w3 on the split-K GEMV (the MMA SwiGLU kernel cannot split K: 16 programs at V4-Flash
+            # size); w2 on the split-K MMA kernel, faster there on the H200
             part = gemv_launch(xq, xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True, bm=tb)
             hq, hsc = swiglu_quant(part, w.limit)
-            sh = gemv_launch(hq, hsc, w.sh2, w.sh2_s, None, T, d, w.sh2.shape[1], wfmt="fp8", bm=tb)
+            sh = fp8_gemm(hq.view(torch.float8_e4m3fn), hsc, w.sh2, w.sh2_s)
         else:
             hq, hsc = fp8_swiglu(xq.view(torch.float8_e4m3fn), xs, w.sh13, w.sh13_s, w.limit)
             sh = fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
