@@ -241,12 +241,9 @@ FP4_SHAPES = [("Flash w1|w3", 4096, 4096, 32), ("Flash w2", 4096, 2048, 64),
 
 
 def fp4_variants(m):
-    # a32: the activation passed as fp32 values (the MoE path), else e4m3 bytes; ku: K blocks per iteration
-    gemv = {f"gemv.bn{bn}.w{w}{'.a32' if a32 else ''}.ku{ku}": (
-                dict(BM=1 if m == 1 else (2 if m == 2 else 4), BN=bn, num_warps=w, num_stages=1, KU=ku, A32=a32),
-                "gemv", True)
-            for bn, w, a32, ku in ((128, 8, False, 1), (128, 8, True, 1), (64, 8, True, 1), (128, 8, True, 2),
-                                   (64, 8, True, 2), (64, 4, True, 2), (256, 8, True, 1))} if m <= G.GEMV_MAX_ROWS else {}
+    gemv = {f"gemv.bn{bn}.w{w}": (dict(BM=1 if m == 1 else (2 if m == 2 else 4), BN=bn, num_warps=w, num_stages=1),
+                                  "gemv", True)
+            for bn, w in ((64, 4), (64, 8), (128, 8), (256, 8), (128, 16))} if m <= G.GEMV_MAX_ROWS else {}
     big = m > 32
     bm = 64 if big else (32 if m > 16 else 16)
     base = dict(BM=bm)
@@ -282,10 +279,8 @@ class Fp4Case:
         tiles = -(-self.m // bm)
         tcum = (torch.arange(self.E + 1, device=self.w.device) * tiles).to(torch.int64)
         if path == "gemv":
-            c = {k: v for k, v in cfg.items() if k not in ("BM", "A32")}
-            if cfg.get("A32") and not hasattr(self, "xf"):
-                self.xf = self.xq.float()
-            return gemv_launch(self.xf if cfg.get("A32") else G._u8(self.xq), self.xs, self.w, self.s, self.s2, self.R, self.N, self.K, wfmt=self.fmt,
+            c = {k: v for k, v in cfg.items() if k != "BM"}
+            return gemv_launch(G._u8(self.xq), self.xs, self.w, self.s, self.s2, self.R, self.N, self.K, wfmt=self.fmt,
                                out=self.out, offs=self.offs, tcum=tcum, n_groups=self.E, n_tiles=self.E * tiles,
                                bm=bm, config=c)
         a = self.a16 if path == "dequant" else G._u8(self.xq)

@@ -234,7 +234,7 @@ def test_gemv_against_exact(fmt, M, split):
     K, N = 512, 80
     x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
     xq, xs = act_quant_ref(x)
-    cfg = {"SPLIT_K": split, "KU": 2} if split else None     # two K blocks per iteration (odd count: 2 of 4 / 3)
+    cfg = {"SPLIT_K": split} if split else None
     if fmt == "fp8":
         W = torch.randn(N, K, generator=gen) * 0.05
         q, s = quant_fp8_weight(W)
@@ -483,12 +483,12 @@ _AOT_SCRIPT = textwrap.dedent("""
                    OFFS=P("i64"), TCUM=P("i64"))
         for wf, ng, gb, bm in ((0, 4, 16, 1), (1, 8, 8, 2), (0, 4, 16, 4)):
             comp(V._gemv_kernel, gvt, dict(WFMT=wf, SB_SHIFT=7, SB_E8M0=False, A_BF16=False, GROUPED=True, GATHER=True,
-                 USE_ASM=True, BM=bm, BN=64, NG=ng, GB=gb, LOG2G=9, SPLIT=True, KU=2, INTERP=False), cap, 8, 1)
+                 USE_ASM=True, BM=bm, BN=64, NG=ng, GB=gb, LOG2G=9, SPLIT=True, INTERP=False), cap, 8, 1)
         comp(V._gemv_kernel, dict(gvt, A=P("bf16"), WS=P("fp32"), C=P("bf16")), dict(WFMT=3, SB_SHIFT=7, SB_E8M0=False,
              A_BF16=True, GROUPED=False, GATHER=False, USE_ASM=True, BM=1, BN=32, NG=8, GB=16, LOG2G=1, SPLIT=False,
-             KU=1, INTERP=False), cap, 4, 1)
-        comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), HF=P("fp32"), PW=P("fp32"),
-             PERM=P("i32"), limit="fp32"), dict(GATHER=True, HAS_PW=True, WITH_F32=True, INTERP=False), cap, 4)
+             INTERP=False), cap, 4, 1)
+        comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i32"),
+             limit="fp32"), dict(GATHER=True, HAS_PW=True, INTERP=False), cap, 4)
         comp(Mo._route_kernel, dict(S=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"),
              WRAW=P("fp32"), EFLAT=P("i32")), dict(KTOP=6, KP=8, EP=256, HASH=False), cap, 4)
         comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i32"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),

@@ -57,10 +57,7 @@ if triton_available():
             a = q.to(tl.float32)
             sa = _exp2i(e)
         else:
-            if A.dtype.element_ty == tl.float32:   # e4m3 values already widened (no per-thread decode)
-                a = tl.load(ptr)
-            else:
-                a = tl.load(ptr).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            a = tl.load(ptr).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             sa = tl.load(SA + row * stride_sam + kb)
         return tl.sum(w * a[None, :, :], axis=2), sa
 
@@ -86,40 +83,6 @@ if triton_available():
         return b, s
 
     @triton.jit
-    def _gemv_block(acc0, acc1, acc2, acc3, b, sraw, A, SA, a0, a1, a2, a3, kb, stride_am, stride_sam,
-                    WFMT: tl.constexpr, SB_E8M0: tl.constexpr, A_BF16: tl.constexpr, USE_ASM: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, GB: tl.constexpr, KG: tl.constexpr,
-                    INTERP: tl.constexpr):
-        """decode one K block's weight slab and add its scaled group sums to the row accumulators."""
-        k0 = kb * 128
-        if WFMT == 3:
-            w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            if SB_E8M0:
-                sbb = sraw.to(tl.int32)
-                sb = tl.where(sbb == 0, 5.877471754111438e-39, (sbb << 23).to(tl.float32, bitcast=True))
-            else:
-                sb = sraw
-            sb = sb[:, None]
-        else:
-            wl, wh = _e2m1_f16(b, USE_ASM)            # even / odd K elements, value * 2^-6
-            w = tl.reshape(tl.join(wl, wh), [BN, NG, 2 * GB]).to(tl.float32)
-            if WFMT == 0:
-                sb = ((sraw.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)   # 2^(byte-127) * 2^6
-            else:
-                sb = sraw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
-        p, sa = _row_dot(w, A, SA, a0, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
-        acc0 += p * (sb * sa)
-        if BM > 1:
-            p, sa = _row_dot(w, A, SA, a1, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
-            acc1 += p * (sb * sa)
-        if BM > 2:
-            p, sa = _row_dot(w, A, SA, a2, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
-            acc2 += p * (sb * sa)
-            p, sa = _row_dot(w, A, SA, a3, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
-            acc3 += p * (sb * sa)
-        return acc0, acc1, acc2, acc3
-
-    @triton.jit
     def _gemv_kernel(A, SA, W, WS, WS2, C, PERM, OFFS, TCUM,
                      M, N, K, n_groups, top_k, k_per_split,
                      stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_w2e,
@@ -127,7 +90,7 @@ if triton_available():
                      WFMT: tl.constexpr, SB_SHIFT: tl.constexpr, SB_E8M0: tl.constexpr,
                      A_BF16: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
                      USE_ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
-                     GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, KU: tl.constexpr, INTERP: tl.constexpr):
+                     GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
         """WFMT 0 MXFP4, 1 NVFP4, 3 FP8. One K step = one 128-wide activation block; the weight slab
         is [BN, NG, GB] bytes (FP4: NG scale groups of GB bytes, decoded and interleaved to [BN, NG,
         2 GB] values; FP8: [BN, 8, 16]), in the layout it is loaded in (every product and group sum
@@ -179,22 +142,36 @@ if triton_available():
         KG: tl.constexpr = GB if WFMT == 3 else 2 * GB       # K values per scale group in the slab
         kb_lo = (ks * k_per_split) // 128
         kb_hi = tl.minimum(K, ks * k_per_split + k_per_split) // 128
-        for kb0 in range(kb_lo, kb_hi, KU):
-            # KU blocks per iteration: their weight loads are all issued before any block's math
-            # (register loads are not pipelined by Triton); a block past kb_hi loads zero weights
-            b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb0, kb_hi, stride_wse, stride_wsn,
+        for kb in range(kb_lo, kb_hi):
+            k0 = kb * 128
+            # (loading block kb + 1 before block kb's math measured slower on the H200: BENCHMARKS.md)
+            b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb, kb_hi, stride_wse, stride_wsn,
                                  WFMT, SB_SHIFT, SB_E8M0, NG)
-            if KU == 2:
-                kb1 = tl.minimum(kb0 + 1, kb_hi - 1)
-                b1, sraw1 = _slab_load(wbase, WS, e64, rn64, nmask, g, kb0 + 1, kb_hi, stride_wse, stride_wsn,
-                                       WFMT, SB_SHIFT, SB_E8M0, NG)
-            acc0, acc1, acc2, acc3 = _gemv_block(acc0, acc1, acc2, acc3, b, sraw, A, SA, a0, a1, a2, a3, kb0,
-                                                 stride_am, stride_sam, WFMT, SB_E8M0, A_BF16, USE_ASM, BM, BN,
-                                                 NG, GB, KG, INTERP)
-            if KU == 2:
-                acc0, acc1, acc2, acc3 = _gemv_block(acc0, acc1, acc2, acc3, b1, sraw1, A, SA, a0, a1, a2, a3, kb1,
-                                                     stride_am, stride_sam, WFMT, SB_E8M0, A_BF16, USE_ASM, BM, BN,
-                                                     NG, GB, KG, INTERP)
+            if WFMT == 3:
+                w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                if SB_E8M0:
+                    sbb = sraw.to(tl.int32)
+                    sb = tl.where(sbb == 0, 5.877471754111438e-39, (sbb << 23).to(tl.float32, bitcast=True))
+                else:
+                    sb = sraw
+                sb = sb[:, None]
+            else:
+                wl, wh = _e2m1_f16(b, USE_ASM)            # even / odd K elements, value * 2^-6
+                w = tl.reshape(tl.join(wl, wh), [BN, NG, 2 * GB]).to(tl.float32)
+                if WFMT == 0:
+                    sb = ((sraw.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)   # 2^(byte-127) * 2^6
+                else:
+                    sb = sraw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
+            p, sa = _row_dot(w, A, SA, a0, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+            acc0 += p * (sb * sa)
+            if BM > 1:
+                p, sa = _row_dot(w, A, SA, a1, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+                acc1 += p * (sb * sa)
+            if BM > 2:
+                p, sa = _row_dot(w, A, SA, a2, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+                acc2 += p * (sb * sa)
+                p, sa = _row_dot(w, A, SA, a3, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+                acc3 += p * (sb * sa)
         if WFMT == 1:
             s2 = tl.load(WS2 + e64 * stride_w2e + rn64, mask=nmask, other=0.0)
         else:
@@ -216,9 +193,8 @@ if triton_available():
             _store_bf16(C + r64 * stride_cm + rn64, y, mask, INTERP)
 
     @triton.jit
-    def _swiglu_quant_kernel(WSP, H, HS, HF, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm,
-                             GATHER: tl.constexpr, HAS_PW: tl.constexpr, WITH_F32: tl.constexpr,
-                             INTERP: tl.constexpr):
+    def _swiglu_quant_kernel(WSP, H, HS, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm,
+                             GATHER: tl.constexpr, HAS_PW: tl.constexpr, INTERP: tl.constexpr):
         """h[r, 128 c ..] = FP8(_swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols]))."""
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
@@ -240,8 +216,6 @@ if triton_available():
         h = _swiglu_h(gs[None, :], us[None, :], pw, limit, HAS_PW)
         q, eh = _quant_rows(h, INTERP)
         tl.store(H + r * stride_hm + i[None, :], q.to(tl.uint8, bitcast=True))
-        if WITH_F32:
-            tl.store(HF + r * stride_hm + i[None, :], q.to(tl.float32))
         tl.store(HS + r * stride_hsm + c + tl.arange(0, 1), _exp2i(eh))
 
 
@@ -251,9 +225,8 @@ if triton_available():
 def gemv_config(N: int, dev, fp8: bool) -> dict:
     if interpreting() or torch.device(dev).type != "cuda":
         return {"BN": 16}
-    # H200 sweeps (benchmarks/gemm_moe.py, V4-Flash w1|w3 at one row per expert): 64 or 128 rows x
-    # 8 warps within run-to-run noise of each other (165-198 us), 128 the faster in the last run
-    return {"BN": 32 if fp8 else 128, "num_warps": 4 if fp8 else 8, "num_stages": 1}
+    # H200 sweep (benchmarks/gemm_moe.py, V4-Flash w1|w3 at one row per expert): 64 rows x 8 warps
+    return {"BN": 32 if fp8 else 64, "num_warps": 4 if fp8 else 8, "num_stages": 1}
 
 
 def _splits(tiles: int, K: int, dev) -> int:
@@ -270,8 +243,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
                 a_bf16: bool = False, perm=None, offs=None, tcum=None, top_k: int = 1, n_groups: int = 1,
                 n_tiles: int | None = None, bm: int = 1, split: int | None = None, config: dict | None = None,
                 use_asm: bool | None = None):
-    """Launch the decode GEMV. a: e4m3 bytes, or their values widened to fp32 (no decode per thread),
-    or bf16 with ``a_bf16`` (quantised in the prologue), [rows, K]; sa fp32 [rows, K/128]
+    """Launch the decode GEMV. a: e4m3 bytes (or bf16 with ``a_bf16``) [rows, K]; sa fp32 [rows, K/128]
     (unused with ``a_bf16``). w: FP4 packed uint8 [G, N, K/2] with scales uint8 [G, N, K/32] (mxfp4) /
     e4m3 bytes [G, N, K/16] + fp32 ws2 [G, N] (nvfp4), or FP8 e4m3 [N, K] with ws [N/128, K/128] or
     per-row [N, K/128] (e8m0 bytes or fp32). Returns bf16 ``out`` [M, N], or with ``partial`` the fp32
@@ -284,7 +256,6 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
     if config:
         cfg.update(config)
     BN = cfg.pop("BN")
-    ku = int(cfg.pop("KU", 1))
     grouped = tcum is not None
     grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, bm) + min(n_groups, M)) if grouped \
         else triton.cdiv(M, bm)
@@ -318,7 +289,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         a.stride(0), sa.stride(0) if sa is not None else 0, *strides, dst.stride(-2),
         WFMT=wfmt_i, SB_SHIFT=0 if per_row else 7, SB_E8M0=sb_e8m0, A_BF16=a_bf16, GROUPED=grouped,
         GATHER=perm is not None, USE_ASM=use_asm, BM=bm, BN=BN, NG=ng, GB=gb,
-        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, KU=ku, INTERP=interpreting(), **kw)
+        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
     if partial:
         return dst
     if dst.dtype == torch.float32:
@@ -330,7 +301,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
     return dst
 
 
-def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None, with_f32: bool = False):
+def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None):
     """fp32 partials [S, M, 2I] of the w1|w3 GEMM -> (h e4m3 bytes [M, I], hs fp32 [M, I/128]):
     the official expert middle (``gemm._swiglu_h``: bf16 rounding, clamps, silu, routing weight ``pw``
     per pair id, one bf16 rounding) and its FP8 1x128 quantisation."""
@@ -341,14 +312,13 @@ def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None, with_
     dev = partials.device
     h = torch.empty(M, I, dtype=torch.uint8, device=dev)
     hs = torch.empty(M, I // QBLOCK, dtype=torch.float32, device=dev)
-    hf = torch.empty(M, I, dtype=torch.float32, device=dev) if with_f32 else None
     if M:
         kw = {} if interpreting() else {"num_warps": 4}
         _swiglu_quant_kernel[(M, I // QBLOCK)](
-            partials, h, hs, hf if with_f32 else hs, pw if pw is not None else partials,
-            perm if perm is not None else partials, M, N2, I, S, float(limit), h.stride(0), hs.stride(0),
-            GATHER=perm is not None, HAS_PW=pw is not None, WITH_F32=with_f32, INTERP=interpreting(), **kw)
-    return (h, hs, hf) if with_f32 else (h, hs)
+            partials, h, hs, pw if pw is not None else partials, perm if perm is not None else partials,
+            M, N2, I, S, float(limit), h.stride(0), hs.stride(0), GATHER=perm is not None,
+            HAS_PW=pw is not None, INTERP=interpreting(), **kw)
+    return h, hs
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, xs: torch.Tensor | None = None,

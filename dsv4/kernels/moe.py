@@ -398,7 +398,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     P = T * k
     rows_per_expert = P / max(1, min(E, P))
     if path is None:
-        path = "gemv" if rows_per_expert <= GEMV_ROWS_PER_EXPERT else fp4_path(w.fmt, dev)
+        path = "gemv" if rows_per_expert <= GEMV_MAX_ROWS else fp4_path(w.fmt, dev)
     if path == "gemv":
         return _moe_gemv(x, w, idx, rw, eflat, k, rows_per_expert, config, return_parts)
     bm = fp4_config(rows_per_expert, dev)["BM"]
@@ -443,14 +443,9 @@ def _combine(out, inv, offs, sh, y, k):
         BD=BD, HAS_SHARED=sh is not None, INTERP=interpreting(), **kw)
 
 
-GEMV_ROWS_PER_EXPERT = 2.0   # the MoE takes the decode GEMV up to this many (average) rows per expert
-
-
 def gemv_rows(rows_per_expert: float) -> int:
-    """m-tile of the GEMV path: one row. On the H200 1-row tiles beat 2- and 4-row tiles at 1 and
-    1.5 rows per expert (V4-Flash and V4-Pro, batch 1 and 64: a padded row costs a full row's math,
-    and a weight slab read twice mostly comes from L2); 2/4 stay selectable through ``config``."""
-    return 1
+    """m-tile of the GEMV path: 1, 2 or 4 rows (the kernel's unrolled row accumulators)."""
+    return 1 if rows_per_expert <= 1.25 else (2 if rows_per_expert <= 2.5 else 4)
 
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, return_parts):
@@ -466,22 +461,21 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, retu
     perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     xq, xs = act_quant_fp8(x)
-    xf = xq.float()                    # the e4m3 values widened once (T x d: tiny at decode)
     xq = _u8(xq)
     pw = rw.float().contiguous().reshape(-1)
     grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=n_tiles, bm=bm,
                    config=cfg or None)
-    part = gemv_launch(xf, xs, w.w13, w.w13_s, w.w13_s2, P, 2 * I, d, wfmt=w.fmt, partial=True, **grouped)
-    _h, hs, hf = swiglu_quant(part, w.limit, pw=pw, perm=perm, with_f32=True)
+    part = gemv_launch(xq, xs, w.w13, w.w13_s, w.w13_s2, P, 2 * I, d, wfmt=w.fmt, partial=True, **grouped)
+    h, hs = swiglu_quant(part, w.limit, pw=pw, perm=perm)
     grouped.update(perm=None, top_k=1)
-    out = gemv_launch(hf, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, **grouped)
+    out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, **grouped)
     sh = None
     if w.sh13 is not None:
         tb = 1 if T == 1 else (2 if T == 2 else 4)
         if T <= GEMV_MAX_ROWS:
             # w1|w3 on the split-K GEMV (the MMA SwiGLU kernel cannot split K: 16 programs at V4-Flash
             # size); w2 on the split-K MMA kernel, faster there on the H200
-            part = gemv_launch(xf, xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True, bm=tb)
+            part = gemv_launch(xq, xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True, bm=tb)
             hq, hsc = swiglu_quant(part, w.limit)
             sh = fp8_gemm(hq.view(torch.float8_e4m3fn), hsc, w.sh2, w.sh2_s)
         else:
