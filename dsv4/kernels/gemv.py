@@ -144,7 +144,6 @@ if triton_available():
         kb_hi = tl.minimum(K, ks * k_per_split + k_per_split) // 128
         for kb in range(kb_lo, kb_hi):
             k0 = kb * 128
-            # (loading block kb + 1 before block kb's math measured slower on the H200: BENCHMARKS.md)
             b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb, kb_hi, stride_wse, stride_wsn,
                                  WFMT, SB_SHIFT, SB_E8M0, NG)
             if WFMT == 3:
@@ -225,7 +224,9 @@ if triton_available():
 def gemv_config(N: int, dev, fp8: bool) -> dict:
     if interpreting() or torch.device(dev).type != "cuda":
         return {"BN": 16}
-    # H200 sweep (benchmarks/gemm_moe.py, V4-Flash w1|w3 at one row per expert): 64 rows x 8 warps
+    # H200 (BENCHMARKS.md): 64 rows x 8 warps gave the fastest MoE layer at batch 1 and 64 (V4-Flash
+    # and V4-Pro); on the single-GEMM sweep 64 and 128 rows are within run-to-run noise (165-198 us).
+    # Tried and slower: next-block prefetch, two K blocks per iteration, an fp32 activation operand
     return {"BN": 32 if fp8 else 64, "num_warps": 4 if fp8 else 8, "num_stages": 1}
 
 

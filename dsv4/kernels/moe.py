@@ -398,7 +398,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     P = T * k
     rows_per_expert = P / max(1, min(E, P))
     if path is None:
-        path = "gemv" if rows_per_expert <= GEMV_MAX_ROWS else fp4_path(w.fmt, dev)
+        path = "gemv" if rows_per_expert <= GEMV_ROWS_PER_EXPERT else fp4_path(w.fmt, dev)
     if path == "gemv":
         return _moe_gemv(x, w, idx, rw, eflat, k, rows_per_expert, config, return_parts)
     bm = fp4_config(rows_per_expert, dev)["BM"]
@@ -443,9 +443,14 @@ def _combine(out, inv, offs, sh, y, k):
         BD=BD, HAS_SHARED=sh is not None, INTERP=interpreting(), **kw)
 
 
+GEMV_ROWS_PER_EXPERT = 2.0   # the MoE takes the decode GEMV up to this many (average) rows per expert
+
+
 def gemv_rows(rows_per_expert: float) -> int:
-    """m-tile of the GEMV path: 1, 2 or 4 rows (the kernel's unrolled row accumulators)."""
-    return 1 if rows_per_expert <= 1.25 else (2 if rows_per_expert <= 2.5 else 4)
+    """m-tile of the GEMV path: one row. On the H200 1-row tiles beat 2- and 4-row tiles at 1 and
+    1.5 rows per expert (V4-Flash and V4-Pro, batch 1 and 64: a padded row costs a full row's math,
+    and a weight slab read twice mostly comes from L2); 2/4 stay selectable through ``config``."""
+    return 1
 
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, return_parts):
