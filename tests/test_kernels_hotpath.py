@@ -482,6 +482,34 @@ def test_index_scores_topk_match_fast_decoder_rule():
 # ------------------------------------------------------------------------------------------------
 # ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
 
+# ------------------------------------------------------------------------------------------------
+# RMSNorm
+
+def _check_rms_norm(T, D, dtype, gen, device=DEV):
+    """Against the reference RMSNorm (official numerics): at most one bf16 rounding step apart
+    (the fp32 sum of squares is ordered differently), equal in almost every element."""
+    from dsv4.kernels.norm import rms_norm, rms_norm_torch
+    x = (torch.randn(T, D, generator=gen) * torch.rand(T, 1, generator=gen) * 8).to(dtype)
+    x[0] = 0                                           # an all-zero row: rsqrt(eps), finite zeros
+    w = torch.rand(D, generator=gen) + 0.5
+    y = rms_norm(x.to(device), w.to(device), 1e-6).cpu().float()
+    r = rms_norm_torch(x, w, 1e-6).float()
+    assert torch.isfinite(y).all() and torch.equal(y[0], torch.zeros(D))
+    assert ((y - r).abs() <= r.abs() * 2.0 ** -8 + 1e-30).all()
+    assert (y != r).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("T,D,dtype", [(3, 512, torch.bfloat16), (2, 1024, torch.float32), (1, 7168, torch.bfloat16)])
+def test_rms_norm(T, D, dtype):
+    _check_rms_norm(T, D, dtype, torch.Generator().manual_seed(T * D))
+
+
+def test_rms_norm_rejects_wrong_weight():
+    from dsv4.kernels.norm import rms_norm
+    with pytest.raises(ValueError, match="weight has 64 elements"):
+        rms_norm(torch.zeros(2, 128, dtype=torch.bfloat16, device=DEV), torch.ones(64, device=DEV), 1e-6)
+
+
 _AOT_SCRIPT = textwrap.dedent("""
     import os, sys, time
     os.environ["TRITON_INTERPRET"] = "0"
@@ -489,7 +517,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     import triton, triton.language as tl
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    from dsv4.kernels import mhc, compressor as cp, indexer as ix
+    from dsv4.kernels import mhc, compressor as cp, indexer as ix, norm as nm
 
     def sig(fn, types, const):
         return {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
@@ -549,6 +577,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         (ix._topk_select, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), BASE=P("i32"), BUF=P("i64")),
          dict(TILE=2048), 8, False),
         (ix._topk_rank, dict(BUF=P("i64"), NV=P("i32"), OUT=P("i32")), dict(RB=64, CB=256), 4, False),
+        (nm._rms_norm_kernel, dict(X=P("bf16"), W=F, Y=P("bf16"), eps="fp32"), dict(BD=8192, INTERP=False), 8, False),
     ]
     for cap in (90, 100):
         for fn, types, const, warps, want_mma in cases:
@@ -656,3 +685,10 @@ def test_gpu_indexer_real_shapes():
     s = (torch.randint(-3, 4, (4, 262144), generator=gen).float() * 0.25).bfloat16().cuda()
     idx = index_topk(s, 1024)
     assert torch.equal(idx.cpu(), index_topk_torch(s.cpu(), 1024))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,D", [(1, 1024), (64, 512), (2048, 4096), (64, 7168)])
+def test_gpu_rms_norm_real_shapes(T, D):
+    _need_gpu()
+    _check_rms_norm(T, D, torch.bfloat16, torch.Generator().manual_seed(T + D), device="cuda")

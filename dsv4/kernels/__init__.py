@@ -66,6 +66,8 @@ KERNELS: dict[str, KernelInfo] = {k.name: k for k in (
                "sparse decode attention over window + extra FP8 paged caches, sinks, split-K + combine"),
     KernelInfo("sparse_prefill", "sparse_attention", "sparse_prefill", "sparse_attention_torch",
                "sparse prefill attention: per-row index lists over the same caches, gather+dequant fused"),
+    KernelInfo("rms_norm", "norm", "rms_norm", "rms_norm_torch",
+               "weighted RMSNorm (fp32 math, one bf16 rounding) in one launch"),
     KernelInfo("inverse_rope", "inverse_rope", "inverse_rope", "inverse_rope_torch",
                "inverse RoPE on o -> wo_a input (bf16), optional FP8 1x128 act quant"),
     KernelInfo("hc_pre", "mhc", "hc_pre", "hc_pre_torch",

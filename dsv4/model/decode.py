@@ -185,6 +185,13 @@ class FastDecoder:
         pooled = comp.pool(rows[..., :w], rows[..., w:], prows[..., :w], prows[..., w:], (cur - m >= 0)[..., None])
         return comp.postprocess(pooled, start.clamp(min=0)), complete
 
+    def _norm(self, x, w, eps):
+        """RMSNorm: one Triton launch on the fused path (the reference's eight torch ops otherwise)."""
+        if self.fused:
+            from ..kernels.norm import rms_norm as rms_norm_kernel
+            return rms_norm_kernel(x, w, eps)
+        return rms_norm(x, w, eps, self.num)
+
     def _lin(self, lin, x):
         """A checkpoint linear: the block-scaled FP8 Triton GEMM on the fused path, else the
         reference's (dequantised-weight GEMM with the same quantised operands)."""
@@ -204,9 +211,9 @@ class FastDecoder:
     def _attention(self, blk: Block, lc, x, pos, slots, bt, freqs):
         at, num = blk.attn, self.num
         B, L = x.shape[0], f"L{blk.layer_id}."
-        qr = rms_norm(self._lin(at.wq_a, x), at.q_norm, at.eps, num)
+        qr = self._norm(self._lin(at.wq_a, x), at.q_norm, at.eps)
         q = self._lin(at.wq_b, qr).view(B, at.H, at.D)
-        kv = rms_norm(self._lin(at.wkv, x), at.kv_norm, at.eps, num)
+        kv = self._norm(self._lin(at.wkv, x), at.kv_norm, at.eps)
         win_slot = self._once("win_slot", lambda: slots * WINDOW + pos % WINDOW)
         freqs, cos, sin = freqs
         if self.attention == "triton":
@@ -353,17 +360,17 @@ class FastDecoder:
         benchmark can capture and time one layer)."""
         from ..kernels.mhc import hc_post, hc_pre
         from ..kernels.moe import moe_forward
-        blk, lc, num, cfg = self.model.layers[i], self.cache.layers[i], self.num, self.cfg
+        blk, lc, cfg = self.model.layers[i], self.cache.layers[i], self.cfg
 
         def pre(hc, x):
             return hc_pre(x, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.rms_eps)
         freqs = self._rope(blk.attn.rope, pos, "attn")
         a, post, comb = pre(blk.hc_attn, h)
         a = self._t(f"L{i}.hc_pre", a)
-        a = self._attention(blk, lc, rms_norm(a, blk.attn_norm, cfg.rms_norm_eps, num), pos, slots, bt, freqs)
+        a = self._attention(blk, lc, self._norm(a, blk.attn_norm, cfg.rms_norm_eps), pos, slots, bt, freqs)
         h = hc_post(a, h, post, comb)
         f, post, comb = pre(blk.hc_ffn, h)
-        f = moe_forward(rms_norm(f, blk.ffn_norm, cfg.rms_norm_eps, num), tokens, self.moe_weights[i])
+        f = moe_forward(self._norm(f, blk.ffn_norm, cfg.rms_norm_eps), tokens, self.moe_weights[i])
         f = self._t(f"L{i}.moe", f)
         return self._t(f"L{i}.hc_post", hc_post(f, h, post, comb))
 
@@ -371,7 +378,7 @@ class FastDecoder:
         from ..kernels.mhc import hc_head
         m, cfg = self.model, self.cfg
         hh = m.hc_head
-        y = rms_norm(hc_head(h, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, cfg.rms_norm_eps, self.num)
+        y = self._norm(hc_head(h, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, cfg.rms_norm_eps)
         return self._t("logits", self._lin(m.head, y).float())
 
     def _moe(self, moe, x, ids):

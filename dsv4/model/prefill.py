@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from ..engine.kv_cache import INDEX_PAGE, WINDOW, WINDOW_PAGE
 from ..formats.kv_entry import _page_views, page_bytes
-from ..reference.norm import rms_norm
 
 SCORE_BYTES = 256 << 20          # bound of one block of indexer scores during a prefill chunk
 
@@ -55,12 +54,13 @@ class KernelOps:
     tested against its twin on its own."""
 
     def __init__(self, dec, twins: bool = False):
-        from ..kernels import compressor, indexer, inverse_rope, kv_insert, mhc, moe
+        from ..kernels import compressor, indexer, inverse_rope, kv_insert, mhc, moe, norm
         from ..kernels import sparse_attention as sa
 
         def pick(mod, name):
             return getattr(mod, name + "_torch" if twins else name)
         for mod, names in ((mhc, ("hc_pre", "hc_post", "hc_head")), (kv_insert, ("kv_insert",)),
+                           (norm, ("rms_norm",)),
                            (inverse_rope, ("inverse_rope",)), (compressor, ("compress_prefill",)),
                            (indexer, ("index_q_prologue", "index_scores", "index_topk"))):
             for n in names:
@@ -124,17 +124,17 @@ class FastPrefiller:
             freqs = blk.attn.rope(pos)
             a, post, comb = pre(blk.hc_attn, h)
             a = self._t(f"L{i}.hc_pre", a)
-            a = self._attention(blk, self.cache.layers[i], rms_norm(a, blk.attn_norm, cfg.rms_norm_eps, num),
+            a = self._attention(blk, self.cache.layers[i], k.rms_norm(a, blk.attn_norm, cfg.rms_norm_eps),
                                 pos, segs, freqs)
             h = k.hc_post(a, h, post, comb)
             f, post, comb = pre(blk.hc_ffn, h)
-            f = self._t(f"L{i}.moe", k.moe(i, rms_norm(f, blk.ffn_norm, cfg.rms_norm_eps, num), ids))
+            f = self._t(f"L{i}.moe", k.moe(i, k.rms_norm(f, blk.ffn_norm, cfg.rms_norm_eps), ids))
             h = self._t(f"L{i}.hc_post", k.hc_post(f, h, post, comb))
         rows = torch.arange(h.shape[0], device=dev) if all_logits else \
             torch.tensor([s.r1 - 1 for s in segs], device=dev)
         hh = m.hc_head
-        y = rms_norm(k.hc_head(h[rows].contiguous(), hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm,
-                     cfg.rms_norm_eps, num)
+        y = k.rms_norm(k.hc_head(h[rows].contiguous(), hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm,
+                       cfg.rms_norm_eps)
         logits = self._t("logits", k.linear(m.head, y).float())
         out = []
         for j, s in enumerate(segs):
@@ -147,9 +147,9 @@ class FastPrefiller:
         at, dev, k = blk.attn, x.device, self.k
         T = x.shape[0]
         cos, sin = freqs.real.float().contiguous(), freqs.imag.float().contiguous()
-        qr = rms_norm(k.linear(at.wq_a, x), at.q_norm, at.eps, self.num)
+        qr = k.rms_norm(k.linear(at.wq_a, x), at.q_norm, at.eps)
         q = k.linear(at.wq_b, qr).view(T, at.H, at.D)
-        kv = rms_norm(k.linear(at.wkv, x), at.kv_norm, at.eps, self.num)
+        kv = k.rms_norm(k.linear(at.wkv, x), at.kv_norm, at.eps)
         # scratch window source: per segment [the ring's previous entries | this chunk's entries]
         offs, o = [], 0
         for s in segs:
