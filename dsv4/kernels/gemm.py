@@ -52,8 +52,9 @@ exactness:
 
 Measured on the H200 (Triton 3.6, BENCHMARKS.md): ``fp8_gemm`` 490-560 TFLOP/s at 4K-token prefill
 (34-41% of ``torch._scaled_mm``'s 1351: the fp32 promotion after every 128-K wgmma block serialises
-MMA and FFMA); FP4 decode ~900 GB/s on the weight bytes (~21% of the copy bandwidth: latency-bound,
-~5 instructions per weight element in the loop, no producer/consumer warp split). On Hopper the
+MMA and FFMA); FP4 decode ~970 GB/s on the weight bytes (~23% of the copy bandwidth: 16-row MMA tiles
+whose dot-operand layout conversion goes through shared memory); at 1-2 rows per expert the CUDA-core
+GEMV (``gemv.py``, ~1.7 TB/s) replaces it. On Hopper the
 FP8 MMA keeps ~14 bits while it sums a 128-K partial (as in the official kernel, which promotes per
 128 for that reason): ``fp8_gemm`` then differs from the fp64 sum by up to ~2^-12 sum|products|.
 GPU validation: act quant (q, s), ``fp8_gemm``/``fp8_linear`` and the non-grouped ``fp4_gemm`` (both

@@ -13,7 +13,7 @@ experts and no host synchronisation (CUDA-graph capturable; every launch size fo
 2. sort: pairs (token, slot) sorted by expert (``torch.sort``, stable); ``_moe_prep`` (one Triton
    program) finds every expert's first row, the per-expert m-tile prefix sum and the inverse
    permutation. Duplicate / masked pairs get the sentinel expert ``E`` and sort last.
-3. act quant of x once per token (FP8 1x128, plus the f16 operand of the FP4 kernel).
+3. act quant of x once per token (FP8 1x128, plus the f16 operand of the FP4 MMA kernel).
 4. grouped FP4 GEMM over the active experts (``gemm._fp4_gemm_kernel``, grouped + gather + SwiGLU
    modes): w1 and w3 tiles of the same 128 columns in one program, then the official clamped SwiGLU
    (bf16-rounded w1/w3 outputs, fp32 math, routing weight applied before w2, one bf16 rounding) and
@@ -25,14 +25,20 @@ experts and no host synchronisation (CUDA-graph capturable; every launch size fo
    summed in fp32 starting from 0 (the twin's ``y[rows] += out_e`` loop order), plus the bf16 shared
    output, one bf16 rounding. Given equal expert outputs the combine is bit-exact.
 
+Decode path (``path="gemv"``, the default up to ``GEMV_ROWS_PER_EXPERT`` average rows per expert):
+steps 3-6 run on the CUDA-core GEMV of ``gemv.py`` instead of the MMA kernels: grouped w1|w3 as
+split-K fp32 partials (1-row tiles), ``swiglu_quant`` (the same SwiGLU epilogue + FP8 quantisation
+as a pass over the partials), grouped w2 on the e4m3 h; the shared expert's w1|w3 on the FP8 GEMV
+(<= 4 tokens; the MMA SwiGLU kernel cannot split K) and its w2 on the split-K MMA kernel.
+
 Numerics vs the twin: routing exact; every expert output agrees within bf16 rounding (GEMM fp32
 summation order differs; a one-ulp flip of a bf16 w1/w3 output can move h by one FP8 step), so the
 layer output is compared at FP8/bf16 tolerance. (CPU interpreter: bit-identical to the twin at the
-test shapes. H200: the small-shape MoE tests passed; at V4-Flash dims the version that made the f16
-operands inside Triton kernels was wrong; the current torch-cast version is not yet GPU-validated.)
+test shapes; H200: the GPU tests at V4-Flash dims pass on both paths.)
 
-Measured (H200, BENCHMARKS.md, earlier version): 5-130x faster than the Python expert loop;
-12-37% of the weight-bytes floor at decode (the FP4 GEMMs are latency-bound, gemm.py).
+Measured (H200, BENCHMARKS.md session 4): 29-158x faster than the Python expert loop at decode;
+GEMV path 21% (Flash) / 30% (Pro) of the weight-bytes floor at batch 1, 26% / 33% at batch 64
+(tensor-core path: 9-24%); prefill (4096 tokens, MMA path) 3%.
 
 Weights: ``MoEWeights`` holds the stacked packed experts ``w13 [E, 2I, d/2]`` (w1 rows then w3 rows
 of each expert), ``w2 [E, d, I/2]``, their scales, and the FP8 shared expert. Built once from the

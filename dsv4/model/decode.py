@@ -244,7 +244,8 @@ class FastDecoder:
                                  lambda: self._entry_ids(bt, e_new, epb, blk.ratio, pos >= 0))
                 new, complete = self._compress_fused(at.compressor, lc.comp_state, slots, ck, cs, pos,
                                                      lc.entries, ids, epb)
-                self._t(L + "compressor", torch.where(complete[:, None], new, 0))
+                if self.trace is not None:
+                    self._t(L + "compressor", torch.where(complete[:, None], new, 0))
             else:
                 new, complete = self._compress(at.compressor, lc.comp_state, slots, ck, cs, pos)
                 new = self._t(L + "compressor", torch.where(complete[:, None], new, 0))
@@ -274,8 +275,7 @@ class FastDecoder:
         o = self._t(L + "sparse_attn", o)
         if self.attention == "triton":
             from ..kernels.inverse_rope import inverse_rope
-            og = inverse_rope(o, cos, sin)
-            og = og.view(B, at.G, -1).float()
+            og = inverse_rope(o, cos, sin).view(B, at.G, -1)        # bf16 (the einsums widen it)
         else:
             og = apply_rope(o, freqs, inverse=True).view(B, at.G, -1).float()
         if self.fused:
