@@ -495,7 +495,7 @@ def _check_rms_norm(T, D, dtype, gen, device=DEV):
     y = rms_norm(x.to(device), w.to(device), 1e-6).cpu().float()
     r = rms_norm_torch(x, w, 1e-6).float()
     assert torch.isfinite(y).all() and torch.equal(y[0], torch.zeros(D))
-    assert ((y - r).abs() <= r.abs() * 2.0 ** -8 + 1e-30).all()
+    assert ((y - r).abs() <= r.abs() * 2.0 ** -7 + 1e-30).all()        # one bf16 ulp (8 significant bits)
     assert (y != r).float().mean().item() < 0.01
 
 
