@@ -483,6 +483,34 @@ def test_index_scores_topk_match_fast_decoder_rule():
 # ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
 
 # ------------------------------------------------------------------------------------------------
+# compressed-cache entry ids through the block table
+
+def _check_entry_ids(device=DEV):
+    from dsv4.engine.kv_cache import BLOCK_TOKENS
+    from dsv4.kernels import paging
+    assert paging.BLOCK_TOKENS == BLOCK_TOKENS
+    gen = torch.Generator().manual_seed(5)
+    bt = torch.randint(-1, 50, (3, 9), generator=gen)
+    bt[:, 7:] = -1                                        # unallocated tail blocks
+    for ratio, per_block, dtype in ((4, 64, torch.int32), (128, 2, torch.int64)):
+        e = torch.randint(-3, 9 * BLOCK_TOKENS // ratio + 5, (3, 1100), generator=gen)   # past the table too
+        got = paging.entry_ids(bt.to(device), e.to(dtype).to(device), per_block, ratio)
+        want = paging.entry_ids_torch(bt, e, per_block, ratio)
+        assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want)
+        assert (want >= 0).any() and (want < 0).any()
+
+
+def test_entry_ids():
+    _check_entry_ids()
+
+
+def test_entry_ids_rejects_mismatched_rows():
+    from dsv4.kernels.paging import entry_ids
+    with pytest.raises(ValueError, match="expected e"):
+        entry_ids(torch.zeros(2, 4, dtype=torch.long, device=DEV), torch.zeros(3, 5, dtype=torch.long, device=DEV), 64, 4)
+
+
+# ------------------------------------------------------------------------------------------------
 # RMSNorm
 
 def _check_rms_norm(T, D, dtype, gen, device=DEV):
@@ -517,7 +545,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     import triton, triton.language as tl
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    from dsv4.kernels import mhc, compressor as cp, indexer as ix, norm as nm
+    from dsv4.kernels import mhc, compressor as cp, indexer as ix, norm as nm, paging as pg
 
     def sig(fn, types, const):
         return {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
@@ -578,6 +606,7 @@ _AOT_SCRIPT = textwrap.dedent("""
          dict(TILE=2048), 8, False),
         (ix._topk_rank, dict(BUF=P("i64"), NV=P("i32"), OUT=P("i32")), dict(RB=64, CB=256), 4, False),
         (nm._rms_norm_kernel, dict(X=P("bf16"), W=F, Y=P("bf16"), eps="fp32"), dict(BD=8192, INTERP=False), 8, False),
+        (pg._entry_ids_kernel, dict(BT=P("i64"), E=P("i32"), OUT=P("i32")), dict(BLOCK=1024), 4, False),
     ]
     for cap in (90, 100):
         for fn, types, const, warps, want_mma in cases:
@@ -692,3 +721,9 @@ def test_gpu_indexer_real_shapes():
 def test_gpu_rms_norm_real_shapes(T, D):
     _need_gpu()
     _check_rms_norm(T, D, torch.bfloat16, torch.Generator().manual_seed(T + D), device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_entry_ids():
+    _need_gpu()
+    _check_entry_ids(device="cuda")

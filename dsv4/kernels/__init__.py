@@ -68,6 +68,8 @@ KERNELS: dict[str, KernelInfo] = {k.name: k for k in (
                "sparse prefill attention: per-row index lists over the same caches, gather+dequant fused"),
     KernelInfo("rms_norm", "norm", "rms_norm", "rms_norm_torch",
                "weighted RMSNorm (fp32 math, one bf16 rounding) in one launch"),
+    KernelInfo("entry_ids", "paging", "entry_ids", "entry_ids_torch",
+               "compressed-cache entry ids through the block table (top-k picks -> attention indices)"),
     KernelInfo("inverse_rope", "inverse_rope", "inverse_rope", "inverse_rope_torch",
                "inverse RoPE on o -> wo_a input (bf16), optional FP8 1x128 act quant"),
     KernelInfo("hc_pre", "mhc", "hc_pre", "hc_pre_torch",

@@ -23,6 +23,7 @@ from ..formats.fp8 import fp8_qdq, ue8m0_scale
 from ..formats.kv_entry import _page_views, decode_kv_entries, encode_kv_entries
 from ..reference.attention import sparse_attention
 from ..reference.model import Block, ReferenceModel
+from ..kernels.paging import entry_ids, entry_ids_torch
 from ..reference.norm import head_rms_norm, rms_norm
 from ..reference.rope import apply_rope
 
@@ -108,6 +109,8 @@ class FastDecoder:
                     for c in (b.attn.compressor, b.attn.indexer.compressor if b.attn.indexer else None):
                         if c is not None:
                             comps += [c.wkv, c.wgate]
+                    if b.attn.indexer is not None:
+                        comps.append(b.attn.indexer.weights_proj)
                 for lin in comps:
                     if lin.kind in ("fp32", "bf16") and torch.equal(lin.weight.bfloat16().float(), lin.weight):
                         self._bf16[id(lin)] = lin.weight.bfloat16()
@@ -154,18 +157,21 @@ class FastDecoder:
     def _entry_ids(self, bt, e, per_block, m, write_mask=None):
         """Global page-entry ids of entries e [B, ...] of ratio-m layers; -1 where e is invalid
         (e < 0) — or, for writes (``write_mask``), the scratch block where the mask is False."""
+        if write_mask is None:
+            return entry_ids_torch(bt, e, per_block, m)
         blk_idx = (e.clamp(min=0) * m) // BLOCK_TOKENS
         blk = bt.gather(1, blk_idx.view(bt.shape[0], -1).clamp(max=bt.shape[1] - 1)).view_as(e)
         ids = blk * per_block + e.clamp(min=0) % per_block
-        if write_mask is not None:
-            return torch.where(write_mask & (blk >= 0), ids, self.scratch_block * per_block)
-        return torch.where((e >= 0) & (blk >= 0), ids, -1)
+        return torch.where(write_mask & (blk >= 0), ids, self.scratch_block * per_block)
 
-    def _compress_fused(self, comp, ring, slots, k, s, pos, pages, page_ids, page_size):
+    def _compress_fused(self, comp, ring, slots, x, pos, pages, page_ids, page_size):
+        """Compressor decode update of the fused step: the kv / gate projections, then one kernel
+        (``compress_decode``, which also adds the gate's ape: ``project``'s sum, same rounding)."""
         from ..kernels.compressor import compress_decode
         _f, cos, sin = self._rope(comp.rope, pos + 1 - comp.ratio, ("comp", comp.ratio))
-        new, complete = compress_decode(ring, slots, pos, k, s, comp.norm_w, cos, sin, ratio=comp.ratio,
-                                        indexer=comp.is_indexer,
+        k, s = self._lin(comp.wkv, x), self._lin(comp.wgate, x)
+        new, complete = compress_decode(ring, slots, pos, k.float(), s.float(), comp.norm_w, cos, sin,
+                                        ratio=comp.ratio, indexer=comp.is_indexer, ape=comp.ape,
                                         eps=comp.eps, pages=pages, page_slots=page_ids, page_size=page_size)
         return new, complete.bool()
 
@@ -237,21 +243,22 @@ class FastDecoder:
             if at.indexer is not None:
                 picks = self._indexer(at.indexer, lc, x, qr, pos, slots, bt, (freqs, cos, sin))
                 picks = self._t(L + "indexer_topk", picks)
-            ck, cs = self.project(at.compressor, x, pos)
             e_new = pos // blk.ratio
             if self.fused:
                 ids = self._once(("wid", blk.ratio, epb),
                                  lambda: self._entry_ids(bt, e_new, epb, blk.ratio, pos >= 0))
-                new, complete = self._compress_fused(at.compressor, lc.comp_state, slots, ck, cs, pos,
+                new, complete = self._compress_fused(at.compressor, lc.comp_state, slots, x, pos,
                                                      lc.entries, ids, epb)
                 if self.trace is not None:
                     self._t(L + "compressor", torch.where(complete[:, None], new, 0))
             else:
+                ck, cs = self.project(at.compressor, x, pos)
                 new, complete = self._compress(at.compressor, lc.comp_state, slots, ck, cs, pos)
                 new = self._t(L + "compressor", torch.where(complete[:, None], new, 0))
                 write_entries(lc.entries, self._entry_ids(bt, e_new, epb, blk.ratio, complete), new, epb)
-            if blk.ratio == 4:
-                extra_idx = self._entry_ids(bt, picks, epb, 4)
+            if blk.ratio == 4:      # the picks' global ids: one kernel on the Triton path
+                extra_idx = entry_ids(bt, picks, epb, 4) if self.attention == "triton" else \
+                    self._entry_ids(bt, picks, epb, 4)
             else:
                 def visible_entries():
                     j = torch.arange(self.max_blocks * epb, device=x.device)[None, :].expand(B, -1)
@@ -312,13 +319,13 @@ class FastDecoder:
         B = x.shape[0]
         q = self._lin(ix.wq_b, qr).view(B, ix.n_heads, ix.head_dim)
         q = index_q_prologue(q, freqs[1], freqs[2])
-        w = self.num.round(ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))
-        ck, cs = self.project(ix.compressor, x, pos)
+        r = self.num.round     # the bf16 linear's rounding, then the scaled weights' (reference order)
+        w = r(r(self._lin(ix.weights_proj, x)) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))
         ids = self._once("index_wid", lambda: self._entry_ids(bt, pos // 4, INDEX_PAGE, 4, pos >= 0))
-        self._compress_fused(ix.compressor, lc.index_state, slots, ck, cs, pos, lc.index_keys, ids, INDEX_PAGE)
+        self._compress_fused(ix.compressor, lc.index_state, slots, x, pos, lc.index_keys, ids, INDEX_PAGE)
         n_max = self.max_blocks * INDEX_PAGE
         scores = index_scores(q, w, lc.index_keys, bt, pos, n=n_max)
-        return index_topk(scores, min(ix.topk, n_max), n_valid=(pos + 1) // 4).long()
+        return index_topk(scores, min(ix.topk, n_max), n_valid=(pos + 1) // 4)      # int32
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
