@@ -405,10 +405,10 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
     B = pos.shape[0]
     dev = state.device
     out = torch.empty(B, c, dtype=torch.bfloat16, device=dev)
-    complete = torch.empty(B, dtype=torch.int8, device=dev)
+    complete = torch.empty(B, dtype=torch.bool, device=dev)     # the kernels store 0 / 1 bytes
     pooled = torch.empty(B, c, dtype=torch.float32, device=dev)
     if B == 0:
-        return (out, complete.bool(), pooled) if return_pooled else (out, complete.bool())
+        return (out, complete, pooled) if return_pooled else (out, complete)
     if state.stride(2) != 1:
         raise ValueError("state needs a contiguous last dim")
     k, s = k.contiguous(), s.contiguous()
@@ -431,7 +431,7 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
         if CB != c:
             raise ValueError("the fused kernel pools all c channels in one program (block_c == c)")
         _comp_fused[(B,)](state, slots, pos, k, s, ape_t, pooled, norm_w.float().contiguous(), cos, sin, out,
-                          complete, pg, ps_t, state.stride(0), state.stride(1), k.stride(0), s.stride(0),
+                          complete.view(torch.int8), pg, ps_t, state.stride(0), state.stride(1), k.stride(0), s.stride(0),
                           pooled.stride(0), out.stride(0), page_size, pnb, eps, M=ratio, C=c,
                           OVERLAP=ratio == 4, HAS_APE=ape is not None, INDEXER=indexer, WRITE=write,
                           STORE_POOLED=return_pooled, **kw)
@@ -439,10 +439,10 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
         _comp_pool[(B, c // CB)](state, slots, pos, k, s, ape_t, pooled,
                                  state.stride(0), state.stride(1), k.stride(0), s.stride(0), pooled.stride(0),
                                  M=ratio, C=c, OVERLAP=ratio == 4, HAS_APE=ape is not None, CB=CB, **kw)
-        _comp_post[(B,)](pooled, norm_w.float().contiguous(), cos, sin, pos, out, complete, pg, ps_t,
+        _comp_post[(B,)](pooled, norm_w.float().contiguous(), cos, sin, pos, out, complete.view(torch.int8), pg, ps_t,
                          pooled.stride(0), out.stride(0), page_size, pnb, eps,
                          M=ratio, C=c, INDEXER=indexer, WRITE=write, **kw)
-    res = (out, complete.bool())
+    res = (out, complete)
     return res + (pooled,) if return_pooled else res
 
 

@@ -147,10 +147,10 @@ class FastDecoder:
             self._memo[key] = fn()
         return self._memo[key]
 
-    def _rope(self, rope, p, key):
-        """(complex freqs, fp32 cos, fp32 sin) of positions p from a RoPE table."""
+    def _rope(self, rope, p, key, offset: int = 0):
+        """(complex freqs, fp32 cos, fp32 sin) of positions p + offset from a RoPE table."""
         def make():
-            f = rope(p)
+            f = rope(p + offset if offset else p)
             return f, f.real.float().contiguous(), f.imag.float().contiguous()
         return self._once((key, id(rope)), make)
 
@@ -168,12 +168,12 @@ class FastDecoder:
         """Compressor decode update of the fused step: the kv / gate projections, then one kernel
         (``compress_decode``, which also adds the gate's ape: ``project``'s sum, same rounding)."""
         from ..kernels.compressor import compress_decode
-        _f, cos, sin = self._rope(comp.rope, pos + 1 - comp.ratio, ("comp", comp.ratio))
+        _f, cos, sin = self._rope(comp.rope, pos, ("comp", comp.ratio), offset=1 - comp.ratio)
         k, s = self._lin(comp.wkv, x), self._lin(comp.wgate, x)
         new, complete = compress_decode(ring, slots, pos, k.float(), s.float(), comp.norm_w, cos, sin,
                                         ratio=comp.ratio, indexer=comp.is_indexer, ape=comp.ape,
                                         eps=comp.eps, pages=pages, page_slots=page_ids, page_size=page_size)
-        return new, complete.bool()
+        return new, complete
 
     def _compress(self, comp, ring, slots, k, s, pos):
         """Decode update of one compressor: write this token's row into the slot's ring, pool
@@ -243,10 +243,9 @@ class FastDecoder:
             if at.indexer is not None:
                 picks = self._indexer(at.indexer, lc, x, qr, pos, slots, bt, (freqs, cos, sin))
                 picks = self._t(L + "indexer_topk", picks)
-            e_new = pos // blk.ratio
             if self.fused:
                 ids = self._once(("wid", blk.ratio, epb),
-                                 lambda: self._entry_ids(bt, e_new, epb, blk.ratio, pos >= 0))
+                                 lambda: self._entry_ids(bt, pos // blk.ratio, epb, blk.ratio, pos >= 0))
                 new, complete = self._compress_fused(at.compressor, lc.comp_state, slots, x, pos,
                                                      lc.entries, ids, epb)
                 if self.trace is not None:
@@ -255,7 +254,7 @@ class FastDecoder:
                 ck, cs = self.project(at.compressor, x, pos)
                 new, complete = self._compress(at.compressor, lc.comp_state, slots, ck, cs, pos)
                 new = self._t(L + "compressor", torch.where(complete[:, None], new, 0))
-                write_entries(lc.entries, self._entry_ids(bt, e_new, epb, blk.ratio, complete), new, epb)
+                write_entries(lc.entries, self._entry_ids(bt, pos // blk.ratio, epb, blk.ratio, complete), new, epb)
             if blk.ratio == 4:      # the picks' global ids: one kernel on the Triton path
                 extra_idx = entry_ids(bt, picks, epb, 4) if self.attention == "triton" else \
                     self._entry_ids(bt, picks, epb, 4)
@@ -325,7 +324,8 @@ class FastDecoder:
         self._compress_fused(ix.compressor, lc.index_state, slots, x, pos, lc.index_keys, ids, INDEX_PAGE)
         n_max = self.max_blocks * INDEX_PAGE
         scores = index_scores(q, w, lc.index_keys, bt, pos, n=n_max)
-        return index_topk(scores, min(ix.topk, n_max), n_valid=(pos + 1) // 4)      # int32
+        n_valid = self._once("index_nvalid", lambda: ((pos + 1) // 4).to(torch.int32))
+        return index_topk(scores, min(ix.topk, n_max), n_valid=n_valid)      # int32
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
