@@ -164,6 +164,20 @@ if triton_available():
         m_end = tl.load(OFFS + e + 1)
         return e, m0, m_end
 
+    @triton.jit
+    def _tile_rows(TCUM, OFFS, M, t, n_groups, BM: tl.constexpr, LOG2G: tl.constexpr, GROUPED: tl.constexpr):
+        """(expert, first row, end row, live) of m-tile t: grouped (``_find_tile``; tiles past the
+        real count are not live) or plain (tile t of M rows, expert 0)."""
+        if GROUPED:
+            live = t < tl.load(TCUM + n_groups)
+            e, m0, m_end = _find_tile(TCUM, OFFS, t, n_groups, BM, LOG2G)
+        else:
+            live = t >= 0
+            e = t * 0
+            m0 = t * BM
+            m_end = M + t * 0
+        return e, m0, m_end, live
+
     # ---------------------------------------------------------------------------------------
     # activation quantisation
 
@@ -350,15 +364,9 @@ if triton_available():
                          INTERP: tl.constexpr):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
-        if GROUPED:
-            total = tl.load(TCUM + n_groups)
-            if t >= total:
-                return
-            e, m0, m_end = _find_tile(TCUM, OFFS, t, n_groups, BM, LOG2G)
-        else:
-            e = 0
-            m0 = t * BM
-            m_end = M
+        e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
+        if not live:
+            return
         r = m0 + tl.arange(0, BM)
         mrow = r < m_end
         r64 = r.to(tl.int64)
@@ -439,15 +447,9 @@ if triton_available():
                            LOG2G: tl.constexpr, INTERP: tl.constexpr):
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
-        if GROUPED:
-            total = tl.load(TCUM + n_groups)
-            if t >= total:
-                return
-            e, m0, m_end = _find_tile(TCUM, OFFS, t, n_groups, BM, LOG2G)
-        else:
-            e = 0
-            m0 = t * BM
-            m_end = M
+        e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
+        if not live:
+            return
         r = m0 + tl.arange(0, BM)
         mrow = r < m_end
         r64 = r.to(tl.int64)

@@ -36,7 +36,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .gemm import _e2m1_f16, _find_tile, _quant_rows, _splitk_sum, _store_bf16, _swiglu_h
+    from .gemm import _e2m1_f16, _quant_rows, _splitk_sum, _store_bf16, _swiglu_h, _tile_rows
     from .kv_insert import _e4m3_bits, _exp2i, _ue8m0_exp
 
     @triton.jit
@@ -99,15 +99,9 @@ if triton_available():
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         ks = tl.program_id(2)
-        if GROUPED:
-            total = tl.load(TCUM + n_groups)
-            if t >= total:
-                return
-            e, m0, m_end = _find_tile(TCUM, OFFS, t, n_groups, BM, LOG2G)
-        else:
-            e = 0
-            m0 = t * BM
-            m_end = M
+        e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
+        if not live:
+            return
         # activation rows of the tile (scalars: up to 4)
         v0 = m0 < m_end
         v1 = m0 + 1 < m_end
