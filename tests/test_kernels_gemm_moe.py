@@ -448,8 +448,8 @@ _AOT_SCRIPT = textwrap.dedent("""
 
     fp8t = dict(A=P("u8"), SA=P("fp32"), B=P("u8"), SB=P("fp32"), C=P("bf16"), CS=P("fp32"), limit="fp32")
     fp4t = dict(A16=P("fp16"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("bf16"), CS=P("fp32"),
-                PERM=P("i32"), OFFS=P("i64"), TCUM=P("i64"), PW=P("fp32"), limit="fp32")
-    sct = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), C=P("bf16"), CS=P("fp32"), PERM=P("i32"),
+                PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), PW=P("fp32"), limit="fp32")
+    sct = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), C=P("bf16"), CS=P("fp32"), PERM=P("i64"),
                OFFS=P("i64"), TCUM=P("i64"), PW=P("fp32"), limit="fp32")
     for cap in (90, 100):
         comp(G._act_quant_kernel, dict(X=P("bf16"), Q=P("u8"), S=P("fp32")), dict(BLOCKS=8, INTERP=False), cap, 4)
@@ -479,7 +479,7 @@ _AOT_SCRIPT = textwrap.dedent("""
             if cap == 100:
                 assert re.search(r"tcgen05\\.mma\\S*kind::mxf8f6f4\\.block_scale", ptx), "expected native MXFP4 MMA"
         # decode GEMV (CUDA cores): FP4 grouped split-K partials, FP8 with the prologue act quant
-        gvt = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("fp32"), PERM=P("i32"),
+        gvt = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("fp32"), PERM=P("i64"),
                    OFFS=P("i64"), TCUM=P("i64"))
         for wf, ng, gb, bm in ((0, 4, 16, 1), (1, 8, 8, 2), (0, 4, 16, 4)):
             comp(V._gemv_kernel, gvt, dict(WFMT=wf, SB_SHIFT=7, SB_E8M0=False, A_BF16=False, GROUPED=True, GATHER=True,
@@ -487,11 +487,11 @@ _AOT_SCRIPT = textwrap.dedent("""
         comp(V._gemv_kernel, dict(gvt, A=P("bf16"), WS=P("fp32"), C=P("bf16")), dict(WFMT=3, SB_SHIFT=7, SB_E8M0=False,
              A_BF16=True, GROUPED=False, GATHER=False, USE_ASM=True, BM=1, BN=32, NG=8, GB=16, LOG2G=1, SPLIT=False,
              INTERP=False), cap, 4, 1)
-        comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i32"),
+        comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i64"),
              limit="fp32"), dict(GATHER=True, HAS_PW=True, INTERP=False), cap, 4)
         comp(Mo._route_kernel, dict(S=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"),
              WRAW=P("fp32"), EFLAT=P("i32")), dict(KTOP=6, KP=8, EP=256, HASH=False), cap, 4)
-        comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i32"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
+        comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
              dict(BM=16, EP=512, LOG2P=15, CH=1024), cap, 4)
         comp(Mo._moe_combine, dict(OUT=P("bf16"), INV=P("i32"), OFFS=P("i64"), SH=P("bf16"), Y=P("bf16")),
              dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, INTERP=False), cap, 4)

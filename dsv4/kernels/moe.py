@@ -364,11 +364,10 @@ def route_torch(moe_ref, x, ids):
 
 
 def sort_pairs(eflat: torch.Tensor, n_experts: int, bm: int):
-    """(perm int32 [P] sorted row -> pair id, offs int64 [E+1], tcum int64 [E+1], inv int32 [P])."""
+    """(perm int64 [P] sorted row -> pair id, offs int64 [E+1], tcum int64 [E+1], inv int32 [P])."""
     P = eflat.numel()
     dev = eflat.device
-    sorted_e, perm = torch.sort(eflat, stable=True)
-    perm = perm.to(torch.int32)
+    sorted_e, perm = torch.sort(eflat, stable=True)       # perm int64, read as is by the kernels
     offs = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
     tcum = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
     inv = torch.empty(P, dtype=torch.int32, device=dev)
