@@ -178,6 +178,39 @@ if triton_available():
             m_end = M + t * 0
         return e, m0, m_end, live
 
+    @triton.jit
+    def _tile_pairs(PERM, m0, m_end, top_k, BM: tl.constexpr, GATHER: tl.constexpr):
+        """rows m0 .. m0+BM of a tile: (row ids int64, row mask, pair ids, activation rows)."""
+        r = m0 + tl.arange(0, BM)
+        mrow = r < m_end
+        r64 = r.to(tl.int64)
+        if GATHER:
+            pair = tl.load(PERM + r64, mask=mrow, other=0).to(tl.int64)
+            arow = pair // top_k
+        else:
+            pair = r64
+            arow = r64
+        return r64, mrow, pair, arow
+
+    @triton.jit
+    def _fp4_epilogue(C, CS, PW, acc, acc2, pair, r64, mrow, rn64, nmask, pid_n, stride_cm, stride_csm, limit,
+                      SWIGLU: tl.constexpr, HAS_PW: tl.constexpr, BM: tl.constexpr, INTERP: tl.constexpr):
+        """SwiGLU mode: h = the expert middle of the w1 / w3 tiles (times the pair's routing weight),
+        FP8-quantised (bytes + one scale per 128 columns); else the bf16 output tile."""
+        if SWIGLU:
+            if HAS_PW:
+                pw = tl.load(PW + pair, mask=mrow, other=0.0)
+            else:
+                pw = tl.zeros([BM], tl.float32)
+            h = _swiglu_h(acc, acc2, pw, limit, HAS_PW)
+            q, eh = _quant_rows(h, INTERP)
+            tl.store(C + r64[:, None] * stride_cm + rn64[None, :], q.to(tl.uint8, bitcast=True),
+                     mask=mrow[:, None])
+            tl.store(CS + r64 * stride_csm + pid_n, _exp2i(eh), mask=mrow)
+        else:
+            _store_bf16(C + r64[:, None] * stride_cm + rn64[None, :], acc,
+                        mrow[:, None] & nmask[None, :], INTERP)
+
     # ---------------------------------------------------------------------------------------
     # activation quantisation
 
@@ -367,15 +400,7 @@ if triton_available():
         e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         if not live:
             return
-        r = m0 + tl.arange(0, BM)
-        mrow = r < m_end
-        r64 = r.to(tl.int64)
-        if GATHER:
-            pair = tl.load(PERM + r64, mask=mrow, other=0).to(tl.int64)
-            arow = pair // top_k
-        else:
-            pair = r64
-            arow = r64
+        r64, mrow, pair, arow = _tile_pairs(PERM, m0, m_end, top_k, BM, GATHER)
         rn = pid_n * BN + tl.arange(0, BN)
         nmask = rn < N_out
         rn64 = rn.to(tl.int64)
@@ -399,19 +424,8 @@ if triton_available():
             if SWIGLU:
                 s2b = tl.load(WS2 + e64 * stride_w2e + n_half + rn64, mask=nmask, other=0.0) * 64.0
                 acc2 = acc2 * s2b[None, :]
-        if SWIGLU:
-            if HAS_PW:
-                pw = tl.load(PW + pair, mask=mrow, other=0.0)
-            else:
-                pw = tl.zeros([BM], tl.float32)
-            h = _swiglu_h(acc, acc2, pw, limit, HAS_PW)
-            q, eh = _quant_rows(h, INTERP)
-            tl.store(C + r64[:, None] * stride_cm + rn64[None, :], q.to(tl.uint8, bitcast=True),
-                     mask=mrow[:, None])
-            tl.store(CS + r64 * stride_csm + pid_n, _exp2i(eh), mask=mrow)
-        else:
-            _store_bf16(C + r64[:, None] * stride_cm + rn64[None, :], acc,
-                        mrow[:, None] & nmask[None, :], INTERP)
+        _fp4_epilogue(C, CS, PW, acc, acc2, pair, r64, mrow, rn64, nmask, pid_n, stride_cm, stride_csm, limit,
+                      SWIGLU, HAS_PW, BM, INTERP)
 
     # ---------------------------------------------------------------------------------------
     # FP8 x MXFP4 via tl.dot_scaled (Blackwell: native block-scaled tcgen05 MMA)
@@ -450,15 +464,7 @@ if triton_available():
         e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         if not live:
             return
-        r = m0 + tl.arange(0, BM)
-        mrow = r < m_end
-        r64 = r.to(tl.int64)
-        if GATHER:
-            pair = tl.load(PERM + r64, mask=mrow, other=0).to(tl.int64)
-            arow = pair // top_k
-        else:
-            pair = r64
-            arow = r64
+        r64, mrow, pair, arow = _tile_pairs(PERM, m0, m_end, top_k, BM, GATHER)
         rn = pid_n * BN + tl.arange(0, BN)
         nmask = rn < N_out
         rn64 = rn.to(tl.int64)
@@ -470,19 +476,8 @@ if triton_available():
                                 stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, BM, BN)
         else:
             acc2 = acc
-        if SWIGLU:
-            if HAS_PW:
-                pw = tl.load(PW + pair, mask=mrow, other=0.0)
-            else:
-                pw = tl.zeros([BM], tl.float32)
-            h = _swiglu_h(acc, acc2, pw, limit, HAS_PW)
-            q, eh = _quant_rows(h, INTERP)
-            tl.store(C + r64[:, None] * stride_cm + rn64[None, :], q.to(tl.uint8, bitcast=True),
-                     mask=mrow[:, None])
-            tl.store(CS + r64 * stride_csm + pid_n, _exp2i(eh), mask=mrow)
-        else:
-            _store_bf16(C + r64[:, None] * stride_cm + rn64[None, :], acc,
-                        mrow[:, None] & nmask[None, :], INTERP)
+        _fp4_epilogue(C, CS, PW, acc, acc2, pair, r64, mrow, rn64, nmask, pid_n, stride_cm, stride_csm, limit,
+                      SWIGLU, HAS_PW, BM, INTERP)
 
 
 # -------------------------------------------------------------------------------------------------
