@@ -179,8 +179,11 @@ if triton_available():
         return e, m0, m_end, live
 
     @triton.jit
-    def _tile_pairs(PERM, m0, m_end, top_k, BM: tl.constexpr, GATHER: tl.constexpr):
-        """rows m0 .. m0+BM of a tile: (row ids int64, row mask, pair ids, activation rows)."""
+    def _tile_ids(PERM, m0, m_end, top_k, e, pid_n, N_out, BM: tl.constexpr, BN: tl.constexpr,
+                  GATHER: tl.constexpr):
+        """rows m0 .. m0+BM and columns pid_n*BN .. of a tile: (row ids int64, row mask, pair ids,
+        activation rows, column ids int64, column mask, expert int64)."""
+        rn = pid_n * BN + tl.arange(0, BN)
         r = m0 + tl.arange(0, BM)
         mrow = r < m_end
         r64 = r.to(tl.int64)
@@ -190,7 +193,7 @@ if triton_available():
         else:
             pair = r64
             arow = r64
-        return r64, mrow, pair, arow
+        return r64, mrow, pair, arow, rn.to(tl.int64), rn < N_out, e.to(tl.int64)
 
     @triton.jit
     def _fp4_epilogue(C, CS, PW, acc, acc2, pair, r64, mrow, rn64, nmask, pid_n, stride_cm, stride_csm, limit,
@@ -400,11 +403,7 @@ if triton_available():
         e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         if not live:
             return
-        r64, mrow, pair, arow = _tile_pairs(PERM, m0, m_end, top_k, BM, GATHER)
-        rn = pid_n * BN + tl.arange(0, BN)
-        nmask = rn < N_out
-        rn64 = rn.to(tl.int64)
-        e64 = e.to(tl.int64)
+        r64, mrow, pair, arow, rn64, nmask, e64 = _tile_ids(PERM, m0, m_end, top_k, e, pid_n, N_out, BM, BN, GATHER)
         wrow = W + e64 * stride_we + rn64 * stride_wn
         srow = WS + e64 * stride_wse + rn64 * stride_wsn
         acc = tl.zeros([BM, BN], tl.float32)
@@ -464,11 +463,7 @@ if triton_available():
         e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         if not live:
             return
-        r64, mrow, pair, arow = _tile_pairs(PERM, m0, m_end, top_k, BM, GATHER)
-        rn = pid_n * BN + tl.arange(0, BN)
-        nmask = rn < N_out
-        rn64 = rn.to(tl.int64)
-        e64 = e.to(tl.int64)
+        r64, mrow, pair, arow, rn64, nmask, e64 = _tile_ids(PERM, m0, m_end, top_k, e, pid_n, N_out, BM, BN, GATHER)
         acc = _scaled_loop(A, SA, W, WS, arow, mrow, rn64, nmask, e64, K, stride_am, stride_sam,
                            stride_we, stride_wn, stride_wse, stride_wsn, BM, BN)
         if SWIGLU:   # a second loop (one accumulator per loop: Triton 3.6's tmem pass wants that)
