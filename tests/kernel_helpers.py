@@ -28,3 +28,31 @@ def need_gpu() -> None:
     from dsv4.kernels import cuda_ok
     if not cuda_ok():
         pytest.skip("needs a CUDA GPU with TRITON_INTERPRET=0")
+
+
+def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int | None = None, div=()):
+    """Compile a Triton kernel for GPUTarget('cuda', cap, 32) without a GPU (called inside the AOT
+    scripts, TRITON_INTERPRET=0). Arguments not in ``const`` take ``types`` (default i32); pointer
+    arguments and those named in ``div`` get the divisibility-16 hint the runtime would give.
+    Asserts a non-empty cubin and no lone ``trap`` (what an over-subscribed resource, e.g. sm_100
+    tensor memory, compiles to). -> (ptx, the tensor-core MMA instructions it uses)."""
+    import re
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if (n in types and str(types[n]).startswith("*")) or n in div}
+    opts = {"num_warps": warps}
+    if stages:
+        opts["num_stages"] = stages
+    t0 = time.time()
+    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32), options=opts)
+    ptx = k.asm["ptx"]
+    assert len(k.asm["cubin"]) > 0
+    assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"
+    mma = sorted(set(re.findall(r"(wgmma\.mma_async\.\S*|tcgen05\.mma\S*|mma\.sync\.\S*)", ptx)))
+    print(f"sm_{cap} {fn.__name__} {const}: {time.time() - t0:.1f}s {mma[:2]}")
+    return ptx, mma

@@ -302,19 +302,12 @@ def test_inverse_rope(H):
 # ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
 
 _AOT_SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import os, sys
     os.environ["TRITON_INTERPRET"] = "0"
-    sys.path.insert(0, sys.argv[1])
-    import triton, triton.language as tl
-    from triton.compiler import ASTSource
-    from triton.backends.compiler import GPUTarget
+    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+    import triton.language as tl
+    from kernel_helpers import aot_compile
     from dsv4.kernels import kv_insert as ki, sparse_attention as sa, inverse_rope as ir
-
-    def sig(fn, types, const):
-        s = {}
-        for name in fn.arg_names:
-            s[name] = "constexpr" if name in const else types.get(name, "i32")
-        return s
 
     P = lambda t: "*" + t
     cases = [
@@ -334,15 +327,7 @@ _AOT_SCRIPT = textwrap.dedent("""
                 const = dict(HB=cfg["block_h"], BN=cfg["block_n"], SPLIT=True, DT=tl.bfloat16,
                              INTERP=False, DP=cfg["d_parts"], DHALF=cfg["d_parts"] - 1,
                              PREFETCH=bool(cfg.get("prefetch", False)))
-            t0 = time.time()
-            k = triton.compile(ASTSource(fn, sig(fn, types, const), const),
-                               target=GPUTarget("cuda", cap, 32), options={"num_warps": warps})
-            assert len(k.asm["cubin"]) > 0
-            ptx = k.asm["ptx"]
-            # an over-subscribed resource (e.g. sm_100 tensor memory) compiles to a lone trap
-            assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"
-            mma = ("wgmma" in ptx) or ("tcgen05.mma" in ptx) or ("mma.sync" in ptx)
-            print(f"sm_{cap} {fn.__name__}: cubin {len(k.asm['cubin'])} B, mma={mma}, {time.time() - t0:.1f}s")
+            ptx, mma = aot_compile(fn, types, const, cap, warps)
             if fn is sa._sparse_fwd:
                 assert mma, "the attention kernel should use tensor-core MMAs"
                 if cap == 90:

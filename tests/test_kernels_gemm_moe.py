@@ -418,12 +418,10 @@ def test_moe_nvfp4_packed():
 # ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
 
 _AOT_SCRIPT = textwrap.dedent("""
-    import os, re, sys, time
+    import os, re, sys
     os.environ["TRITON_INTERPRET"] = "0"
-    sys.path.insert(0, sys.argv[1])
-    import triton
-    from triton.compiler import ASTSource
-    from triton.backends.compiler import GPUTarget
+    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+    from kernel_helpers import aot_compile
     from dsv4.kernels import gemm as G, gemv as V, moe as Mo
 
     DIV = ("K", "N_out", "n_half", "stride_am", "stride_sam", "stride_we", "stride_wn", "stride_wse",
@@ -432,19 +430,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     P = lambda t: "*" + t
 
     def comp(fn, types, const, cap, warps, stages=3):
-        sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if (n in types and types[n].startswith("*")) or n in DIV}
-        t0 = time.time()
-        k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
-                           options={"num_warps": warps, "num_stages": stages})
-        ptx = k.asm["ptx"]
-        assert len(k.asm["cubin"]) > 0
-        # an over-subscribed resource (e.g. sm_100 tensor memory) compiles to a lone trap
-        assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"
-        mma = sorted(set(re.findall(r"(wgmma\\.mma_async\\.\\S*|tcgen05\\.mma\\S*|mma\\.sync\\.\\S*)", ptx)))
-        print(f"sm_{cap} {fn.__name__} {const}: {time.time() - t0:.1f}s {mma[:2]}")
-        return ptx
+        return aot_compile(fn, types, const, cap, warps, stages, div=DIV)[0]
 
     fp8t = dict(A=P("u8"), SA=P("fp32"), B=P("u8"), SB=P("fp32"), C=P("bf16"), CS=P("fp32"), limit="fp32")
     fp4t = dict(A16=P("fp16"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("bf16"), CS=P("fp32"),

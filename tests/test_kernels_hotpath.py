@@ -539,16 +539,12 @@ def test_rms_norm_rejects_wrong_weight():
 
 
 _AOT_SCRIPT = textwrap.dedent("""
-    import os, sys, time
+    import os, sys
     os.environ["TRITON_INTERPRET"] = "0"
-    sys.path.insert(0, sys.argv[1])
-    import triton, triton.language as tl
-    from triton.compiler import ASTSource
-    from triton.backends.compiler import GPUTarget
+    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+    import triton.language as tl
+    from kernel_helpers import aot_compile
     from dsv4.kernels import mhc, compressor as cp, indexer as ix, norm as nm, paging as pg
-
-    def sig(fn, types, const):
-        return {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
 
     P = lambda t: "*" + t
     F = P("fp32")
@@ -610,14 +606,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     ]
     for cap in (90, 100):
         for fn, types, const, warps, want_mma in cases:
-            t0 = time.time()
-            k = triton.compile(ASTSource(fn, sig(fn, types, const), const),
-                               target=GPUTarget("cuda", cap, 32), options={"num_warps": warps})
-            assert len(k.asm["cubin"]) > 0
-            ptx = k.asm["ptx"]
-            assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"
-            mma = ("wgmma" in ptx) or ("tcgen05.mma" in ptx) or ("mma.sync" in ptx)
-            print(f"sm_{cap} {fn.__name__} {const}: cubin {len(k.asm['cubin'])} B, mma={mma}, {time.time() - t0:.1f}s")
+            _ptx, mma = aot_compile(fn, types, const, cap, warps)
             if want_mma:
                 assert mma, f"{fn.__name__} should use tensor-core MMAs"
 """)
