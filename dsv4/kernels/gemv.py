@@ -64,8 +64,8 @@ if triton_available():
     @triton.jit
     def _slab_load(wbase, WS, e64, rn64, nmask, g, kb, kb_hi, stride_wse, stride_wsn, WFMT: tl.constexpr,
                    SB_SHIFT: tl.constexpr, SB_E8M0: tl.constexpr, NG: tl.constexpr):
-        """raw weight bytes [BN, NG, GB] and scales of K block kb (zeros from kb_hi on)."""
-        m = nmask & ((rn64 * 0 + kb) < kb_hi)
+        """raw weight bytes [BN, NG, GB] and scales of K block kb (kb < kb_hi: the loop's range)."""
+        m = nmask
         if WFMT == 3:
             b = tl.load(wbase + kb * 128, mask=m[:, None, None], other=0)
             if SB_SHIFT == 7:
