@@ -62,9 +62,9 @@ if triton_available():
         return tl.sum(w * a[None, :, :], axis=2), sa
 
     @triton.jit
-    def _slab_load(wbase, WS, e64, rn64, nmask, g, kb, kb_hi, stride_wse, stride_wsn, WFMT: tl.constexpr,
+    def _slab_load(wbase, WS, e64, rn64, nmask, g, kb, stride_wse, stride_wsn, WFMT: tl.constexpr,
                    SB_SHIFT: tl.constexpr, SB_E8M0: tl.constexpr, NG: tl.constexpr):
-        """raw weight bytes [BN, NG, GB] and scales of K block kb (kb < kb_hi: the loop's range)."""
+        """raw weight bytes [BN, NG, GB] and scales of K block kb."""
         m = nmask
         if WFMT == 3:
             b = tl.load(wbase + kb * 128, mask=m[:, None, None], other=0)
@@ -138,7 +138,7 @@ if triton_available():
         kb_hi = tl.minimum(K, ks * k_per_split + k_per_split) // 128
         for kb in range(kb_lo, kb_hi):
             k0 = kb * 128
-            b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb, kb_hi, stride_wse, stride_wsn,
+            b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb, stride_wse, stride_wsn,
                                  WFMT, SB_SHIFT, SB_E8M0, NG)
             if WFMT == 3:
                 w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
