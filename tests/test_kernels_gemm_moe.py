@@ -319,10 +319,10 @@ def test_route_exact(hash_layer):
 
 @pytest.mark.parametrize("hash_layer,T,path,bm", [(False, 9, "dequant", None), (True, 7, "dequant", None),
                                                   (False, 9, "gemv", 2), (True, 7, "gemv", 4), (False, 1, "gemv", 1),
-                                                  (True, 2, None, None)])
+                                                  (True, 2, None, None), (False, 12, None, None)])
 def test_moe_forward(hash_layer, T, path, bm):
     """Both expert-GEMM paths: the MMA kernels and the decode GEMV (1/2/4-row tiles, the shared
-    expert on the FP8 GEMV for <= 4 tokens); the default picks the GEMV at <= 4 rows per expert."""
+    expert on the FP8 GEMV for <= 4 tokens); the default picks the GEMV at <= 2 rows per expert."""
     gen = torch.Generator().manual_seed(20 + T)
     ref = _ref_moe(8, 256, 128, 2, gen, hash_layer, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
@@ -333,6 +333,9 @@ def test_moe_forward(hash_layer, T, path, bm):
                               return_parts=True)
     yr = ref(x, ids)
     _check_moe(y, yr)
+    # the default takes the GEMV up to GEMV_ROWS_PER_EXPERT rows per active expert (T x 2 pairs, 8 experts)
+    P = T * 2
+    assert parts["path"] == (path or ("gemv" if P / min(8, P) <= Mo.GEMV_ROWS_PER_EXPERT else G.fp4_path("mxfp4", DEV)))
     # pairs sorted by expert: offsets are the cumulative counts (duplicates dropped)
     idx = parts["idx"].cpu()
     first = torch.ones_like(idx, dtype=torch.bool)

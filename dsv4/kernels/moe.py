@@ -433,7 +433,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         sh = fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
     _combine(out, inv, offs, sh, y, k)
     if return_parts:
-        return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh)
+        return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
+                       path=path)
     return y
 
 
@@ -494,7 +495,8 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, retu
     y = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
     _combine(out, inv, offs, sh, y, k)
     if return_parts:
-        return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh)
+        return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
+                       path="gemv")
     return y
 
 
