@@ -42,7 +42,7 @@ from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
 from dsv4.kernels import gemm as G  # noqa: E402
 from dsv4.kernels import moe as Mo  # noqa: E402
-from dsv4.kernels.gemv import gemv_launch  # noqa: E402
+from dsv4.kernels.gemv import gemv_launch, rows_tile  # noqa: E402
 
 MODELS = {"flash": dict(d=4096, I=2048, E=256, k=6, rs=1.5), "pro": dict(d=7168, I=3072, E=384, k=6, rs=2.5)}
 
@@ -241,7 +241,7 @@ FP4_SHAPES = [("Flash w1|w3", 4096, 4096, 32), ("Flash w2", 4096, 2048, 64),
 
 
 def fp4_variants(m):
-    gemv = {f"gemv.bn{bn}.w{w}": (dict(BM=1 if m == 1 else (2 if m == 2 else 4), BN=bn, num_warps=w, num_stages=1),
+    gemv = {f"gemv.bn{bn}.w{w}": (dict(BM=rows_tile(m), BN=bn, num_warps=w, num_stages=1),
                                   "gemv", True)
             for bn, w in ((64, 4), (64, 8), (128, 8), (256, 8), (128, 16))} if m <= G.GEMV_MAX_ROWS else {}
     big = m > 32
@@ -362,7 +362,7 @@ def bench_fp4(dev, gen, timer, smoke, copy_bw, sweep_rows, quick=False):
                     case = Fp4Case(E, N, K, m, fmt, dev, gen)
                     cfg, path, asm, vname = pick(m)[:4]
                     if path == "gemv":
-                        cfg = dict(cfg, BM=1 if m == 1 else (2 if m == 2 else 4))
+                        cfg = dict(cfg, BM=rows_tile(m))
                     else:
                         cfg = dict(cfg, BM=64 if m > 32 else (32 if m > 16 else 16))
                     if fmt == "nvfp4" and path != "gemv":

@@ -6,8 +6,10 @@ At decode a routed expert sees 1-4 rows and a linear layer 1-4 tokens: the tenso
 128 columns) leave the H200 mostly idle (BENCHMARKS.md session 3: ~440 GB/s on the FP4 expert
 weights at batch 1). Here every program streams a ``[BN, 128-K]`` weight slab in the layout it is
 loaded in (16 contiguous bytes per thread), decodes it in registers and reduces each scale group
-inside the thread: no layout conversion, no shared memory. Split-K over a third grid axis fills the
-GPU when few (expert, column block) tiles exist (batch 1: six experts).
+inside the thread (the default 64-row x 8-warp tile compiles without any shared memory: sm_90 SASS).
+Split-K over a third grid axis fills the GPU when few (expert, column block) tiles exist (batch 1:
+six experts). The MoE uses it at <= 2 rows per expert; ``fp8_linear`` keeps the split-K MMA kernel
+(faster at 1-4 rows on the H200), the FP8 GEMV serves the shared expert's w1|w3 + SwiGLU.
 
 Numerics (the official structure up to fp32 summation order, as ``gemm.py``):
   - FP4: an e2m1 code becomes ``value * 2^-6`` exactly (``gemm._e2m1_f16``), the activation is the
@@ -65,20 +67,19 @@ if triton_available():
     def _slab_load(wbase, WS, e64, rn64, nmask, g, kb, stride_wse, stride_wsn, WFMT: tl.constexpr,
                    SB_SHIFT: tl.constexpr, SB_E8M0: tl.constexpr, NG: tl.constexpr):
         """raw weight bytes [BN, NG, GB] and scales of K block kb."""
-        m = nmask
         if WFMT == 3:
-            b = tl.load(wbase + kb * 128, mask=m[:, None, None], other=0)
+            b = tl.load(wbase + kb * 128, mask=nmask[:, None, None], other=0)
             if SB_SHIFT == 7:
                 sptr = WS + (rn64 >> 7) * stride_wsn + kb
             else:
                 sptr = WS + rn64 * stride_wsn + kb
             if SB_E8M0:
-                s = tl.load(sptr, mask=m, other=127)
+                s = tl.load(sptr, mask=nmask, other=127)
             else:
-                s = tl.load(sptr, mask=m, other=0.0)
+                s = tl.load(sptr, mask=nmask, other=0.0)
         else:
-            b = tl.load(wbase + kb * 64, mask=m[:, None, None], other=0)
-            s = tl.load(WS + e64 * stride_wse + rn64[:, None] * stride_wsn + kb * NG + g[None, :], mask=m[:, None],
+            b = tl.load(wbase + kb * 64, mask=nmask[:, None, None], other=0)
+            s = tl.load(WS + e64 * stride_wse + rn64[:, None] * stride_wsn + kb * NG + g[None, :], mask=nmask[:, None],
                         other=0)
         return b, s
 
@@ -215,6 +216,11 @@ if triton_available():
 # -------------------------------------------------------------------------------------------------
 # host side
 
+def rows_tile(m: int) -> int:
+    """The kernel's row tile (1, 2 or 4 unrolled row accumulators) for m rows."""
+    return 1 if m <= 1 else (2 if m == 2 else 4)
+
+
 def gemv_config(N: int, dev, fp8: bool) -> dict:
     if interpreting() or torch.device(dev).type != "cuda":
         return {"BN": 16}
@@ -331,7 +337,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, xs: torch.Tenso
         return out
     a_bf16 = xs is None
     a = x.to(torch.bfloat16).contiguous() if a_bf16 else _u8(x.contiguous())
-    bm = 1 if M == 1 else (2 if M == 2 else 4)
+    bm = rows_tile(M)
     return gemv_launch(a, None if a_bf16 else xs.float().contiguous(), w.contiguous(), ws.contiguous(), None,
                        M, N, K, wfmt="fp8", out=out, a_bf16=a_bf16, bm=bm, config=config)
 
@@ -349,9 +355,9 @@ def fp4_gemv(xq, xs, w_packed, w_scale, fmt: str = "mxfp4", w_scale_2=None, conf
     if fmt == "nvfp4":
         ws2 = w_scale_2.float().reshape(-1).to(dev)
         ws2 = (ws2.expand(N) if ws2.numel() == 1 else ws2).contiguous().unsqueeze(0)
-    bm = 1 if M == 1 else (2 if M == 2 else 4)
+    bm = rows_tile(M)
     return gemv_launch(_u8(xq.contiguous()), xs.float().contiguous(), _u8(w_packed).contiguous()[None],
                        _u8(w_scale).contiguous()[None], ws2, M, N, K, wfmt=fmt, out=out, bm=bm, config=config)
 
 
-__all__ = ["GEMV_MAX_ROWS", "fp4_gemv", "fp8_gemv", "gemv_launch", "swiglu_quant"]
+__all__ = ["GEMV_MAX_ROWS", "fp4_gemv", "fp8_gemv", "gemv_launch", "rows_tile", "swiglu_quant"]

@@ -462,7 +462,7 @@ def gemv_rows(rows_per_expert: float) -> int:
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, return_parts):
     """Decode MoE on the CUDA-core GEMV (``gemv.py``): grouped w1|w3 (split-K fp32 partials), the
     SwiGLU + FP8 quantisation pass, grouped w2; the shared expert on the same kernels; combine."""
-    from .gemv import gemv_launch, swiglu_quant
+    from .gemv import gemv_launch, rows_tile, swiglu_quant
     T, d = x.shape
     E, I = w.n_experts, w.inter
     P = T * k
@@ -482,7 +482,7 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, retu
     out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, **grouped)
     sh = None
     if w.sh13 is not None:
-        tb = 1 if T == 1 else (2 if T == 2 else 4)
+        tb = rows_tile(T)
         if T <= GEMV_MAX_ROWS:
             # w1|w3 on the split-K GEMV (the MMA SwiGLU kernel cannot split K: 16 programs at V4-Flash
             # size); w2 on the split-K MMA kernel, faster there on the H200

@@ -52,12 +52,17 @@ def entry_ids(bt: torch.Tensor, e: torch.Tensor, per_block: int, ratio: int) -> 
     return out
 
 
-def entry_ids_torch(bt: torch.Tensor, e: torch.Tensor, per_block: int, ratio: int) -> torch.Tensor:
-    """Twin (int64): the same arithmetic as PyTorch ops."""
+def block_entry_ids(bt: torch.Tensor, e: torch.Tensor, per_block: int, ratio: int):
+    """(global ids of entries max(e, 0), their block numbers: -1 = unallocated) as PyTorch ops."""
     blk_idx = (e.clamp(min=0) * ratio) // BLOCK_TOKENS
     blk = bt.gather(1, blk_idx.view(bt.shape[0], -1).clamp(max=bt.shape[1] - 1)).view_as(e)
-    ids = blk * per_block + e.clamp(min=0) % per_block
+    return blk * per_block + e.clamp(min=0) % per_block, blk
+
+
+def entry_ids_torch(bt: torch.Tensor, e: torch.Tensor, per_block: int, ratio: int) -> torch.Tensor:
+    """Twin (int64): the same arithmetic as PyTorch ops."""
+    ids, blk = block_entry_ids(bt, e, per_block, ratio)
     return torch.where((e >= 0) & (blk >= 0), ids, -1)
 
 
-__all__ = ["entry_ids", "entry_ids_torch"]
+__all__ = ["block_entry_ids", "entry_ids", "entry_ids_torch"]

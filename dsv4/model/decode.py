@@ -23,7 +23,7 @@ from ..formats.fp8 import fp8_qdq, ue8m0_scale
 from ..formats.kv_entry import _page_views, decode_kv_entries, encode_kv_entries
 from ..reference.attention import sparse_attention
 from ..reference.model import Block, ReferenceModel
-from ..kernels.paging import entry_ids, entry_ids_torch
+from ..kernels.paging import block_entry_ids, entry_ids, entry_ids_torch
 from ..reference.norm import head_rms_norm, rms_norm
 from ..reference.rope import apply_rope
 
@@ -159,9 +159,7 @@ class FastDecoder:
         (e < 0) — or, for writes (``write_mask``), the scratch block where the mask is False."""
         if write_mask is None:
             return entry_ids_torch(bt, e, per_block, m)
-        blk_idx = (e.clamp(min=0) * m) // BLOCK_TOKENS
-        blk = bt.gather(1, blk_idx.view(bt.shape[0], -1).clamp(max=bt.shape[1] - 1)).view_as(e)
-        ids = blk * per_block + e.clamp(min=0) % per_block
+        ids, blk = block_entry_ids(bt, e, per_block, m)
         return torch.where(write_mask & (blk >= 0), ids, self.scratch_block * per_block)
 
     def _compress_fused(self, comp, ring, slots, x, pos, pages, page_ids, page_size):
