@@ -20,7 +20,8 @@ experts and no host synchronisation (CUDA-graph capturable; every launch size fo
    the FP8 quantisation of h for w2 (e4m3 bytes + scales), written in sorted pair order; its f16
    copy for the next MMA is a torch cast.
 5. grouped FP4 GEMM for w2 -> bf16 per pair row.
-6. shared expert: FP8 GEMM with the SwiGLU epilogue, FP8 GEMM for w2 (no routing weight).
+6. shared expert (``_shared_expert``): FP8 GEMM with the SwiGLU epilogue (the split-K GEMV + SwiGLU pass
+   up to 4 tokens), FP8 GEMM for w2 (no routing weight).
 7. ``_moe_combine``: per token, its pairs in increasing expert id (= increasing sorted position),
    summed in fp32 starting from 0 (the twin's ``y[rows] += out_e`` loop order), plus the bf16 shared
    output, one bf16 rounding. Given equal expert outputs the combine is bit-exact.
@@ -28,8 +29,7 @@ experts and no host synchronisation (CUDA-graph capturable; every launch size fo
 Decode path (``path="gemv"``, the default up to ``GEMV_ROWS_PER_EXPERT`` average rows per expert):
 steps 3-6 run on the CUDA-core GEMV of ``gemv.py`` instead of the MMA kernels: grouped w1|w3 as
 split-K fp32 partials (1-row tiles), ``swiglu_quant`` (the same SwiGLU epilogue + FP8 quantisation
-as a pass over the partials), grouped w2 on the e4m3 h; the shared expert's w1|w3 on the FP8 GEMV
-(<= 4 tokens; the MMA SwiGLU kernel cannot split K) and its w2 on the split-K MMA kernel.
+as a pass over the partials), grouped w2 on the e4m3 h.
 
 Numerics vs the twin: routing exact; every expert output agrees within bf16 rounding (GEMM fp32
 summation order differs; a one-ulp flip of a bf16 w1/w3 output can move h by one FP8 step), so the
@@ -405,7 +405,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     if path is None:
         path = "gemv" if rows_per_expert <= GEMV_ROWS_PER_EXPERT else fp4_path(w.fmt, dev)
     if path == "gemv":
-        return _moe_gemv(x, w, idx, rw, eflat, k, rows_per_expert, config, return_parts)
+        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts)
     bm = fp4_config(rows_per_expert, dev)["BM"]
     if config and "BM" in config:
         bm = config["BM"]
@@ -427,10 +427,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     fp4_launch(h2, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, offs=offs, tcum=tcum,
                n_groups=E, n_tiles=n_tiles, path=path, config=cfg)
     # shared expert (FP8)
-    sh = None
-    if w.sh13 is not None:
-        hq, hsc = fp8_swiglu(xq, xs, w.sh13, w.sh13_s, w.limit)
-        sh = fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
+    sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
     _combine(out, inv, offs, sh, y, k)
     if return_parts:
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
@@ -449,26 +446,38 @@ def _combine(out, inv, offs, sh, y, k):
         BD=BD, HAS_SHARED=sh is not None, INTERP=interpreting(), **kw)
 
 
+def _shared_expert(xq, xs, w: MoEWeights):
+    """bf16 [T, d] shared-expert output from the quantised activation. w1|w3 + SwiGLU on the split-K
+    GEMV up to GEMV_MAX_ROWS tokens (the MMA SwiGLU kernel cannot split K: 16 programs at V4-Flash
+    size), else on the MMA kernel; w2 on the (split-K) MMA kernel, faster than the GEMV on the H200."""
+    from .gemv import gemv_launch, rows_tile, swiglu_quant
+    T, d = xq.shape
+    if T <= GEMV_MAX_ROWS:
+        part = gemv_launch(_u8(xq), xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True,
+                           bm=rows_tile(T))
+        hq, hsc = swiglu_quant(part, w.limit)
+        hq = hq.view(torch.float8_e4m3fn)
+    else:
+        hq, hsc = fp8_swiglu(_u8(xq).view(torch.float8_e4m3fn), xs, w.sh13, w.sh13_s, w.limit)
+    return fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
+
+
 GEMV_ROWS_PER_EXPERT = 2.0   # the MoE takes the decode GEMV up to this many (average) rows per expert
 
 
-def gemv_rows(rows_per_expert: float) -> int:
-    """m-tile of the GEMV path: one row. On the H200 1-row tiles beat 2- and 4-row tiles at 1 and
-    1.5 rows per expert (V4-Flash and V4-Pro, batch 1 and 64: a padded row costs a full row's math,
-    and a weight slab read twice mostly comes from L2); 2/4 stay selectable through ``config``."""
-    return 1
-
-
-def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, return_parts):
+def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
     """Decode MoE on the CUDA-core GEMV (``gemv.py``): grouped w1|w3 (split-K fp32 partials), the
     SwiGLU + FP8 quantisation pass, grouped w2; the shared expert on the same kernels; combine."""
-    from .gemv import gemv_launch, rows_tile, swiglu_quant
+    from .gemv import gemv_launch, swiglu_quant
     T, d = x.shape
     E, I = w.n_experts, w.inter
     P = T * k
     dev = x.device
     cfg = dict(config or {})
-    bm = cfg.pop("BM", None) or gemv_rows(rows_per_expert)
+    # 1-row tiles: on the H200 they beat 2- and 4-row tiles at 1 and 1.5 rows per expert (V4-Flash and
+    # V4-Pro, batch 1 and 64: a padded row costs a full row's math, and a weight slab read twice
+    # mostly comes from L2); 2 / 4 stay selectable through ``config``
+    bm = cfg.pop("BM", 1)
     perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     xq, xs = act_quant_fp8(x)
@@ -480,18 +489,7 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, rows_per_expert, config, retu
     h, hs = swiglu_quant(part, w.limit, pw=pw, perm=perm)
     grouped.update(perm=None, top_k=1)
     out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, **grouped)
-    sh = None
-    if w.sh13 is not None:
-        tb = rows_tile(T)
-        if T <= GEMV_MAX_ROWS:
-            # w1|w3 on the split-K GEMV (the MMA SwiGLU kernel cannot split K: 16 programs at V4-Flash
-            # size); w2 on the split-K MMA kernel, faster there on the H200
-            part = gemv_launch(xq, xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True, bm=tb)
-            hq, hsc = swiglu_quant(part, w.limit)
-            sh = fp8_gemm(hq.view(torch.float8_e4m3fn), hsc, w.sh2, w.sh2_s)
-        else:
-            hq, hsc = fp8_swiglu(xq.view(torch.float8_e4m3fn), xs, w.sh13, w.sh13_s, w.limit)
-            sh = fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
+    sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
     y = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
     _combine(out, inv, offs, sh, y, k)
     if return_parts:
