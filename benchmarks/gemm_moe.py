@@ -438,8 +438,9 @@ def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
                 best = tg * 1e3 if tg is not None else te * 1e3
                 variants = {}
                 if T <= 64 and not timer.smoke:   # the decode GEMV vs the MMA kernels, tile rows
-                    for vn, kw in (("mma", dict(path=G.fp4_path(w.fmt, dev))), ("gemv.bm1", dict(path="gemv", config={"BM": 1})),
-                                   ("gemv.bm2", dict(path="gemv", config={"BM": 2})), ("gemv.bm4", dict(path="gemv", config={"BM": 4}))):
+                    paths = [("mma", dict(path=G.fp4_path(w.fmt, dev)))] + \
+                        [(f"gemv.bm{r}", dict(path="gemv", config={"BM": r})) for r in (1, 2, 4)]
+                    for vn, kw in paths:
                         variants[vn] = graph_time(lambda kw=kw: Mo.moe_forward(x, None, w, **kw)) * 1e3
                     log(f"moe {model} T{T} variants (graph us): " + ", ".join(f"{k} {v:.1f}" for k, v in variants.items()))
                 row = dict(model=model, T=T, E=E, active=active, graph_us=None if tg is None else tg * 1e3,

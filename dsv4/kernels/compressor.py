@@ -431,16 +431,16 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
         if CB != c:
             raise ValueError("the fused kernel pools all c channels in one program (block_c == c)")
         _comp_fused[(B,)](state, slots, pos, k, s, ape_t, pooled, norm_w.float().contiguous(), cos, sin, out,
-                          complete.view(torch.int8), pg, ps_t, state.stride(0), state.stride(1), k.stride(0), s.stride(0),
-                          pooled.stride(0), out.stride(0), page_size, pnb, eps, M=ratio, C=c,
+                          complete.view(torch.int8), pg, ps_t, state.stride(0), state.stride(1), k.stride(0),
+                          s.stride(0), pooled.stride(0), out.stride(0), page_size, pnb, eps, M=ratio, C=c,
                           OVERLAP=ratio == 4, HAS_APE=ape is not None, INDEXER=indexer, WRITE=write,
                           STORE_POOLED=return_pooled, **kw)
     else:
         _comp_pool[(B, c // CB)](state, slots, pos, k, s, ape_t, pooled,
                                  state.stride(0), state.stride(1), k.stride(0), s.stride(0), pooled.stride(0),
                                  M=ratio, C=c, OVERLAP=ratio == 4, HAS_APE=ape is not None, CB=CB, **kw)
-        _comp_post[(B,)](pooled, norm_w.float().contiguous(), cos, sin, pos, out, complete.view(torch.int8), pg, ps_t,
-                         pooled.stride(0), out.stride(0), page_size, pnb, eps,
+        _comp_post[(B,)](pooled, norm_w.float().contiguous(), cos, sin, pos, out, complete.view(torch.int8), pg,
+                         ps_t, pooled.stride(0), out.stride(0), page_size, pnb, eps,
                          M=ratio, C=c, INDEXER=indexer, WRITE=write, **kw)
     res = (out, complete)
     return res + (pooled,) if return_pooled else res
