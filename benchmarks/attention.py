@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import roofline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from common import graph_time, roofline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -59,7 +59,6 @@ class Timer:
 
     def __init__(self, smoke):
         self.smoke = smoke
-        self._flush = None
 
     def __call__(self, fn) -> float:
         if self.smoke:
@@ -72,28 +71,7 @@ class Timer:
     def graph(self, fn, reps: int = 8) -> float:
         if self.smoke:
             return self(fn)
-        import triton.testing
-        if self._flush is None:
-            self._flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")   # 256 MB
-        buf = self._flush
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g1, g0 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g1):
-            for _ in range(reps):
-                buf.zero_()
-                fn()
-        with torch.cuda.graph(g0):
-            for _ in range(reps):
-                buf.zero_()
-        t1 = triton.testing.do_bench(g1.replay, warmup=5, rep=80, return_mode="median")
-        t0 = triton.testing.do_bench(g0.replay, warmup=5, rep=80, return_mode="median")
-        del g1, g0
-        return max(t1 - t0, 1e-6) / reps
+        return graph_time(fn, reps)
 
 
 def make_pages(n_entries, dev, gen):

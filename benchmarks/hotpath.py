@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import roofline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from common import graph_time, roofline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,8 +45,6 @@ def log(*a):
 class Timer:
     def __init__(self, smoke):
         self.smoke = smoke
-        self._flush = None
-        self._base = {}
 
     def eager(self, fn) -> float:
         if self.smoke:
@@ -56,44 +54,17 @@ class Timer:
         import triton.testing
         return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
-    def _flush_only(self, reps):
-        import triton.testing
-        if reps not in self._base:
-            g0 = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g0):
-                for _ in range(reps):
-                    self._flush.zero_()
-            self._base[reps] = triton.testing.do_bench(g0.replay, warmup=5, rep=60, return_mode="median")
-        return self._base[reps]
-
     def graph(self, fn, reps: int = 8) -> tuple[float, str]:
-        """(ms per call, 'graph' | 'eager')."""
+        """(ms per call, 'graph' | 'eager'): ``common.graph_time`` (CUDA graph, L2 flushed before
+        every call), eager ``do_bench`` where fn cannot be captured (a host sync in a twin)."""
         if self.smoke:
             return self.eager(fn), "eager"
-        import triton.testing
-        if self._flush is None:
-            self._flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")   # 256 MB
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g1 = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g1):
-                for _ in range(reps):
-                    self._flush.zero_()
-                    fn()
-        except Exception as e:  # not capturable (host sync in the twin): eager timing
+            return graph_time(fn, reps), "graph"
+        except Exception as e:
             torch.cuda.synchronize()
             log(f"    (graph capture failed: {type(e).__name__}: {str(e)[:80]}; eager timing)")
             return self.eager(fn), "eager"
-        t1 = triton.testing.do_bench(g1.replay, warmup=5, rep=40, return_mode="median")
-        del g1
-        return max(t1 - self._flush_only(reps), 1e-6) / reps, "graph"
-
-
 
 
 def relerr(a, b):
