@@ -56,3 +56,16 @@ def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int 
     mma = sorted(set(re.findall(r"(wgmma\.mma_async\.\S*|tcgen05\.mma\S*|mma\.sync\.\S*)", ptx)))
     print(f"sm_{cap} {fn.__name__} {const}: {time.time() - t0:.1f}s {mma[:2]}")
     return ptx, mma
+
+
+def kernel_device() -> str:
+    """Where a kernel test file's kernels run: 'cpu' under the interpreter, 'cuda' compiled; with
+    TRITON_INTERPRET=0 and no GPU nothing can run and the whole module is skipped."""
+    import torch
+
+    from dsv4.kernels import interpreting
+    if interpreting():
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)

@@ -13,7 +13,7 @@ import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from kernel_helpers import need_gpu, run_aot_script  # noqa: E402
+from kernel_helpers import kernel_device, need_gpu, run_aot_script  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -28,12 +28,7 @@ from dsv4.kernels.sparse_attention import (sparse_attention_torch, sparse_decode
 
 REPO = Path(__file__).resolve().parents[1]
 
-if interpreting():
-    DEV = "cpu"
-elif torch.cuda.is_available():
-    DEV = "cuda"
-else:  # compiled triton without a GPU: nothing can run
-    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+DEV = kernel_device()
 
 
 def _rope_tables(T, gen, device=DEV):

@@ -20,7 +20,7 @@ import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from kernel_helpers import need_gpu, run_aot_script  # noqa: E402
+from kernel_helpers import kernel_device, need_gpu, run_aot_script  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -28,7 +28,6 @@ triton = pytest.importorskip("triton")
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
-from dsv4.kernels import interpreting  # noqa: E402
 from dsv4.kernels import gemm as G  # noqa: E402
 from dsv4.kernels import moe as Mo  # noqa: E402
 from dsv4.reference.linear import Linear  # noqa: E402
@@ -37,12 +36,7 @@ from dsv4.reference.numerics import OFFICIAL  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-if interpreting():
-    DEV = "cpu"
-elif torch.cuda.is_available():
-    DEV = "cuda"
-else:  # compiled triton without a GPU: nothing can run
-    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+DEV = kernel_device()
 
 
 def _exact(xq, xs, W):

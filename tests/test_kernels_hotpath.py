@@ -13,14 +13,13 @@ import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from kernel_helpers import need_gpu, run_aot_script  # noqa: E402
+from kernel_helpers import kernel_device, need_gpu, run_aot_script  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
 from dsv4.engine.kv_cache import write_index_entries  # noqa: E402
 from dsv4.formats.kv_entry import page_bytes, write_kv_entries  # noqa: E402
-from dsv4.kernels import interpreting  # noqa: E402
 from dsv4.kernels.compressor import (compress_decode, compress_decode_torch, compress_prefill,  # noqa: E402
                                      compress_prefill_torch)
 from dsv4.kernels.indexer import (index_q_prologue, index_q_prologue_torch, index_scores,  # noqa: E402
@@ -29,12 +28,7 @@ from dsv4.kernels.mhc import hc_head, hc_head_torch, hc_post, hc_post_torch, hc_
 
 REPO = Path(__file__).resolve().parents[1]
 
-if interpreting():
-    DEV = "cpu"
-elif torch.cuda.is_available():
-    DEV = "cuda"
-else:  # compiled triton without a GPU: nothing can run
-    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+DEV = kernel_device()
 
 
 def _ordered(x):

@@ -179,10 +179,11 @@ if triton_available():
         return e, m0, m_end, live
 
     @triton.jit
-    def _tile_ids(PERM, m0, m_end, top_k, e, pid_n, N_out, BM: tl.constexpr, BN: tl.constexpr,
-                  GATHER: tl.constexpr):
-        """rows m0 .. m0+BM and columns pid_n*BN .. of a tile: (row ids int64, row mask, pair ids,
-        activation rows, column ids int64, column mask, expert int64)."""
+    def _tile(TCUM, OFFS, PERM, M, N_out, t, pid_n, n_groups, top_k, BM: tl.constexpr, BN: tl.constexpr,
+              LOG2G: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr):
+        """Output tile (m-tile t, column block pid_n) of the FP4 MMA kernels: (live, row ids int64,
+        row mask, pair ids, activation rows, column ids int64, column mask, expert int64)."""
+        e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         rn = pid_n * BN + tl.arange(0, BN)
         r = m0 + tl.arange(0, BM)
         mrow = r < m_end
@@ -193,7 +194,7 @@ if triton_available():
         else:
             pair = r64
             arow = r64
-        return r64, mrow, pair, arow, rn.to(tl.int64), rn < N_out, e.to(tl.int64)
+        return live, r64, mrow, pair, arow, rn.to(tl.int64), rn < N_out, e.to(tl.int64)
 
     @triton.jit
     def _fp4_epilogue(C, CS, PW, acc, acc2, pair, r64, mrow, rn64, nmask, pid_n, stride_cm, stride_csm, limit,
@@ -398,12 +399,11 @@ if triton_available():
                          SWIGLU: tl.constexpr, HAS_PW: tl.constexpr, USE_ASM: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, LOG2G: tl.constexpr,
                          INTERP: tl.constexpr):
-        t = tl.program_id(0)
         pid_n = tl.program_id(1)
-        e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
+        live, r64, mrow, pair, arow, rn64, nmask, e64 = _tile(TCUM, OFFS, PERM, M, N_out, tl.program_id(0), pid_n,
+                                                              n_groups, top_k, BM, BN, LOG2G, GROUPED, GATHER)
         if not live:
             return
-        r64, mrow, pair, arow, rn64, nmask, e64 = _tile_ids(PERM, m0, m_end, top_k, e, pid_n, N_out, BM, BN, GATHER)
         wrow = W + e64 * stride_we + rn64 * stride_wn
         srow = WS + e64 * stride_wse + rn64 * stride_wsn
         acc = tl.zeros([BM, BN], tl.float32)
@@ -458,12 +458,11 @@ if triton_available():
                            GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
                            HAS_PW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            LOG2G: tl.constexpr, INTERP: tl.constexpr):
-        t = tl.program_id(0)
         pid_n = tl.program_id(1)
-        e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
+        live, r64, mrow, pair, arow, rn64, nmask, e64 = _tile(TCUM, OFFS, PERM, M, N_out, tl.program_id(0), pid_n,
+                                                              n_groups, top_k, BM, BN, LOG2G, GROUPED, GATHER)
         if not live:
             return
-        r64, mrow, pair, arow, rn64, nmask, e64 = _tile_ids(PERM, m0, m_end, top_k, e, pid_n, N_out, BM, BN, GATHER)
         acc = _scaled_loop(A, SA, W, WS, arow, mrow, rn64, nmask, e64, K, stride_am, stride_sam,
                            stride_we, stride_wn, stride_wse, stride_wsn, BM, BN)
         if SWIGLU:   # a second loop (one accumulator per loop: Triton 3.6's tmem pass wants that)
