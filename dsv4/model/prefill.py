@@ -54,13 +54,13 @@ class KernelOps:
     tested against its twin on its own."""
 
     def __init__(self, dec, twins: bool = False):
-        from ..kernels import compressor, indexer, inverse_rope, kv_insert, mhc, moe, norm
+        from ..kernels import compressor, indexer, inverse_rope, kv_insert, mhc, moe, norm, paging
         from ..kernels import sparse_attention as sa
 
         def pick(mod, name):
             return getattr(mod, name + "_torch" if twins else name)
         for mod, names in ((mhc, ("hc_pre", "hc_post", "hc_head")), (kv_insert, ("kv_insert",)),
-                           (norm, ("rms_norm",)),
+                           (norm, ("rms_norm",)), (paging, ("entry_ids",)),
                            (inverse_rope, ("inverse_rope",)), (compressor, ("compress_prefill",)),
                            (indexer, ("index_q_prologue", "index_scores", "index_topk"))):
             for n in names:
@@ -222,14 +222,15 @@ class FastPrefiller:
     def _compressed(self, blk, lc, x, qr, pos, segs, freqs):
         """Compressor (and indexer) updates of every segment; extra index lists [T, K] of global
         entry ids into ``lc.entries`` (-1 pad)."""
-        at, dec, dev, k = blk.attn, self.dec, x.device, self.k
+        at, dev, k = blk.attn, x.device, self.k
         T, epb = x.shape[0], lc.entries_per_block
         ck, cs = k.project(at.compressor, x, pos)
         if at.indexer is not None:
             ix = at.indexer
             iq = k.linear(ix.wq_b, qr).view(T, ix.n_heads, ix.head_dim)
             iq = k.index_q_prologue(iq, freqs.real.float().contiguous(), freqs.imag.float().contiguous())
-            iw = self.num.round(ix.weights_proj(x) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))
+            r = self.num.round      # as the decoder: the bf16 linear's rounding, then the scaled weights'
+            iw = r(r(k.linear(ix.weights_proj, x)) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5))
             ik, isc = k.project(ix.compressor, x, pos)
         lists = []
         for s in segs:
@@ -254,11 +255,11 @@ class FastPrefiller:
                                  min(ix.topk, n_e), n_valid=(p[i:i + rb] + 1) // 4).long()
                     for i in range(0, s.n, rb)])
                 picks = self._t(f"L{blk.layer_id}.indexer_topk", picks)
-                lists.append(dec._entry_ids(s.bt.expand(s.n, -1), picks, epb, 4))
+                lists.append(k.entry_ids(s.bt.expand(s.n, -1), picks, epb, 4))
             else:
                 j = torch.arange(n_e, device=dev)[None, :].expand(s.n, -1)
                 vis = j < ((p + 1) // blk.ratio)[:, None]
-                lists.append(dec._entry_ids(s.bt.expand(s.n, -1), torch.where(vis, j, -1), epb, blk.ratio))
+                lists.append(k.entry_ids(s.bt.expand(s.n, -1), torch.where(vis, j, -1), epb, blk.ratio))
         K = max(li.shape[1] for li in lists)
         out = torch.full((T, K), -1, dtype=torch.long, device=dev)
         for s, li in zip(segs, lists):
