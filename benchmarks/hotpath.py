@@ -201,15 +201,19 @@ def _score_case(B, N, gen, dev, H=64):
 
 def topk_cases(dev, gen, smoke, sweep=False):
     cases = [(2, 5000, 64)] if smoke else [(1, 262144, 512), (1, 262144, 1024), (1, 262144, 2048),
-                                           (64, 16384, 512), (128, 65536, 1024)]
+                                           (64, 16384, 512), (128, 65536, 1024), (1, 2048, 512),
+                                           (1, 4096, 512), (64, 2048, 512), (64, 4096, 512)]
     for B, N, k in cases:
-        if sweep and (smoke or B != 1 or k == 1024):
+        if sweep and (smoke or B != 1):
             continue
         sc = _r(gen, B, N, dev=dev).bfloat16()
         nbytes = B * N * 2 + B * k * 4
         if sweep:
-            for nc in (32, 128):
-                yield (f"top-k k={k} over N={N} chunks={nc}", B, lambda nc=nc: ix.index_topk(sc, k, chunks=nc),
+            variants = ({"chunked": dict(single_max=0)} if N <= ix.SINGLE_MAX else
+                        {"chunks=64": dict(chunks=64), "chunks=256": dict(chunks=256),
+                         "sort in kernel": dict(sort_max=2048), "rank launch": dict(sort_max=0)})
+            for name, kw in variants.items():
+                yield (f"top-k k={k} over N={N} {name}", B, lambda kw=kw: ix.index_topk(sc, k, **kw),
                        None, nbytes, 0)
             continue
         yield (f"top-k k={k} over N={N}", B, lambda: ix.index_topk(sc, k), lambda: ix.index_topk_torch(sc, k),

@@ -429,8 +429,14 @@ def test_index_scores():
     _check_scores(sc2, ref[:, :200])
 
 
+_TOPK_PATHS = {"auto": {}, "chunked": dict(single_max=0), "chunked+rank": dict(single_max=0, sort_max=0)}
+
+
+@pytest.mark.parametrize("path", list(_TOPK_PATHS))
 @pytest.mark.parametrize("B,N,k,tie_every", [(3, 1000, 50, 3), (2, 300, 400, 2), (2, 5000, 64, 1)])
-def test_index_topk(B, N, k, tie_every):
+def test_index_topk(B, N, k, tie_every, path):
+    """Every path (one-program rows, chunked passes with the in-kernel sort or the rank launch)
+    equals the stable descending sort, ties and masking included."""
     gen = torch.Generator().manual_seed(N + k)
     s = torch.randn(B, N, generator=gen).bfloat16()
     s[0, ::tie_every] = 0.5                                          # many ties (all equal for 1)
@@ -440,7 +446,7 @@ def test_index_topk(B, N, k, tie_every):
     nv = torch.tensor([N, N // 3, 0][:B], dtype=torch.int32)         # full, partial, all masked
     if B == 2:
         nv[1] = 13 if N < k else N // 3
-    out = index_topk(s.to(DEV), k, nv.to(DEV)).cpu()
+    out = index_topk(s.to(DEV), k, nv.to(DEV), **_TOPK_PATHS[path]).cpu()
     ref = index_topk_torch(s, k, nv)
     assert torch.equal(out, ref)
 
@@ -588,13 +594,14 @@ _AOT_SCRIPT = textwrap.dedent("""
                                        OUT=P("bf16")), dict(TPP=2, HP=64, INTERP=False), 4, True),
         (ix._index_scores_kernel, dict(Q=P("bf16"), W=P("bf16"), PAGES=P("u8"), BT=P("i64"), POS=P("i64"),
                                        OUT=P("bf16")), dict(TPP=1, HP=64, INTERP=False, DIRECT=False), 8, True),
-        (ix._topk_hist, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), HIST=P("i32")), dict(LEVEL=1, TILE=2048), 8, False),
-        (ix._topk_hist, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), HIST=P("i32")), dict(LEVEL=2, TILE=2048), 8, False),
-        (ix._topk_row1, dict(NV=P("i32"), H1=P("i32"), ROW=P("i32")), dict(G=32), 8, False),
-        (ix._topk_row2, dict(NV=P("i32"), H1=P("i32"), H2=P("i32"), ROW=P("i32"), BASE=P("i32")), dict(G=32), 8, False),
-        (ix._topk_select, dict(SC=P("i16"), NV=P("i32"), ROW=P("i32"), BASE=P("i32"), BUF=P("i64")),
-         dict(TILE=2048), 8, False),
-        (ix._topk_rank, dict(BUF=P("i64"), NV=P("i32"), OUT=P("i32")), dict(RB=64, CB=256), 4, False),
+        (ix._topk_pass1, dict(SC=P("i16"), NV=P("i32"), WS=P("i32")), dict(WSTRIDE=264, TILE=2048), 8, False),
+        (ix._topk_pass2, dict(SC=P("i16"), NV=P("i32"), WS=P("i32"), H2=P("i32"), BASE=P("i32")),
+         dict(WSTRIDE=264, G=32, TILE=2048), 8, False),
+        (ix._topk_pass3, dict(SC=P("i16"), NV=P("i32"), WS=P("i32"), BASE=P("i32"), BUF=P("i64"), OUT=P("i32")),
+         dict(WSTRIDE=264, KP=512, TILE=2048, SORT=True), 8, False),
+        (ix._topk_rank, dict(BUF=P("i64"), NV=P("i32"), OUT=P("i32")), dict(KP=2048, RB=16), 8, False),
+        (ix._topk_single, dict(SC=P("i16"), NV=P("i32"), BUF=P("i64"), OUT=P("i32")), dict(KP=2048, TILE=4096),
+         8, False),
         (nm._rms_norm_kernel, dict(X=P("bf16"), W=F, Y=P("bf16"), eps="fp32"), dict(BD=8192, INTERP=False), 8, False),
         (pg._entry_ids_kernel, dict(BT=P("i64"), E=P("i32"), OUT=P("i32")), dict(BLOCK=1024), 4, False),
     ]
@@ -697,6 +704,9 @@ def test_gpu_indexer_real_shapes():
     s = (torch.randint(-3, 4, (4, 262144), generator=gen).float() * 0.25).bfloat16().cuda()
     idx = index_topk(s, 1024)
     assert torch.equal(idx.cpu(), index_topk_torch(s.cpu(), 1024))
+    for n, k in ((4096, 512), (2048, 2048), (4096, 1024)):             # one-program rows, incl. ties
+        for sc_ in (s[:, :n].contiguous(), sc[:, :n].contiguous()):
+            assert torch.equal(index_topk(sc_, k).cpu(), index_topk_torch(sc_.cpu(), k))
 
 
 @pytest.mark.gpu

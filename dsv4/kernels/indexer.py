@@ -19,14 +19,15 @@
   row among entries ``t < n_valid[b]``, in descending score order, ties broken by the lower index
   (what the reference's stable descending sort gives), -1 past ``min(k, n_valid)``. bf16 scores
   (the indexer's), any N (256K candidates for a 1M context), k <= 2048. Radix select on the 16-bit
-  order-preserving key, each row split into chunks so that batch 1 fills the GPU, 6 short launches
-  with no atomics (deterministic): 1. per-chunk histograms of the key's high byte; 2. per row: the
-  threshold byte; 3. per-chunk histograms of the low byte of the entries in that bin; 4. per row: the
-  exact threshold key, how many entries lie above it and how many of its ties to take, and per
-  chunk the offsets (entries above the threshold / ties in the chunks before it); 5. each chunk
-  writes its picks ``(0xFFFF - key) << 32 | index`` into a ``[B, k]`` buffer (all entries above the
-  threshold, the lowest-index ties up to k); 6. rank sort of the k picks (all distinct): every pick
-  counts the picks below it (k^2 compares spread over k/64 programs) and lands at its rank.
+  order-preserving key, each row split into chunks so that batch 1 fills the GPU, three launches
+  (one zeroed workspace): 1. per-chunk histograms of the key's high byte, added into the row's with
+  integer atomics; 2. per-chunk histograms of the low byte of the entries in the threshold byte's
+  bin; 3. each chunk writes its picks ``(0xFFFF - key) << 32 | index`` at precomputed slots of a
+  ``[B, k]`` buffer (all entries above the threshold key, the lowest-index ties up to k). The per-row
+  steps between the passes (threshold byte; exact threshold key, picks above it, ties to take and
+  each chunk's slot offsets; the final sort of the k distinct picks with ``tl.sort``) run in the
+  row's last-arriving chunk program (an acq_rel arrival counter), not in extra launches. Integer
+  sums and fixed slots: the output is deterministic whatever order the programs run in.
   -0.0 counts as +0.0 (torch's sort treats them equal); NaN scores are not supported. H200: 37-46 us
   at batch 1 over 256K (BENCHMARKS.md), latency of the six launches.
 
@@ -44,6 +45,9 @@ HEAD_DIM = 128
 INDEX_PAGE = 64                 # keys per page (dsv4.engine.kv_cache.INDEX_PAGE)
 INDEX_ENTRY_BYTES = 68          # 64 B codes + 4 B scales
 MAX_K = 2048
+SINGLE_MAX = 4096          # rows up to this long: one program each, one launch
+SORT_IN_KERNEL_MAX = 512  # the chunked path sorts up to this many picks in its last pass
+_TOPK_WS = 8 + 256   # per row: 3 arrival counters, hb, above1, thr, n_gt, need_eq | H1[256]
 
 if triton_available():
     import triton
@@ -164,105 +168,110 @@ if triton_available():
         return thr, above
 
     @triton.jit
-    def _topk_hist(SC, NV, ROW, HIST, N, K, stride_sb, CH, NC, LEVEL: tl.constexpr, TILE: tl.constexpr):
-        """Per-chunk 256-bin histogram of the key's high byte (LEVEL 1) or, among the entries whose
-        high byte is the row's threshold byte, of its low byte (LEVEL 2)."""
+    def _topk_keys(SC, b, nv, stride_sb, t0, TILE: tl.constexpr):
+        i = t0 + tl.arange(0, TILE)
+        m = i < nv
+        return i, m, _key16(tl.load(SC + b.to(tl.int64) * stride_sb + i, mask=m, other=0).to(tl.int32))
+
+    @triton.jit
+    def _arrive(CNT):
+        """Count this program in; True for the row's last one (its acquire sees the others' writes:
+        every thread's writes precede the barrier, thread 0's release covers them)."""
+        tl.debug_barrier()
+        return tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
+
+    @triton.jit
+    def _topk_pass1(SC, NV, WS, N, K, stride_sb, CH, NC, WSTRIDE: tl.constexpr, TILE: tl.constexpr):
+        """High-byte histogram of the chunk, added into the row's; the row's last chunk program
+        derives the threshold byte hb and #entries in higher bins -> WS[b, 3:5] (hb = -1: k == 0)."""
         b = tl.program_id(0)
         c = tl.program_id(1)
         nv = tl.minimum(tl.load(NV + b), N)
-        hist = tl.zeros([256], tl.int32)
-        if LEVEL == 1:
-            hb = 0
-        else:
-            hb = tl.load(ROW + b * 8)
-        if hb >= 0:
-            row = SC + b.to(tl.int64) * stride_sb
-            for t0 in range(c * CH, tl.minimum((c + 1) * CH, nv), TILE):
-                i = t0 + tl.arange(0, TILE)
-                m = i < nv
-                key = _key16(tl.load(row + i, mask=m, other=0).to(tl.int32))
-                if LEVEL == 1:
-                    hist += tl.histogram(key >> 8, 256, mask=m)
-                else:
-                    hist += tl.histogram(key & 255, 256, mask=m & ((key >> 8) == hb))
-        tl.store(HIST + (b * NC + c).to(tl.int64) * 256 + tl.arange(0, 256), hist)
-
-    @triton.jit
-    def _topk_row1(NV, H1, ROW, N, K, NC, G: tl.constexpr):
-        """Per row: threshold high byte hb and #entries above its bin -> ROW[b, 0:2] (hb = -1: k == 0)."""
-        b = tl.program_id(0)
-        nv = tl.minimum(tl.load(NV + b), N)
-        kk = tl.minimum(K, nv)
+        ws = WS + b * WSTRIDE
         bins = tl.arange(0, 256)
-        tot = tl.zeros([256], tl.int32)
-        for c0 in range(0, NC, G):
-            cc = c0 + tl.arange(0, G)
-            h = tl.load(H1 + ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :],
-                        mask=(cc < NC)[:, None], other=0)
-            tot += tl.sum(h, axis=0)
-        hb, above = _threshold(tot, kk)
-        hb = tl.where(kk > 0, hb, -1)
-        tl.store(ROW + b * 8, hb)
-        tl.store(ROW + b * 8 + 1, above)
+        hist = tl.zeros([256], tl.int32)
+        for t0 in range(c * CH, tl.minimum((c + 1) * CH, nv), TILE):
+            i, m, key = _topk_keys(SC, b, nv, stride_sb, t0, TILE)
+            hist += tl.histogram(key >> 8, 256, mask=m)
+        tl.atomic_add(ws + 8 + bins, hist, mask=hist != 0, sem="relaxed", scope="gpu")
+        if _arrive(ws) == NC - 1:
+            kk = tl.minimum(K, nv)
+            hb, above = _threshold(tl.load(ws + 8 + bins, cache_modifier=".cg"), kk)
+            tl.store(ws + 3, tl.where(kk > 0, hb, -1))
+            tl.store(ws + 4, above)
 
     @triton.jit
-    def _topk_row2(NV, H1, H2, ROW, BASE, N, K, NC, G: tl.constexpr):
-        """Per row: exact threshold key, #entries above it, #ties to take -> ROW[b, 2:5]; per chunk:
-        #entries above the threshold and #ties in the chunks before it -> BASE[b, c, 0:2]."""
+    def _topk_pass2(SC, NV, WS, H2, BASE, N, K, stride_sb, CH, NC, WSTRIDE: tl.constexpr, G: tl.constexpr,
+                    TILE: tl.constexpr):
+        """Low-byte histogram of the chunk's entries in bin hb (-> H2[b, c]) and its count above hb;
+        the row's last chunk program derives the exact threshold key, #entries above it, #ties to
+        take (WS[b, 5:8]) and per chunk the picks above / ties in the chunks before it (BASE[b, c])."""
         b = tl.program_id(0)
+        c = tl.program_id(1)
         nv = tl.minimum(tl.load(NV + b), N)
-        kk = tl.minimum(K, nv)
-        hb = tl.load(ROW + b * 8)
-        above1 = tl.load(ROW + b * 8 + 1)
+        ws = WS + b * WSTRIDE
+        hb = tl.load(ws + 3)
         if hb >= 0:
             bins = tl.arange(0, 256)
-            tot = tl.zeros([256], tl.int32)
-            for c0 in range(0, NC, G):
-                cc = c0 + tl.arange(0, G)
-                h = tl.load(H2 + ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :],
-                            mask=(cc < NC)[:, None], other=0)
-                tot += tl.sum(h, axis=0)
-            lb, above2 = _threshold(tot, kk - above1)
-            n_gt = above1 + above2
-            tl.store(ROW + b * 8 + 2, hb * 256 + lb)
-            tl.store(ROW + b * 8 + 3, n_gt)
-            tl.store(ROW + b * 8 + 4, kk - n_gt)
-            carry_gt = tl.full([], 0, tl.int32)
-            carry_eq = tl.full([], 0, tl.int32)
-            for c0 in range(0, NC, G):
-                cc = c0 + tl.arange(0, G)
-                off = ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :]
-                cm = (cc < NC)[:, None]
-                h1 = tl.load(H1 + off, mask=cm, other=0)
-                h2 = tl.load(H2 + off, mask=cm, other=0)
-                gt = tl.sum(tl.where(bins[None, :] > hb, h1, 0) + tl.where(bins[None, :] > lb, h2, 0), axis=1)
-                eq = tl.sum(tl.where(bins[None, :] == lb, h2, 0), axis=1)
-                bp = BASE + (b * NC + cc).to(tl.int64) * 2
-                tl.store(bp, carry_gt + tl.cumsum(gt, 0) - gt, mask=cc < NC)
-                tl.store(bp + 1, carry_eq + tl.cumsum(eq, 0) - eq, mask=cc < NC)
-                carry_gt += tl.sum(gt, axis=0)
-                carry_eq += tl.sum(eq, axis=0)
+            hist = tl.zeros([256], tl.int32)
+            gt = tl.zeros([TILE], tl.int32)
+            for t0 in range(c * CH, tl.minimum((c + 1) * CH, nv), TILE):
+                i, m, key = _topk_keys(SC, b, nv, stride_sb, t0, TILE)
+                hist += tl.histogram(key & 255, 256, mask=m & ((key >> 8) == hb))
+                gt += (m & ((key >> 8) > hb)).to(tl.int32)
+            hp = H2 + (b * NC + c).to(tl.int64) * 256
+            tl.store(hp + bins, hist)
+            tl.store(BASE + (b * NC + c).to(tl.int64) * 2, tl.sum(gt, axis=0))
+            if _arrive(ws + 1) == NC - 1:
+                kk = tl.minimum(K, nv)
+                above1 = tl.load(ws + 4)
+                tot = tl.zeros([256], tl.int32)
+                for c0 in range(0, NC, G):
+                    cc = c0 + tl.arange(0, G)
+                    h = tl.load(H2 + ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :],
+                                mask=(cc < NC)[:, None], other=0, cache_modifier=".cg")
+                    tot += tl.sum(h, axis=0)
+                lb, above2 = _threshold(tot, kk - above1)
+                n_gt = above1 + above2
+                tl.store(ws + 5, hb * 256 + lb)
+                tl.store(ws + 6, n_gt)
+                tl.store(ws + 7, kk - n_gt)
+                carry_gt = tl.full([], 0, tl.int32)
+                carry_eq = tl.full([], 0, tl.int32)
+                for c0 in range(0, NC, G):
+                    cc = c0 + tl.arange(0, G)
+                    cm = cc < NC
+                    h = tl.load(H2 + ((b * NC + cc).to(tl.int64) * 256)[:, None] + bins[None, :],
+                                mask=cm[:, None], other=0, cache_modifier=".cg")
+                    bp = BASE + (b * NC + cc).to(tl.int64) * 2
+                    g = tl.load(bp, mask=cm, other=0, cache_modifier=".cg") + \
+                        tl.sum(tl.where(bins[None, :] > lb, h, 0), axis=1)
+                    eq = tl.sum(tl.where(bins[None, :] == lb, h, 0), axis=1)
+                    tl.store(bp, carry_gt + tl.cumsum(g, 0) - g, mask=cm)
+                    tl.store(bp + 1, carry_eq + tl.cumsum(eq, 0) - eq, mask=cm)
+                    carry_gt += tl.sum(g, axis=0)
+                    carry_eq += tl.sum(eq, axis=0)
 
     @triton.jit
-    def _topk_select(SC, NV, ROW, BASE, BUF, N, K, stride_sb, CH, NC, KP, TILE: tl.constexpr):
-        """Write this chunk's picks as (0xFFFF - key) << 32 | index: every entry above the threshold
-        and the lowest-index ties up to k."""
+    def _topk_pass3(SC, NV, WS, BASE, BUF, OUT, N, K, stride_sb, stride_ob, CH, NC, WSTRIDE: tl.constexpr,
+                    KP: tl.constexpr, TILE: tl.constexpr, SORT: tl.constexpr):
+        """The chunk's picks as (0xFFFF - key) << 32 | index at their BUF slots (every entry above
+        the threshold, the lowest-index ties up to k); with SORT the row's last chunk program sorts
+        the k picks into OUT (else ``_topk_rank`` does, spread over programs)."""
         b = tl.program_id(0)
         c = tl.program_id(1)
         nv = tl.minimum(tl.load(NV + b), N)
-        hb = tl.load(ROW + b * 8)
+        ws = WS + b * WSTRIDE
+        hb = tl.load(ws + 3)
+        buf = BUF + b.to(tl.int64) * KP
         if hb >= 0:
-            thr = tl.load(ROW + b * 8 + 2)
-            n_gt = tl.load(ROW + b * 8 + 3)
-            need_eq = tl.load(ROW + b * 8 + 4)
+            thr = tl.load(ws + 5)
+            n_gt = tl.load(ws + 6)
+            need_eq = tl.load(ws + 7)
             base_gt = tl.load(BASE + (b * NC + c).to(tl.int64) * 2)
             base_eq = tl.load(BASE + (b * NC + c).to(tl.int64) * 2 + 1)
-            row = SC + b.to(tl.int64) * stride_sb
-            buf = BUF + b.to(tl.int64) * KP
             for t0 in range(c * CH, tl.minimum((c + 1) * CH, nv), TILE):
-                i = t0 + tl.arange(0, TILE)
-                m = i < nv
-                key = _key16(tl.load(row + i, mask=m, other=0).to(tl.int32))
+                i, m, key = _topk_keys(SC, b, nv, stride_sb, t0, TILE)
                 gti = (m & (key > thr)).to(tl.int32)
                 eqi = (m & (key == thr)).to(tl.int32)
                 r_gt = base_gt + tl.cumsum(gti, 0) - 1
@@ -272,25 +281,66 @@ if triton_available():
                 tl.store(buf + n_gt + r_eq, comp, mask=(eqi != 0) & (r_eq < need_eq))
                 base_gt += tl.sum(gti, axis=0)
                 base_eq += tl.sum(eqi, axis=0)
+        if SORT:
+            if _arrive(ws + 2) == NC - 1:
+                _emit_sorted(buf, OUT + b.to(tl.int64) * stride_ob, tl.minimum(K, nv), K, KP)
 
     @triton.jit
-    def _topk_rank(BUF, NV, OUT, N, K, stride_ob, KP, RB: tl.constexpr, CB: tl.constexpr):
-        """Sort the k picks (distinct keys) by rank: out[#{j: v_j < v_i}] = index_i; -1 past k picks."""
+    def _pick_code(v, j):
+        """BUF value -> uint32 sort code (0xFFFF - key) << 16 | slot: BUF keeps each key's picks in
+        index order, so ascending codes = descending key, lower index first."""
+        return (((v >> 32) << 16) | j).to(tl.uint32)
+
+    @triton.jit
+    def _emit_sorted(buf, orow, kk, K, KP: tl.constexpr):
+        """Sort the kk picks in buf (one program) and write their indices, -1 past kk."""
+        j = tl.arange(0, KP)
+        v = tl.load(buf + j, mask=j < kk, other=0, cache_modifier=".cg")
+        c = tl.sort(tl.where(j < kk, _pick_code(v, j), 0xFFFFFFFF))
+        pos = (c & 0xFFFF).to(tl.int32)
+        idx = tl.load(buf + pos, mask=j < kk, other=0, cache_modifier=".cg") & 0xFFFFFFFF
+        tl.store(orow + j, tl.where(j < kk, idx, -1).to(orow.dtype.element_ty), mask=j < K)
+
+    @triton.jit
+    def _topk_rank(BUF, NV, OUT, N, K, stride_ob, KP: tl.constexpr, RB: tl.constexpr):
+        """Large k: the picks' final positions spread over k / RB programs; each counts, for RB picks,
+        the picks with a smaller code (KP compares each) and writes its index at that rank."""
         b = tl.program_id(0)
-        r0 = tl.program_id(1) * RB
-        nv = tl.minimum(tl.load(NV + b), N)
-        kk = tl.minimum(K, nv)
-        i = r0 + tl.arange(0, RB)
+        i = tl.program_id(1) * RB + tl.arange(0, RB)
+        kk = tl.minimum(K, tl.minimum(tl.load(NV + b), N))
         buf = BUF + b.to(tl.int64) * KP
         orow = OUT + b.to(tl.int64) * stride_ob
-        vi = tl.load(buf + i, mask=i < kk, other=0x7FFFFFFFFFFFFFFF)
-        rank = tl.zeros([RB], tl.int32)
-        for j0 in range(0, kk, CB):
-            j = j0 + tl.arange(0, CB)
-            vj = tl.load(buf + j, mask=j < kk, other=0x7FFFFFFFFFFFFFFF)
-            rank += tl.sum((vj[None, :] < vi[:, None]).to(tl.int32), axis=1)
+        vi = tl.load(buf + i, mask=i < kk, other=0)
+        ci = _pick_code(vi, i)
+        j = tl.arange(0, KP)
+        cj = tl.where(j < kk, _pick_code(tl.load(buf + j, mask=j < kk, other=0), j), 0xFFFFFFFF)
+        rank = tl.sum((cj[None, :] < ci[:, None]).to(tl.int32), axis=1)
         tl.store(orow + rank, (vi & 0xFFFFFFFF).to(OUT.dtype.element_ty), mask=i < kk)
         tl.store(orow + i, tl.full([RB], -1, tl.int32).to(OUT.dtype.element_ty), mask=(i >= kk) & (i < K))
+
+    @triton.jit
+    def _topk_single(SC, NV, BUF, OUT, N, K, stride_sb, stride_ob, KP: tl.constexpr, TILE: tl.constexpr):
+        """Whole row in one program (N <= TILE): both histograms, the selection and the sort with
+        the keys held in registers; one launch, no workspace to zero."""
+        b = tl.program_id(0)
+        nv = tl.minimum(tl.load(NV + b), N)
+        kk = tl.minimum(K, nv)
+        i, m, key = _topk_keys(SC, b, nv, stride_sb, 0, TILE)
+        m = m & (kk > 0)
+        hb, above1 = _threshold(tl.histogram(key >> 8, 256, mask=m), kk)
+        lb, above2 = _threshold(tl.histogram(key & 255, 256, mask=m & ((key >> 8) == hb)), kk - above1)
+        thr = hb * 256 + lb
+        n_gt = above1 + above2
+        gti = (m & (key > thr)).to(tl.int32)
+        eqi = (m & (key == thr)).to(tl.int32)
+        r_gt = tl.cumsum(gti, 0) - 1
+        r_eq = tl.cumsum(eqi, 0) - 1
+        comp = ((0xFFFF - key).to(tl.int64) << 32) | i.to(tl.int64)
+        buf = BUF + b.to(tl.int64) * KP
+        tl.store(buf + r_gt, comp, mask=gti != 0)
+        tl.store(buf + n_gt + r_eq, comp, mask=(eqi != 0) & (r_eq < kk - n_gt))
+        tl.debug_barrier()
+        _emit_sorted(buf, OUT + b.to(tl.int64) * stride_ob, kk, K, KP)
 
 
 def _kw(num_warps=4, **extra):
@@ -384,9 +434,13 @@ def index_scores_torch(q, w, pages, block_table, pos, n=None, out_dtype=torch.bf
 
 # ------------------------------------------------------------------------------ top-k
 def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.int32, chunks: int | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.int32, chunks: int | None = None,
+               single_max: int | None = None, sort_max: int = SORT_IN_KERNEL_MAX) -> torch.Tensor:
     """Top-k indices [B, k] of bf16 scores [B, N] among entries < n_valid[b] (default N): descending
-    score, ties -> lower index, -1 past min(k, n_valid[b])."""
+    score, ties -> lower index, -1 past min(k, n_valid[b]). ``single_max``: rows up to this long
+    take the one-launch kernel (default ``SINGLE_MAX``; 0 forces the chunked passes, as ``chunks``
+    does); ``sort_max``: the chunked path sorts up to this many picks in its last pass, more in an
+    extra rank launch."""
     if scores.dim() != 2 or scores.dtype != torch.bfloat16 or scores.stride(1) != 1:
         raise ValueError(f"scores: expected bf16 [B, N] with a contiguous last dim, got {scores.dtype} "
                          f"{tuple(scores.shape)}")
@@ -401,28 +455,34 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
         n_valid = torch.full((B,), N, dtype=torch.int32, device=dev)
     n_valid = n_valid.to(torch.int32).contiguous()
     interp = interpreting()
-    TILE = min(2048 if not interp else 256, triton.next_power_of_2(max(N, 16)))
-    n_tiles = triton.cdiv(max(N, 1), TILE)
-    NC = chunks or max(1, min(n_tiles, 64 if B == 1 else triton.cdiv(4 * _num_sms(dev), B)))
-    CH = triton.cdiv(triton.cdiv(max(N, 1), NC), TILE) * TILE
-    NC = triton.cdiv(max(N, 1), CH)
-    G = min(32, triton.next_power_of_2(NC))
     KP = max(16, triton.next_power_of_2(k))
-    h1 = torch.empty(B, NC, 256, dtype=torch.int32, device=dev)
-    h2 = torch.empty(B, NC, 256, dtype=torch.int32, device=dev)
-    row = torch.empty(B, 8, dtype=torch.int32, device=dev)
-    base = torch.empty(B, NC, 2, dtype=torch.int32, device=dev)
     buf = torch.empty(B, KP, dtype=torch.int64, device=dev)
     sc = scores.view(torch.int16)
     kw = _kw(8)
-    _topk_hist[(B, NC)](sc, n_valid, row, h1, N, k, sc.stride(0), CH, NC, LEVEL=1, TILE=TILE, **kw)
-    _topk_row1[(B,)](n_valid, h1, row, N, k, NC, G=G, **kw)
-    _topk_hist[(B, NC)](sc, n_valid, row, h2, N, k, sc.stride(0), CH, NC, LEVEL=2, TILE=TILE, **kw)
-    _topk_row2[(B,)](n_valid, h1, h2, row, base, N, k, NC, G=G, **kw)
-    _topk_select[(B, NC)](sc, n_valid, row, base, buf, N, k, sc.stride(0), CH, NC, KP, TILE=TILE, **kw)
-    RB = 64
-    _topk_rank[(B, triton.cdiv(k, RB))](buf, n_valid, out, N, k, out.stride(0), KP, RB=RB,
-                                         CB=min(256, KP), **_kw(8))
+    single_max = SINGLE_MAX if single_max is None else single_max
+    if chunks is None and N <= single_max:
+        _topk_single[(B,)](sc, n_valid, buf, out, N, k, sc.stride(0), out.stride(0), KP=KP,
+                           TILE=max(16, triton.next_power_of_2(N)), **kw)
+        return out
+    TILE = min(2048 if not interp else 256, triton.next_power_of_2(max(N, 16)))
+    n_tiles = triton.cdiv(max(N, 1), TILE)
+    NC = chunks or max(1, min(n_tiles, 128 if B == 1 else triton.cdiv(4 * _num_sms(dev), B)))
+    CH = triton.cdiv(triton.cdiv(max(N, 1), NC), TILE) * TILE
+    NC = triton.cdiv(max(N, 1), CH)
+    G = min(32, triton.next_power_of_2(NC))
+    ws = torch.zeros(B, _TOPK_WS, dtype=torch.int32, device=dev)      # counters, row fields, H1
+    h2 = torch.empty(B, NC, 256, dtype=torch.int32, device=dev)
+    base = torch.empty(B, NC, 2, dtype=torch.int32, device=dev)
+    grid = (B, NC)
+    _topk_pass1[grid](sc, n_valid, ws, N, k, sc.stride(0), CH, NC, WSTRIDE=_TOPK_WS, TILE=TILE, **kw)
+    _topk_pass2[grid](sc, n_valid, ws, h2, base, N, k, sc.stride(0), CH, NC, WSTRIDE=_TOPK_WS, G=G, TILE=TILE,
+                      **kw)
+    sort = KP <= sort_max
+    _topk_pass3[grid](sc, n_valid, ws, base, buf, out, N, k, sc.stride(0), out.stride(0), CH, NC,
+                      WSTRIDE=_TOPK_WS, KP=KP, TILE=TILE, SORT=sort, **kw)
+    if not sort:
+        RB = 16
+        _topk_rank[(B, triton.cdiv(k, RB))](buf, n_valid, out, N, k, out.stride(0), KP=KP, RB=RB, **kw)
     return out
 
 
