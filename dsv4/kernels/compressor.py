@@ -411,7 +411,7 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
         return (out, complete, pooled) if return_pooled else (out, complete)
     if state.stride(2) != 1:
         raise ValueError("state needs a contiguous last dim")
-    k, s = k.contiguous(), s.contiguous()
+    k, s = (t if t.stride(1) == 1 else t.contiguous() for t in (k, s))     # rows may be strided views
     cos, sin = cos.contiguous(), sin.contiguous()
     nrows = coff * ratio
     # measured on the H200 (BENCHMARKS.md): main CSA fused (one program per token), indexer CSA and

@@ -114,6 +114,16 @@ class FastDecoder:
                 for lin in comps:
                     if lin.kind in ("fp32", "bf16") and torch.equal(lin.weight.bfloat16().float(), lin.weight):
                         self._bf16[id(lin)] = lin.weight.bfloat16()
+            # linears that read the same input, as one GEMM each (fewer launches per layer): wq_a|wkv
+            # (FP8, one act quant) and the compressors' wkv/wgate + the indexer's weights_proj (bf16);
+            # the members' weights become views of the concatenation
+            self._group, self._group_w, self._gx = {}, {}, None
+            for b in model.layers:
+                self._make_group(("fp8", b.layer_id), [b.attn.wq_a, b.attn.wkv])
+                ix = b.attn.indexer
+                members = [l for c in (b.attn.compressor, ix.compressor if ix else None) if c is not None
+                           for l in (c.wkv, c.wgate)] + ([ix.weights_proj] if ix else [])
+                self._make_group(("bf16", b.layer_id), members)
             # wo_a: the official bf16 einsum (bf16 operands, fp32 accumulation, bf16 out) as one
             # batched tensor-core GEMM over the G groups
             self._wo_a = [b.attn.wo_a.weight.to(torch.bfloat16).view(b.attn.G, -1, b.attn.wo_a.weight.shape[1])
@@ -196,9 +206,51 @@ class FastDecoder:
             return rms_norm_kernel(x, w, eps)
         return rms_norm(x, w, eps, self.num)
 
+    def _make_group(self, key, lins):
+        """Concatenate the fused path's weights of ``lins`` (all FP8 or all bf16-exact) along N."""
+        table = self._fp8 if key[0] == "fp8" else self._bf16
+        lins = [l for l in lins if id(l) in table]
+        if len(lins) < 2:
+            return
+        parts = [table[id(l)] for l in lins]
+        if key[0] == "fp8":
+            if any(w.shape[0] % 128 for w, _s in parts):
+                return
+            w, ws = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            self._group_w[key] = (w, ws)
+        else:
+            w = torch.cat(parts)
+            self._group_w[key] = w
+        start = 0
+        for l, p in zip(lins, parts):
+            n = (p[0] if key[0] == "fp8" else p).shape[0]
+            self._group[id(l)] = (key, start, start + n)
+            table[id(l)] = (w[start:start + n], ws[start // 128:(start + n) // 128]) if key[0] == "fp8" \
+                else w[start:start + n]
+            start += n
+
+    def _lin_group(self, lin, x):
+        """The group's GEMM (computed for the first member asked with this x, kept for the others)
+        and this member's columns (a strided view); None when ``lin`` is in no group."""
+        g = self._group.get(id(lin)) if self.fused and x.dim() == 2 else None
+        if g is None or (g[0][0] == "bf16" and x.dtype != torch.bfloat16):
+            return None
+        key, a, b = g
+        if self._gx is None or self._gx[0] != key or self._gx[1] is not x:
+            if key[0] == "fp8":
+                from ..kernels.gemm import fp8_linear
+                y = fp8_linear(x, *self._group_w[key])
+            else:
+                y = torch.mm(x, self._group_w[key].t(), out_dtype=torch.float32)
+            self._gx = (key, x, y)
+        return self._gx[2][:, a:b]
+
     def _lin(self, lin, x):
         """A checkpoint linear: the block-scaled FP8 Triton GEMM on the fused path, else the
         reference's (dequantised-weight GEMM with the same quantised operands)."""
+        y = self._lin_group(lin, x)
+        if y is not None:
+            return y
         if self.fused and lin.kind == "fp8":
             from ..kernels.gemm import fp8_linear
             return fp8_linear(x, *self._fp8[id(lin)])
@@ -333,6 +385,7 @@ class FastDecoder:
             return self._forward(tokens, pos, slots, bt)
         finally:
             self._memo = None
+            self._gx = None
 
     def _forward(self, tokens, pos, slots, bt):
         m, num = self.model, self.num
@@ -373,6 +426,7 @@ class FastDecoder:
         a, post, comb = pre(blk.hc_attn, h)
         a = self._t(f"L{i}.hc_pre", a)
         a = self._attention(blk, lc, self._norm(a, blk.attn_norm, cfg.rms_norm_eps), pos, slots, bt, freqs)
+        self._gx = None                    # the grouped linears' output for this layer's x
         h = hc_post(a, h, post, comb)
         f, post, comb = pre(blk.hc_ffn, h)
         f = moe_forward(self._norm(f, blk.ffn_norm, cfg.rms_norm_eps), tokens, self.moe_weights[i])

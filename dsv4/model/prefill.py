@@ -126,6 +126,7 @@ class FastPrefiller:
             a = self._t(f"L{i}.hc_pre", a)
             a = self._attention(blk, self.cache.layers[i], k.rms_norm(a, blk.attn_norm, cfg.rms_norm_eps),
                                 pos, segs, freqs)
+            self.dec._gx = None            # the decoder's grouped-linear output of this layer's x
             h = k.hc_post(a, h, post, comb)
             f, post, comb = pre(blk.hc_ffn, h)
             f = self._t(f"L{i}.moe", k.moe(i, k.rms_norm(f, blk.ffn_norm, cfg.rms_norm_eps), ids))
