@@ -246,6 +246,35 @@ def test_gemv_against_exact(fmt, M, split):
         y = V.fp4_gemv(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV),
                        config=cfg)
         _check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
+        # f16 products (exact) give the same fp32 group sums: bit-identical output
+        y16 = V.fp4_gemv(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV),
+                         config={**(cfg or {}), "prod16": True})
+        assert torch.equal(y16.cpu().view(torch.int16), y.cpu().view(torch.int16))
+        # the pair layout (activation read as (even, odd) e4m3 pairs beside the weight bytes)
+        yp = V.fp4_gemv(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV),
+                        config={**(cfg or {}), "pairs": True})
+        _check_gemm(yp, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gemv_prod16_exact_at_the_range_ends(fmt):
+    """Activations spanning e4m3's whole range (448 down to the 2^-9 subnormal) against every e2m1
+    code: the f16-product path equals the fp32-product path bit for bit."""
+    from dsv4.kernels import gemv as V
+    gen = torch.Generator().manual_seed(5)
+    K, N = 256, 48
+    mag = torch.exp2(-torch.randint(0, 18, (2, K), generator=gen).float()) * (1 + torch.rand(2, K, generator=gen))
+    x = (mag * torch.where(torch.rand(2, K, generator=gen) < 0.5, -1.0, 1.0)).bfloat16()
+    xq, xs = act_quant_ref(x)
+    a = xq.float().abs()
+    assert ((a > 0) & (a < 2.0 ** -6)).any() and (a >= 256).any()
+    wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
+    args = (xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV))
+    y = V.fp4_gemv(*args)
+    y16 = V.fp4_gemv(*args, config={"prod16": True})
+    assert torch.equal(y16.cpu().view(torch.int16), y.cpu().view(torch.int16))
+    _check_gemm(V.fp4_gemv(*args, config={"pairs": True}), xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
+    _check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
 
 
 def test_gemv_rejects_bad_tile_rows():
