@@ -254,6 +254,11 @@ def test_gemv_against_exact(fmt, M, split):
         yp = V.fp4_gemv(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV),
                         config={**(cfg or {}), "pairs": True})
         _check_gemm(yp, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
+    # the cp.async K-block pipeline changes nothing in the arithmetic: bit-identical
+    yk = (V.fp8_gemv(x.to(DEV), q.to(DEV), s.to(DEV), config={**(cfg or {}), "stages": 3}) if fmt == "fp8" else
+          V.fp4_gemv(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV),
+                     config={**(cfg or {}), "stages": 3}))
+    assert torch.equal(yk.cpu().view(torch.int16), y.cpu().view(torch.int16))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -554,8 +559,12 @@ def test_gpu_gemv_flash_shapes(fmt, M):
             assert torch.equal(y.view(torch.int16), G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda(), gemv=True).view(torch.int16))
         else:
             wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
-            y = V.fp4_gemv(xq, xs, wp.cuda(), s.cuda(), fmt, None if s2 is None else s2.cuda())
+            args = (xq, xs, wp.cuda(), s.cuda(), fmt, None if s2 is None else s2.cuda())
+            y = V.fp4_gemv(*args)
             _check_gemm(y, xq, xs, Wd)
+            for cfg in ({"stages": 3}, {"prod16": True}):      # same arithmetic: bit-identical
+                assert torch.equal(V.fp4_gemv(*args, config=cfg).view(torch.int16), y.view(torch.int16)), cfg
+            _check_gemm(V.fp4_gemv(*args, config={"pairs": True}), xq, xs, Wd)
 
 
 @pytest.mark.gpu

@@ -114,7 +114,7 @@ if triton_available():
                      A_BF16: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
                      USE_ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
                      GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
-                     PROD16: tl.constexpr = False, PAIRS: tl.constexpr = False):
+                     PROD16: tl.constexpr = False, PAIRS: tl.constexpr = False, NSTAGE: tl.constexpr = 1):
         """WFMT 0 MXFP4, 1 NVFP4, 3 FP8. One K step = one 128-wide activation block; the weight slab
         is [BN, NG, GB] bytes (FP4: NG scale groups of GB bytes, decoded and interleaved to [BN, NG,
         2 GB] values; FP8: [BN, 8, 16]), in the layout it is loaded in (every product and group sum
@@ -169,7 +169,7 @@ if triton_available():
             wbase = W + e64 * stride_we + rn64[:, None, None, None] * stride_wn + boff
         kb_lo = (ks * k_per_split) // 128
         kb_hi = tl.minimum(K, ks * k_per_split + k_per_split) // 128
-        for kb in range(kb_lo, kb_hi):
+        for kb in tl.range(kb_lo, kb_hi, num_stages=NSTAGE):   # NSTAGE > 1: cp.async K-block pipeline
             k0 = kb * 128
             if PAIRS:
                 b = tl.load(wbase + kb * 64, mask=nmask[:, None, None, None], other=0)
@@ -336,6 +336,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         use_asm = _use_asm(dev)
     prod16 = bool(cfg.pop("prod16", False))
     pairs = bool(cfg.pop("pairs", False))
+    nstage = int(cfg.pop("stages", 1))     # K blocks in flight through shared memory (cp.async)
     if (prod16 or pairs) and (fp8 or a_bf16):
         raise ValueError("gemv: prod16 / pairs (f16 products) are for FP4 weights with e4m3 activations only")
     kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
@@ -347,7 +348,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         WFMT=wfmt_i, SB_SHIFT=0 if per_row else 7, SB_E8M0=sb_e8m0, A_BF16=a_bf16, GROUPED=grouped,
         GATHER=perm is not None, USE_ASM=use_asm, BM=bm, BN=BN, NG=ng, GB=gb,
         LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(),
-        PROD16=prod16, PAIRS=pairs, **kw)
+        PROD16=prod16, PAIRS=pairs, NSTAGE=nstage, **kw)
     if partial:
         return dst
     if dst.dtype == torch.float32:
