@@ -244,13 +244,6 @@ def fp4_variants(m):
     gemv = {f"gemv.bn{bn}.w{w}": (dict(BM=rows_tile(m), BN=bn, num_warps=w, num_stages=1),
                                   "gemv", True)
             for bn, w in ((64, 4), (64, 8), (128, 8), (256, 8), (128, 16))} if m <= G.GEMV_MAX_ROWS else {}
-    if gemv:
-        gemv.update({f"gemv.bn{bn}.w{w}.prod16": (dict(BM=rows_tile(m), BN=bn, num_warps=w, num_stages=1,
-                                                         prod16=True), "gemv", True)
-                     for bn, w in ((64, 8), (128, 8))})
-        gemv.update({f"gemv.bn{bn}.w{w}.k{st}": (dict(BM=rows_tile(m), BN=bn, num_warps=w, num_stages=1,
-                                                       stages=st), "gemv", True)
-                     for bn, w in ((64, 8), (128, 8), (64, 4)) for st in (2, 3, 4)})
     big = m > 32
     bm = 64 if big else (32 if m > 16 else 16)
     base = dict(BM=bm)
@@ -446,10 +439,7 @@ def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
                 variants = {}
                 if T <= 64 and not timer.smoke:   # the decode GEMV vs the MMA kernels, tile rows
                     paths = [("mma", dict(path=G.fp4_path(w.fmt, dev)))] + \
-                        [(f"gemv.bm{r}", dict(path="gemv", config={"BM": r})) for r in (1, 2, 4)] + \
-                        [(f"gemv.bm{r}.prod16", dict(path="gemv", config={"BM": r, "prod16": True})) for r in (1, 2)] + \
-                        [(f"gemv.bm{r}.k{st}", dict(path="gemv", config={"BM": r, "stages": st}))
-                         for r in (1, 2, 4) for st in (2, 3)]
+                        [(f"gemv.bm{r}", dict(path="gemv", config={"BM": r})) for r in (1, 2, 4)]
                     for vn, kw in paths:
                         variants[vn] = graph_time(lambda kw=kw: Mo.moe_forward(x, None, w, **kw)) * 1e3
                     log(f"moe {model} T{T} variants (graph us): " + ", ".join(f"{k} {v:.1f}" for k, v in variants.items()))

@@ -82,6 +82,7 @@ from . import interpreting, triton_available
 
 QBLOCK = 128        # activation / FP8 weight block
 GEMV_MAX_ROWS = 4   # up to this many rows (per expert) the decode GEMV (gemv.py) replaces the MMA kernels
+PREFILL_MIN_ROWS = 128   # from this many rows fp8_gemm takes the TMA kernel of fp8_prefill.py (Hopper)
 FP8_MAX = 448.0
 
 if triton_available():
@@ -629,6 +630,10 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tens
     out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device) if out is None else out
     if M == 0:
         return out
+    if config is None and M >= PREFILL_MIN_ROWS and _on_cuda(xq) and capability(xq.device)[0] == 9 \
+            and out.stride(-1) == 1:
+        from .fp8_prefill import fp8_gemm_prefill      # TMA tiles: 1.4-1.7x at prefill sizes on the H200
+        return fp8_gemm_prefill(xq, xs, w, ws, out=out)
     _launch_fp8(_u8(xq.contiguous()), xs.float().contiguous(), w.contiguous(), ws.contiguous(), out, None,
                 M, N, K, 0, False, False, 0.0, config)
     return out

@@ -59,31 +59,9 @@ if triton_available():
             a = q.to(tl.float32)
             sa = _exp2i(e)
         else:
-            a = tl.load(ptr).to(tl.float8e4nv, bitcast=True).to(w.dtype)
+            a = tl.load(ptr).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             sa = tl.load(SA + row * stride_sam + kb)
-        return tl.sum((w * a[None, :, :]).to(tl.float32), axis=2), sa
-
-    @triton.jit
-    def _act_pairs_f16(av, USE_ASM: tl.constexpr):
-        """uint16 (even, odd) e4m3 byte pairs -> (even, odd) f16 values (exact), one cvt per pair."""
-        if USE_ASM:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-                "=h,=h,h", [av], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-        ae = (av & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        ao = (av >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        return ae, ao
-
-    @triton.jit
-    def _pair_dot(wl, wh, A, SA, row, k0, kb, boff, zero, stride_am, stride_sam, USE_ASM: tl.constexpr):
-        """PAIRS layout: weight bytes [BN, NG, H, GB/H] decoded to even / odd f16 (wl, wh); the
-        activation read as the matching (even, odd) e4m3 pairs, one uint16 per weight byte, with the
-        same [BN, NG, H, GB/H] pointer shape (so the same register layout: no shuffles); f16 products
-        (exact), fp32 group sums [BN, NG]."""
-        a16 = (A + row * stride_am + k0).to(tl.pointer_type(tl.uint16))
-        ae, ao = _act_pairs_f16(tl.load(a16 + boff + zero), USE_ASM)
-        p = (wl * ae).to(tl.float32) + (wh * ao).to(tl.float32)
-        return tl.sum(tl.sum(p, axis=3), axis=2), tl.load(SA + row * stride_sam + kb)
+        return tl.sum(w * a[None, :, :], axis=2), sa
 
     @triton.jit
     def _slab_load(wbase, WS, e64, rn64, nmask, g, kb, stride_wse, stride_wsn, WFMT: tl.constexpr,
@@ -113,15 +91,12 @@ if triton_available():
                      WFMT: tl.constexpr, SB_SHIFT: tl.constexpr, SB_E8M0: tl.constexpr,
                      A_BF16: tl.constexpr, GROUPED: tl.constexpr, GATHER: tl.constexpr,
                      USE_ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
-                     GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
-                     PROD16: tl.constexpr = False, PAIRS: tl.constexpr = False, NSTAGE: tl.constexpr = 1):
+                     GB: tl.constexpr, LOG2G: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr):
         """WFMT 0 MXFP4, 1 NVFP4, 3 FP8. One K step = one 128-wide activation block; the weight slab
         is [BN, NG, GB] bytes (FP4: NG scale groups of GB bytes, decoded and interleaved to [BN, NG,
         2 GB] values; FP8: [BN, 8, 16]), in the layout it is loaded in (every product and group sum
         inside one thread). BM in (1, 2, 4) rows, one accumulator each (a 4-D broadcast would make Triton
-        pick a layout that moves the weights through shared memory). PROD16 (FP4 only): the products
-        in f16 (exact: e2m1 * 2^-6 times e4m3 lies in [2^-16, 42] with <= 6 significant bits, so no
-        f16 rounding or underflow), widened to fp32 for the group sum: fewer conversions."""
+        pick a layout that moves the weights through shared memory)."""
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         ks = tl.program_id(2)
@@ -160,24 +135,12 @@ if triton_available():
         acc2 = tl.zeros([BN, NG], tl.float32)
         acc3 = tl.zeros([BN, NG], tl.float32)
         KG: tl.constexpr = GB if WFMT == 3 else 2 * GB       # K values per scale group in the slab
-        if PAIRS:     # FP4 only: [BN, NG, H, GB/H] bytes, 8 per thread (the activation pairs: 16 B)
-            HH: tl.constexpr = GB // 8
-            h = tl.arange(0, HH)
-            j8 = tl.arange(0, 8)
-            boff = (g[:, None, None] * GB + h[None, :, None] * 8 + j8[None, None, :])[None, :, :, :]
-            zero = (rn64 * 0)[:, None, None, None]
-            wbase = W + e64 * stride_we + rn64[:, None, None, None] * stride_wn + boff
         kb_lo = (ks * k_per_split) // 128
         kb_hi = tl.minimum(K, ks * k_per_split + k_per_split) // 128
-        for kb in tl.range(kb_lo, kb_hi, num_stages=NSTAGE):   # NSTAGE > 1: cp.async K-block pipeline
+        for kb in range(kb_lo, kb_hi):
             k0 = kb * 128
-            if PAIRS:
-                b = tl.load(wbase + kb * 64, mask=nmask[:, None, None, None], other=0)
-                sraw = tl.load(WS + e64 * stride_wse + rn64[:, None] * stride_wsn + kb * NG + g[None, :],
-                               mask=nmask[:, None], other=0)
-            else:
-                b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb, stride_wse, stride_wsn,
-                                     WFMT, SB_SHIFT, SB_E8M0, NG)
+            b, sraw = _slab_load(wbase, WS, e64, rn64, nmask, g, kb, stride_wse, stride_wsn,
+                                 WFMT, SB_SHIFT, SB_E8M0, NG)
             if WFMT == 3:
                 w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 if SB_E8M0:
@@ -188,36 +151,21 @@ if triton_available():
                 sb = sb[:, None]
             else:
                 wl, wh = _e2m1_f16(b, USE_ASM)            # even / odd K elements, value * 2^-6
-                if not PAIRS:
-                    w = tl.reshape(tl.join(wl, wh), [BN, NG, 2 * GB])
-                    if not PROD16:
-                        w = w.to(tl.float32)
+                w = tl.reshape(tl.join(wl, wh), [BN, NG, 2 * GB]).to(tl.float32)
                 if WFMT == 0:
                     sb = ((sraw.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)   # 2^(byte-127) * 2^6
                 else:
                     sb = sraw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
-            if PAIRS:
-                p, sa = _pair_dot(wl, wh, A, SA, a0, k0, kb, boff, zero, stride_am, stride_sam, USE_ASM)
-            else:
-                p, sa = _row_dot(w, A, SA, a0, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+            p, sa = _row_dot(w, A, SA, a0, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
             acc0 += p * (sb * sa)
             if BM > 1:
-                if PAIRS:
-                    p, sa = _pair_dot(wl, wh, A, SA, a1, k0, kb, boff, zero, stride_am, stride_sam, USE_ASM)
-                else:
-                    p, sa = _row_dot(w, A, SA, a1, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+                p, sa = _row_dot(w, A, SA, a1, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
                 acc1 += p * (sb * sa)
             if BM > 2:
-                if PAIRS:
-                    p, sa = _pair_dot(wl, wh, A, SA, a2, k0, kb, boff, zero, stride_am, stride_sam, USE_ASM)
-                    acc2 += p * (sb * sa)
-                    p, sa = _pair_dot(wl, wh, A, SA, a3, k0, kb, boff, zero, stride_am, stride_sam, USE_ASM)
-                    acc3 += p * (sb * sa)
-                else:
-                    p, sa = _row_dot(w, A, SA, a2, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
-                    acc2 += p * (sb * sa)
-                    p, sa = _row_dot(w, A, SA, a3, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
-                    acc3 += p * (sb * sa)
+                p, sa = _row_dot(w, A, SA, a2, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+                acc2 += p * (sb * sa)
+                p, sa = _row_dot(w, A, SA, a3, k0, kb, stride_am, stride_sam, NG, KG, A_BF16, INTERP)
+                acc3 += p * (sb * sa)
         if WFMT == 1:
             s2 = tl.load(WS2 + e64 * stride_w2e + rn64, mask=nmask, other=0.0)
         else:
@@ -334,11 +282,6 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         ng, gb, wfmt_i = (4, 16, 0) if wfmt == "mxfp4" else (8, 8, 1)
     if use_asm is None:
         use_asm = _use_asm(dev)
-    prod16 = bool(cfg.pop("prod16", False))
-    pairs = bool(cfg.pop("pairs", False))
-    nstage = int(cfg.pop("stages", 1))     # K blocks in flight through shared memory (cp.async)
-    if (prod16 or pairs) and (fp8 or a_bf16):
-        raise ValueError("gemv: prod16 / pairs (f16 products) are for FP4 weights with e4m3 activations only")
     kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     _gemv_kernel[(grid_m, grid_n, S)](
         a, sa if sa is not None else wsv, wv, wsv, ws2 if ws2 is not None else wsv, dst,
@@ -347,8 +290,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         a.stride(0), sa.stride(0) if sa is not None else 0, *strides, dst.stride(-2),
         WFMT=wfmt_i, SB_SHIFT=0 if per_row else 7, SB_E8M0=sb_e8m0, A_BF16=a_bf16, GROUPED=grouped,
         GATHER=perm is not None, USE_ASM=use_asm, BM=bm, BN=BN, NG=ng, GB=gb,
-        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(),
-        PROD16=prod16, PAIRS=pairs, NSTAGE=nstage, **kw)
+        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
     if partial:
         return dst
     if dst.dtype == torch.float32:

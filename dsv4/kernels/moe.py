@@ -403,29 +403,50 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     P = T * k
     rows_per_expert = P / max(1, min(E, P))
     if path is None:
-        path = "gemv" if rows_per_expert <= GEMV_ROWS_PER_EXPERT else fp4_path(w.fmt, dev)
+        path = "gemv" if rows_per_expert <= GEMV_ROWS_PER_EXPERT else \
+            "prefill" if rows_per_expert > PREFILL_ROWS_PER_EXPERT and _prefill_kernel_ok(dev) else \
+            fp4_path(w.fmt, dev)
     if path == "gemv":
         return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts)
-    bm = fp4_config(rows_per_expert, dev)["BM"]
-    if config and "BM" in config:
-        bm = config["BM"]
+    if path == "prefill":
+        from .fp4_prefill import f16_operand_split, fp4_prefill_launch, prefill_config
+        pcfg = {"13": dict(prefill_config(rows_per_expert, dev, swiglu=True), **(config or {})),
+                "2": dict(prefill_config(rows_per_expert, dev), **(config or {}))}
+        if pcfg["13"]["BM"] != pcfg["2"]["BM"] or pcfg["13"]["KSPLIT"] != pcfg["2"]["KSPLIT"]:
+            raise ValueError("moe prefill path: both GEMMs need the same BM and K order")
+        bm, ksplit = pcfg["13"]["BM"], pcfg["13"]["KSPLIT"]
+        operand = f16_operand_split if ksplit else f16_operand
+    else:
+        bm = fp4_config(rows_per_expert, dev)["BM"]
+        if config and "BM" in config:
+            bm = config["BM"]
     perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     # activations: one quantisation per token (the shared expert's e4m3 copy and the FP4 operand)
-    xq, xs, a16 = act_quant_fp8(x, with_f16=True)
-    a = _u8(xq) if path == "scaled" else a16
+    if path == "prefill":
+        xq, xs = act_quant_fp8(x)
+        a = operand(xq.view(torch.float8_e4m3fn))
+    else:
+        xq, xs, a16 = act_quant_fp8(x, with_f16=True)
+        a = _u8(xq) if path == "scaled" else a16
     pw = rw.float().contiguous().reshape(-1)
     # routed experts: grouped GEMM 1 (w1|w3 + SwiGLU + FP8 quant of h), grouped GEMM 2 (w2)
     h = torch.empty(P, I, dtype=torch.uint8, device=dev)            # e4m3 bytes of h
     hs = torch.empty(P, I // QBLOCK, dtype=torch.float32, device=dev)
-    cfg = dict(config or {}, BM=bm)
-    fp4_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit,
-               perm=perm, offs=offs, tcum=tcum, pw=pw, top_k=k, n_groups=E, n_tiles=n_tiles, path=path,
-               config=cfg)
-    h2 = h if path == "scaled" else f16_operand(h.view(torch.float8_e4m3fn))
     out = torch.empty(P, d, dtype=torch.bfloat16, device=dev)
-    fp4_launch(h2, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, offs=offs, tcum=tcum,
-               n_groups=E, n_tiles=n_tiles, path=path, config=cfg)
+    grouped = dict(offs=offs, tcum=tcum, n_groups=E, n_tiles=n_tiles)
+    if path == "prefill":
+        fp4_prefill_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
+                           limit=w.limit, perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)
+        fp4_prefill_launch(operand(h.view(torch.float8_e4m3fn)), hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0,
+                           fmt=w.fmt, config=pcfg["2"], **grouped)
+    else:
+        cfg = dict(config or {}, BM=bm)
+        fp4_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit,
+                   perm=perm, pw=pw, top_k=k, path=path, config=cfg, **grouped)
+        h2 = h if path == "scaled" else f16_operand(h.view(torch.float8_e4m3fn))
+        fp4_launch(h2, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, path=path, config=cfg,
+                   **grouped)
     # shared expert (FP8)
     sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
     _combine(out, inv, offs, sh, y, k)
@@ -463,6 +484,13 @@ def _shared_expert(xq, xs, w: MoEWeights):
 
 
 GEMV_ROWS_PER_EXPERT = 2.0   # the MoE takes the decode GEMV up to this many (average) rows per expert
+PREFILL_ROWS_PER_EXPERT = 32.0   # above this many, the K=128-dot prefill kernel (fp4_prefill.py) on Hopper
+
+
+def _prefill_kernel_ok(dev) -> bool:
+    """The prefill kernel's default path: measured on sm_90 (H200); elsewhere the MMA / dot_scaled kernels."""
+    from .gemm import capability
+    return torch.device(dev).type == "cuda" and not interpreting() and capability(dev)[0] == 9
 
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
