@@ -28,8 +28,10 @@
   each chunk's slot offsets; the final sort of the k distinct picks with ``tl.sort``) run in the
   row's last-arriving chunk program (an acq_rel arrival counter), not in extra launches. Integer
   sums and fixed slots: the output is deterministic whatever order the programs run in.
-  -0.0 counts as +0.0 (torch's sort treats them equal); NaN scores are not supported. H200: 37-46 us
-  at batch 1 over 256K (BENCHMARKS.md), latency of the six launches.
+  Rows up to ``SINGLE_MAX`` entries take one program each instead (keys in registers, one launch).
+  -0.0 counts as +0.0 (torch's sort treats them equal); NaN scores are not supported. H200
+  (BENCHMARKS.md session 5): 29.8 / 30.2 / 30.5 us for k = 512 / 1024 / 2048 over 256K at batch 1,
+  10.7 us for a 2048-entry row (one-program path).
 
 Numerics vs the twins: the prologue's and the scores' fp32 sums run in another order than the
 reference's einsum/matmul: a bf16 rounding point can move by one ulp where the fp32 value lands

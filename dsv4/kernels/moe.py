@@ -31,6 +31,10 @@ steps 3-6 run on the CUDA-core GEMV of ``gemv.py`` instead of the MMA kernels: g
 split-K fp32 partials (1-row tiles), ``swiglu_quant`` (the same SwiGLU epilogue + FP8 quantisation
 as a pass over the partials), grouped w2 on the e4m3 h.
 
+Prefill path (``path="prefill"``, the default on sm_90 above ``PREFILL_ROWS_PER_EXPERT`` rows per
+expert): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
+activations and h as split-K-order f16 operands), same epilogues.
+
 Numerics vs the twin: routing exact; every expert output agrees within bf16 rounding (GEMM fp32
 summation order differs; a one-ulp flip of a bf16 w1/w3 output can move h by one FP8 step), so the
 layer output is compared at FP8/bf16 tolerance. (CPU interpreter: bit-identical to the twin at the
@@ -38,7 +42,8 @@ test shapes; H200: the GPU tests at V4-Flash dims pass on both paths.)
 
 Measured (H200, BENCHMARKS.md session 4): 29-158x faster than the Python expert loop at decode;
 GEMV path 21% (Flash) / 30% (Pro) of the weight-bytes floor at batch 1, 26% / 33% at batch 64
-(tensor-core path: 9-24%); prefill (4096 tokens, MMA path) 3%.
+(tensor-core path: 9-24%); prefill (4096 tokens, V4-Flash): MMA path 31986 us (3%), prefill path
+8267 us (10%; session 5).
 
 Weights: ``MoEWeights`` holds the stacked packed experts ``w13 [E, 2I, d/2]`` (w1 rows then w3 rows
 of each expert), ``w2 [E, d, I/2]``, their scales, and the FP8 shared expert. Built once from the
