@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run_aot_script(script: str, repo, timeout: int = 900, **env_extra: str) -> None:
@@ -69,3 +70,26 @@ def kernel_device() -> str:
     if torch.cuda.is_available():
         return "cuda"
     pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+
+
+def gemm_exact(xq, xs, W):
+    """fp64 (exact sum, sum of |products|) of e4m3 activations xq [M, K] with 1x128 scales xs against
+    the dequantised weight W [N, K]."""
+    M, K = xq.shape
+    x = (xq.double().view(M, K // 128, 128) * xs.double()[..., None]).view(M, K)
+    return x @ W.double().T, x.abs() @ W.double().abs().T
+
+
+def check_gemm(y, xq, xs, W, twin=None, acc=2.0 ** -16):
+    """The block-scaled GEMM contract: |y - exact| <= 2^-8 |exact| (one bf16 rounding) + acc * sum of
+    |products| (fp32 summation order; tensor-core accumulation on CUDA), within twice that of a twin,
+    relative L2 error < 4e-3."""
+    ex, mag = gemm_exact(xq.cpu(), xs.cpu(), W.cpu())
+    y = y.cpu().double()
+    bound = 2.0 ** -8 * ex.abs() + acc * mag + 1e-30
+    assert torch.isfinite(y).all()
+    assert ((y - ex).abs() <= bound).all(), f"max excess {((y - ex).abs() - bound).max().item()}"
+    if twin is not None:
+        assert ((y - twin.cpu().double()).abs() <= 2 * bound).all()
+    rel = ((y - ex).norm() / ex.norm()).item()
+    assert rel < 4e-3, rel

@@ -6,7 +6,7 @@ imported) at small shapes, with the portable (no inline PTX) decode. GPU (TRITON
 tests run compiled, and the ``gpu``-marked ones add the V4-Flash prefill dims. The AOT test compiles the
 kernel for sm_90 and sm_100 without a GPU and checks the Hopper loop runs on wgmma.
 
-Tolerances: the contract of tests/test_kernels_gemm_moe.py (``_check_gemm``): |y - exact| <= 2^-8
+Tolerances: the contract of ``kernel_helpers.check_gemm``: |y - exact| <= 2^-8
 |exact| + 2^-16 sum|products| (every product exact, fp32 sums in another order), twice that vs the twin
 or the old kernel; SwiGLU: the e4m3 h within one FP8 step of the twin's (a one-ulp flip of a
 bf16-rounded w1/w3 output can move h by one step), the rest identical.
@@ -19,7 +19,7 @@ import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from kernel_helpers import kernel_device, need_gpu, run_aot_script  # noqa: E402
+from kernel_helpers import check_gemm, gemm_exact, kernel_device, need_gpu, run_aot_script  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -33,24 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 DEV = kernel_device()
 VARIANTS = [dict(DEC=0, KSPLIT=False), dict(DEC=1, KSPLIT=False), dict(DEC=0, KSPLIT=True), dict(DEC=1, KSPLIT=True)]
 VID = ["cvt-natural", "alu-natural", "cvt-split", "alu-split"]
-
-
-def _exact(xq, xs, W):
-    M, K = xq.shape
-    x = (xq.double().view(M, K // 128, 128) * xs.double()[..., None]).view(M, K)
-    return x @ W.double().T, x.abs() @ W.double().abs().T
-
-
-def _check_gemm(y, xq, xs, W, twin=None, acc=2.0 ** -16):
-    ex, mag = _exact(xq.cpu(), xs.cpu(), W.cpu())
-    y = y.cpu().double()
-    bound = 2.0 ** -8 * ex.abs() + acc * mag + 1e-30
-    assert torch.isfinite(y).all()
-    assert ((y - ex).abs() <= bound).all(), f"max excess {((y - ex).abs() - bound).max().item()}"
-    if twin is not None:
-        assert ((y - twin.cpu().double()).abs() <= 2 * bound).all()
-    rel = ((y - ex).norm() / ex.norm()).item()
-    assert rel < 4e-3, rel
 
 
 def _weight(fmt, N, K, gen, spread=0):
@@ -100,8 +82,8 @@ def test_plain_against_exact_twin_and_old(fmt, v):
     cfg = dict(v, BM=64, BN=64)
     y = _plain(xq, xs, wp, s, s2, fmt, cfg)
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-    _check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
-    _check_gemm(y, xq, xs, Wd, _plain(xq, xs, wp, s, s2, fmt, dict(BM=64, BN=64), old=True))
+    check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
+    check_gemm(y, xq, xs, Wd, _plain(xq, xs, wp, s, s2, fmt, dict(BM=64, BN=64), old=True))
 
 
 @pytest.mark.parametrize("v", VARIANTS[:1] + VARIANTS[3:], ids=[VID[0], VID[3]])
@@ -116,7 +98,7 @@ def test_mxfp4_scale_spread(spread, v):
     sb = s.view(torch.uint8).int().view(64, 2, 4)
     assert (sb.amax(-1) - sb.amin(-1)).max() >= spread - 1
     y = _plain(xq, xs, wp, s, None, "mxfp4", dict(v, BM=64, BN=64))
-    _check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s))
+    check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s))
 
 
 def test_split_operand_is_a_permutation():
@@ -213,7 +195,7 @@ def _swiglu_twin(c, I, top_k, limit):
             continue
         pair = c["perm"][list(rows)]
         tok = pair // top_k
-        ex, _ = _exact(c["xq"].view(torch.uint8)[tok].view(torch.float8_e4m3fn), c["xs"][tok], c["W13"][e])
+        ex, _ = gemm_exact(c["xq"].view(torch.uint8)[tok].view(torch.float8_e4m3fn), c["xs"][tok], c["W13"][e])
         gu = ex.float().bfloat16().float()
         g, u = gu[:, :I].clamp(max=limit), gu[:, I:].clamp(-limit, limit)
         h[list(rows)] = (c["pw"][pair, None] * (g / (1 + torch.exp(-g)) * u)).bfloat16().float()
@@ -257,7 +239,7 @@ def test_grouped_swiglu_and_w2(fmt, v):
     for e in range(E):
         r = slice(int(c["offs"][e]), int(c["offs"][e + 1]))
         if r.stop > r.start:
-            _check_gemm(out.cpu()[r], hq_c[r], hs_c[r], c["W2"][e], old.cpu()[r])
+            check_gemm(out.cpu()[r], hq_c[r], hs_c[r], c["W2"][e], old.cpu()[r])
 
 
 def test_plain_rejects_bad_inputs():
@@ -341,4 +323,4 @@ def test_gpu_flash_prefill_dims(v):
         hq_c, hs_c = hq.cpu(), hs.cpu()
         for e in (0, 1, 3, 7):
             r = slice(int(c["offs"][e]), int(c["offs"][e + 1]))
-            _check_gemm(out.cpu()[r], hq_c[r], hs_c[r], c["W2"][e], old.cpu()[r])
+            check_gemm(out.cpu()[r], hq_c[r], hs_c[r], c["W2"][e], old.cpu()[r])

@@ -16,7 +16,7 @@ import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from kernel_helpers import kernel_device, need_gpu, run_aot_script  # noqa: E402
+from kernel_helpers import check_gemm, gemm_exact, kernel_device, need_gpu, run_aot_script  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -50,23 +50,6 @@ if DEV == "cuda":   # GPU-sized tiles (the interpreter ignores warps/stages)
         CONFIGS = {k: v for k, v in CONFIGS.items() if not v["WS"]}
     if not triton.__version__.startswith("3.6"):
         CONFIGS = {k: (dict(v, LOAD="tma_dev") if v["WS"] else v) for k, v in CONFIGS.items()}
-
-
-def _exact(xq, xs, W):
-    M, K = xq.shape
-    x = (xq.double().view(M, K // 128, 128) * xs.double()[..., None]).view(M, K)
-    return x @ W.double().T, x.abs() @ W.double().abs().T
-
-
-def _check_gemm(y, xq, xs, W, twin=None, acc=2.0 ** -16):
-    """|y - exact| <= 2^-8 |exact| + acc * sum|products| (as test_kernels_gemm_moe.py)."""
-    ex, mag = _exact(xq.cpu(), xs.cpu(), W.cpu())
-    y = y.cpu().double()
-    bound = 2.0 ** -8 * ex.abs() + acc * mag + 1e-30
-    assert torch.isfinite(y).all()
-    assert ((y - ex).abs() <= bound).all(), f"max excess {((y - ex).abs() - bound).max().item()}"
-    if twin is not None:
-        assert ((y - twin.cpu().double()).abs() <= 2 * bound).all()
 
 
 def _bits(t):
@@ -106,8 +89,8 @@ def test_prefill_variants_match_twin(name, M, N, K):
         assert torch.equal(_bits(y), _bits(twin))
         assert torch.equal(_bits(y), _bits(ref))
     else:
-        _check_gemm(y, xq, xs, Wd, twin, acc=FP8_ACC)
-        _check_gemm(y, xq, xs, Wd, ref, acc=FP8_ACC)
+        check_gemm(y, xq, xs, Wd, twin, acc=FP8_ACC)
+        check_gemm(y, xq, xs, Wd, ref, acc=FP8_ACC)
 
 
 def test_prefill_default_config_and_scale_formats():
@@ -121,7 +104,7 @@ def test_prefill_default_config_and_scale_formats():
     if DEV == "cpu":
         assert torch.equal(_bits(y), _bits(twin))
     else:
-        _check_gemm(y, xq, xs, Wd, twin, acc=FP8_ACC)
+        check_gemm(y, xq, xs, Wd, twin, acc=FP8_ACC)
     assert ws.dtype == torch.float8_e8m0fnu
     w32 = e8m0_to_fp32(ws)
     for s in (ws.view(torch.uint8), w32):
@@ -255,7 +238,7 @@ def test_gpu_prefill_shapes(N, K):
     xq, xs = G.act_quant_fp8(x.cuda())
     wq, ws = wq.cuda(), ws.cuda()
     ref = G.fp8_gemm(xq, xs, wq, ws)
-    ex, mag = _exact(xq[:r].cpu(), xs[:r].cpu(), dequant_fp8_weight(wq.cpu(), ws.cpu()))
+    ex, mag = gemm_exact(xq[:r].cpu(), xs[:r].cpu(), dequant_fp8_weight(wq.cpu(), ws.cpu()))
     bound = 2.0 ** -8 * ex.abs() + FP8_ACC * mag + 1e-30
     # the warp-specialized variants are left out here: on the H200 (triton 3.6) they produced no
     # result in the benchmark's pre-run (BENCHMARKS.md session 5)

@@ -20,7 +20,7 @@ import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from kernel_helpers import kernel_device, need_gpu, run_aot_script  # noqa: E402
+from kernel_helpers import check_gemm, kernel_device, need_gpu, run_aot_script  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -38,30 +38,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 DEV = kernel_device()
 
-
-def _exact(xq, xs, W):
-    """fp64 sum of the exact products (dequantised activation x dequantised weight), and sum|.|."""
-    M, K = xq.shape
-    x = (xq.double().view(M, K // 128, 128) * xs.double()[..., None]).view(M, K)
-    return x @ W.double().T, x.abs() @ W.double().abs().T
-
-
 # Hopper's FP8 tensor-core MMA keeps ~14 bits while it sums a 128-K block partial (the DeepSeek-V3
 # report; the official kernel promotes to fp32 per 128-K block for that reason, as fp8_gemm does):
 # on CUDA the FP8 GEMM's summation term is 2^-12 sum|products| instead of fp32's 2^-16.
 FP8_ACC = 2.0 ** -12 if DEV == "cuda" else 2.0 ** -16
-
-
-def _check_gemm(y, xq, xs, W, twin=None, acc=2.0 ** -16):
-    ex, mag = _exact(xq.cpu(), xs.cpu(), W.cpu())
-    y = y.cpu().double()
-    bound = 2.0 ** -8 * ex.abs() + acc * mag + 1e-30
-    assert torch.isfinite(y).all()
-    assert ((y - ex).abs() <= bound).all(), f"max excess {((y - ex).abs() - bound).max().item()}"
-    if twin is not None:
-        assert ((y - twin.cpu().double()).abs() <= 2 * bound).all()
-    rel = ((y - ex).norm() / ex.norm()).item()
-    assert rel < 4e-3, rel
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,8 +92,8 @@ def test_fp8_gemm(M, N, K):
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
     twin = G.fp8_gemm_torch(xq, xs, wq, ws)
     ref = Linear(Wd, "fp8", OFFICIAL)(x)              # the reference Linear (official numerics)
-    _check_gemm(y, xq, xs, Wd, twin, acc=FP8_ACC)
-    _check_gemm(ref, xq, xs, Wd)
+    check_gemm(y, xq, xs, Wd, twin, acc=FP8_ACC)
+    check_gemm(ref, xq, xs, Wd)
     # fp32 scales and e8m0 scales give the same bits; fused quant == two-step quant
     y32 = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.float().to(DEV))
     assert torch.equal(y32.cpu().view(torch.int16), y.cpu().view(torch.int16))
@@ -137,8 +117,8 @@ def test_fp8_gemm_split_k(M, N, K, S):
     cfg = None if S is None else {"SPLIT_K": S}
     y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config=cfg)
     y1 = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config={"SPLIT_K": 1})
-    _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), G.fp8_gemm_torch(xq, xs, wq, ws), acc=FP8_ACC)
-    _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), y1.cpu(), acc=FP8_ACC)
+    check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), G.fp8_gemm_torch(xq, xs, wq, ws), acc=FP8_ACC)
+    check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), y1.cpu(), acc=FP8_ACC)
     yl = G.fp8_linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=True, config=cfg)
     assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
 
@@ -155,7 +135,7 @@ def test_fp8_gemm_matches_official_order_twin_closely():
     if DEV == "cpu":
         assert ((b(y) - b(t)).abs() <= 1).all()
     else:    # FP8 MMA partials (see FP8_ACC): a few ulps on near-cancelling sums
-        _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), t, acc=FP8_ACC)
+        check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), t, acc=FP8_ACC)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,8 +163,8 @@ def test_fp4_gemm(fmt, M, N, K):
     y = G.fp4_gemm(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV))
     twin = G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2)
     ref = Linear(Wd, "fp4", OFFICIAL)(x)
-    _check_gemm(y, xq, xs, Wd, twin)
-    _check_gemm(ref, xq, xs, Wd)
+    check_gemm(y, xq, xs, Wd, twin)
+    check_gemm(ref, xq, xs, Wd)
 
 
 @pytest.mark.parametrize("bm", [16, 64])
@@ -195,7 +175,7 @@ def test_fp4_gemm_mxfp4_scale_spread(bm):
     wp, s, _, Wd = _fp4_weight("mxfp4", 64, 256, gen, spread=True)
     xq, xs = act_quant_ref(x)
     y = G.fp4_gemm(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), "mxfp4", config={"BM": bm})
-    _check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s))
+    check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s))
 
 
 def test_fp4_gemm_pure_triton_decode_path():
@@ -240,12 +220,12 @@ def test_gemv_against_exact(fmt, M, split):
             yl = G.fp8_linear(x.to(DEV), q.to(DEV), s.to(DEV), gemv=True)
             assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
         twin = G.fp8_gemm_torch(xq, xs, q, s)
-        _check_gemm(y, xq, xs, Wd, twin, acc=2.0 ** -16)
+        check_gemm(y, xq, xs, Wd, twin, acc=2.0 ** -16)
     else:
         wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
         y = V.fp4_gemv(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV),
                        config=cfg)
-        _check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
+        check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
 
 
 def test_gemv_rejects_bad_tile_rows():
@@ -503,7 +483,7 @@ def test_gpu_fp8_gemm_flash_shapes(M, N, K):
     wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.02)
     xq, xs = G.act_quant_fp8(x.cuda())
     y = G.fp8_gemm(xq, xs, wq.cuda(), ws.cuda())
-    _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), acc=FP8_ACC)
+    check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), acc=FP8_ACC)
     yl = G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda())
     assert torch.equal(yl.view(torch.int16), y.view(torch.int16))
 
@@ -523,12 +503,12 @@ def test_gpu_gemv_flash_shapes(fmt, M):
         if fmt == "fp8":
             wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.02)
             y = V.fp8_gemv(x.cuda(), wq.cuda(), ws.cuda())
-            _check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws))
+            check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws))
             assert torch.equal(y.view(torch.int16), G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda(), gemv=True).view(torch.int16))
         else:
             wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
             y = V.fp4_gemv(xq, xs, wp.cuda(), s.cuda(), fmt, None if s2 is None else s2.cuda())
-            _check_gemm(y, xq, xs, Wd)
+            check_gemm(y, xq, xs, Wd)
 
 
 @pytest.mark.gpu
@@ -542,14 +522,14 @@ def test_gpu_fp4_gemm_flash_shapes(fmt, M):
     wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
     xq, xs = G.act_quant_fp8(x.cuda())
     y = G.fp4_gemm(xq, xs, wp.cuda(), s.cuda(), fmt, None if s2 is None else s2.cuda())
-    _check_gemm(y, xq, xs, Wd)
+    check_gemm(y, xq, xs, Wd)
     if fmt == "mxfp4":   # the portable decode and the dot_scaled path give the same products
         for path, asm in (("dequant", False), ("scaled", None)):
             out = torch.empty_like(y)
             a = G.f16_operand(xq) if path == "dequant" else G._u8(xq)
             G.fp4_launch(a, xs, G._u8(wp).cuda()[None], s.view(torch.uint8).cuda()[None], None, out, None,
                          M, N, K, 0, fmt=fmt, path=path, use_asm=asm)
-            _check_gemm(out, xq, xs, Wd)
+            check_gemm(out, xq, xs, Wd)
 
 
 @pytest.mark.gpu

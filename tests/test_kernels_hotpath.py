@@ -451,6 +451,16 @@ def test_index_topk(B, N, k, tie_every, path):
     assert torch.equal(out, ref)
 
 
+def test_index_topk_many_rows_sort_in_kernel():
+    """>= 32 rows sort more than 512 picks inside the last pass (no rank launch): 1024-wide codes."""
+    gen = torch.Generator().manual_seed(9)
+    s = torch.randn(32, 1500, generator=gen).bfloat16()
+    s[3, ::2] = 0.25                                                 # ties across the threshold
+    nv = torch.randint(500, 1501, (32,), generator=gen).int()
+    out = index_topk(s.to(DEV), 600, nv.to(DEV), single_max=0).cpu()
+    assert torch.equal(out, index_topk_torch(s, 600, nv))
+
+
 def test_index_topk_no_valid_and_small_k():
     gen = torch.Generator().manual_seed(6)
     s = torch.randn(2, 777, generator=gen).bfloat16()
