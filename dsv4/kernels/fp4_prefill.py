@@ -68,7 +68,7 @@ from __future__ import annotations
 import torch
 
 from . import interpreting, triton_available
-from .gemm import QBLOCK, _use_asm
+from .gemm import QBLOCK, _use_asm, fp4_kernel_args
 
 REL_BIAS = 14       # MXFP4 fold: f16 weight = e2m1 * 2^-DS * 2^(s_g - s_max + RB), DS = 6 (DEC 0) / 14 (DEC 1)
 
@@ -270,16 +270,11 @@ def fp4_prefill_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fm
     else:
         grid_m = triton.cdiv(M, BM)
     grid = (max(grid_m, 1) * triton.cdiv(N_out, BN),)
-    dummy = out_s if out_s is not None else sa
     if use_asm is None:
         use_asm = _use_asm(dev)
     _fp4_prefill_kernel[grid](
-        a, sa, w, ws, ws2 if ws2 is not None else sa, out, out_s if out_s is not None else dummy,
-        perm if perm is not None else sa, offs if offs is not None else sa,
-        tcum if tcum is not None else sa, pw if pw is not None else sa,
-        M, N_out, K, n_half, n_groups, top_k, a.stride(0), sa.stride(0), w.stride(0), w.stride(1),
-        ws.stride(0), ws.stride(1), ws2.stride(0) if ws2 is not None else 0, out.stride(0),
-        out_s.stride(0) if out_s is not None else 0, float(limit),
+        *fp4_kernel_args(a, sa, w, ws, ws2, out, out_s, perm, offs, tcum, pw, M, N_out, K, n_half, n_groups,
+                         top_k, limit),
         FMT=2 if fmt == "mxfp4" else 1, GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu,
         HAS_PW=pw is not None, USE_ASM=use_asm, DEC=dec, KSPLIT=ksplit, BM=BM, BN=BN,
         LOG2G=max(1, max(n_groups, 1).bit_length()), RB=REL_BIAS if fmt == "mxfp4" else 0,

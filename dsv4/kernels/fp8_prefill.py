@@ -73,18 +73,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .gemm import _grouped_tile
     from .kv_insert import _rne_bf16
-
-    @triton.jit
-    def _pf_tile_ids(tile, num_m, num_n, GROUP_M: tl.constexpr):
-        """(pid_m, pid_n) of output tile ``tile`` in grouped order (GROUP_M row blocks per group)."""
-        width = GROUP_M * num_n
-        gid = tile // width
-        first_m = gid * GROUP_M
-        gsize = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % width) % gsize
-        pid_n = (tile % width) // gsize
-        return pid_m, pid_n
 
     @triton.jit
     def _pf_sb(SB, n0, kb, N, stride_sbn, W: tl.constexpr, SB_E8M0: tl.constexpr, SB_ROW: tl.constexpr):
@@ -204,12 +194,12 @@ if triton_available():
             num_tiles = num_m * num_n
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN,
                                  warp_specialize=WS):
-                pid_m, pid_n = _pf_tile_ids(tile, num_m, num_n, GROUP_M)
+                pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
                 _pf_tile(A, SA, B, SB, C, pid_m, pid_n, M, N, K, stride_am, stride_bn, stride_cm, stride_sam,
                          stride_sak, stride_sbn, BM, BN, NSUB, LOAD, SB_E8M0, SB_ROW, EPI_TMA, False, ORDER,
                          INTERP)
         else:            # WS applies to the K loop
-            pid_m, pid_n = _pf_tile_ids(tl.program_id(0), num_m, num_n, GROUP_M)
+            pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
             _pf_tile(A, SA, B, SB, C, pid_m, pid_n, M, N, K, stride_am, stride_bn, stride_cm, stride_sam,
                      stride_sak, stride_sbn, BM, BN, NSUB, LOAD, SB_E8M0, SB_ROW, EPI_TMA, WS, ORDER, INTERP)
 

@@ -258,6 +258,15 @@ if triton_available():
         return sb
 
     @triton.jit
+    def _grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+        """(pid_m, pid_n) of output tile ``tile`` in grouped order (GROUP_M row blocks per group: the
+        programs running together share weight column blocks in L2)."""
+        width = GROUP_M * num_n
+        first_m = (tile // width) * GROUP_M
+        gsize = tl.minimum(num_m - first_m, GROUP_M)
+        return first_m + (tile % width) % gsize, (tile % width) // gsize
+
+    @triton.jit
     def _fp8_gemm_kernel(A, SA, B, SB, C, CS, M, N_out, K, n_half,
                          stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_csm, limit, k_per_split,
                          SB_SHIFT: tl.constexpr, A_BF16: tl.constexpr, SB_E8M0: tl.constexpr,
@@ -265,16 +274,8 @@ if triton_available():
                          SPLIT: tl.constexpr, INTERP: tl.constexpr):
         """SPLIT: program axis 1 takes K range [ks * k_per_split, ...) and stores its fp32 partial
         in C = workspace [S, M, N] (``_splitk_sum`` adds them in split order)."""
-        pid = tl.program_id(0)
         ks = tl.program_id(1)
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N_out, BN)
-        width = GROUP_M * num_n
-        gid = pid // width
-        first_m = gid * GROUP_M
-        gsize = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % gsize
-        pid_n = (pid % width) // gsize
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N_out, BN), GROUP_M)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         mm = rm < M
@@ -787,13 +788,22 @@ def fp4_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, swigl
     if use_asm is None:
         use_asm = _use_asm(dev)
     _fp4_gemm_kernel[grid](
-        a, sa, w, ws, ws2 if ws2 is not None else sa, out, out_s if out_s is not None else dummy,
-        perm if perm is not None else sa, offs if offs is not None else sa,
-        tcum if tcum is not None else sa, pw if pw is not None else sa,
-        M, N_out, K, n_half, n_groups, top_k, a.stride(0), sa.stride(0), w.stride(0), w.stride(1),
-        ws.stride(0), ws.stride(1), ws2.stride(0) if ws2 is not None else 0, out.stride(0),
-        out_s.stride(0) if out_s is not None else 0, float(limit),
+        *fp4_kernel_args(a, sa, w, ws, ws2, out, out_s, perm, offs, tcum, pw, M, N_out, K, n_half, n_groups,
+                         top_k, limit),
         FMT=(2 if (BM >= 64 and mx_fold) else 0) if fmt == "mxfp4" else 1, USE_ASM=use_asm, **common, **kw)
+
+
+def fp4_kernel_args(a, sa, w, ws, ws2, out, out_s, perm, offs, tcum, pw, M, N_out, K, n_half, n_groups, top_k,
+                    limit) -> tuple:
+    """The runtime arguments shared by the dequant FP4 kernels (``_fp4_gemm_kernel`` and
+    ``fp4_prefill``'s): absent optional tensors replaced by a dummy pointer (never read)."""
+    dummy = out_s if out_s is not None else sa
+    return (a, sa, w, ws, ws2 if ws2 is not None else sa, out, dummy,
+            perm if perm is not None else sa, offs if offs is not None else sa,
+            tcum if tcum is not None else sa, pw if pw is not None else sa,
+            M, N_out, K, n_half, n_groups, top_k, a.stride(0), sa.stride(0), w.stride(0), w.stride(1),
+            ws.stride(0), ws.stride(1), ws2.stride(0) if ws2 is not None else 0, out.stride(0),
+            out_s.stride(0) if out_s is not None else 0, float(limit))
 
 
 def _check_fp4(w_packed, w_scale, fmt, w_scale_2):
