@@ -31,8 +31,8 @@ steps 3-6 run on the CUDA-core GEMV of ``gemv.py`` instead of the MMA kernels: g
 split-K fp32 partials (1-row tiles), ``swiglu_quant`` (the same SwiGLU epilogue + FP8 quantisation
 as a pass over the partials), grouped w2 on the e4m3 h.
 
-Prefill path (``path="prefill"``, the default on sm_90 above ``PREFILL_ROWS_PER_EXPERT`` rows per
-expert): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
+Prefill path (``path="prefill"``, the default for MXFP4 on sm_90 above ``PREFILL_ROWS_PER_EXPERT`` rows
+per expert): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
 activations and h as split-K-order f16 operands), same epilogues.
 
 Numerics vs the twin: routing exact; every expert output agrees within bf16 rounding (GEMM fp32
@@ -409,7 +409,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     rows_per_expert = P / max(1, min(E, P))
     if path is None:
         path = "gemv" if rows_per_expert <= GEMV_ROWS_PER_EXPERT else \
-            "prefill" if rows_per_expert > PREFILL_ROWS_PER_EXPERT and _prefill_kernel_ok(dev) else \
+            "prefill" if rows_per_expert > PREFILL_ROWS_PER_EXPERT and _prefill_kernel_ok(dev, w.fmt) else \
             fp4_path(w.fmt, dev)
     if path == "gemv":
         return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts)
@@ -492,10 +492,11 @@ GEMV_ROWS_PER_EXPERT = 2.0   # the MoE takes the decode GEMV up to this many (av
 PREFILL_ROWS_PER_EXPERT = 32.0   # above this many, the K=128-dot prefill kernel (fp4_prefill.py) on Hopper
 
 
-def _prefill_kernel_ok(dev) -> bool:
-    """The prefill kernel's default path: measured on sm_90 (H200); elsewhere the MMA / dot_scaled kernels."""
+def _prefill_kernel_ok(dev, fmt: str) -> bool:
+    """The prefill kernel as the default: where it was measured and GPU-tested (sm_90, MXFP4); NVFP4
+    and other GPUs keep the MMA / dot_scaled kernels (``path="prefill"`` still selects it)."""
     from .gemm import capability
-    return torch.device(dev).type == "cuda" and not interpreting() and capability(dev)[0] == 9
+    return fmt == "mxfp4" and torch.device(dev).type == "cuda" and not interpreting() and capability(dev)[0] == 9
 
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
