@@ -26,6 +26,16 @@ def roofline(dev, smoke, mm_reps: int = 200):
     return copy_bw, mm
 
 
+def fp8_peak(dev, timer, size: int = 8192) -> float:
+    """FP8 FLOP/s of ``torch._scaled_mm`` (e4m3, per-tensor scales) on size^3 with ``timer`` (fn -> ms):
+    the peak the FP8 GEMMs are compared with."""
+    a = torch.randn(size, size, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=dev).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=dev)
+    t = timer(lambda: torch._scaled_mm(a, b.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return 2 * size ** 3 / (t * 1e-3)
+
+
 _FLUSH = None
 
 

@@ -130,6 +130,26 @@ def check_out(y, y0, nv):
     return ok, f"rel {rel:.1e}, beyond tol {bad}"
 
 
+def sweep(rows, tag, gemm, variants, flops, launch, check):
+    """Check then time every (name, BM, warps, stages, DEC, KSPLIT) variant of one GEMM: ``launch(cfg,
+    ksplit)`` -> (run, output, offs), ``check(output)`` -> (ok, note); rows get (gemm, name, us, flops, status)."""
+    for name, bm, nw, ns, dec, ks in variants:
+        if time.time() - T0 > BUDGET_S:
+            log(f"{tag} {name}: skipped (time budget)")
+            continue
+        cfg = dict(BM=bm, BN=128, num_warps=nw, num_stages=ns, DEC=dec, KSPLIT=ks)
+        try:
+            r, out, _offs = launch(cfg, ks)
+            r()
+            ok, note = check(out)
+            t = graph_time(r) * 1e3 if ok else float("nan")
+            rows.append((gemm, name, t, flops, ("ok; " if ok else "WRONG; ") + note))
+            log(f"{tag} {name}: {t:.1f} us  {'ok' if ok else 'WRONG'} ({note})")
+        except Exception as e:      # a variant that fails to compile / launch
+            rows.append((gemm, name, float("nan"), flops, f"FAILED {type(e).__name__}"))
+            log(f"{tag} {name} failed: {type(e).__name__}: {str(e)[:300]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes under the CPU interpreter (code paths only)")
@@ -170,21 +190,9 @@ def main():
         t_old = graph_time(run) * 1e3
         rows.append(("w13+SwiGLU", f"old fp4_launch bm{old_cfg['BM']}", t_old, fl1, "ref"))
         log(f"gemm1 old: {t_old:.1f} us")
-        for name, bm, nw, ns, dec, ks in v1:
-            if time.time() - T0 > BUDGET_S:
-                log(f"gemm1 {name}: skipped (time budget)")
-                continue
-            cfg = dict(BM=bm, BN=128, num_warps=nw, num_stages=ns, DEC=dec, KSPLIT=ks)
-            try:
-                r, (h, hs), offs = c.gemm1(FP.fp4_prefill_launch, c.a16s if ks else c.a16, cfg)
-                r()
-                ok, note = check_h(h, hs, h0, hs0, nv)
-                t = graph_time(r) * 1e3 if ok else float("nan")
-                rows.append(("w13+SwiGLU", name, t, fl1, ("ok; " if ok else "WRONG; ") + note))
-                log(f"gemm1 {name}: {t:.1f} us  {'ok' if ok else 'WRONG'} ({note})")
-            except Exception as e:      # a variant that fails to compile / launch
-                rows.append(("w13+SwiGLU", name, float("nan"), fl1, f"FAILED {type(e).__name__}"))
-                log(f"gemm1 {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        sweep(rows, "gemm1", "w13+SwiGLU", v1, fl1,
+              lambda cfg, ks: c.gemm1(FP.fp4_prefill_launch, c.a16s if ks else c.a16, cfg),
+              lambda out: check_h(*out, h0, hs0, nv))
     if "2" in args.only:
         hq = h_old[0].view(torch.float8_e4m3fn)
         hs = h_old[1]
@@ -198,21 +206,8 @@ def main():
         t_old2 = graph_time(run) * 1e3
         rows.append(("w2", f"old fp4_launch bm{old_cfg['BM']}", t_old2, fl2, "ref"))
         log(f"gemm2 old: {t_old2:.1f} us")
-        for name, bm, nw, ns, dec, ks in v2:
-            if time.time() - T0 > BUDGET_S:
-                log(f"gemm2 {name}: skipped (time budget)")
-                continue
-            cfg = dict(BM=bm, BN=128, num_warps=nw, num_stages=ns, DEC=dec, KSPLIT=ks)
-            try:
-                r, y, offs = c.gemm2(FP.fp4_prefill_launch, a2s if ks else a2, hs, cfg)
-                r()
-                ok, note = check_out(y, y0, nv)
-                t = graph_time(r) * 1e3 if ok else float("nan")
-                rows.append(("w2", name, t, fl2, ("ok; " if ok else "WRONG; ") + note))
-                log(f"gemm2 {name}: {t:.1f} us  {'ok' if ok else 'WRONG'} ({note})")
-            except Exception as e:
-                rows.append(("w2", name, float("nan"), fl2, f"FAILED {type(e).__name__}"))
-                log(f"gemm2 {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        sweep(rows, "gemm2", "w2", v2, fl2, lambda cfg, ks: c.gemm2(FP.fp4_prefill_launch, a2s if ks else a2, hs, cfg),
+              lambda y: check_out(y, y0, nv))
     ref = {g: t for g, n, t, f, s in rows if s == "ref"}
     md = [f"\n### FP4 prefill GEMM experiment ({gpu}, triton {triton.__version__}): {c.T} tokens, top-{c.k} of "
           f"{c.E} experts, d {c.d}, inter {c.I}, MXFP4\n",

@@ -39,6 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import fp8_peak  # noqa: E402
+
 SHAPES = [("Flash shared w1|w3", 4096, 4096), ("Flash wo_b", 4096, 8192), ("Flash wq_b", 32768, 1024),
           ("Pro shared w1|w3", 6144, 7168), ("Pro wo_b", 7168, 16384), ("Pro wq_b", 65536, 1536)]
 
@@ -310,13 +312,7 @@ def run(configs, smoke, md, out, jobs=None):
         def timer(fn):
             return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
         plan = [(n, 4096, N, K) for n, N, K in SHAPES] + [(SHAPES[0][0], 8192, SHAPES[0][1], SHAPES[0][2])]
-        S = 8192
-        a8 = torch.randn(S, S, device=dev).to(torch.float8_e4m3fn)
-        b8 = torch.randn(S, S, device=dev).to(torch.float8_e4m3fn)
-        one = torch.ones((), device=dev)
-        t8 = timer(lambda: torch._scaled_mm(a8, b8.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-        peak = 2 * S ** 3 / (t8 * 1e-3)
-        del a8, b8
+        peak = fp8_peak(dev, timer)
         log(f"_scaled_mm 8192^3 FP8 peak: {peak / 1e12:.0f} TFLOP/s ({time.time() - t_start:.0f} s)")
         bad = warm_isolated(configs, jobs)
         for n, e in bad.items():

@@ -37,7 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import graph_time  # noqa: E402
+from benchmarks.common import fp8_peak, graph_time  # noqa: E402
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
 from dsv4.kernels import gemm as G  # noqa: E402
@@ -93,15 +93,11 @@ def roofline(dev, timer, smoke):
     copy_bw = 2 * n * 4 / (t * 1e-3)
     del src, dst
     S = 8192
-    a = torch.randn(S, S, device=dev).to(torch.float8_e4m3fn)
-    b = torch.randn(S, S, device=dev).to(torch.float8_e4m3fn)
-    one = torch.ones((), device=dev)
-    t8 = timer(lambda: torch._scaled_mm(a, b.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-    fp8_peak = 2 * S ** 3 / (t8 * 1e-3)
+    fp8 = fp8_peak(dev, timer, S)
     ab, bb = torch.randn(S, S, device=dev).bfloat16(), torch.randn(S, S, device=dev).bfloat16()
     tb = timer(lambda: ab @ bb)
     bf16 = 2 * S ** 3 / (tb * 1e-3)
-    return copy_bw, fp8_peak, bf16
+    return copy_bw, fp8, bf16
 
 
 # ------------------------------------------------------------------------------------------- FP8
