@@ -407,9 +407,9 @@ def make_moe(model, dev, gen, smoke):
 def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
     rows = []
     for model in (("flash", "pro") if not smoke else ("flash",)):
-        Ts = [1, 64, 512, 4096] if not smoke else [1, 5]
+        Ts = [1, 64, 256, 512, 4096] if not smoke else [1, 5]
         if quick and not smoke:
-            Ts = [1, 64, 4096] if model == "flash" else [1, 64]
+            Ts = [1, 64, 256, 512, 1024, 4096] if model == "flash" else [1, 64]
         try:
             w, dense, c = make_moe(model, dev, gen, smoke)
         except Exception as e:
@@ -433,9 +433,11 @@ def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
                 tl_ = timer(lambda: Mo.moe_loop_torch(x, None, w, dense), rep=200)
                 best = tg * 1e3 if tg is not None else te * 1e3
                 variants = {}
-                if T <= 64 and not timer.smoke:   # the decode GEMV vs the MMA kernels, tile rows
-                    paths = [("mma", dict(path=G.fp4_path(w.fmt, dev)))] + \
-                        [(f"gemv.bm{r}", dict(path="gemv", config={"BM": r})) for r in (1, 2, 4)]
+                if T <= 1024 and not timer.smoke:   # the decode kernels vs the MMA kernels, tile rows
+                    paths = [("mma", dict(path=G.fp4_path(w.fmt, dev))), ("gemv.tensor-core", dict(path="gemv"))]
+                    if T <= 64:
+                        paths += [(f"gemv.cuda-core.bm{r}", dict(path="gemv", config={"kernel": "cuda-core", "BM": r}))
+                                  for r in (1, 2, 4)]
                     for vn, kw in paths:
                         variants[vn] = graph_time(lambda kw=kw: Mo.moe_forward(x, None, w, **kw)) * 1e3
                     log(f"moe {model} T{T} variants (graph us): " + ", ".join(f"{k} {v:.1f}" for k, v in variants.items()))
@@ -497,12 +499,15 @@ def markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows):
                  f"{r['loop_us']:.1f} | {r['speedup']:.1f}x | {r['floor_us']:.1f} | {r['pct_floor']:.0f}% | {r['err']:.1e} |")
     var = [r for r in moe_rows if r.get("variants")]
     if var:
-        L.append("\nExpert-GEMM path per decode batch (CUDA-graph us, L2 flushed): `mma` = the tensor-core FP4 "
-                 "kernels, `gemv.bmN` = the CUDA-core GEMV with N-row tiles (the default picks by rows per expert).\n")
-        L.append("| model | tokens | " + " | ".join(var[0]["variants"]) + " |")
-        L.append("|---|---|" + "---|" * len(var[0]["variants"]))
+        L.append("\nExpert-GEMM path per batch (CUDA-graph us, L2 flushed): `mma` = the MMA FP4 kernels (`gemm.py`), "
+                 "`gemv.tensor-core` = the decode kernel of `fp4_mma.py`, `gemv.cuda-core.bmN` = the GEMV of `gemv.py` "
+                 "with N-row tiles (the default picks by rows per expert).\n")
+        names = list(dict.fromkeys(k for r in var for k in r["variants"]))
+        L.append("| model | tokens | " + " | ".join(names) + " |")
+        L.append("|---|---|" + "---|" * len(names))
         for r in var:
-            L.append(f"| {r['model']} | {r['T']} | " + " | ".join(f"{v:.1f}" for v in r["variants"].values()) + " |")
+            L.append(f"| {r['model']} | {r['T']} | " + " | ".join(
+                f"{r['variants'][n]:.1f}" if n in r["variants"] else "-" for n in names) + " |")
     if sweep_rows:
         L.append("\n<details><summary>in-run variant sweep</summary>\n")
         L.append("| shape | variant | us | err | note |")

@@ -50,7 +50,10 @@ def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int 
     if stages:
         opts["num_stages"] = stages
     t0 = time.time()
-    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32), options=opts)
+    src = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():       # Gluon kernels build their IR from their own source class
+        from triton.experimental.gluon._runtime import GluonASTSource as src
+    k = triton.compile(src(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32), options=opts)
     ptx = k.asm["ptx"]
     assert len(k.asm["cubin"]) > 0
     assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"

@@ -452,6 +452,16 @@ _AOT_SCRIPT = textwrap.dedent("""
         comp(V._gemv_kernel, dict(gvt, A=P("bf16"), WS=P("fp32"), C=P("bf16")), dict(WFMT=3, SB_SHIFT=7, SB_E8M0=False,
              A_BF16=True, GROUPED=False, GATHER=False, USE_ASM=True, BM=1, BN=32, NG=8, GB=16, LOG2G=1, SPLIT=False,
              INTERP=False), cap, 4, 1)
+        # decode FP4 on tensor cores (Gluon): grouped split-K partials with the pair gather, plain bf16
+        from dsv4.kernels import fp4_mma as F
+        mmt = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), C=P("fp32"), PERM=P("i64"), OFFS=P("i64"),
+                   TCUM=P("i64"))
+        for grouped, split in ((True, True), (False, False)):
+            ptx = comp(F._mma_gemv_kernel, dict(mmt, C=P("fp32") if split else P("bf16")),
+                       dict(GROUPED=grouped, GATHER=grouped, BM=F.BM_ROWS, BN=64, LOG2G=9, SPLIT=split, NUM_WARPS=4),
+                       cap, 4)
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+            assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
         comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i64"),
              limit="fp32"), dict(GATHER=True, HAS_PW=True, INTERP=False), cap, 4)
         comp(Mo._route_kernel, dict(S=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"),
@@ -533,10 +543,37 @@ def test_gpu_fp4_gemm_flash_shapes(fmt, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hash_layer,T", [(False, 64), (True, 16), (False, 200)])
+@pytest.mark.parametrize("M", [1, 5, 8, 13])
+@pytest.mark.parametrize("spread", ["none", "2^16", "2^40"])
+def test_gpu_mma_gemv_flash_shapes(M, spread):
+    """The tensor-core FP4 decode kernel (fp4_mma.py) at V4-Flash expert shapes against the exact sum:
+    1-13 rows (one or two 8-row tiles), group scales spread inside a 128-K block up to the folded
+    f16 weights' exact limit (2^16 here; 2^32 in general) and past it (2^40: small groups round)."""
+    _need_gpu()
+    from dsv4.kernels import fp4_mma as F
+    gen = torch.Generator().manual_seed(M)
+    for N, K in [(4096, 4096), (4096, 2048), (200, 1024)]:      # w1|w3, w2, N not a multiple of 64
+        x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
+        W = torch.randn(N, K, generator=gen) * 0.05
+        if spread != "none":
+            e = 16 if spread == "2^16" else 40
+            W[:, 32:64] *= 2.0 ** -12
+            W[:, 64:96] *= 2.0 ** -e
+        wp, sc = quant_mxfp4(W)
+        xq, xs = G.act_quant_fp8(x.cuda())
+        y = F.mma_gemv_launch(G._u8(xq), xs, G._u8(wp).cuda()[None], sc.view(torch.uint8).cuda()[None], M, N, K)
+        check_gemm(y, xq, xs, dequant_mxfp4(wp, sc))
+        part = F.mma_gemv_launch(G._u8(xq), xs, G._u8(wp).cuda()[None], sc.view(torch.uint8).cuda()[None], M, N, K,
+                                 partial=True, split=4)
+        check_gemm(part.sum(0).bfloat16(), xq, xs, dequant_mxfp4(wp, sc))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hash_layer,T", [(False, 64), (True, 16), (False, 200), (False, 2)])
 def test_gpu_moe_flash_dims(hash_layer, T):
-    """V4-Flash dims (d 4096, inter 2048, top-6) with 8 experts (CPU reference time): 12 rows per
-    expert take the MMA kernels, 48 the prefill kernel's 64-row tiles, 150 its 128-row tiles."""
+    """V4-Flash dims (d 4096, inter 2048, top-6) with 8 experts (CPU reference time): 1.5 rows per
+    expert take the decode path (tensor-core kernel and CUDA-core GEMV), 12 rows the MMA kernels, 48
+    the prefill kernel's 64-row tiles, 150 its 128-row tiles."""
     _need_gpu()
     gen = torch.Generator().manual_seed(T)
     ref = _ref_moe(8, 4096, 2048, 6, gen, hash_layer, vocab=256, dup_row=3)
@@ -546,4 +583,11 @@ def test_gpu_moe_flash_dims(hash_layer, T):
     ids[0] = 3
     y, parts = Mo.moe_forward(x.cuda(), ids.cuda(), w, return_parts=True)
     _check_moe(y, ref(x, ids))
-    assert parts["path"] == ("prefill" if T * 6 / 8 > Mo.PREFILL_ROWS_PER_EXPERT else "dequant")
+    rows = T * 6 / 8
+    assert parts["path"] == ("gemv" if rows <= Mo.GEMV_ROWS_PER_EXPERT else
+                             "prefill" if rows > Mo.PREFILL_ROWS_PER_EXPERT else "dequant")
+    if parts["path"] == "gemv":
+        assert parts["kernel"] == "mma"
+        y2, parts2 = Mo.moe_forward(x.cuda(), ids.cuda(), w, config={"kernel": "cuda-core"}, return_parts=True)
+        assert parts2["kernel"] == "cuda-core"
+        _check_moe(y2, ref(x, ids))

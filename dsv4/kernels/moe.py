@@ -26,10 +26,12 @@ experts and no host synchronisation (CUDA-graph capturable; every launch size fo
    summed in fp32 starting from 0 (the twin's ``y[rows] += out_e`` loop order), plus the bf16 shared
    output, one bf16 rounding. Given equal expert outputs the combine is bit-exact.
 
-Decode path (``path="gemv"``, the default up to ``GEMV_ROWS_PER_EXPERT`` average rows per expert):
-steps 3-6 run on the CUDA-core GEMV of ``gemv.py`` instead of the MMA kernels: grouped w1|w3 as
-split-K fp32 partials (1-row tiles), ``swiglu_quant`` (the same SwiGLU epilogue + FP8 quantisation
-as a pass over the partials), grouped w2 on the e4m3 h.
+Decode path (``path="gemv"``, the default up to ``GEMV_ROWS_PER_EXPERT`` average rows per expert, up to
+``MMA_GEMV_ROWS_PER_EXPERT`` where the tensor-core kernel runs):
+steps 3-6 run on decode kernels instead of the MMA kernels: grouped w1|w3 as split-K fp32 partials,
+``swiglu_quant`` (the same SwiGLU epilogue + FP8 quantisation as a pass over the partials), grouped
+w2 on the e4m3 h. MXFP4 on sm_89+: the tensor-core kernel of ``fp4_mma.py`` (8-row tiles); NVFP4,
+other GPUs and the interpreter: the CUDA-core GEMV of ``gemv.py`` (1-row tiles).
 
 Prefill path (``path="prefill"``, the default for MXFP4 on sm_90 above ``PREFILL_ROWS_PER_EXPERT`` rows
 per expert): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
@@ -408,7 +410,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     P = T * k
     rows_per_expert = P / max(1, min(E, P))
     if path is None:
-        path = "gemv" if rows_per_expert <= GEMV_ROWS_PER_EXPERT else \
+        from . import fp4_mma
+        gemv_max = MMA_GEMV_ROWS_PER_EXPERT if w.fmt == "mxfp4" and fp4_mma.available(dev) else GEMV_ROWS_PER_EXPERT
+        path = "gemv" if rows_per_expert <= gemv_max else \
             "prefill" if rows_per_expert > PREFILL_ROWS_PER_EXPERT and _prefill_kernel_ok(dev, w.fmt) else \
             fp4_path(w.fmt, dev)
     if path == "gemv":
@@ -488,7 +492,10 @@ def _shared_expert(xq, xs, w: MoEWeights):
     return fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
 
 
-GEMV_ROWS_PER_EXPERT = 2.0   # the MoE takes the decode GEMV up to this many (average) rows per expert
+GEMV_ROWS_PER_EXPERT = 2.0   # the MoE takes the CUDA-core decode GEMV up to this many (average) rows per expert
+# ... and the tensor-core decode kernel (MXFP4, sm_89+) up to this many: on the H200 it beat the MMA
+# kernels at 6 and 12 rows per expert (V4-Flash T 256 / 512: 1708 vs 4158 us, 2537 vs 4786 us)
+MMA_GEMV_ROWS_PER_EXPERT = 16.0
 PREFILL_ROWS_PER_EXPERT = 32.0   # above this many, the K=128-dot prefill kernel (fp4_prefill.py) on Hopper
 
 
@@ -500,35 +507,49 @@ def _prefill_kernel_ok(dev, fmt: str) -> bool:
 
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
-    """Decode MoE on the CUDA-core GEMV (``gemv.py``): grouped w1|w3 (split-K fp32 partials), the
-    SwiGLU + FP8 quantisation pass, grouped w2; the shared expert on the same kernels; combine."""
+    """Decode MoE: grouped w1|w3 (split-K fp32 partials), the SwiGLU + FP8 quantisation pass, grouped
+    w2; the shared expert on the FP8 GEMV; combine. MXFP4 on sm_89+ runs both expert GEMMs on the
+    tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
+    rows); NVFP4, other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
+    (``config={"kernel": "cuda-core"}`` forces it)."""
+    from . import fp4_mma
     from .gemv import gemv_launch, swiglu_quant
     T, d = x.shape
     E, I = w.n_experts, w.inter
     P = T * k
     dev = x.device
     cfg = dict(config or {})
-    # 1-row tiles: on the H200 they beat 2- and 4-row tiles at 1 and 1.5 rows per expert (V4-Flash and
-    # V4-Pro, batch 1 and 64: a padded row costs a full row's math, and a weight slab read twice
-    # mostly comes from L2); 2 / 4 stay selectable through ``config``
-    bm = cfg.pop("BM", 1)
+    kernel = cfg.pop("kernel", None) or ("mma" if w.fmt == "mxfp4" and fp4_mma.available(dev) else "cuda-core")
+    if kernel == "mma":
+        bm = fp4_mma.BM_ROWS
+    else:
+        # 1-row tiles: on the H200 they beat 2- and 4-row tiles at 1 and 1.5 rows per expert (V4-Flash and
+        # V4-Pro, batch 1 and 64: a padded row costs a full row's math, and a weight slab read twice
+        # mostly comes from L2); 2 / 4 stay selectable through ``config``
+        bm = cfg.pop("BM", 1)
     perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     xq, xs = act_quant_fp8(x)
     xq = _u8(xq)
     pw = rw.float().contiguous().reshape(-1)
-    grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=n_tiles, bm=bm,
-                   config=cfg or None)
-    part = gemv_launch(xq, xs, w.w13, w.w13_s, w.w13_s2, P, 2 * I, d, wfmt=w.fmt, partial=True, **grouped)
+    grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=n_tiles, config=cfg or None)
+    if kernel == "mma":
+        part = fp4_mma.mma_gemv_launch(xq, xs, w.w13, _u8(w.w13_s), P, 2 * I, d, partial=True, **grouped)
+    else:
+        part = gemv_launch(xq, xs, w.w13, w.w13_s, w.w13_s2, P, 2 * I, d, wfmt=w.fmt, partial=True, bm=bm,
+                           **grouped)
     h, hs = swiglu_quant(part, w.limit, pw=pw, perm=perm)
     grouped.update(perm=None, top_k=1)
-    out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, **grouped)
+    if kernel == "mma":
+        out = fp4_mma.mma_gemv_launch(h, hs, w.w2, _u8(w.w2_s), P, d, I, **grouped)
+    else:
+        out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, bm=bm, **grouped)
     sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
     y = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
     _combine(out, inv, offs, sh, y, k)
     if return_parts:
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
-                       path="gemv")
+                       path="gemv", kernel=kernel)
     return y
 
 

@@ -1,0 +1,75 @@
+"""Experiment: the tensor-core FP4 decode GEMM (kernels/fp4_mma.py) against the CUDA-core GEMV
+(kernels/gemv.py) on V4 expert shapes: same grouped tiles, L2 flushed, CUDA-graph timed.
+
+    PYTHONPATH=. python benchmarks/exp_fp4_mma.py [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import graph_time, roofline  # noqa: E402
+from benchmarks.gemm_moe import rand_mx, relerr  # noqa: E402
+from dsv4.kernels import gemm as G  # noqa: E402
+from dsv4.kernels.fp4_mma import BM_ROWS, mma_gemv_launch  # noqa: E402
+from dsv4.kernels.gemv import gemv_launch  # noqa: E402
+
+# (name, experts, N, K, rows per expert)
+CASES = [("Flash w1|w3 32 exp x1", 32, 4096, 4096, 1), ("Flash w2 32 exp x1", 32, 4096, 2048, 1),
+         ("Flash w1|w3 256 exp x2", 256, 4096, 4096, 2), ("Flash w1|w3 6 exp x1", 6, 4096, 4096, 1),
+         ("Flash w1|w3 64 exp x8", 64, 4096, 4096, 8), ("Pro w1|w3 32 exp x1", 32, 6144, 7168, 1)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--variants", default="bn64.w4,bn32.w2")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():   # Gluon kernels have no CPU interpreter: nothing to run here
+        print("exp_fp4_mma: needs a CUDA GPU (the Gluon kernel has no interpreter); CPU CI compiles it instead")
+        return
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    copy_bw, _ = roofline(dev, args.smoke)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    print("| case | kernel | us | GB/s | % copy | relerr vs gemv |")
+    print("|---|---|---|---|---|---|")
+    for name, E, N, K, m in CASES:
+        w, s = rand_mx(E, N, K, dev, gen)
+        R = E * m
+        x = torch.randn(R, K, device=dev, generator=gen).bfloat16()
+        xq, xs = G.act_quant_fp8(x)
+        xq = G._u8(xq)
+        offs = (torch.arange(E + 1, device=dev) * m).to(torch.int64)
+        wbytes = E * (N * K // 2 + N * K // 32)
+
+        def grouped(bm):
+            tiles = -(-m // bm)
+            return dict(offs=offs, tcum=(torch.arange(E + 1, device=dev) * tiles).to(torch.int64), n_groups=E,
+                        n_tiles=E * tiles, bm=bm)
+        bm_g = 1 if m == 1 else (2 if m == 2 else 4)
+        ref = gemv_launch(xq, xs, w, s, None, R, N, K, wfmt="mxfp4", **grouped(bm_g))
+        t = graph_time(lambda: gemv_launch(xq, xs, w, s, None, R, N, K, wfmt="mxfp4", **grouped(bm_g)))
+        print(f"| {name} | gemv bm{bm_g} | {t * 1e3:.1f} | {wbytes / t / 1e6:.0f} | {100 * wbytes / t / 1e6 / (copy_bw / 1e9):.0f} | - |",
+              flush=True)
+        for v in args.variants.split(","):
+            cfg = {}
+            for p in v.split("."):
+                key, num = p.rstrip("0123456789"), p[len(p.rstrip("0123456789")):]
+                cfg[{"bn": "BN", "w": "num_warps", "k": "SPLIT_K"}[key]] = int(num)
+            try:
+                y = mma_gemv_launch(xq, xs, w, s, R, N, K, config=cfg, **grouped(BM_ROWS))
+                err = relerr(y.float(), ref.float())
+                t = graph_time(lambda: mma_gemv_launch(xq, xs, w, s, R, N, K, config=cfg, **grouped(BM_ROWS)))
+                print(f"| {name} | mma {v} | {t * 1e3:.1f} | {wbytes / t / 1e6:.0f} | {100 * wbytes / t / 1e6 / (copy_bw / 1e9):.0f} | {err:.2e} |",
+                      flush=True)
+            except Exception as ex:    # a variant that fails to compile is reported, the sweep goes on
+                print(f"| {name} | mma {v} | failed: {type(ex).__name__}: {str(ex)[:200]} | | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

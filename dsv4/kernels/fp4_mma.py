@@ -1,0 +1,286 @@
+"""Decode-sized MXFP4 expert GEMM on tensor cores, weights loaded straight into the mma operand (Gluon).
+
+The CUDA-core GEMV of ``gemv.py`` spends ~6 SASS instructions per weight element (decode, f16->f32,
+an FMA per row) and reached 28-46% of the H200's copy bandwidth on the V4 expert shapes. Here the
+products run on ``mma.sync`` m16n8k16 (f16 in, fp32 accumulate): output features are the M side,
+up to BM = 8 activation rows the N side, so one pass over an expert's weights serves every row that
+routes to it (the GEMV re-read them per 1-4-row tile).
+
+Operand layouts (``DotOperandLayout(k_width=16)``): per 128-K block, a thread holds 16 contiguous
+packed bytes of each of its rows = one MXFP4 scale group. They are loaded and decoded inside one
+inline-asm block (``_w_load_decode``: a 16-byte load, ``gemm._e2m1_f16``'s e4m3 placement, e4m3x2 ->
+f16x2; a Triton uint8 load would unpack the bytes and repack them for the asm). The dot sums over K,
+so only A and B must agree on its order: logical K index j of the weight operand is physical K 2j
+(low nibbles, ``wl``) or 2j + 1 (high nibbles, ``wh``), and the activation operand takes the even /
+odd e4m3 bytes of the same 32-byte span (``_act_even_odd``), so a 128-K block is two mma chains.
+
+Scales (official structure: exact e2m1 x e4m3 products, group scale 2^(sB-127), block scale sA):
+one mma k-step mixes four groups (one per lane quad), so the group scales are applied to the f16
+weights first, relative to the block's largest: w = e2m1 * 2^-6 * 2^(15 - d), d = smax - sB, exact
+for d <= 32 (a spread of 2^32 between the four group scales of one row's 128-K block; beyond that the
+smaller groups' values round at 2^-33 of the largest group's scale). The fp32 block sum is then scaled
+by 2^(smax - 136) * sA and accumulated. Products are exact, sums are fp32 in tensor-core order.
+
+H200 measurements (BENCHMARKS.md session 6, ``benchmarks/exp_fp4_mma.py``): 48-59% of copy bandwidth
+on the V4 expert shapes (GEMV: 28-46%). Timing probes with the decode or the activation removed ran
+equally fast, so the kernel is bound by its load pattern, not by instructions; a cp.async ring
+(no registers held by loads in flight), K-loop unrolling and 128-row tiles measured no better.
+
+Gluon has no CPU interpreter: CPU CI compiles this kernel for sm_90 and sm_100; the GPU tests run it
+against the dequantised reference. Needs sm_89+ (e4m3 -> f16 conversion).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import interpreting, triton_available
+from .gemm import QBLOCK, _sm_count
+
+try:
+    if not triton_available():
+        raise ImportError
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    GLUON = True
+except ImportError:      # CPU-only torch without triton, or a triton without Gluon
+    GLUON = False
+
+BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mma
+
+
+if GLUON:
+    @gluon.jit
+    def _act_even_odd(p):
+        """16 consecutive logical K of one activation row (p: their pointers; p[0] addresses 32
+        contiguous e4m3 bytes) -> (even-K values, odd-K values) as f16, exact: two 16-byte loads,
+        byte shuffles, e4m3x2 -> f16x2 conversions."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 w0, w1, w2, w3, w4, w5, w6, w7, e, o; .reg .b16 l, h;\n"
+            "ld.global.v4.b32 {w0, w1, w2, w3}, [$16];\n"
+            "ld.global.v4.b32 {w4, w5, w6, w7}, [$16+16];\n"
+            "prmt.b32 e, w0, w1, 0x6420; prmt.b32 o, w0, w1, 0x7531;\n"
+            "mov.b32 {l, h}, e; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h;\n"
+            "mov.b32 {l, h}, o; cvt.rn.f16x2.e4m3x2 $8, l; cvt.rn.f16x2.e4m3x2 $9, h;\n"
+            "prmt.b32 e, w2, w3, 0x6420; prmt.b32 o, w2, w3, 0x7531;\n"
+            "mov.b32 {l, h}, e; cvt.rn.f16x2.e4m3x2 $2, l; cvt.rn.f16x2.e4m3x2 $3, h;\n"
+            "mov.b32 {l, h}, o; cvt.rn.f16x2.e4m3x2 $10, l; cvt.rn.f16x2.e4m3x2 $11, h;\n"
+            "prmt.b32 e, w4, w5, 0x6420; prmt.b32 o, w4, w5, 0x7531;\n"
+            "mov.b32 {l, h}, e; cvt.rn.f16x2.e4m3x2 $4, l; cvt.rn.f16x2.e4m3x2 $5, h;\n"
+            "mov.b32 {l, h}, o; cvt.rn.f16x2.e4m3x2 $12, l; cvt.rn.f16x2.e4m3x2 $13, h;\n"
+            "prmt.b32 e, w6, w7, 0x6420; prmt.b32 o, w6, w7, 0x7531;\n"
+            "mov.b32 {l, h}, e; cvt.rn.f16x2.e4m3x2 $6, l; cvt.rn.f16x2.e4m3x2 $7, h;\n"
+            "mov.b32 {l, h}, o; cvt.rn.f16x2.e4m3x2 $14, l; cvt.rn.f16x2.e4m3x2 $15, h; }",
+            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l",
+            [p], dtype=(gl.float16, gl.float16), is_pure=True, pack=16)
+
+    @gluon.jit
+    def _w_load_decode(p, mul):
+        """16 consecutive weight bytes of one row (p: their pointers; p[0] is 16-byte aligned) ->
+        (low nibbles, high nibbles) as f16 = e2m1 * 2^-6 * mul (exact while representable): one
+        16-byte load, the e4m3 placement of ``_e2m1_pair``, e4m3x2 -> f16x2, f16x2 multiplies.
+        Loading inside the asm keeps the bytes packed (a Triton uint8 load unpacks and repacks them)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 w0, w1, w2, w3, t, u; .reg .b16 l, h;\n"
+            "ld.global.v4.b32 {w0, w1, w2, w3}, [$16];\n"
+            "and.b32 t, w0, 0x08080808; shl.b32 t, t, 4; and.b32 u, w0, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;\n"
+            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h;\n"
+            "mul.rn.f16x2 $0, $0, $32; mul.rn.f16x2 $1, $1, $33;\n"
+            "and.b32 t, w0, 0x80808080; shr.b32 u, w0, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;\n"
+            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $8, l; cvt.rn.f16x2.e4m3x2 $9, h;\n"
+            "mul.rn.f16x2 $8, $8, $32; mul.rn.f16x2 $9, $9, $33;\n"
+            "and.b32 t, w1, 0x08080808; shl.b32 t, t, 4; and.b32 u, w1, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;\n"
+            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $2, l; cvt.rn.f16x2.e4m3x2 $3, h;\n"
+            "mul.rn.f16x2 $2, $2, $34; mul.rn.f16x2 $3, $3, $35;\n"
+            "and.b32 t, w1, 0x80808080; shr.b32 u, w1, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;\n"
+            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $10, l; cvt.rn.f16x2.e4m3x2 $11, h;\n"
+            "mul.rn.f16x2 $10, $10, $34; mul.rn.f16x2 $11, $11, $35;\n"
+            "and.b32 t, w2, 0x08080808; shl.b32 t, t, 4; and.b32 u, w2, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;\n"
+            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $4, l; cvt.rn.f16x2.e4m3x2 $5, h;\n"
+            "mul.rn.f16x2 $4, $4, $36; mul.rn.f16x2 $5, $5, $37;\n"
+            "and.b32 t, w2, 0x80808080; shr.b32 u, w2, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;\n"
+            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $12, l; cvt.rn.f16x2.e4m3x2 $13, h;\n"
+            "mul.rn.f16x2 $12, $12, $36; mul.rn.f16x2 $13, $13, $37;\n"
+            "and.b32 t, w3, 0x08080808; shl.b32 t, t, 4; and.b32 u, w3, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;\n"
+            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $6, l; cvt.rn.f16x2.e4m3x2 $7, h;\n"
+            "mul.rn.f16x2 $6, $6, $38; mul.rn.f16x2 $7, $7, $39;\n"
+            "and.b32 t, w3, 0x80808080; shr.b32 u, w3, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;\n"
+            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $14, l; cvt.rn.f16x2.e4m3x2 $15, h;\n"
+            "mul.rn.f16x2 $14, $14, $38; mul.rn.f16x2 $15, $15, $39; }\n",
+            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r",
+            [p, mul], dtype=(gl.float16, gl.float16), is_pure=True, pack=16)
+
+    @gluon.jit
+    def _kblock(kb, acc, zero, wptr, srow, amask, grp, aptr, saptr, mma: gl.constexpr):
+        """acc + the 128-K block kb: scales, weights (load + decode + relative scale), activation,
+        two mma chains (even / odd K), the block scale 2^(smax - 136) * sA."""
+        sw = gl.load((srow + kb * 4).to(gl.pointer_type(gl.int32)), mask=amask, other=0)   # 4 e8m0 bytes
+        s0 = sw & 0xFF
+        s1 = (sw >> 8) & 0xFF
+        s2 = (sw >> 16) & 0xFF
+        s3 = (sw >> 24) & 0xFF
+        smax = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
+        sg = gl.where(grp[None, :] == 0, s0[:, None],
+                      gl.where(grp[None, :] == 1, s1[:, None],
+                               gl.where(grp[None, :] == 2, s2[:, None], s3[:, None])))
+        # 2^(15 - (smax - s_g)) as f16 (an fp32 power of two, one exact conversion, subnormal included)
+        mul = (gl.maximum(sg - smax[:, None] + 142, 1) << 23).to(gl.float32, bitcast=True).to(gl.float16)
+        wl, wh = _w_load_decode((wptr + kb * 64).to(gl.int64), mul)
+        ae, ao = _act_even_odd(aptr + kb * 128)
+        part = mma_v2(wl, ae, zero)
+        part = mma_v2(wh, ao, part)
+        sa = gl.load(saptr + kb)
+        # value * 2^-6 (decode) * 2^(15 - d) (mul) -> * 2^(smax - 136) = 2^(smax - 63) * 2^-73
+        # (two normal powers of two: exact for every scale byte)
+        rs = ((smax + 64) << 23).to(gl.float32, bitcast=True)
+        rs = gl.convert_layout(rs, gl.SliceLayout(1, mma))
+        return acc + part * ((rs[:, None] * sa[None, :]) * 1.0587911840678754e-22)
+
+    @gluon.jit
+    def _mma_gemv_kernel(A, SA, W, WS, C, PERM, OFFS, TCUM,
+                     M, N, K, n_groups, top_k, k_per_split,
+                     stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
+                     GROUPED: gl.constexpr, GATHER: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                     LOG2G: gl.constexpr, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Grouped (MoE) or plain FP4 x FP8 GEMM of BM-row tiles: program (m-tile t, BN columns,
+        K split ks). Output fp32 split partials [S, M, N] (SPLIT) or bf16 [M, N]."""
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, 8])
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=16)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=16)
+        t = gl.program_id(0)
+        pid_n = gl.program_id(1)
+        ks = gl.program_id(2)
+        if GROUPED:
+            live = t < gl.load(TCUM + n_groups)
+            lo = 0
+            hi = n_groups
+            for _ in gl.static_range(LOG2G):
+                mid = (lo + hi) // 2
+                right = gl.load(TCUM + mid + 1) <= t
+                lo = gl.where(right, mid + 1, lo)
+                hi = gl.where(right, hi, mid)
+            e = gl.minimum(lo, n_groups - 1)
+            m0 = gl.load(OFFS + e) + (t - gl.load(TCUM + e)) * BM
+            m_end = gl.load(OFFS + e + 1)
+        else:
+            live = t >= 0
+            e = t * 0
+            m0 = t * BM
+            m_end = M + t * 0
+        if live:
+            e64 = e.to(gl.int64)
+            rn_a = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
+            rn_a64 = rn_a.to(gl.int64)
+            amask = rn_a < N
+            jb = gl.arange(0, 64, layout=gl.SliceLayout(0, la))
+            grp = jb // 16
+            wptr = W + e64 * stride_we + gl.minimum(rn_a, N - 1).to(gl.int64)[:, None] * stride_wn + jb[None, :]
+            srow = WS + e64 * stride_wse + rn_a64 * stride_wsn
+            ja = gl.arange(0, 64, layout=gl.SliceLayout(1, lb))
+            cb = gl.arange(0, BM, layout=gl.SliceLayout(0, lb))
+            rb = m0 + cb
+            vb = rb < m_end
+            if GATHER:
+                arow_b = gl.load(PERM + rb, mask=vb, other=0).to(gl.int64) // top_k
+            else:
+                arow_b = gl.where(vb, rb, 0).to(gl.int64)
+            aptr = A + arow_b[None, :] * stride_am + 2 * ja[:, None]
+            cc = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+            rc = m0 + cc
+            vc = rc < m_end
+            if GATHER:
+                arow_c = gl.load(PERM + rc, mask=vc, other=0).to(gl.int64) // top_k
+            else:
+                arow_c = gl.where(vc, rc, 0).to(gl.int64)
+            saptr = SA + arow_c * stride_sam
+            acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+            zero = gl.zeros([BN, BM], gl.float32, layout=mma)
+            kb_lo = (ks * k_per_split) // 128
+            kb_hi = gl.minimum(K, ks * k_per_split + k_per_split) // 128
+            for kb in range(kb_lo, kb_hi):
+                acc = _kblock(kb, acc, zero, wptr, srow, amask, grp, aptr, saptr, mma)
+            rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+            out_mask = (rn_c < N)[:, None] & vc[None, :]
+            rn64 = rn_c.to(gl.int64)
+            rc64 = rc.to(gl.int64)
+            if SPLIT:
+                gl.store(C + ks.to(gl.int64) * M * N + rc64[None, :] * N + rn64[:, None], acc, mask=out_mask)
+            else:
+                gl.store(C + rc64[None, :] * stride_cm + rn64[:, None], acc.to(gl.bfloat16), mask=out_mask)
+
+
+def available(dev) -> bool:
+    """Whether this kernel can run on ``dev``: a CUDA GPU of sm_89+ with Gluon, not the interpreter."""
+    if not GLUON or interpreting() or torch.device(dev).type != "cuda" or torch.version.hip is not None:
+        return False
+    from .gemm import capability
+    return capability(dev) >= (8, 9)
+
+
+def _splits(tiles: int, K: int, dev) -> int:
+    """K splits so that ~4 programs per SM exist, >= 2 K blocks of 128 per split, at most 16 (the
+    H200 sweep: more splits than this were slower at every V4 shape)."""
+    kb = K // QBLOCK
+    target = 4 * _sm_count(torch.device(dev))
+    s = 1
+    while s < 16 and tiles * s < target and kb // (2 * s) >= 2:
+        s *= 2
+    return s
+
+
+def mma_gemv_launch(a, sa, w, ws, M, N, K, *, out=None, partial: bool = False, perm=None, offs=None,
+                    tcum=None, top_k: int = 1, n_groups: int = 1, n_tiles: int | None = None,
+                    split: int | None = None, config: dict | None = None):
+    """``gemv.gemv_launch`` for MXFP4 weights on the tensor cores: a e4m3 bytes [rows, K], sa fp32
+    [rows, K/128] (power-of-two scales, as ``act_quant_fp8`` writes); w uint8 [G, N, K/2], ws e8m0
+    bytes [G, N, K/32]. Grouped tiles (``tcum``/``offs`` from ``moe.sort_pairs``) must use
+    ``BM_ROWS``-row tiles. Returns bf16 ``out`` [M, N] or, with ``partial``, fp32 split partials."""
+    if not available(w.device):
+        raise RuntimeError("mma_gemv: needs a CUDA GPU of sm_89+ and triton with Gluon")
+    if K % QBLOCK or w.shape[-1] * 2 != K or ws.shape[-1] * 32 != K:
+        raise ValueError(f"mma_gemv: K={K} must be a multiple of 128 matching w {tuple(w.shape)} and ws {tuple(ws.shape)}")
+    # the asm loads 16 bytes (weights, activation) and 4 scale bytes at a time
+    for name, t, al in (("a", a, 16), ("w", w, 16), ("ws", ws, 4)):
+        if t.stride(-1) != 1 or t.data_ptr() % al or any(st % al for st in t.stride()[:-1]):
+            raise ValueError(f"mma_gemv: {name} must be row-contiguous with {al}-byte aligned rows")
+    dev = w.device
+    cfg = {"BN": 64, "num_warps": 4}     # H200 sweep: 64 x 4 warps (or 32 x 2) best; 128-256 rows slower
+    if config:
+        cfg.update(config)
+    BN, nw = cfg["BN"], cfg["num_warps"]
+    if BN != 16 * nw:
+        raise ValueError(f"mma_gemv: BN must be 16 rows per warp, got BN={BN}, num_warps={nw}")
+    grouped = tcum is not None
+    grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, BM_ROWS) + min(n_groups, M)) if grouped \
+        else triton.cdiv(M, BM_ROWS)
+    grid_m = max(grid_m, 1)
+    grid_n = triton.cdiv(N, BN)
+    S = split or cfg.get("SPLIT_K") or _splits(grid_m * grid_n, K, dev)
+    kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
+    S = triton.cdiv(K, kps)
+    if partial or S > 1:
+        dst = torch.empty(S, M, N, dtype=torch.float32, device=dev)
+    else:
+        dst = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    _mma_gemv_kernel[(grid_m, grid_n, S)](
+        a, sa, w, ws, dst, perm if perm is not None else sa, offs if offs is not None else sa,
+        tcum if tcum is not None else sa, M, N, K, n_groups, top_k, kps,
+        a.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), dst.stride(-2),
+        GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
+        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
+        num_warps=nw)
+    if partial:
+        return dst
+    if dst.dtype == torch.float32:
+        from .gemm import _splitk_sum
+        out = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+        BLOCK = 1024
+        _splitk_sum[(triton.cdiv(M * N, BLOCK),)](dst, out, M, N, S, out.stride(0), BLOCK=BLOCK, INTERP=False,
+                                                  num_warps=4)
+        return out
+    return dst
+
+
+__all__ = ["BM_ROWS", "GLUON", "available", "mma_gemv_launch"]
