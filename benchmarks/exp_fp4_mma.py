@@ -52,6 +52,7 @@ def main():
             return dict(offs=offs, tcum=(torch.arange(E + 1, device=dev) * tiles).to(torch.int64), n_groups=E,
                         n_tiles=E * tiles, bm=bm)
         bm_g = 1 if m == 1 else (2 if m == 2 else 4)
+        mma_tiles = {k: v for k, v in grouped(BM_ROWS).items() if k != "bm"}
         ref = gemv_launch(xq, xs, w, s, None, R, N, K, wfmt="mxfp4", **grouped(bm_g))
         t = graph_time(lambda: gemv_launch(xq, xs, w, s, None, R, N, K, wfmt="mxfp4", **grouped(bm_g)))
         print(f"| {name} | gemv bm{bm_g} | {t * 1e3:.1f} | {wbytes / t / 1e6:.0f} | {100 * wbytes / t / 1e6 / (copy_bw / 1e9):.0f} | - |",
@@ -62,9 +63,9 @@ def main():
                 key, num = p.rstrip("0123456789"), p[len(p.rstrip("0123456789")):]
                 cfg[{"bn": "BN", "w": "num_warps", "k": "SPLIT_K"}[key]] = int(num)
             try:
-                y = mma_gemv_launch(xq, xs, w, s, R, N, K, config=cfg, **grouped(BM_ROWS))
+                y = mma_gemv_launch(xq, xs, w, s, R, N, K, config=cfg, **mma_tiles)
                 err = relerr(y.float(), ref.float())
-                t = graph_time(lambda: mma_gemv_launch(xq, xs, w, s, R, N, K, config=cfg, **grouped(BM_ROWS)))
+                t = graph_time(lambda: mma_gemv_launch(xq, xs, w, s, R, N, K, config=cfg, **mma_tiles))
                 print(f"| {name} | mma {v} | {t * 1e3:.1f} | {wbytes / t / 1e6:.0f} | {100 * wbytes / t / 1e6 / (copy_bw / 1e9):.0f} | {err:.2e} |",
                       flush=True)
             except Exception as ex:    # a variant that fails to compile is reported, the sweep goes on

@@ -21,10 +21,11 @@ for d <= 32 (a spread of 2^32 between the four group scales of one row's 128-K b
 smaller groups' values round at 2^-33 of the largest group's scale). The fp32 block sum is then scaled
 by 2^(smax - 136) * sA and accumulated. Products are exact, sums are fp32 in tensor-core order.
 
-H200 measurements (BENCHMARKS.md session 6, ``benchmarks/exp_fp4_mma.py``): 48-59% of copy bandwidth
-on the V4 expert shapes (GEMV: 28-46%). Timing probes with the decode or the activation removed ran
-equally fast, so the kernel is bound by its load pattern, not by instructions; a cp.async ring
-(no registers held by loads in flight), K-loop unrolling and 128-row tiles measured no better.
+H200 measurements (BENCHMARKS.md session 6, ``benchmarks/exp_fp4_mma.py``): 56-71% of copy bandwidth
+on the V4 expert shapes with one or more rows per expert (GEMV: 28-46%), 44% for the six experts of
+batch 1. Timing probes with the decode or the activation removed ran equally fast, so the kernel is
+bound by its load pattern (each warp load touches 8 rows x 64 bytes), not by instructions: the L2
+128-byte prefetch hint gained ~15%; a cp.async ring, K-loop unrolling and 128-row tiles did not.
 
 Gluon has no CPU interpreter: CPU CI compiles this kernel for sm_90 and sm_100; the GPU tests run it
 against the dequantised reference. Needs sm_89+ (e4m3 -> f16 conversion).
@@ -80,10 +81,12 @@ if GLUON:
         """16 consecutive weight bytes of one row (p: their pointers; p[0] is 16-byte aligned) ->
         (low nibbles, high nibbles) as f16 = e2m1 * 2^-6 * mul (exact while representable): one
         16-byte load, the e4m3 placement of ``_e2m1_pair``, e4m3x2 -> f16x2, f16x2 multiplies.
-        Loading inside the asm keeps the bytes packed (a Triton uint8 load unpacks and repacks them)."""
+        Loading inside the asm keeps the bytes packed (a Triton uint8 load unpacks and repacks them);
+        ``.nc.L2::128B`` (read-only path; L2 fetches the whole 128-byte line, i.e. the row's next K
+        block too) took the H200 from 49-59% to 56-71% of copy bandwidth."""
         return gl.inline_asm_elementwise(
             "{ .reg .b32 w0, w1, w2, w3, t, u; .reg .b16 l, h;\n"
-            "ld.global.v4.b32 {w0, w1, w2, w3}, [$16];\n"
+            "ld.global.nc.L2::128B.v4.b32 {w0, w1, w2, w3}, [$16];\n"
             "and.b32 t, w0, 0x08080808; shl.b32 t, t, 4; and.b32 u, w0, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;\n"
             "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h;\n"
             "mul.rn.f16x2 $0, $0, $32; mul.rn.f16x2 $1, $1, $33;\n"
