@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import graph_time, roofline  # noqa: E402
-from benchmarks.gemm_moe import rand_mx, relerr  # noqa: E402
+from benchmarks.gemm_moe import rand_mx, rand_nv, relerr  # noqa: E402
 from dsv4.kernels import gemm as G  # noqa: E402
 from dsv4.kernels.fp4_mma import BM_ROWS, mma_gemv_launch  # noqa: E402
 from dsv4.kernels.gemv import gemv_launch  # noqa: E402
@@ -21,7 +21,8 @@ from dsv4.kernels.gemv import gemv_launch  # noqa: E402
 # (name, experts, N, K, rows per expert)
 CASES = [("Flash w1|w3 32 exp x1", 32, 4096, 4096, 1), ("Flash w2 32 exp x1", 32, 4096, 2048, 1),
          ("Flash w1|w3 256 exp x2", 256, 4096, 4096, 2), ("Flash w1|w3 6 exp x1", 6, 4096, 4096, 1),
-         ("Flash w1|w3 64 exp x8", 64, 4096, 4096, 8), ("Pro w1|w3 32 exp x1", 32, 6144, 7168, 1)]
+         ("Flash w1|w3 64 exp x8", 64, 4096, 4096, 8), ("Pro w1|w3 32 exp x1", 32, 6144, 7168, 1),
+         ("Flash w1|w3 256 exp x2 NVFP4", 256, 4096, 4096, 2)]
 
 
 def main():
@@ -39,13 +40,14 @@ def main():
     print("| case | kernel | us | GB/s | % copy | relerr vs gemv |")
     print("|---|---|---|---|---|---|")
     for name, E, N, K, m in CASES:
-        w, s = rand_mx(E, N, K, dev, gen)
+        fmt = "nvfp4" if "NVFP4" in name else "mxfp4"
+        w, s, s2 = rand_nv(E, N, K, dev, gen) if fmt == "nvfp4" else (*rand_mx(E, N, K, dev, gen), None)
         R = E * m
         x = torch.randn(R, K, device=dev, generator=gen).bfloat16()
         xq, xs = G.act_quant_fp8(x)
         xq = G._u8(xq)
         offs = (torch.arange(E + 1, device=dev) * m).to(torch.int64)
-        wbytes = E * (N * K // 2 + N * K // 32)
+        wbytes = E * (N * K // 2 + N * s.shape[-1])
 
         def grouped(bm):
             tiles = -(-m // bm)
@@ -53,8 +55,8 @@ def main():
                         n_tiles=E * tiles, bm=bm)
         bm_g = 1 if m == 1 else (2 if m == 2 else 4)
         mma_tiles = {k: v for k, v in grouped(BM_ROWS).items() if k != "bm"}
-        ref = gemv_launch(xq, xs, w, s, None, R, N, K, wfmt="mxfp4", **grouped(bm_g))
-        t = graph_time(lambda: gemv_launch(xq, xs, w, s, None, R, N, K, wfmt="mxfp4", **grouped(bm_g)))
+        ref = gemv_launch(xq, xs, w, s, s2, R, N, K, wfmt=fmt, **grouped(bm_g))
+        t = graph_time(lambda: gemv_launch(xq, xs, w, s, s2, R, N, K, wfmt=fmt, **grouped(bm_g)))
         print(f"| {name} | gemv bm{bm_g} | {t * 1e3:.1f} | {wbytes / t / 1e6:.0f} | {100 * wbytes / t / 1e6 / (copy_bw / 1e9):.0f} | - |",
               flush=True)
         for v in args.variants.split(","):
@@ -63,9 +65,9 @@ def main():
                 key, num = p.rstrip("0123456789"), p[len(p.rstrip("0123456789")):]
                 cfg[{"bn": "BN", "w": "num_warps", "k": "SPLIT_K"}[key]] = int(num)
             try:
-                y = mma_gemv_launch(xq, xs, w, s, R, N, K, config=cfg, **mma_tiles)
+                y = mma_gemv_launch(xq, xs, w, s, R, N, K, fmt=fmt, ws2=s2, config=cfg, **mma_tiles)
                 err = relerr(y.float(), ref.float())
-                t = graph_time(lambda: mma_gemv_launch(xq, xs, w, s, R, N, K, config=cfg, **mma_tiles))
+                t = graph_time(lambda: mma_gemv_launch(xq, xs, w, s, R, N, K, fmt=fmt, ws2=s2, config=cfg, **mma_tiles))
                 print(f"| {name} | mma {v} | {t * 1e3:.1f} | {wbytes / t / 1e6:.0f} | {100 * wbytes / t / 1e6 / (copy_bw / 1e9):.0f} | {err:.2e} |",
                       flush=True)
             except Exception as ex:    # a variant that fails to compile is reported, the sweep goes on

@@ -454,12 +454,12 @@ _AOT_SCRIPT = textwrap.dedent("""
              INTERP=False), cap, 4, 1)
         # decode FP4 on tensor cores (Gluon): grouped split-K partials with the pair gather, plain bf16
         from dsv4.kernels import fp4_mma as F
-        mmt = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), C=P("fp32"), PERM=P("i64"), OFFS=P("i64"),
-                   TCUM=P("i64"))
-        for grouped, split in ((True, True), (False, False)):
+        mmt = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("fp32"), PERM=P("i64"),
+                   OFFS=P("i64"), TCUM=P("i64"))
+        for nv, grouped, split in ((False, True, True), (False, False, False), (True, True, True)):
             ptx = comp(F._mma_gemv_kernel, dict(mmt, C=P("fp32") if split else P("bf16")),
-                       dict(GROUPED=grouped, GATHER=grouped, BM=F.BM_ROWS, BN=64, LOG2G=9, SPLIT=split, NUM_WARPS=4),
-                       cap, 4)
+                       dict(NV=nv, GROUPED=grouped, GATHER=grouped, BM=F.BM_ROWS, BN=64, LOG2G=9, SPLIT=split,
+                            NUM_WARPS=4), cap, 4)
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
             assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
         comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i64"),
@@ -544,11 +544,12 @@ def test_gpu_fp4_gemm_flash_shapes(fmt, M):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 5, 8, 13])
-@pytest.mark.parametrize("spread", ["none", "2^16", "2^40"])
-def test_gpu_mma_gemv_flash_shapes(M, spread):
+@pytest.mark.parametrize("fmt,spread", [("mxfp4", "none"), ("mxfp4", "2^16"), ("mxfp4", "2^40"), ("nvfp4", "2^16")])
+def test_gpu_mma_gemv_flash_shapes(M, fmt, spread):
     """The tensor-core FP4 decode kernel (fp4_mma.py) at V4-Flash expert shapes against the exact sum:
-    1-13 rows (one or two 8-row tiles), group scales spread inside a 128-K block up to the folded
-    f16 weights' exact limit (2^16 here; 2^32 in general) and past it (2^40: small groups round)."""
+    1-13 rows (one or two 8-row tiles), MXFP4 group scales spread inside a 128-K block up to the
+    folded f16 weights' exact limit (2^16 here; 2^32 in general) and past it (2^40: small groups
+    round), NVFP4 with its e4m3 group and fp32 global scales."""
     _need_gpu()
     from dsv4.kernels import fp4_mma as F
     gen = torch.Generator().manual_seed(M)
@@ -559,13 +560,19 @@ def test_gpu_mma_gemv_flash_shapes(M, spread):
             e = 16 if spread == "2^16" else 40
             W[:, 32:64] *= 2.0 ** -12
             W[:, 64:96] *= 2.0 ** -e
-        wp, sc = quant_mxfp4(W)
+        if fmt == "mxfp4":
+            wp, sc = quant_mxfp4(W)
+            s2, Wd = None, dequant_mxfp4(wp, sc)
+        else:
+            wp, sc, s2 = quant_nvfp4(W)
+            Wd = dequant_nvfp4(wp, sc, s2)
+            s2 = s2.float().reshape(-1).expand(N).contiguous()[None].cuda()
         xq, xs = G.act_quant_fp8(x.cuda())
-        y = F.mma_gemv_launch(G._u8(xq), xs, G._u8(wp).cuda()[None], sc.view(torch.uint8).cuda()[None], M, N, K)
-        check_gemm(y, xq, xs, dequant_mxfp4(wp, sc))
-        part = F.mma_gemv_launch(G._u8(xq), xs, G._u8(wp).cuda()[None], sc.view(torch.uint8).cuda()[None], M, N, K,
-                                 partial=True, split=4)
-        check_gemm(part.sum(0).bfloat16(), xq, xs, dequant_mxfp4(wp, sc))
+        args = (G._u8(xq), xs, G._u8(wp).cuda()[None], sc.view(torch.uint8).cuda()[None], M, N, K)
+        y = F.mma_gemv_launch(*args, fmt=fmt, ws2=s2)
+        check_gemm(y, xq, xs, Wd)
+        part = F.mma_gemv_launch(*args, fmt=fmt, ws2=s2, partial=True, split=4)
+        check_gemm(part.sum(0).bfloat16(), xq, xs, Wd)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Decode-sized MXFP4 expert GEMM on tensor cores, weights loaded straight into the mma operand (Gluon).
+"""Decode-sized FP4 expert GEMM on tensor cores, weights loaded straight into the mma operand (Gluon).
 
 The CUDA-core GEMV of ``gemv.py`` spends ~6 SASS instructions per weight element (decode, f16->f32,
 an FMA per row) and reached 28-46% of the H200's copy bandwidth on the V4 expert shapes. Here the
@@ -7,7 +7,7 @@ up to BM = 8 activation rows the N side, so one pass over an expert's weights se
 routes to it (the GEMV re-read them per 1-4-row tile).
 
 Operand layouts (``DotOperandLayout(k_width=16)``): per 128-K block, a thread holds 16 contiguous
-packed bytes of each of its rows = one MXFP4 scale group. They are loaded and decoded inside one
+packed bytes of each of its rows = one MXFP4 scale group (two NVFP4 groups). They are loaded and decoded inside one
 inline-asm block (``_w_load_decode``: a 16-byte load, ``gemm._e2m1_f16``'s e4m3 placement, e4m3x2 ->
 f16x2; a Triton uint8 load would unpack the bytes and repack them for the asm). The dot sums over K,
 so only A and B must agree on its order: logical K index j of the weight operand is physical K 2j
@@ -19,7 +19,11 @@ one mma k-step mixes four groups (one per lane quad), so the group scales are ap
 weights first, relative to the block's largest: w = e2m1 * 2^-6 * 2^(15 - d), d = smax - sB, exact
 for d <= 32 (a spread of 2^32 between the four group scales of one row's 128-K block; beyond that the
 smaller groups' values round at 2^-33 of the largest group's scale). The fp32 block sum is then scaled
-by 2^(smax - 136) * sA and accumulated. Products are exact, sums are fp32 in tensor-core order.
+by 2^(smax - 136) * sA and accumulated. NVFP4 (16-value groups, e4m3 scales, fp32 per-row global
+scale): w = e2m1 * 2^-6 * s_e4m3 is always exact in f16 (at most 6 significant bits, >= 2^-16), the
+block sum is scaled by 2^6 * sA, the final sum by the global scale (``gemv.py`` sums each group before
+its scale; here the exact scaled products are summed). Products are exact, sums are fp32 in
+tensor-core order.
 
 H200 measurements (BENCHMARKS.md session 6, ``benchmarks/exp_fp4_mma.py``): 56-71% of copy bandwidth
 on the V4 expert shapes with one or more rows per expert (GEMV: 28-46%), 44% for the six experts of
@@ -115,37 +119,49 @@ if GLUON:
             [p, mul], dtype=(gl.float16, gl.float16), is_pure=True, pack=16)
 
     @gluon.jit
-    def _kblock(kb, acc, zero, wptr, srow, amask, grp, aptr, saptr, mma: gl.constexpr):
-        """acc + the 128-K block kb: scales, weights (load + decode + relative scale), activation,
-        two mma chains (even / odd K), the block scale 2^(smax - 136) * sA."""
-        sw = gl.load((srow + kb * 4).to(gl.pointer_type(gl.int32)), mask=amask, other=0)   # 4 e8m0 bytes
-        s0 = sw & 0xFF
-        s1 = (sw >> 8) & 0xFF
-        s2 = (sw >> 16) & 0xFF
-        s3 = (sw >> 24) & 0xFF
-        smax = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
-        sg = gl.where(grp[None, :] == 0, s0[:, None],
-                      gl.where(grp[None, :] == 1, s1[:, None],
-                               gl.where(grp[None, :] == 2, s2[:, None], s3[:, None])))
-        # 2^(15 - (smax - s_g)) as f16 (an fp32 power of two, one exact conversion, subnormal included)
-        mul = (gl.maximum(sg - smax[:, None] + 142, 1) << 23).to(gl.float32, bitcast=True).to(gl.float16)
+    def _kblock(kb, acc, zero, wptr, srow, amask, jb, aptr, saptr, mma: gl.constexpr, NV: gl.constexpr):
+        """acc + the 128-K block kb: scales, weights (load + decode + scale), activation, two mma
+        chains (even / odd K), the block factor (MXFP4: 2^(smax - 136) * sA; NVFP4: 2^6 * sA)."""
+        if NV:   # 8 e4m3 group scales (16 values each) per row and block: exact in the f16 weights
+            sw0 = gl.load((srow + kb * 8).to(gl.pointer_type(gl.int32)), mask=amask, other=0)
+            sw1 = gl.load((srow + kb * 8 + 4).to(gl.pointer_type(gl.int32)), mask=amask, other=0)
+            grp = jb // 8
+            sel = gl.where(grp[None, :] < 4, sw0[:, None], sw1[:, None])
+            sg = (sel >> ((grp[None, :] % 4) * 8)) & 0xFF
+            mul = sg.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        else:    # 4 e8m0 group scales (32 values each) per row and block
+            sw = gl.load((srow + kb * 4).to(gl.pointer_type(gl.int32)), mask=amask, other=0)
+            s0 = sw & 0xFF
+            s1 = (sw >> 8) & 0xFF
+            s2 = (sw >> 16) & 0xFF
+            s3 = (sw >> 24) & 0xFF
+            smax = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
+            grp = jb // 16
+            sg = gl.where(grp[None, :] == 0, s0[:, None],
+                          gl.where(grp[None, :] == 1, s1[:, None],
+                                   gl.where(grp[None, :] == 2, s2[:, None], s3[:, None])))
+            # 2^(15 - (smax - s_g)) as f16 (an fp32 power of two, one exact conversion, subnormal included)
+            mul = (gl.maximum(sg - smax[:, None] + 142, 1) << 23).to(gl.float32, bitcast=True).to(gl.float16)
         wl, wh = _w_load_decode((wptr + kb * 64).to(gl.int64), mul)
         ae, ao = _act_even_odd(aptr + kb * 128)
         part = mma_v2(wl, ae, zero)
         part = mma_v2(wh, ao, part)
         sa = gl.load(saptr + kb)
-        # value * 2^-6 (decode) * 2^(15 - d) (mul) -> * 2^(smax - 136) = 2^(smax - 63) * 2^-73
-        # (two normal powers of two: exact for every scale byte)
-        rs = ((smax + 64) << 23).to(gl.float32, bitcast=True)
-        rs = gl.convert_layout(rs, gl.SliceLayout(1, mma))
-        return acc + part * ((rs[:, None] * sa[None, :]) * 1.0587911840678754e-22)
+        if NV:   # value * 2^-6 (decode) * s_e4m3 (mul); the global scale multiplies the final sum
+            return acc + part * (sa[None, :] * 64.0)
+        else:
+            # value * 2^-6 (decode) * 2^(15 - d) (mul) -> * 2^(smax - 136) = 2^(smax - 63) * 2^-73
+            # (two normal powers of two: exact for every scale byte)
+            rs = ((smax + 64) << 23).to(gl.float32, bitcast=True)
+            rs = gl.convert_layout(rs, gl.SliceLayout(1, mma))
+            return acc + part * ((rs[:, None] * sa[None, :]) * 1.0587911840678754e-22)
 
     @gluon.jit
-    def _mma_gemv_kernel(A, SA, W, WS, C, PERM, OFFS, TCUM,
+    def _mma_gemv_kernel(A, SA, W, WS, WS2, C, PERM, OFFS, TCUM,
                      M, N, K, n_groups, top_k, k_per_split,
-                     stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
-                     GROUPED: gl.constexpr, GATHER: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                     LOG2G: gl.constexpr, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr):
+                     stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_w2e, stride_cm,
+                     NV: gl.constexpr, GROUPED: gl.constexpr, GATHER: gl.constexpr, BM: gl.constexpr,
+                     BN: gl.constexpr, LOG2G: gl.constexpr, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr):
         """Grouped (MoE) or plain FP4 x FP8 GEMM of BM-row tiles: program (m-tile t, BN columns,
         K split ks). Output fp32 split partials [S, M, N] (SPLIT) or bf16 [M, N]."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -178,7 +194,6 @@ if GLUON:
             rn_a64 = rn_a.to(gl.int64)
             amask = rn_a < N
             jb = gl.arange(0, 64, layout=gl.SliceLayout(0, la))
-            grp = jb // 16
             wptr = W + e64 * stride_we + gl.minimum(rn_a, N - 1).to(gl.int64)[:, None] * stride_wn + jb[None, :]
             srow = WS + e64 * stride_wse + rn_a64 * stride_wsn
             ja = gl.arange(0, 64, layout=gl.SliceLayout(1, lb))
@@ -203,9 +218,11 @@ if GLUON:
             kb_lo = (ks * k_per_split) // 128
             kb_hi = gl.minimum(K, ks * k_per_split + k_per_split) // 128
             for kb in range(kb_lo, kb_hi):
-                acc = _kblock(kb, acc, zero, wptr, srow, amask, grp, aptr, saptr, mma)
+                acc = _kblock(kb, acc, zero, wptr, srow, amask, jb, aptr, saptr, mma, NV)
             rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
             out_mask = (rn_c < N)[:, None] & vc[None, :]
+            if NV:   # the per-row fp32 global scale of NVFP4
+                acc = acc * gl.load(WS2 + e64 * stride_w2e + rn_c, mask=rn_c < N, other=0.0)[:, None]
             rn64 = rn_c.to(gl.int64)
             rc64 = rc.to(gl.int64)
             if SPLIT:
@@ -233,18 +250,25 @@ def _splits(tiles: int, K: int, dev) -> int:
     return s
 
 
-def mma_gemv_launch(a, sa, w, ws, M, N, K, *, out=None, partial: bool = False, perm=None, offs=None,
-                    tcum=None, top_k: int = 1, n_groups: int = 1, n_tiles: int | None = None,
+def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=None, partial: bool = False,
+                    perm=None, offs=None, tcum=None, top_k: int = 1, n_groups: int = 1, n_tiles: int | None = None,
                     split: int | None = None, config: dict | None = None):
-    """``gemv.gemv_launch`` for MXFP4 weights on the tensor cores: a e4m3 bytes [rows, K], sa fp32
-    [rows, K/128] (power-of-two scales, as ``act_quant_fp8`` writes); w uint8 [G, N, K/2], ws e8m0
-    bytes [G, N, K/32]. Grouped tiles (``tcum``/``offs`` from ``moe.sort_pairs``) must use
-    ``BM_ROWS``-row tiles. Returns bf16 ``out`` [M, N] or, with ``partial``, fp32 split partials."""
+    """``gemv.gemv_launch`` for FP4 weights on the tensor cores: a e4m3 bytes [rows, K], sa fp32
+    [rows, K/128] (power-of-two scales, as ``act_quant_fp8`` writes); w uint8 [G, N, K/2]; ws e8m0
+    bytes [G, N, K/32] (mxfp4) or e4m3 bytes [G, N, K/16] with fp32 ws2 [G, N] (nvfp4). Grouped tiles
+    (``tcum``/``offs`` from ``moe.sort_pairs``) must use ``BM_ROWS``-row tiles. Returns bf16 ``out``
+    [M, N] or, with ``partial``, the fp32 split partials [S, M, N]."""
     if not available(w.device):
         raise RuntimeError("mma_gemv: needs a CUDA GPU of sm_89+ and triton with Gluon")
-    if K % QBLOCK or w.shape[-1] * 2 != K or ws.shape[-1] * 32 != K:
-        raise ValueError(f"mma_gemv: K={K} must be a multiple of 128 matching w {tuple(w.shape)} and ws {tuple(ws.shape)}")
-    # the asm loads 16 bytes (weights, activation) and 4 scale bytes at a time
+    if fmt not in ("mxfp4", "nvfp4"):
+        raise ValueError(f"mma_gemv: fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+    group = 32 if fmt == "mxfp4" else 16
+    if K % QBLOCK or w.shape[-1] * 2 != K or ws.shape[-1] * group != K:
+        raise ValueError(f"mma_gemv: K={K} must be a multiple of 128 matching w {tuple(w.shape)} and "
+                         f"{fmt} scales {tuple(ws.shape)}")
+    if fmt == "nvfp4" and (ws2 is None or ws2.dtype != torch.float32 or tuple(ws2.shape) != (w.shape[0], N)):
+        raise ValueError(f"mma_gemv: nvfp4 needs fp32 global scales ws2 [{w.shape[0]}, {N}]")
+    # the asm loads 16 bytes (weights, activation) and the scales 4 bytes at a time
     for name, t, al in (("a", a, 16), ("w", w, 16), ("ws", ws, 4)):
         if t.stride(-1) != 1 or t.data_ptr() % al or any(st % al for st in t.stride()[:-1]):
             raise ValueError(f"mma_gemv: {name} must be row-contiguous with {al}-byte aligned rows")
@@ -267,11 +291,13 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, out=None, partial: bool = False, p
         dst = torch.empty(S, M, N, dtype=torch.float32, device=dev)
     else:
         dst = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    nv = fmt == "nvfp4"
     _mma_gemv_kernel[(grid_m, grid_n, S)](
-        a, sa, w, ws, dst, perm if perm is not None else sa, offs if offs is not None else sa,
+        a, sa, w, ws, ws2 if nv else sa, dst, perm if perm is not None else sa, offs if offs is not None else sa,
         tcum if tcum is not None else sa, M, N, K, n_groups, top_k, kps,
-        a.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), dst.stride(-2),
-        GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
+        a.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
+        ws2.stride(0) if nv else 0, dst.stride(-2),
+        NV=nv, GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
         LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
         num_warps=nw)
     if partial:

@@ -30,8 +30,8 @@ Decode path (``path="gemv"``, the default up to ``GEMV_ROWS_PER_EXPERT`` average
 ``MMA_GEMV_ROWS_PER_EXPERT`` where the tensor-core kernel runs):
 steps 3-6 run on decode kernels instead of the MMA kernels: grouped w1|w3 as split-K fp32 partials,
 ``swiglu_quant`` (the same SwiGLU epilogue + FP8 quantisation as a pass over the partials), grouped
-w2 on the e4m3 h. MXFP4 on sm_89+: the tensor-core kernel of ``fp4_mma.py`` (8-row tiles); NVFP4,
-other GPUs and the interpreter: the CUDA-core GEMV of ``gemv.py`` (1-row tiles).
+w2 on the e4m3 h. On sm_89+: the tensor-core kernel of ``fp4_mma.py`` (8-row tiles); other GPUs and
+the interpreter: the CUDA-core GEMV of ``gemv.py`` (1-row tiles).
 
 Prefill path (``path="prefill"``, the default for MXFP4 on sm_90 above ``PREFILL_ROWS_PER_EXPERT`` rows
 per expert): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
@@ -411,7 +411,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     rows_per_expert = P / max(1, min(E, P))
     if path is None:
         from . import fp4_mma
-        gemv_max = MMA_GEMV_ROWS_PER_EXPERT if w.fmt == "mxfp4" and fp4_mma.available(dev) else GEMV_ROWS_PER_EXPERT
+        gemv_max = MMA_GEMV_ROWS_PER_EXPERT if fp4_mma.available(dev) else GEMV_ROWS_PER_EXPERT
         path = "gemv" if rows_per_expert <= gemv_max else \
             "prefill" if rows_per_expert > PREFILL_ROWS_PER_EXPERT and _prefill_kernel_ok(dev, w.fmt) else \
             fp4_path(w.fmt, dev)
@@ -493,7 +493,7 @@ def _shared_expert(xq, xs, w: MoEWeights):
 
 
 GEMV_ROWS_PER_EXPERT = 2.0   # the MoE takes the CUDA-core decode GEMV up to this many (average) rows per expert
-# ... and the tensor-core decode kernel (MXFP4, sm_89+) up to this many: on the H200 it beat the MMA
+# ... and the tensor-core decode kernel (sm_89+) up to this many: on the H200 it beat the MMA
 # kernels at 6 and 12 rows per expert (V4-Flash T 256 / 512: 1708 vs 4158 us, 2537 vs 4786 us)
 MMA_GEMV_ROWS_PER_EXPERT = 16.0
 PREFILL_ROWS_PER_EXPERT = 32.0   # above this many, the K=128-dot prefill kernel (fp4_prefill.py) on Hopper
@@ -508,9 +508,9 @@ def _prefill_kernel_ok(dev, fmt: str) -> bool:
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
     """Decode MoE: grouped w1|w3 (split-K fp32 partials), the SwiGLU + FP8 quantisation pass, grouped
-    w2; the shared expert on the FP8 GEMV; combine. MXFP4 on sm_89+ runs both expert GEMMs on the
+    w2; the shared expert on the FP8 GEMV; combine. On sm_89+ both expert GEMMs run on the
     tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
-    rows); NVFP4, other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
+    rows); other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
     (``config={"kernel": "cuda-core"}`` forces it)."""
     from . import fp4_mma
     from .gemv import gemv_launch, swiglu_quant
@@ -519,7 +519,7 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
     P = T * k
     dev = x.device
     cfg = dict(config or {})
-    kernel = cfg.pop("kernel", None) or ("mma" if w.fmt == "mxfp4" and fp4_mma.available(dev) else "cuda-core")
+    kernel = cfg.pop("kernel", None) or ("mma" if fp4_mma.available(dev) else "cuda-core")
     if kernel == "mma":
         bm = fp4_mma.BM_ROWS
     else:
@@ -534,14 +534,15 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
     pw = rw.float().contiguous().reshape(-1)
     grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=n_tiles, config=cfg or None)
     if kernel == "mma":
-        part = fp4_mma.mma_gemv_launch(xq, xs, w.w13, _u8(w.w13_s), P, 2 * I, d, partial=True, **grouped)
+        part = fp4_mma.mma_gemv_launch(xq, xs, w.w13, _u8(w.w13_s), P, 2 * I, d, fmt=w.fmt, ws2=w.w13_s2,
+                                       partial=True, **grouped)
     else:
         part = gemv_launch(xq, xs, w.w13, w.w13_s, w.w13_s2, P, 2 * I, d, wfmt=w.fmt, partial=True, bm=bm,
                            **grouped)
     h, hs = swiglu_quant(part, w.limit, pw=pw, perm=perm)
     grouped.update(perm=None, top_k=1)
     if kernel == "mma":
-        out = fp4_mma.mma_gemv_launch(h, hs, w.w2, _u8(w.w2_s), P, d, I, **grouped)
+        out = fp4_mma.mma_gemv_launch(h, hs, w.w2, _u8(w.w2_s), P, d, I, fmt=w.fmt, ws2=w.w2_s2, **grouped)
     else:
         out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, bm=bm, **grouped)
     sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
