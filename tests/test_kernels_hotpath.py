@@ -120,6 +120,56 @@ def test_hc_head():
     _check_hc_head(4, 256, torch.Generator().manual_seed(2))
 
 
+_HC_IMPL_CONFIGS = {
+    "v1": [{"splits": 3}],
+    # fused: one launch, last-arriver tail; token blocks of 1 / 4 / 8 (T = 7, 37 not multiples), 1-4 splits
+    "fused": [{"block_t": 1, "splits": 4}, {"block_t": 4, "splits": 3, "block_d": 32},
+              {"block_t": 8, "splits": 1, "block_k": 16}],
+    # tiled: mix GEMM over 16/32-token blocks, per-token finish (4 / default tokens a block), streaming
+    # apply (reversed or not)
+    "tiled": [{"splits": 3, "apply_block_d": 64, "tokens_block": 4}, {"splits": 1, "reverse": False, "block_t": 32}],
+}
+
+
+@pytest.mark.parametrize("impl", list(_HC_IMPL_CONFIGS))
+def test_hc_impls(impl):
+    """Each hc_pre / hc_head path (config impl) against the twins at several T and configs."""
+    gen = torch.Generator().manual_seed(11)
+    for T, D in ((1, 64), (7, 128), (37, 64)):
+        for cfg in _HC_IMPL_CONFIGS[impl]:
+            _check_hc_pre(T, D, gen, config=dict(cfg, impl=impl))
+            _check_hc_head(T, D, gen, config=dict(cfg, impl=impl))
+
+
+def test_hc_default_paths():
+    """The default choice (hc_pre: fused up to FUSED_MAX_T tokens, tiled above; hc_head: v1), both
+    sides of the threshold."""
+    from dsv4.kernels import mhc
+    gen = torch.Generator().manual_seed(12)
+    for T in (mhc.FUSED_MAX_T, mhc.FUSED_MAX_T + 1):
+        _check_hc_pre(T, 64, gen)
+        _check_hc_head(T, 64, gen)
+    with pytest.raises(ValueError, match="impl"):
+        hc_pre(*_hc_inputs(1, 64, gen), config={"impl": "nope"})
+
+
+def test_hc_fused_counters_reset():
+    """The fused path's last arrivers reset the shared arrival counters: a second call (no memset in
+    between) gives the same bits."""
+    from dsv4.kernels import mhc
+    gen = torch.Generator().manual_seed(13)
+    x, fn, base, scale = _hc_inputs(5, 64, gen)
+    cfg = {"impl": "fused", "block_t": 2, "splits": 3}
+    first = hc_pre(x, fn, base, scale, config=cfg)
+    assert int(mhc._counters(x.device, 1).abs().sum()) == 0
+    second = hc_pre(x, fn, base, scale, config=cfg)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    h1 = hc_head(x, fn[:4].contiguous(), base[:4].contiguous(), scale[:1].contiguous(), config=cfg)
+    h2 = hc_head(x, fn[:4].contiguous(), base[:4].contiguous(), scale[:1].contiguous(), config=cfg)
+    assert torch.equal(h1, h2) and int(mhc._counters(x.device, 1).abs().sum()) == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # compressor decode update
 
@@ -572,6 +622,26 @@ _AOT_SCRIPT = textwrap.dedent("""
                               inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
          dict(NP=32, SP=64, BD=512, HEAD=False), 4, False),
         (mhc._hc_post_kernel, dict(Yin=P("bf16"), RES=P("bf16"), POST=F, COMB=F, OUT=P("bf16")), dict(BD=1024), 4, False),
+        (mhc._hc_mix_tile, dict(X=P("bf16"), W=P("bf16"), PART=F),
+         dict(NMIX=24, NP=32, BT=128, BK=64, MODE=1), 8, True),
+        (mhc._hc_mix_tile, dict(X=P("bf16"), W=P("bf16"), PART=F),
+         dict(NMIX=4, NP=16, BT=64, BK=64, MODE=1), 4, True),
+        (mhc._hc_mix_tile, dict(X=P("bf16"), W=F, PART=F),
+         dict(NMIX=24, NP=32, BT=128, BK=64, MODE=0), 8, False),
+        (mhc._hc_tokens, dict(PART=F, BASE=F, SCALE=F, PRE=F, POST=F, COMB=F, inv_k="fp32", rms_eps="fp32",
+                               hc_eps="fp32"), dict(NMIX=24, NP=32, SP=8, BT=16, HEAD=False), 4, False),
+        (mhc._hc_tokens, dict(PART=F, BASE=F, SCALE=F, PRE=F, POST=F, COMB=F, inv_k="fp32", rms_eps="fp32",
+                               hc_eps="fp32"), dict(NMIX=4, NP=16, SP=64, BT=4, HEAD=True), 4, False),
+        (mhc._hc_apply, dict(X=P("bf16"), PRE=F, Y=P("bf16")), dict(BD=2048, REVERSE=True), 4, False),
+        (mhc._hc_fused, dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F,
+                             COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+         dict(NMIX=24, NP=32, SP=128, BT=1, BK=128, BD=2048, HEAD=False), 4, False),
+        (mhc._hc_fused, dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F,
+                             COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+         dict(NMIX=24, NP=32, SP=128, BT=4, BK=64, BD=2048, HEAD=False), 8, False),
+        (mhc._hc_fused, dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F,
+                             COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+         dict(NMIX=4, NP=8, SP=128, BT=2, BK=128, BD=2048, HEAD=True), 4, False),
         (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
          dict(M=4, C=512, OVERLAP=True, HAS_APE=True, CB=512), 4, False),
         (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
@@ -654,6 +724,50 @@ def test_gpu_hc_ieee_mode(D, T):
     gen = torch.Generator().manual_seed(T)
     _check_hc_pre(T, D, gen, device="cuda", config={"mode": "ieee"})
     _check_hc_head(T, D, gen, device="cuda", config={"mode": "ieee"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [4096, 7168])
+def test_gpu_mhc_paths(D):
+    """Each hc_pre / hc_head path in both modes at the real widths: fused at T 1 / 5 / 16 (token blocks
+    of 1 and 2; ragged), tiled at T 17 / 300 (ragged token blocks), v1. The fused path and the ieee
+    mode: fp32 FMA products, 2^-20 of the summed magnitudes; bf16x3 tiled: 1e-5."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(D)
+    for impl, Ts in (("fused", (1, 5, 16)), ("tiled", (17, 300)), ("v1", (5,))):
+        for mode in ("bf16x3", "ieee"):
+            noise = 1e-5 if mode == "bf16x3" and impl != "fused" else 2 ** -20
+            for T in Ts:
+                cfg = {"impl": impl, "mode": mode}
+                _check_hc_pre(T, D, gen, device="cuda", noise=noise, config=cfg)
+                _check_hc_head(T, D, gen, device="cuda", noise=noise, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,impl", [(4, "fused"), (300, "tiled"), (64, "tiled")])
+def test_gpu_mhc_cuda_graph(T, impl):
+    """hc_pre (fused: the counters the last arrivers reset inside the graph; tiled) and the default
+    hc_head captured in a CUDA graph: replays on new inputs equal eager calls bit for bit."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(T)
+    x, fn, base, scale = _hc_inputs(T, 4096, gen, device="cuda")
+    fh, bh, sh = fn[:4].contiguous(), base[:4].contiguous(), scale[:1].contiguous()
+    cfg = {"impl": impl}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                     # warm-up: compiles, the bf16x3 split, the counters
+        hc_pre(x, fn, base, scale, config=cfg)
+        hc_head(x, fh, bh, sh)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = hc_pre(x, fn, base, scale, config=cfg) + (hc_head(x, fh, bh, sh),)
+    for _ in range(3):
+        x.copy_(_hc_inputs(T, 4096, gen, device="cuda")[0])
+        g.replay()
+        ref = hc_pre(x, fn, base, scale, config=cfg) + (hc_head(x, fh, bh, sh),)
+        for a, b in zip(out, ref):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -12,30 +12,62 @@ Shapes: residual streams ``x`` ``[T, 4, d]`` bf16 (``hc = 4``); mixing weights `
   in fp32, one bf16 rounding.
 * ``hc_head(x, fn, base, scale)`` -> bf16 ``[T, d]``: sigmoid weights (no Sinkhorn), weighted sum.
 
-Kernels (two launches for ``hc_pre`` / ``hc_head``, one for ``hc_post``):
+Paths of ``hc_pre`` / ``hc_head`` (``config["impl"]``; ``hc_pre`` default: ``"fused"`` up to
+``FUSED_MAX_T`` tokens, ``"tiled"`` above; ``hc_head`` default: ``"v1"``, because its tiled path gave
+outputs differing by one bf16 ulp between two identical calls on the H200 at 64 and 300 tokens, cause
+not found; the hc_pre paths were bit-stable there, eager and in CUDA graphs):
 
-* ``_hc_mix_partial``: split-K GEMM ``[T, 4d] x [4d, 24]`` plus the sum of squares. Grid
-  (token blocks, K splits) sized to ~8 programs per SM at any T (the 1.5 MB ``fn`` at V4-Flash is
-  the dominant read at decode batch sizes). Default ``mode="bf16x3"``: three bf16 tensor-core dots
-  into one fp32 accumulator against ``fn`` split exactly into hi + mid + lo bf16 parts
-  (``prepare_bf16x3``, cached per weight tensor): every product is exact, the tensor cores' fp32
-  accumulation truncates (post/comb still within 1e-5 of the twin on the H200). ``mode="ieee"``: fp32
-  FMA ``tl.dot`` (the reference's fp32 accuracy, 2.5-3x slower on the H200; the CPU interpreter
-  always takes this path). Partials go to an fp32 workspace ``[splits, T, NP]`` (deterministic: no
-  atomics).
-* ``_hc_finish``: grid (T, d blocks). Each program reduces the partials of its token (fixed
-  order), computes rsqrt, the sigmoids and the Sinkhorn (4x4, a few hundred flops, recomputed by
-  every d block), and the weighted stream sum of its d block; the first d block stores post/comb.
-  The second read of ``x`` hits L2 for decode-sized batches.
-* ``_hc_post_kernel``: grid (T, d blocks), one pass: reads ``y`` and ``res``, writes ``out``.
+* ``"fused"`` (decode sizes), one launch, ``_hc_fused``: grid (K splits, token blocks of ``block_t``
+  = 1-2 tokens). Each program computes the partial mix of its K range with fp32 FMAs against ``fn``
+  read as fp32 (exact products: the ``ieee`` accuracy in either mode; at decode sizes ``fn`` is the
+  dominant read and fp32 is half the bytes of the bf16x3 split) and its partial sum of squares,
+  stores them, and arrives on the token block's counter (``atomic_add``, acq_rel, gpu scope). The
+  last program to arrive sums the partials in split order (deterministic whatever the arrival
+  order), computes rsqrt, sigmoids and the Sinkhorn, does the weighted stream sum (``x`` re-read,
+  from L2) and resets the counter to 0: the counters (``_counters``, one int32 buffer per device,
+  zeroed once) need no memset launch. Calls on one device must therefore be stream-ordered (as
+  everything in the engine is); inside a CUDA-graph capture with no buffer yet, a zeroed one is
+  captured with the call.
+* ``"tiled"`` (prefill sizes), three launches. ``_hc_mix_tile``: the ``[T, 4d] x [4d, NMIX]`` mix
+  GEMM over 64 / 128-token blocks (``fn`` re-read from L2 once per token block, not per 16 tokens),
+  split-K only as far as needed for ~2 programs per SM (8 splits at T = 4096, 4 at 8192), grid
+  split-index fastest; default ``mode="bf16x3"``: three bf16 tensor-core dots (wgmma on sm_90)
+  against ``fn`` split exactly into hi + mid + lo bf16 parts (``prepare_bf16x3``, cached per weight
+  tensor), into three accumulators summed at the end: every product is exact, the tensor cores'
+  fp32 accumulation truncates (post/comb within 1e-5 of the twin on the H200). ``mode="ieee"``:
+  fp32 FMA ``tl.dot`` (the CPU interpreter always takes it; triton 3.6 compiles it to TF32 MMAs on
+  sm_100, 3.9 to FMAs). Partials ``[S, NP, T]`` fp32 (mix columns, the sum of squares in column
+  NP-1, tokens contiguous; no atomics). ``_hc_tokens``: per-token finish over blocks of tokens
+  (a token per thread group: the 20-iteration Sinkhorn runs token-parallel, not once per token in
+  a whole program): partials reduced in split order, pre -> ``[T, 4]``, post, comb.
+  ``_hc_apply``: the streaming weighted sum, one program per (token, d block), tokens in reverse
+  order (the mix pass read the last ones last: their x may still be in L2). Reads x twice (mix,
+  then sum): its cap is ~55% of the one-read HBM floor.
+* ``"v1"``: the previous pair, kept for comparison (benchmarks/exp_mhc.py): ``_hc_mix_partial``
+  (split-K GEMM, grid (token blocks of 16 / 64, splits for ~8 programs per SM), three bf16x3 dots
+  into one accumulator; at T = 4096 ``fn`` is re-read from L2 per 16-64 tokens as three bf16 tiles
+  and the MMAs are 16x64x32) and ``_hc_finish`` (grid (T, d blocks): every program reduces its
+  token's partials; the Sinkhorn of each token runs in a whole program).
+
+The Sinkhorn (v2) keeps each of the 16 comb entries as its own per-token vector: the row / column
+sums of the 20 iterations are plain adds, no cross-thread reductions on that serial chain, and each
+normalisation is one reciprocal and four products (~1 ulp from the reference's divisions).
+``_hc_post_kernel`` (``hc_post``): grid (T, d blocks), one pass: reads ``y`` and ``res``, writes ``out``.
+
+Config keys (all optional): ``impl``, ``fused_max_t``; fused: ``block_t``, ``block_k``, ``splits``,
+``num_warps``, ``block_d``; tiled: ``mode``, ``block_t``, ``block_k``, ``splits``, ``num_warps``,
+``num_stages``, ``tokens_block``, ``apply_block_d``, ``apply_warps``, ``reverse``; v1: ``mode``,
+``block_t``, ``block_k``, ``splits``, ``num_warps``, ``num_stages``, ``block_d``.
 
 Numerics vs the twins (reference ``HyperConnection``/``HyperHead``, official numerics): post and
 comb agree to < 1e-5 relative (summation order of the 4d-term GEMM, tensor-core accumulation,
 exp/rsqrt ulps); bf16 outputs within 1 bf16 ulp (rare flips) except where the weighted stream sum
-cancels: there the difference stays below 1e-5 (bf16x3; ieee: 2^-20) of the summed magnitudes
-sum_j |x_j| (tests/test_kernels_hotpath.py holds both modes to that). Throughput on the H200:
-BENCHMARKS.md (the mix GEMM is latency-bound: far from the HBM floor except hc_post). bf16 roundings are done on the bits (RNE), so the CPU
-interpreter (whose casts truncate) gives the GPU's values.
+cancels: there the difference stays below 1e-5 (bf16x3; ieee and the fused path: 2^-20) of the
+summed magnitudes sum_j |x_j| (tests/test_kernels_hotpath.py holds both modes to that). All paths
+are deterministic (fixed split partition and reduction order, no float atomics). Throughput on the
+H200: BENCHMARKS.md (v1: the split-K mix GEMM latency-bound, 8-14% of the HBM floor at T = 4096;
+v2: benchmarks/exp_mhc.py). bf16 roundings are done on the bits (RNE), so the CPU interpreter (whose
+casts truncate) gives the GPU's values.
 """
 from __future__ import annotations
 
@@ -151,6 +183,277 @@ if triton_available():
                  mask=dm[None, :])
 
 
+    # ---------------------------------------------------------------- v2: per-token pieces
+    # Partials: PART [S, NP, T] fp32, split s: mix columns 0..NMIX-1 (NMIX < NP) and the sum of squares
+    # in column NP-1 (one workspace, one load for both), tokens contiguous (the finish kernel's
+    # tokens then sit one per thread group: its Sinkhorn runs token-parallel).
+    @triton.jit
+    def _split_sum(PART, t, tm, S, T, NMIX: tl.constexpr, SP: tl.constexpr, NP: tl.constexpr):
+        """[BT, NP]: sums over the S split partials (a fixed reduction tree: deterministic) of tokens t,
+        from one load of the [SP, BT, NP] tile (no load waits behind another; the columns are then
+        picked in registers by ``_col``)."""
+        s = tl.arange(0, SP)
+        c = tl.arange(0, NP)
+        off = ((s.to(tl.int64) * NP)[:, None, None] + c[None, None, :]) * T + t.to(tl.int64)[None, :, None]
+        msk = (s < S)[:, None, None] & tm[None, :, None] & ((c < NMIX) | (c == NP - 1))[None, None, :]
+        return tl.sum(tl.load(PART + off, mask=msk, other=0.0, cache_modifier=".cg"), axis=0)
+
+    @triton.jit
+    def _col(m, j, NC: tl.constexpr):
+        """Column j of m [BT, NC] -> [BT] (exact: the other terms are 0)."""
+        return tl.sum(tl.where(tl.arange(0, NC)[None, :] == j, m, 0.0), axis=1)
+
+    @triton.jit
+    def _coefs(BASE, SCALE, NMIX: tl.constexpr, NP: tl.constexpr):
+        """Per-column scale and base of the mix columns (pre 0..3 -> scale[0], post 4..7 -> scale[1],
+        comb -> scale[2]; hc_head: scale[0]); 0 for the other columns."""
+        c = tl.arange(0, NP)
+        cm = c < NMIX
+        if NMIX == 4:
+            grp = c * 0
+        else:
+            grp = tl.where(c < 4, 0, tl.where(c < 8, 1, 2))
+        return tl.load(SCALE + grp, mask=cm, other=0.0), tl.load(BASE + c, mask=cm, other=0.0)
+
+    @triton.jit
+    def _logits(m, sv, bv, inv_k, rms_eps, NP: tl.constexpr):
+        """Split sums m [BT, NP] (sum of squares in column NP-1) -> ``(mix * rsqrt(mean(x^2) + eps)) *
+        scale + base`` per column (the reference's order)."""
+        sq = _col(m, NP - 1, NP)
+        r = tl.math.div_rn(1.0, tl.sqrt_rn(sq * inv_k + rms_eps))
+        return m * r[:, None] * sv[None, :] + bv[None, :]
+
+    @triton.jit
+    def _pre_weights(z, hc_eps, NC: tl.constexpr):
+        """pre[j] = sigmoid(z[j]) + eps, j = 0..3, as four [BT] vectors."""
+        p0 = tl.sigmoid(_col(z, 0, NC)) + hc_eps
+        p1 = tl.sigmoid(_col(z, 1, NC)) + hc_eps
+        p2 = tl.sigmoid(_col(z, 2, NC)) + hc_eps
+        p3 = tl.sigmoid(_col(z, 3, NC)) + hc_eps
+        return p0, p1, p2, p3
+
+    @triton.jit
+    def _softmax_row(a, b, c, d, eps):
+        m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+        a = tl.exp(a - m)
+        b = tl.exp(b - m)
+        c = tl.exp(c - m)
+        d = tl.exp(d - m)
+        inv = 1.0 / (a + b + c + d)
+        return a * inv + eps, b * inv + eps, c * inv + eps, d * inv + eps
+
+    @triton.jit
+    def _norm4(a, b, c, d, eps):
+        """(a, b, c, d) / (a + b + c + d + eps): one reciprocal, four products (the serial chain of the
+        Sinkhorn: ~1 ulp from four divisions, a quarter of the latency)."""
+        inv = 1.0 / (a + b + c + d + eps)
+        return a * inv, b * inv, c * inv, d * inv
+
+    @triton.jit
+    def _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NC: tl.constexpr):
+        """post = 2 sigmoid(z[4..7]) and the Sinkhorn-normalised comb (4x4, logits z[8..23]) of tokens t,
+        stored fp32. Each comb entry is its own [BT] vector: the row / column sums of the 20
+        iterations are plain adds (no cross-thread reduction on that serial chain)."""
+        t64 = t.to(tl.int64)
+        for j in tl.static_range(4):
+            tl.store(POST + t64 * 4 + j, 2.0 * tl.sigmoid(_col(z, 4 + j, NC)), mask=tm)
+        c00 = _col(z, 8, NC)
+        c01 = _col(z, 9, NC)
+        c02 = _col(z, 10, NC)
+        c03 = _col(z, 11, NC)
+        c10 = _col(z, 12, NC)
+        c11 = _col(z, 13, NC)
+        c12 = _col(z, 14, NC)
+        c13 = _col(z, 15, NC)
+        c20 = _col(z, 16, NC)
+        c21 = _col(z, 17, NC)
+        c22 = _col(z, 18, NC)
+        c23 = _col(z, 19, NC)
+        c30 = _col(z, 20, NC)
+        c31 = _col(z, 21, NC)
+        c32 = _col(z, 22, NC)
+        c33 = _col(z, 23, NC)
+        # row softmax + eps, column normalise, then iters-1 (row, column) pairs
+        c00, c01, c02, c03 = _softmax_row(c00, c01, c02, c03, hc_eps)
+        c10, c11, c12, c13 = _softmax_row(c10, c11, c12, c13, hc_eps)
+        c20, c21, c22, c23 = _softmax_row(c20, c21, c22, c23, hc_eps)
+        c30, c31, c32, c33 = _softmax_row(c30, c31, c32, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+        for _ in range(iters - 1):
+            c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
+            c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
+            c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
+            c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
+            c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
+            c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
+            c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
+            c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+        cp = COMB + t64 * 16
+        tl.store(cp + 0, c00, mask=tm)
+        tl.store(cp + 1, c01, mask=tm)
+        tl.store(cp + 2, c02, mask=tm)
+        tl.store(cp + 3, c03, mask=tm)
+        tl.store(cp + 4, c10, mask=tm)
+        tl.store(cp + 5, c11, mask=tm)
+        tl.store(cp + 6, c12, mask=tm)
+        tl.store(cp + 7, c13, mask=tm)
+        tl.store(cp + 8, c20, mask=tm)
+        tl.store(cp + 9, c21, mask=tm)
+        tl.store(cp + 10, c22, mask=tm)
+        tl.store(cp + 11, c23, mask=tm)
+        tl.store(cp + 12, c30, mask=tm)
+        tl.store(cp + 13, c31, mask=tm)
+        tl.store(cp + 14, c32, mask=tm)
+        tl.store(cp + 15, c33, mask=tm)
+
+    @triton.jit
+    def _pick(v, i, BT: tl.constexpr):
+        """Element i of the [BT] vector v as a scalar (exact)."""
+        return tl.sum(tl.where(tl.arange(0, BT) == i, v, 0.0), axis=0)
+
+    @triton.jit
+    def _weighted_row(X, Y, ti, D, stride_xt, stride_yt, p0, p1, p2, p3, d0, BD: tl.constexpr):
+        """y[ti, d0:d0+BD] = sum_j pre_j x[ti, j, d] (scalar pre_j; fp32, j in order), one bf16 rounding.
+        Scalar weights: a [BT]-vector weight would drag the row tile into its (replicated) layout."""
+        d = d0 + tl.arange(0, BD)
+        dm = d < D
+        xp = X + ti.to(tl.int64) * stride_xt + d
+        y = p0 * tl.load(xp, mask=dm, other=0.0).to(tl.float32)
+        y += p1 * tl.load(xp + D, mask=dm, other=0.0).to(tl.float32)
+        y += p2 * tl.load(xp + 2 * D, mask=dm, other=0.0).to(tl.float32)
+        y += p3 * tl.load(xp + 3 * D, mask=dm, other=0.0).to(tl.float32)
+        tl.store(Y + ti.to(tl.int64) * stride_yt + d, _rne_bf16(y).to(tl.bfloat16), mask=dm)
+
+    # ---------------------------------------------------------------- v2 decode: one launch
+    @triton.jit
+    def _hc_fused(X, FN, PART, CNT, BASE, SCALE, Y, POST, COMB, T, K, D, S, stride_xt, stride_yt,
+                  k_per_split, inv_k, rms_eps, hc_eps, iters,
+                  NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BD: tl.constexpr, HEAD: tl.constexpr):
+        """Decode-sized hc_pre / hc_head in one launch, grid (S, token blocks of BT). Each program: the
+        partial mix of its K range in fp32 FMAs (exact products, fn read as fp32: ``ieee`` accuracy in
+        either mode) and the partial sum of squares -> PART; then an acq_rel arrival on the token
+        block's counter. The last of the S programs to arrive sums the partials in split order
+        (deterministic whatever the arrival order), computes rsqrt, sigmoids, the Sinkhorn and the
+        weighted stream sum (x re-read, from L2), and resets the counter to 0 for the next call."""
+        pid_s = tl.program_id(0)
+        tb = tl.program_id(1)
+        t = tb * BT + tl.arange(0, BT)
+        tm = t < T
+        n = tl.arange(0, NP)
+        nm = n < NMIX
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BT, NP, BK], tl.float32)
+        sq = tl.zeros([BT, BK], tl.float32)
+        k0 = pid_s * k_per_split
+        xrow = X + t.to(tl.int64)[:, None] * stride_xt
+        for k in range(k0, tl.minimum(k0 + k_per_split, K), BK):
+            kx = k + kk
+            km = kx < K
+            xf = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            f = tl.load(FN + n[:, None] * K + kx[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += xf[:, None, :] * f[None, :, :]
+            sq += xf * xf
+        col = PART + pid_s * NP * T + t.to(tl.int64)
+        tl.store(col[:, None] + (n * T)[None, :], tl.sum(acc, axis=2), mask=tm[:, None] & nm[None, :])
+        tl.store(col + (NP - 1) * T, tl.sum(sq, axis=1), mask=tm)
+        tl.debug_barrier()
+        if tl.atomic_add(CNT + tb, 1, sem="acq_rel", scope="gpu") == S - 1:
+            sv, bv = _coefs(BASE, SCALE, NMIX, NP)
+            z = _logits(_split_sum(PART, t, tm, S, T, NMIX, SP, NP), sv, bv, inv_k, rms_eps, NP)
+            p0, p1, p2, p3 = _pre_weights(z, hc_eps, NP)
+            if not HEAD:
+                _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP)
+            for i in tl.static_range(BT):
+                ti = tb * BT + i
+                if ti < T:
+                    q0 = _pick(p0, i, BT)
+                    q1 = _pick(p1, i, BT)
+                    q2 = _pick(p2, i, BT)
+                    q3 = _pick(p3, i, BT)
+                    for d0 in range(0, D, BD):
+                        _weighted_row(X, Y, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, d0, BD)
+            tl.store(CNT + tb, 0)
+
+    # ---------------------------------------------------------------- v2 large T: mix GEMM, finish, apply
+    @triton.jit
+    def _hc_mix_tile(X, W, PART, T, K, stride_xt, k_per_split,
+                     NMIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     MODE: tl.constexpr):
+        """Token-block tile of the mix GEMM, grid (S, token blocks): the split index runs fastest, so
+        that the programs in flight share few token blocks and the token blocks finish in order.
+        MODE 0: fp32 FMA dot (``ieee``, W = fn fp32 [NMIX, K]); MODE 1: bf16x3 (W = the prepared bf16
+        [K, 3*NP]): three tensor-core dots into three accumulators (independent MMA chains), summed
+        at the end."""
+        pid_s = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        t = pid_t * BT + tl.arange(0, BT)
+        tm = t < T
+        n = tl.arange(0, NP)
+        nm = n < NMIX
+        acc = tl.zeros([BT, NP], tl.float32)
+        acc2 = tl.zeros([BT, NP], tl.float32)
+        acc3 = tl.zeros([BT, NP], tl.float32)
+        sq = tl.zeros([BT, BK], tl.float32)
+        k0 = pid_s * k_per_split
+        xrow = X + t.to(tl.int64)[:, None] * stride_xt
+        for kk in range(0, k_per_split, BK):
+            kx = k0 + kk + tl.arange(0, BK)
+            km = kx < K
+            xv = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+            xf = xv.to(tl.float32)
+            sq += xf * xf
+            if MODE == 0:
+                f = tl.load(W + n[:, None] * K + kx[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                acc += tl.dot(xf, tl.trans(f), input_precision="ieee")
+            else:
+                wp = W + kx.to(tl.int64)[:, None] * (3 * NP) + n[None, :]
+                acc = tl.dot(xv, tl.load(wp, mask=km[:, None], other=0.0), acc)
+                acc2 = tl.dot(xv, tl.load(wp + NP, mask=km[:, None], other=0.0), acc2)
+                acc3 = tl.dot(xv, tl.load(wp + 2 * NP, mask=km[:, None], other=0.0), acc3)
+        if MODE != 0:
+            acc = acc + (acc2 + acc3)
+        col = PART + pid_s * NP * T + t.to(tl.int64)
+        tl.store(col[:, None] + (n * T)[None, :], acc, mask=tm[:, None] & nm[None, :])
+        tl.store(col + (NP - 1) * T, tl.sum(sq, axis=1), mask=tm)
+
+    @triton.jit
+    def _hc_tokens(PART, BASE, SCALE, PRE, POST, COMB, T, S, inv_k, rms_eps, hc_eps, iters,
+                   NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, HEAD: tl.constexpr):
+        """Per-token finish, grid (token blocks of BT): the split partials reduced (split order), rsqrt,
+        pre -> PRE [T, 4] fp32; hc_pre: post and the Sinkhorn comb. Token-parallel (a token per
+        thread group): the 20-iteration Sinkhorn costs its serial latency once per block, not once
+        per token."""
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        tm = t < T
+        sv, bv = _coefs(BASE, SCALE, NMIX, NP)
+        z = _logits(_split_sum(PART, t, tm, S, T, NMIX, SP, NP), sv, bv, inv_k, rms_eps, NP)
+        p0, p1, p2, p3 = _pre_weights(z, hc_eps, NP)
+        t64 = t.to(tl.int64)
+        tl.store(PRE + t64 * 4, p0, mask=tm)
+        tl.store(PRE + t64 * 4 + 1, p1, mask=tm)
+        tl.store(PRE + t64 * 4 + 2, p2, mask=tm)
+        tl.store(PRE + t64 * 4 + 3, p3, mask=tm)
+        if not HEAD:
+            _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP)
+
+    @triton.jit
+    def _hc_apply(X, PRE, Y, T, D, NDB, stride_xt, stride_yt, BD: tl.constexpr, REVERSE: tl.constexpr):
+        """Streaming weighted stream sum, grid (tokens x NDB d blocks, d block fastest): y[t, d] =
+        sum_j pre[t, j] x[t, j, d] (fp32, j in order, one bf16 rounding). REVERSE: last token first
+        (the mix pass read those last: their x may still be in L2)."""
+        pid = tl.program_id(0)
+        db = pid % NDB
+        ti = pid // NDB
+        if REVERSE:
+            ti = T - 1 - ti
+        _weighted_row(X, Y, ti, D, stride_xt, stride_yt, tl.load(PRE + ti * 4), tl.load(PRE + ti * 4 + 1),
+                      tl.load(PRE + ti * 4 + 2), tl.load(PRE + ti * 4 + 3), db * BD, BD)
+
+
 def _num_sms(device) -> int:
     if device.type != "cuda":
         return 4
@@ -222,9 +525,126 @@ def _mix_launch(x, fn, nmix, np_, config):
     return part, sq, S
 
 
+FUSED_MAX_T = 1       # hc_pre: the one-launch fused path up to this many tokens, the tiled path above
+                      # (H200, d 4096: T 1 fused 8.8 vs v1 10.5 us; T 8 fused 19.3, tiled 12.3, v1 12.0)
+_CNT_MIN = 1024       # arrival counters kept per device (one per token block of the fused path)
+_COUNTERS: dict = {}
+_RETIRED: list = []   # outgrown counter buffers: captured CUDA graphs may still use them, never freed
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, >= n of them, reused across calls: the fused kernel's last
+    arriver of a token block resets its counter to 0, so no memset launch is needed. Kept per device
+    (calls on one device must be stream-ordered: two hc_pre/hc_head launches running concurrently on
+    two streams of one device would share counters). Inside a CUDA-graph capture with no buffer yet,
+    a fresh zeroed one is used (its memset is captured: correct at every replay)."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    fresh = torch.zeros(max(n, _CNT_MIN), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh
+    if buf is not None:
+        _RETIRED.append(buf)
+    _COUNTERS[key] = fresh
+    return fresh
+
+
+def _impl(cfg: dict, T: int) -> str:
+    impl = cfg.get("impl")
+    if impl is None:
+        impl = "fused" if T <= cfg.get("fused_max_t", FUSED_MAX_T) else "tiled"
+    if impl not in ("v1", "fused", "tiled"):
+        raise ValueError(f"mhc config impl: expected 'v1', 'fused' or 'tiled', got {impl!r}")
+    return impl
+
+
+def _splits(n_units: int, n_tb: int, min_units: int, device, cfg: dict, per_sm: int = 2) -> int:
+    """Split count: about ``per_sm`` programs per SM in all (floor: no partial last wave), each split
+    at least ``min_units`` K blocks."""
+    S = cfg.get("splits")
+    if S is None:
+        S = max(1, min(max(1, n_units // min_units), (per_sm * _num_sms(device)) // n_tb))
+    return max(1, min(S, n_units))
+
+
+def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, rms_eps, cfg):
+    """One launch (decode sizes): ``_hc_fused``. config: block_t, block_k, splits, num_warps, block_d
+    (the tail's row chunk)."""
+    T, _, D = x.shape
+    K = HC * D
+    np_ = triton.next_power_of_2(nmix + 1)
+    # tokens per block: the last arriver re-reads its tokens' x serially (~0.5 us a token from L2), every
+    # block re-reads fn (from L2): 1-2 tokens
+    BT = cfg.get("block_t") or (1 if T <= 2 else 2)
+    nw = cfg.get("num_warps", 4 if BT <= 2 else 8)
+    # the [BT, NP, BK] fp32 FMA accumulator: <= 64 registers per thread
+    BK = cfg.get("block_k") or max(16, min(128, 1 << ((2048 * nw) // (BT * np_)).bit_length() - 1))
+    n_tb = triton.cdiv(T, BT)
+    n_chunks = triton.cdiv(K, BK)
+    # many short programs (this loop is not software-pipelined: 1-2 loads each), >= 128 K each, <= 128
+    # splits (the tail's [splits, BT, NP] tile)
+    S = min(_splits(n_chunks, n_tb, max(1, 128 // BK), x.device, cfg, per_sm=4), cfg.get("splits", 128))
+    if interpreting() and "splits" not in cfg:
+        S = min(S, 3)
+    k_per_split = triton.cdiv(n_chunks, S) * BK
+    S = triton.cdiv(K, k_per_split)
+    part = torch.empty(S, np_, T, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device, n_tb)
+    BD = cfg.get("block_d") or min(triton.next_power_of_2(D), 4096)      # d 4096: a token row in one go
+    kw = {} if interpreting() else {"num_warps": nw}
+    _hc_fused[(S, n_tb)](x, fn.contiguous(), part, cnt, base, scale, y, post, comb, T, K, D, S, x.stride(0),
+                         y.stride(0), k_per_split, 1.0 / K, rms_eps, hc_eps, iters,
+                         NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
+                         HEAD=head, **kw)
+
+
+def _tiled_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, rms_eps, cfg):
+    """Three launches (prefill sizes): the token-block mix GEMM ``_hc_mix_tile``, the per-token finish
+    ``_hc_tokens``, the streaming ``_hc_apply``. config: mode, block_t, block_k, splits, num_warps,
+    num_stages (mix); tokens_block (finish); apply_block_d, apply_warps, reverse (apply)."""
+    T, _, D = x.shape
+    K = HC * D
+    interp = interpreting()
+    mode = 0 if interp or cfg.get("mode", DEFAULT_MODE) == "ieee" else 1
+    np_ = max(16, triton.next_power_of_2(nmix + 1))
+    BT = cfg.get("block_t") or (16 if interp else 128 if T >= 1024 else 64)
+    BK = cfg.get("block_k") or 64
+    n_tb = triton.cdiv(T, BT)
+    n_chunks = triton.cdiv(K, BK)
+    S = _splits(n_chunks, n_tb, 2, x.device, cfg)
+    if interp and "splits" not in cfg:
+        S = min(S, 2)
+    k_per_split = triton.cdiv(n_chunks, S) * BK
+    S = triton.cdiv(K, k_per_split)
+    part = torch.empty(S, np_, T, dtype=torch.float32, device=x.device)
+    w = fn.contiguous() if mode == 0 else prepare_bf16x3(fn, np_)
+    kw = {} if interp else {"num_warps": cfg.get("num_warps", 4 if BT <= 64 else 8),
+                            "num_stages": cfg.get("num_stages", 3)}
+    _hc_mix_tile[(S, n_tb)](x, w, part, T, K, x.stride(0), k_per_split,
+                            NMIX=nmix, NP=np_, BT=BT, BK=BK, MODE=mode, **kw)
+    pre = torch.empty(T, HC, dtype=torch.float32, device=x.device)
+    SP = max(2, triton.next_power_of_2(S))
+    BTF = cfg.get("tokens_block") or max(1, min(64, 4096 // (SP * np_)))   # [SP, BTF, NP] tile <= 32 regs
+    kw = {} if interp else {"num_warps": 4}
+    _hc_tokens[(triton.cdiv(T, BTF),)](part, base, scale, pre, post, comb, T, S, 1.0 / K, rms_eps, hc_eps, iters,
+                                       NMIX=nmix, NP=np_, SP=SP, BT=BTF, HEAD=head, **kw)
+    pow2_div = D & -D                     # d 7168: 1024 (no ragged last block), d 4096: 2048
+    BD = cfg.get("apply_block_d") or min(2048, pow2_div if pow2_div >= 512 else triton.next_power_of_2(D))
+    kw = {} if interp else {"num_warps": cfg.get("apply_warps", 4)}
+    ndb = triton.cdiv(D, BD)
+    _hc_apply[(T * ndb,)](x, pre, y, T, D, ndb, x.stride(0), y.stride(0), BD=BD,
+                          REVERSE=bool(cfg.get("reverse", True)), **kw)
+
+
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int = 20,
            hc_eps: float = 1e-6, rms_eps: float = 1e-6, config: dict | None = None):
-    """Triton hc_pre: x bf16 [T, 4, d] -> (layer_input bf16 [T, d], post fp32 [T, 4], comb fp32 [T, 4, 4])."""
+    """Triton hc_pre: x bf16 [T, 4, d] -> (layer_input bf16 [T, d], post fp32 [T, 4], comb fp32 [T, 4, 4]).
+
+    ``config``: ``impl`` ("fused": one launch; "tiled": mix GEMM, per-token finish, streaming apply;
+    "v1": the previous split-K + finish pair; default: fused up to ``fused_max_t`` tokens, tiled
+    above) and that path's keys (module docstring)."""
     _check_x(x, fn, 6 * HC)
     x = x.contiguous()
     T, _, D = x.shape
@@ -233,10 +653,18 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     comb = torch.empty(T, HC, HC, dtype=torch.float32, device=x.device)
     if T == 0:
         return y, post, comb
-    part, sq, S = _mix_launch(x, fn, 6 * HC, 32, config)
-    BD = (config or {}).get("block_d", 512)
+    cfg = dict(config or {})
+    impl = _impl(cfg, T)
+    base = base.float().contiguous()
+    scale = scale.float().contiguous()
+    if impl != "v1":
+        launch = _fused_launch if impl == "fused" else _tiled_launch
+        launch(x, fn, 6 * HC, False, base, scale, y, post, comb, iters, hc_eps, rms_eps, cfg)
+        return y, post, comb
+    part, sq, S = _mix_launch(x, fn, 6 * HC, 32, cfg)
+    BD = cfg.get("block_d", 512)
     kw = {} if interpreting() else {"num_warps": 4}
-    _hc_finish[(T, triton.cdiv(D, BD))](x, part, sq, base.float().contiguous(), scale.float().contiguous(),
+    _hc_finish[(T, triton.cdiv(D, BD))](x, part, sq, base, scale,
                                         y, post, comb, T, D, S, x.stride(0), y.stride(0),
                                         1.0 / (HC * D), rms_eps, hc_eps, iters,
                                         NP=32, SP=triton.next_power_of_2(S), BD=BD, HEAD=False, **kw)
@@ -245,17 +673,26 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             hc_eps: float = 1e-6, rms_eps: float = 1e-6, config: dict | None = None) -> torch.Tensor:
-    """Triton hc_head: x bf16 [T, 4, d] -> bf16 [T, d] (sigmoid stream weights, no Sinkhorn)."""
+    """Triton hc_head: x bf16 [T, 4, d] -> bf16 [T, d] (sigmoid stream weights, no Sinkhorn); ``config``
+    as for ``hc_pre``."""
     _check_x(x, fn, HC)
     x = x.contiguous()
     T, _, D = x.shape
     y = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
     if T == 0:
         return y
-    part, sq, S = _mix_launch(x, fn, HC, 16, config)
-    BD = (config or {}).get("block_d", 512)
+    cfg = dict(config or {})
+    impl = _impl(dict(cfg, impl=cfg.get("impl", "v1")), T)      # v1 by default (module doc)
+    base = base.float().contiguous()
+    scale = scale.float().reshape(-1).contiguous()
+    if impl != "v1":
+        launch = _fused_launch if impl == "fused" else _tiled_launch
+        launch(x, fn, HC, True, base, scale, y, y, y, 1, hc_eps, rms_eps, cfg)
+        return y
+    part, sq, S = _mix_launch(x, fn, HC, 16, cfg)
+    BD = cfg.get("block_d", 512)
     kw = {} if interpreting() else {"num_warps": 4}
-    _hc_finish[(T, triton.cdiv(D, BD))](x, part, sq, base.float().contiguous(), scale.float().reshape(-1).contiguous(),
+    _hc_finish[(T, triton.cdiv(D, BD))](x, part, sq, base, scale,
                                         y, y, y, T, D, S, x.stride(0), y.stride(0),
                                         1.0 / (HC * D), rms_eps, hc_eps, 1,
                                         NP=16, SP=triton.next_power_of_2(S), BD=BD, HEAD=True, **kw)
