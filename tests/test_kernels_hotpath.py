@@ -831,6 +831,10 @@ def test_gpu_indexer_real_shapes():
     for n, k in ((4096, 512), (2048, 2048), (4096, 1024)):             # one-program rows, incl. ties
         for sc_ in (s[:, :n].contiguous(), sc[:, :n].contiguous()):
             assert torch.equal(index_topk(sc_, k).cpu(), index_topk_torch(sc_.cpu(), k))
+    # 64 rows: picks above 512 sorted inside the last pass (uint32 codes), not by the rank launch
+    s64 = torch.randn(64, 65536, generator=gen).bfloat16().cuda()
+    for k in (1024, 2048):
+        assert torch.equal(index_topk(s64, k).cpu(), index_topk_torch(s64.cpu(), k))
 
 
 @pytest.mark.gpu
