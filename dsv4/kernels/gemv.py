@@ -8,7 +8,8 @@ weights at batch 1). Here every program streams a ``[BN, 128-K]`` weight slab in
 loaded in (16 contiguous bytes per thread), decodes it in registers and reduces each scale group
 inside the thread (the default 64-row x 8-warp tile compiles without any shared memory: sm_90 SASS).
 Split-K over a third grid axis fills the GPU when few (expert, column block) tiles exist (batch 1:
-six experts). The MoE uses it at <= 2 rows per expert; ``fp8_linear`` keeps the split-K MMA kernel
+six experts). The MoE uses it at <= 2 rows per expert where the tensor-core kernel of ``fp4_mma.py``
+cannot run (before sm_89, the interpreter); ``fp8_linear`` keeps the split-K MMA kernel
 (faster at 1-4 rows on the H200), the FP8 GEMV serves the shared expert's w1|w3 + SwiGLU.
 
 Numerics (the official structure up to fp32 summation order, as ``gemm.py``):
