@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 
 from . import interpreting, triton_available
-from .gemm import QBLOCK, _sm_count
+from .gemm import QBLOCK
+from .gemv import _splits, sum_splits
 
 try:
     if not triton_available():
@@ -157,6 +158,15 @@ if GLUON:
             return acc + part * ((rs[:, None] * sa[None, :]) * 1.0587911840678754e-22)
 
     @gluon.jit
+    def _act_rows(PERM, r, m_end, top_k, GATHER: gl.constexpr):
+        """Sorted rows r of a tile -> (activation rows int64: the pair's token with GATHER, row 0 past
+        the tile's end; valid mask)."""
+        v = r < m_end
+        if GATHER:
+            return gl.load(PERM + r, mask=v, other=0).to(gl.int64) // top_k, v
+        return gl.where(v, r, 0).to(gl.int64), v
+
+    @gluon.jit
     def _mma_gemv_kernel(A, SA, W, WS, WS2, C, PERM, OFFS, TCUM,
                      M, N, K, n_groups, top_k, k_per_split,
                      stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_w2e, stride_cm,
@@ -198,20 +208,11 @@ if GLUON:
             srow = WS + e64 * stride_wse + rn_a64 * stride_wsn
             ja = gl.arange(0, 64, layout=gl.SliceLayout(1, lb))
             cb = gl.arange(0, BM, layout=gl.SliceLayout(0, lb))
-            rb = m0 + cb
-            vb = rb < m_end
-            if GATHER:
-                arow_b = gl.load(PERM + rb, mask=vb, other=0).to(gl.int64) // top_k
-            else:
-                arow_b = gl.where(vb, rb, 0).to(gl.int64)
+            arow_b, vb = _act_rows(PERM, m0 + cb, m_end, top_k, GATHER)
             aptr = A + arow_b[None, :] * stride_am + 2 * ja[:, None]
             cc = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
             rc = m0 + cc
-            vc = rc < m_end
-            if GATHER:
-                arow_c = gl.load(PERM + rc, mask=vc, other=0).to(gl.int64) // top_k
-            else:
-                arow_c = gl.where(vc, rc, 0).to(gl.int64)
+            arow_c, vc = _act_rows(PERM, rc, m_end, top_k, GATHER)
             saptr = SA + arow_c * stride_sam
             acc = gl.zeros([BN, BM], gl.float32, layout=mma)
             zero = gl.zeros([BN, BM], gl.float32, layout=mma)
@@ -237,17 +238,6 @@ def available(dev) -> bool:
         return False
     from .gemm import capability
     return capability(dev) >= (8, 9)
-
-
-def _splits(tiles: int, K: int, dev) -> int:
-    """K splits so that ~4 programs per SM exist, >= 2 K blocks of 128 per split, at most 16 (the
-    H200 sweep: more splits than this were slower at every V4 shape)."""
-    kb = K // QBLOCK
-    target = 4 * _sm_count(torch.device(dev))
-    s = 1
-    while s < 16 and tiles * s < target and kb // (2 * s) >= 2:
-        s *= 2
-    return s
 
 
 def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=None, partial: bool = False,
@@ -284,7 +274,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         else triton.cdiv(M, BM_ROWS)
     grid_m = max(grid_m, 1)
     grid_n = triton.cdiv(N, BN)
-    S = split or cfg.get("SPLIT_K") or _splits(grid_m * grid_n, K, dev)
+    S = split or cfg.get("SPLIT_K") or _splits(grid_m * grid_n, K, dev)     # the GEMV's rule (~4 programs/SM)
     kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
     S = triton.cdiv(K, kps)
     if partial or S > 1:
@@ -302,14 +292,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         num_warps=nw)
     if partial:
         return dst
-    if dst.dtype == torch.float32:
-        from .gemm import _splitk_sum
-        out = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
-        BLOCK = 1024
-        _splitk_sum[(triton.cdiv(M * N, BLOCK),)](dst, out, M, N, S, out.stride(0), BLOCK=BLOCK, INTERP=False,
-                                                  num_warps=4)
-        return out
-    return dst
+    return sum_splits(dst, out)
 
 
 __all__ = ["BM_ROWS", "GLUON", "available", "mma_gemv_launch"]

@@ -294,13 +294,20 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
     if partial:
         return dst
-    if dst.dtype == torch.float32:
-        out = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
-        BLOCK = 1024
-        _splitk_sum[(triton.cdiv(M * N, BLOCK),)](dst, out, M, N, S, out.stride(0), BLOCK=BLOCK,
-                                                  INTERP=interpreting(), **({} if interpreting() else {"num_warps": 4}))
-        return out
-    return dst
+    return sum_splits(dst, out)
+
+
+def sum_splits(dst: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode GEMM's result: bf16 ``dst`` as is, or fp32 split partials [S, M, N] summed in split
+    order (``gemm._splitk_sum``) into bf16 ``out`` [M, N]."""
+    if dst.dtype != torch.float32:
+        return dst
+    S, M, N = dst.shape
+    out = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dst.device)
+    BLOCK = 1024
+    _splitk_sum[(triton.cdiv(M * N, BLOCK),)](dst, out, M, N, S, out.stride(0), BLOCK=BLOCK,
+                                              INTERP=interpreting(), **({} if interpreting() else {"num_warps": 4}))
+    return out
 
 
 def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None):
@@ -361,4 +368,4 @@ def fp4_gemv(xq, xs, w_packed, w_scale, fmt: str = "mxfp4", w_scale_2=None, conf
                        _u8(w_scale).contiguous()[None], ws2, M, N, K, wfmt=fmt, out=out, bm=bm, config=config)
 
 
-__all__ = ["GEMV_MAX_ROWS", "fp4_gemv", "fp8_gemv", "gemv_launch", "rows_tile", "swiglu_quant"]
+__all__ = ["GEMV_MAX_ROWS", "fp4_gemv", "fp8_gemv", "gemv_launch", "rows_tile", "sum_splits", "swiglu_quant"]
