@@ -40,7 +40,7 @@ import torch
 
 from . import interpreting, triton_available
 from .gemm import QBLOCK
-from .gemv import _splits, sum_splits
+from .gemv import launch_plan, sum_splits
 
 try:
     if not triton_available():
@@ -270,19 +270,11 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
     if BN != 16 * nw:
         raise ValueError(f"mma_gemv: BN must be 16 rows per warp, got BN={BN}, num_warps={nw}")
     grouped = tcum is not None
-    grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, BM_ROWS) + min(n_groups, M)) if grouped \
-        else triton.cdiv(M, BM_ROWS)
-    grid_m = max(grid_m, 1)
-    grid_n = triton.cdiv(N, BN)
-    S = split or cfg.get("SPLIT_K") or _splits(grid_m * grid_n, K, dev)     # the GEMV's rule (~4 programs/SM)
-    kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
-    S = triton.cdiv(K, kps)
-    if partial or S > 1:
-        dst = torch.empty(S, M, N, dtype=torch.float32, device=dev)
-    else:
-        dst = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    # the GEMV's grid and split rule (~4 programs per SM)
+    grid, kps, dst = launch_plan(M, N, K, BM_ROWS, BN, grouped=grouped, n_tiles=n_tiles, n_groups=n_groups,
+                                 split=split or cfg.get("SPLIT_K"), partial=partial, out=out, dev=dev)
     nv = fmt == "nvfp4"
-    _mma_gemv_kernel[(grid_m, grid_n, S)](
+    _mma_gemv_kernel[grid](
         a, sa, w, ws, ws2 if nv else sa, dst, perm if perm is not None else sa, offs if offs is not None else sa,
         tcum if tcum is not None else sa, M, N, K, n_groups, top_k, kps,
         a.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),

@@ -241,6 +241,25 @@ def _splits(tiles: int, K: int, dev) -> int:
     return s
 
 
+def launch_plan(M: int, N: int, K: int, bm: int, BN: int, *, grouped: bool, n_tiles, n_groups: int, split,
+                partial: bool, out, dev):
+    """(grid (m-tiles, column blocks, K splits), K per split, output buffer) of a decode GEMM: m-tiles of
+    ``bm`` rows (grouped: ``n_tiles``, else the per-expert bound), ``BN``-column blocks, ``split`` K
+    splits (default ``_splits``); fp32 partials [S, M, N] when split or ``partial``, else bf16 ``out``."""
+    grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, bm) + min(n_groups, M)) if grouped \
+        else triton.cdiv(M, bm)
+    grid_m = max(grid_m, 1)
+    grid_n = triton.cdiv(N, BN)
+    S = split or _splits(grid_m * grid_n, K, dev)
+    kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
+    S = triton.cdiv(K, kps)
+    if partial or S > 1:
+        dst = torch.empty(S, M, N, dtype=torch.float32, device=dev)
+    else:
+        dst = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    return (grid_m, grid_n, S), kps, dst
+
+
 def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: bool = False,
                 a_bf16: bool = False, perm=None, offs=None, tcum=None, top_k: int = 1, n_groups: int = 1,
                 n_tiles: int | None = None, bm: int = 1, split: int | None = None, config: dict | None = None,
@@ -259,17 +278,8 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         cfg.update(config)
     BN = cfg.pop("BN")
     grouped = tcum is not None
-    grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, bm) + min(n_groups, M)) if grouped \
-        else triton.cdiv(M, bm)
-    grid_m = max(grid_m, 1)
-    grid_n = triton.cdiv(N, BN)
-    S = split or cfg.pop("SPLIT_K", None) or _splits(grid_m * grid_n, K, dev)
-    kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
-    S = triton.cdiv(K, kps)
-    if partial or S > 1:
-        dst = torch.empty(S, M, N, dtype=torch.float32, device=dev)
-    else:
-        dst = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    grid, kps, dst = launch_plan(M, N, K, bm, BN, grouped=grouped, n_tiles=n_tiles, n_groups=n_groups,
+                                 split=split or cfg.pop("SPLIT_K", None), partial=partial, out=out, dev=dev)
     if fp8:
         sb_e8m0 = ws.dtype in (torch.float8_e8m0fnu, torch.uint8)
         wsv = _u8(ws) if sb_e8m0 else ws.float()
@@ -284,7 +294,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
     if use_asm is None:
         use_asm = _use_asm(dev)
     kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
-    _gemv_kernel[(grid_m, grid_n, S)](
+    _gemv_kernel[grid](
         a, sa if sa is not None else wsv, wv, wsv, ws2 if ws2 is not None else wsv, dst,
         perm if perm is not None else wsv, offs if offs is not None else wsv,
         tcum if tcum is not None else wsv, M, N, K, n_groups, top_k, kps,
