@@ -49,6 +49,8 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    from .gemm import _tile_rows
     GLUON = True
 except ImportError:      # CPU-only torch without triton, or a triton without Gluon
     GLUON = False
@@ -181,23 +183,7 @@ if GLUON:
         t = gl.program_id(0)
         pid_n = gl.program_id(1)
         ks = gl.program_id(2)
-        if GROUPED:
-            live = t < gl.load(TCUM + n_groups)
-            lo = 0
-            hi = n_groups
-            for _ in gl.static_range(LOG2G):
-                mid = (lo + hi) // 2
-                right = gl.load(TCUM + mid + 1) <= t
-                lo = gl.where(right, mid + 1, lo)
-                hi = gl.where(right, hi, mid)
-            e = gl.minimum(lo, n_groups - 1)
-            m0 = gl.load(OFFS + e) + (t - gl.load(TCUM + e)) * BM
-            m_end = gl.load(OFFS + e + 1)
-        else:
-            live = t >= 0
-            e = t * 0
-            m0 = t * BM
-            m_end = M + t * 0
+        e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         if live:
             e64 = e.to(gl.int64)
             rn_a = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
