@@ -87,6 +87,33 @@ if triton_available():
     from .kv_insert import _rne_bf16
 
     @triton.jit
+    def _mix_step(xrow, W, k0, K, tm, n, nm, acc, acc2, acc3, sq, NP: tl.constexpr, BK: tl.constexpr,
+                  MODE: tl.constexpr, SEP: tl.constexpr):
+        """One BK-wide K step of the mix GEMM for a token block: x [BT, BK] (rows xrow) -> the sum of
+        squares ``sq`` and the mix. MODE 0: fp32 FMA dot into ``acc`` (IEEE, W = fn fp32 [NMIX, K]);
+        MODE 1: bf16x3 against the prepared W = bf16 [K, 3*NP] (hi | mid | lo column groups, an exact
+        split of fn): the three dots chained into ``acc``, or with SEP into acc / acc2 / acc3
+        (independent MMA chains)."""
+        kx = k0 + tl.arange(0, BK)
+        km = kx < K
+        xv = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+        xf = xv.to(tl.float32)
+        sq += xf * xf
+        if MODE == 0:
+            f = tl.load(W + n[:, None] * K + kx[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += tl.dot(xf, tl.trans(f), input_precision="ieee")
+        else:
+            wp = W + kx.to(tl.int64)[:, None] * (3 * NP) + n[None, :]       # [BK, NP] K-major tiles
+            acc = tl.dot(xv, tl.load(wp, mask=km[:, None], other=0.0), acc)                 # hi
+            if SEP:
+                acc2 = tl.dot(xv, tl.load(wp + NP, mask=km[:, None], other=0.0), acc2)      # mid
+                acc3 = tl.dot(xv, tl.load(wp + 2 * NP, mask=km[:, None], other=0.0), acc3)  # lo
+            else:
+                acc = tl.dot(xv, tl.load(wp + NP, mask=km[:, None], other=0.0), acc)
+                acc = tl.dot(xv, tl.load(wp + 2 * NP, mask=km[:, None], other=0.0), acc)
+        return acc, acc2, acc3, sq
+
+    @triton.jit
     def _hc_mix_partial(X, FN, PART, SQ, T, K, stride_xt, k_per_split,
                         NMIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                         MODE: tl.constexpr):
@@ -104,19 +131,7 @@ if triton_available():
         k0 = pid_s * k_per_split
         xrow = X + t.to(tl.int64)[:, None] * stride_xt
         for kk in range(0, k_per_split, BK):
-            kx = k0 + kk + tl.arange(0, BK)
-            km = kx < K
-            xv = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-            xf = xv.to(tl.float32)
-            sq += xf * xf
-            if MODE == 0:
-                f = tl.load(FN + n[:, None] * K + kx[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                acc += tl.dot(xf, tl.trans(f), input_precision="ieee")
-            else:
-                wp = FN + kx.to(tl.int64)[:, None] * (3 * NP) + n[None, :]       # [BK, NP] K-major tiles
-                acc = tl.dot(xv, tl.load(wp, mask=km[:, None], other=0.0), acc)            # hi
-                acc = tl.dot(xv, tl.load(wp + NP, mask=km[:, None], other=0.0), acc)       # mid
-                acc = tl.dot(xv, tl.load(wp + 2 * NP, mask=km[:, None], other=0.0), acc)   # lo
+            acc, _, _, sq = _mix_step(xrow, FN, k0 + kk, K, tm, n, nm, acc, acc, acc, sq, NP, BK, MODE, False)
         base = PART + (pid_s * T + t.to(tl.int64))[:, None] * NP + n[None, :]
         tl.store(base, acc, mask=tm[:, None])
         tl.store(SQ + pid_s * T + t, tl.sum(sq, axis=1), mask=tm)
@@ -401,19 +416,7 @@ if triton_available():
         k0 = pid_s * k_per_split
         xrow = X + t.to(tl.int64)[:, None] * stride_xt
         for kk in range(0, k_per_split, BK):
-            kx = k0 + kk + tl.arange(0, BK)
-            km = kx < K
-            xv = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-            xf = xv.to(tl.float32)
-            sq += xf * xf
-            if MODE == 0:
-                f = tl.load(W + n[:, None] * K + kx[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                acc += tl.dot(xf, tl.trans(f), input_precision="ieee")
-            else:
-                wp = W + kx.to(tl.int64)[:, None] * (3 * NP) + n[None, :]
-                acc = tl.dot(xv, tl.load(wp, mask=km[:, None], other=0.0), acc)
-                acc2 = tl.dot(xv, tl.load(wp + NP, mask=km[:, None], other=0.0), acc2)
-                acc3 = tl.dot(xv, tl.load(wp + 2 * NP, mask=km[:, None], other=0.0), acc3)
+            acc, acc2, acc3, sq = _mix_step(xrow, W, k0 + kk, K, tm, n, nm, acc, acc2, acc3, sq, NP, BK, MODE, True)
         if MODE != 0:
             acc = acc + (acc2 + acc3)
         col = PART + pid_s * NP * T + t.to(tl.int64)
