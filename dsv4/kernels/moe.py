@@ -508,7 +508,7 @@ def _prefill_kernel_ok(dev, fmt: str) -> bool:
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
     """Decode MoE: grouped w1|w3 (split-K fp32 partials), the SwiGLU + FP8 quantisation pass, grouped
-    w2; the shared expert on the FP8 GEMV; combine. On sm_89+ both expert GEMMs run on the
+    w2; the shared expert (``_shared_expert``); combine. On sm_89+ both expert GEMMs run on the
     tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
     rows); other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
     (``config={"kernel": "cuda-core"}`` forces it)."""
