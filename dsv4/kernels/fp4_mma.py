@@ -59,67 +59,52 @@ BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mm
 
 
 if GLUON:
+    def _asm_text(lines) -> str:
+        return "{ " + "\n".join(lines) + " }"
+
+    # e2m1 nibbles -> e4m3 bytes (value * 2^-6, exact), 4 at a time: ``gemm._e2m1_f16``'s placement
+    _E2M1_LO = "and.b32 t, {w}, 0x08080808; shl.b32 t, t, 4; and.b32 u, {w}, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;"
+    _E2M1_HI = "and.b32 t, {w}, 0x80808080; shr.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;"
+    # outputs $0-$7 (low nibbles / even K) and $8-$15 (high nibbles / odd K), 16 pointers $16-$31,
+    # the 8 f16x2 multiplier registers $32-$39
+    _W_DECODE_ASM = gl.constexpr(_asm_text(
+        [".reg .b32 w0, w1, w2, w3, t, u; .reg .b16 l, h;",
+         "ld.global.nc.L2::128B.v4.b32 {w0, w1, w2, w3}, [$16];"]
+        + [line for j in range(4) for o, place in ((0, _E2M1_LO), (8, _E2M1_HI)) for line in (
+            place.format(w=f"w{j}"),
+            f"mov.b32 {{l, h}}, t; cvt.rn.f16x2.e4m3x2 ${o + 2 * j}, l; cvt.rn.f16x2.e4m3x2 ${o + 2 * j + 1}, h;",
+            f"mul.rn.f16x2 ${o + 2 * j}, ${o + 2 * j}, ${32 + 2 * j}; "
+            f"mul.rn.f16x2 ${o + 2 * j + 1}, ${o + 2 * j + 1}, ${33 + 2 * j};")]))
+    _W_DECODE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 16 + ["l"] * 16 + ["r"] * 8))
+    # 32 activation bytes -> even bytes (e) and odd bytes (o) of each word pair -> f16x2
+    _ACT_ASM = gl.constexpr(_asm_text(
+        [".reg .b32 w0, w1, w2, w3, w4, w5, w6, w7, e, o; .reg .b16 l, h;",
+         "ld.global.v4.b32 {w0, w1, w2, w3}, [$16];",
+         "ld.global.v4.b32 {w4, w5, w6, w7}, [$16+16];"]
+        + [line for j in range(4) for line in (
+            f"prmt.b32 e, w{2 * j}, w{2 * j + 1}, 0x6420; prmt.b32 o, w{2 * j}, w{2 * j + 1}, 0x7531;",
+            f"mov.b32 {{l, h}}, e; cvt.rn.f16x2.e4m3x2 ${2 * j}, l; cvt.rn.f16x2.e4m3x2 ${2 * j + 1}, h;",
+            f"mov.b32 {{l, h}}, o; cvt.rn.f16x2.e4m3x2 ${8 + 2 * j}, l; cvt.rn.f16x2.e4m3x2 ${9 + 2 * j}, h;")]))
+    _ACT_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 16 + ["l"] * 16))
+
     @gluon.jit
     def _act_even_odd(p):
         """16 consecutive logical K of one activation row (p: their pointers; p[0] addresses 32
         contiguous e4m3 bytes) -> (even-K values, odd-K values) as f16, exact: two 16-byte loads,
         byte shuffles, e4m3x2 -> f16x2 conversions."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 w0, w1, w2, w3, w4, w5, w6, w7, e, o; .reg .b16 l, h;\n"
-            "ld.global.v4.b32 {w0, w1, w2, w3}, [$16];\n"
-            "ld.global.v4.b32 {w4, w5, w6, w7}, [$16+16];\n"
-            "prmt.b32 e, w0, w1, 0x6420; prmt.b32 o, w0, w1, 0x7531;\n"
-            "mov.b32 {l, h}, e; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h;\n"
-            "mov.b32 {l, h}, o; cvt.rn.f16x2.e4m3x2 $8, l; cvt.rn.f16x2.e4m3x2 $9, h;\n"
-            "prmt.b32 e, w2, w3, 0x6420; prmt.b32 o, w2, w3, 0x7531;\n"
-            "mov.b32 {l, h}, e; cvt.rn.f16x2.e4m3x2 $2, l; cvt.rn.f16x2.e4m3x2 $3, h;\n"
-            "mov.b32 {l, h}, o; cvt.rn.f16x2.e4m3x2 $10, l; cvt.rn.f16x2.e4m3x2 $11, h;\n"
-            "prmt.b32 e, w4, w5, 0x6420; prmt.b32 o, w4, w5, 0x7531;\n"
-            "mov.b32 {l, h}, e; cvt.rn.f16x2.e4m3x2 $4, l; cvt.rn.f16x2.e4m3x2 $5, h;\n"
-            "mov.b32 {l, h}, o; cvt.rn.f16x2.e4m3x2 $12, l; cvt.rn.f16x2.e4m3x2 $13, h;\n"
-            "prmt.b32 e, w6, w7, 0x6420; prmt.b32 o, w6, w7, 0x7531;\n"
-            "mov.b32 {l, h}, e; cvt.rn.f16x2.e4m3x2 $6, l; cvt.rn.f16x2.e4m3x2 $7, h;\n"
-            "mov.b32 {l, h}, o; cvt.rn.f16x2.e4m3x2 $14, l; cvt.rn.f16x2.e4m3x2 $15, h; }",
-            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l",
-            [p], dtype=(gl.float16, gl.float16), is_pure=True, pack=16)
+        return gl.inline_asm_elementwise(_ACT_ASM, _ACT_CONSTRAINTS, [p], dtype=(gl.float16, gl.float16),
+                                         is_pure=True, pack=16)
 
     @gluon.jit
     def _w_load_decode(p, mul):
         """16 consecutive weight bytes of one row (p: their pointers; p[0] is 16-byte aligned) ->
         (low nibbles, high nibbles) as f16 = e2m1 * 2^-6 * mul (exact while representable): one
-        16-byte load, the e4m3 placement of ``_e2m1_pair``, e4m3x2 -> f16x2, f16x2 multiplies.
+        16-byte load, ``gemm._e2m1_f16``'s e4m3 placement, e4m3x2 -> f16x2, f16x2 multiplies.
         Loading inside the asm keeps the bytes packed (a Triton uint8 load unpacks and repacks them);
         ``.nc.L2::128B`` (read-only path; L2 fetches the whole 128-byte line, i.e. the row's next K
         block too) took the H200 from 49-59% to 56-71% of copy bandwidth."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 w0, w1, w2, w3, t, u; .reg .b16 l, h;\n"
-            "ld.global.nc.L2::128B.v4.b32 {w0, w1, w2, w3}, [$16];\n"
-            "and.b32 t, w0, 0x08080808; shl.b32 t, t, 4; and.b32 u, w0, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;\n"
-            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h;\n"
-            "mul.rn.f16x2 $0, $0, $32; mul.rn.f16x2 $1, $1, $33;\n"
-            "and.b32 t, w0, 0x80808080; shr.b32 u, w0, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;\n"
-            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $8, l; cvt.rn.f16x2.e4m3x2 $9, h;\n"
-            "mul.rn.f16x2 $8, $8, $32; mul.rn.f16x2 $9, $9, $33;\n"
-            "and.b32 t, w1, 0x08080808; shl.b32 t, t, 4; and.b32 u, w1, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;\n"
-            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $2, l; cvt.rn.f16x2.e4m3x2 $3, h;\n"
-            "mul.rn.f16x2 $2, $2, $34; mul.rn.f16x2 $3, $3, $35;\n"
-            "and.b32 t, w1, 0x80808080; shr.b32 u, w1, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;\n"
-            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $10, l; cvt.rn.f16x2.e4m3x2 $11, h;\n"
-            "mul.rn.f16x2 $10, $10, $34; mul.rn.f16x2 $11, $11, $35;\n"
-            "and.b32 t, w2, 0x08080808; shl.b32 t, t, 4; and.b32 u, w2, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;\n"
-            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $4, l; cvt.rn.f16x2.e4m3x2 $5, h;\n"
-            "mul.rn.f16x2 $4, $4, $36; mul.rn.f16x2 $5, $5, $37;\n"
-            "and.b32 t, w2, 0x80808080; shr.b32 u, w2, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;\n"
-            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $12, l; cvt.rn.f16x2.e4m3x2 $13, h;\n"
-            "mul.rn.f16x2 $12, $12, $36; mul.rn.f16x2 $13, $13, $37;\n"
-            "and.b32 t, w3, 0x08080808; shl.b32 t, t, 4; and.b32 u, w3, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;\n"
-            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $6, l; cvt.rn.f16x2.e4m3x2 $7, h;\n"
-            "mul.rn.f16x2 $6, $6, $38; mul.rn.f16x2 $7, $7, $39;\n"
-            "and.b32 t, w3, 0x80808080; shr.b32 u, w3, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;\n"
-            "mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 $14, l; cvt.rn.f16x2.e4m3x2 $15, h;\n"
-            "mul.rn.f16x2 $14, $14, $38; mul.rn.f16x2 $15, $15, $39; }\n",
-            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,l,r,r,r,r,r,r,r,r",
-            [p, mul], dtype=(gl.float16, gl.float16), is_pure=True, pack=16)
+        return gl.inline_asm_elementwise(_W_DECODE_ASM, _W_DECODE_CONSTRAINTS, [p, mul],
+                                         dtype=(gl.float16, gl.float16), is_pure=True, pack=16)
 
     @gluon.jit
     def _kblock(kb, acc, zero, wptr, srow, amask, jb, aptr, saptr, mma: gl.constexpr, NV: gl.constexpr):
