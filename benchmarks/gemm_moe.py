@@ -189,30 +189,40 @@ FP8_GEMV_CONFIGS = {f"gemv.bn{bn}.w{w}": dict(BN=bn, num_warps=w, num_stages=1)
                     for bn, w in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))}
 
 
-def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 64)):
+def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 4, 8, 64)):
     """fp8_linear (act quant fused into the GEMM) at decode batch sizes over the V4-Flash decode
-    linears: weight bytes / time against the copy bandwidth, default tile vs an in-run sweep."""
+    linears: weight bytes / time against the copy bandwidth, default tile vs an in-run sweep (the
+    MMA tiles, the CUDA-core GEMV, and at <= 8 rows the tensor-core kernel's variants)."""
+    from dsv4.kernels import fp8_mma as F8
     rows = []
     for name, N, K in FP8_DECODE_SHAPES:
         for M in Ms:
             x, xq, xs, wq, ws = fp8_case(M, N, K, dev, gen)
             nbytes = wq.numel() + ws.numel() * 4 + x.numel() * 2 + M * N * 2
             res = {}
-            gemv_cfgs = list(FP8_GEMV_CONFIGS.items()) if M <= G.GEMV_MAX_ROWS else []
-            for cname, cfg in [("default", None)] + list(FP8_DECODE_CONFIGS.items()) + gemv_cfgs:
-                if M > 16 and cfg is not None:
+            calls = [("default", lambda: G.fp8_linear(x, wq, ws))]
+            for cname, cfg in list(FP8_DECODE_CONFIGS.items()) + (
+                    list(FP8_GEMV_CONFIGS.items()) if M <= G.GEMV_MAX_ROWS else []):
+                if M > 16 and not cname.startswith("gemv"):
                     cfg = dict(cfg, BM=64)
-                gemv = cname.startswith("gemv")
+                calls.append((cname, lambda cfg=cfg, g=cname.startswith("gemv"): G.fp8_linear(x, wq, ws, config=cfg,
+                                                                                               gemv=g)))
+            if M <= F8.MAX_ROWS and F8.available(dev):
+                for cname, kw in (("mma.bn32.w2", dict(config=dict(BN=32, num_warps=2))),
+                                  ("mma.k1", dict(split=1)), ("mma.k2", dict(split=2)), ("mma.k4", dict(split=4)),
+                                  ("mma.k8", dict(split=8)), ("mma.k16", dict(split=16))):
+                    calls.append((cname, lambda kw=kw: F8.fp8_mma(wq, ws, x_bf16=x, **kw)))
+            for cname, fn in calls:
                 try:
-                    y = G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv)
+                    y = fn()
                     err = fp8_check(y, xq, xs, wq, ws)
                     # CUDA-graph replays with the L2 flushed before every call: the weights (<= 32 MB)
                     # would otherwise come from the 50 MB L2, and a decode step runs as a graph
-                    t = graph_time(lambda: G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv)) if not timer.smoke \
-                        else timer(lambda: G.fp8_linear(x, wq, ws, config=cfg, gemv=gemv))
+                    t = graph_time(fn) if not timer.smoke else timer(fn)
                     res[cname] = (t, err)
                 except Exception as e:
                     log(f"fp8 decode {name} M{M} {cname} failed: {type(e).__name__}: {e}")
+            log(f"fp8 decode {name} M{M}: " + ", ".join(f"{k} {v[0] * 1e3:.1f}" for k, v in res.items()))
             ok = {k: v for k, v in res.items() if v[1] < 5e-3}
             best = min(ok, key=lambda k: ok[k][0])
             td, tb = res["default"][0], ok[best][0]

@@ -631,6 +631,9 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tens
     out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device) if out is None else out
     if M == 0:
         return out
+    if config is None and _mma_decode_ok(M, N, K, xq.device) and out.stride(-1) == 1:
+        from .fp8_mma import fp8_mma     # tensor-core decode kernel, split K summed in-kernel
+        return fp8_mma(w, ws, xq, xs.float(), out=out)
     if config is None and M >= PREFILL_MIN_ROWS and _on_cuda(xq) and capability(xq.device)[0] == 9 \
             and out.stride(-1) == 1:
         from .fp8_prefill import fp8_gemm_prefill      # TMA tiles: 1.4-1.7x at prefill sizes on the H200
@@ -638,6 +641,15 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tens
     _launch_fp8(_u8(xq.contiguous()), xs.float().contiguous(), w.contiguous(), ws.contiguous(), out, None,
                 M, N, K, 0, False, False, 0.0, config)
     return out
+
+
+def _mma_decode_ok(M: int, N: int, K: int, dev) -> bool:
+    """Decode-sized calls on small weights go to ``fp8_mma`` (tensor-core, in-kernel split-K sum) where
+    it runs: measured faster there on the H200 (``fp8_mma.MAX_ROWS`` / ``MAX_WEIGHT`` say where)."""
+    if M <= 0 or interpreting() or torch.device(dev).type != "cuda":
+        return False
+    from . import fp8_mma
+    return M <= fp8_mma.MAX_ROWS and N * K <= fp8_mma.MAX_WEIGHT and fp8_mma.available(dev)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, fuse_quant: bool | None = None,
@@ -659,6 +671,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, fuse_quant: b
     if gemv:
         from .gemv import fp8_gemv
         return fp8_gemv(x2, w, ws, config=config).reshape(*x.shape[:-1], N)
+    if config is None and fuse_quant and _mma_decode_ok(M, N, K, x.device):
+        from .fp8_mma import fp8_mma     # the act quant in its operand load, split K summed in-kernel
+        return fp8_mma(w, ws, x_bf16=x2).reshape(*x.shape[:-1], N)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M:
         if fuse_quant:

@@ -479,7 +479,7 @@ def _combine(out, inv, offs, sh, y, k):
 def _shared_expert(xq, xs, w: MoEWeights):
     """bf16 [T, d] shared-expert output from the quantised activation. w1|w3 + SwiGLU on the split-K
     GEMV up to GEMV_MAX_ROWS tokens (the MMA SwiGLU kernel cannot split K: 16 programs at V4-Flash
-    size), else on the MMA kernel; w2 on the (split-K) MMA kernel, faster than the GEMV on the H200."""
+    size), else on the MMA kernel; w2 through ``fp8_gemm`` (its decode-size routing)."""
     from .gemv import gemv_launch, rows_tile, swiglu_quant
     T, d = xq.shape
     if T <= GEMV_MAX_ROWS:
