@@ -49,6 +49,14 @@ def test_fp8_mma_argument_errors():
         F.fp8_mma(q, s, xq, xs, config={"BN": 64, "num_warps": 2})
     with pytest.raises(ValueError, match="unknown config keys"):
         F.fp8_mma(q, s, xq, xs, config={"BM": 8})
+    with pytest.raises(ValueError, match="act must be"):
+        F.fp8_mma(q, s, x_bf16=x, act="fp16")
+    with pytest.raises(ValueError, match="one group"):
+        F.fp8_mma(q, s, xq, xs, act="bf16")
+    with pytest.raises(ValueError, match="do not split into 3 groups"):
+        F.fp8_mma(q, s, x_bf16=x, groups=3)
+    with pytest.raises(ValueError, match=r"x_bf16 must be bf16 \[M, 512\]"):
+        F.fp8_mma(q, s, x_bf16=x, act="bf16", groups=2)
     if not F.available(q.device):
         with pytest.raises(RuntimeError, match="sm_89"):
             F.fp8_mma(q, s, xq, xs)
@@ -116,3 +124,24 @@ def test_gpu_fp8_mma_cuda_graph_and_linear_route():
         torch.cuda.synchronize()
         assert torch.equal(out, ref)
     assert torch.equal(G.fp8_linear(x, qc, sc), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 12])
+def test_gpu_fp8_mma_grouped_bf16_wo_a(M):
+    """V4-Flash wo_a: the grouped einsum "tgd,grd->tgr" (8 groups of 1024 rows, d 4096) with bf16
+    activations and the FP8 weight dequantised in the kernel, against the fp64 einsum of the exact
+    dequantised weight: one bf16 rounding + fp32 summation order."""
+    need_gpu()
+    gen = torch.Generator().manual_seed(M)
+    G, R, D = 8, 1024, 4096
+    q, s, Wd = _weight(G * R, D, gen)
+    og = (torch.randn(M, G, D, generator=gen) * 2).bfloat16()
+    z = F.fp8_mma(q.cuda(), s.cuda(), x_bf16=og.view(M, G * D).cuda(), act="bf16", groups=G)
+    ex = torch.einsum("tgd,grd->tgr", og.double(), Wd.double().view(G, R, D)).reshape(M, G * R)
+    mag = torch.einsum("tgd,grd->tgr", og.double().abs(), Wd.double().abs().view(G, R, D)).reshape(M, G * R)
+    err = (z.cpu().double() - ex).abs()
+    assert (err <= 2.0 ** -8 * ex.abs() + 2.0 ** -20 * mag + 1e-30).all(), (err - 2.0 ** -8 * ex.abs()).max()
+    # the bf16 einsum of the dequantised weight (torch's, on the GPU): the same up to summation order
+    zt = torch.einsum("tgd,grd->tgr", og.cuda(), Wd.view(G, R, D).bfloat16().cuda()).reshape(M, G * R)
+    assert ((z.float() - zt.float()).abs() <= 2.0 ** -7 * zt.float().abs() + 2.0 ** -19 * mag.float().cuda()).all()

@@ -464,12 +464,13 @@ _AOT_SCRIPT = textwrap.dedent("""
             assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
         # decode FP8 on tensor cores (Gluon): in-kernel act quant + in-kernel split-K sum, pre-quantised
         from dsv4.kernels import fp8_mma as F8
-        for abf, reduce in ((True, True), (False, True), (False, False)):
-            ptx = comp(F8._fp8_mma_kernel, dict(A=P("bf16") if abf else P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"),
+        for act, reduce in ((1, True), (0, True), (0, False), (2, True)):
+            ptx = comp(F8._fp8_mma_kernel, dict(A=P("bf16") if act else P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"),
                        C=P("bf16"), PART=P("fp32"), CNT=P("i32")),
-                       dict(A_BF16=abf, SB_E8M0=True, SB_ROW=False, BM=F8.BM_ROWS, BN=64, SPLIT=reduce,
+                       dict(ACT=act, SB_E8M0=True, SB_ROW=False, BM=F8.BM_ROWS, BN=64, SPLIT=reduce,
                             REDUCE=reduce, NUM_WARPS=4), cap, 4)
-            assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+            ab = "bf16" if act == 2 else "f16"
+            assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
             assert ("atom.global.gpu.acq_rel.add" in ptx) == reduce
         comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i64"),
              limit="fp32"), dict(GATHER=True, HAS_PW=True, INTERP=False), cap, 4)

@@ -55,6 +55,9 @@ BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mm
 # (18.8 / 19.8 us against 15.3 / 18.2: one K block in flight per warp, no pipelining)
 MAX_ROWS = 4
 MAX_WEIGHT = 8 * 1024 * 1024
+# the decode step's grouped wo_a (act="bf16") up to this many rows: H200 (benchmarks/exp_bf16_decode.py)
+# 15.4 / 16.4 / 21.2 us at 1 / 4 / 16 rows against 24.5-24.8 for the bf16 einsum; 48.0 vs 27.2 at 64
+WO_A_MAX_ROWS = 16
 
 
 if GLUON:
@@ -65,6 +68,21 @@ if GLUON:
         + [f"mov.b32 {{l, h}}, w{j}; cvt.rn.f16x2.e4m3x2 ${2 * j}, l; cvt.rn.f16x2.e4m3x2 ${2 * j + 1}, h;"
            for j in range(4)]))
     _LD_E4M3_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["l"] * 16))
+
+    # the same 16 bytes -> 16 bf16 (exact: e4m3 -> f16 -> f32 -> bf16, no rounding on the way)
+    _LD_E4M3_BF16_ASM = gl.constexpr(_asm_text(
+        [".reg .b32 w0, w1, w2, w3, a, b; .reg .b16 l, h; .reg .f32 f0, f1;",
+         "ld.global.nc.L2::128B.v4.b32 {w0, w1, w2, w3}, [$8];"]
+        + [line for j in range(4) for q, half in ((0, "l"), (1, "h")) for line in (
+            f"mov.b32 {{l, h}}, w{j}; cvt.rn.f16x2.e4m3x2 a, {half};",
+            "mov.b32 {l, h}, a; cvt.f32.f16 f0, l; cvt.f32.f16 f1, h;",
+            f"cvt.rn.bf16x2.f32 ${2 * j + q}, f1, f0;")]))
+
+    @gluon.jit
+    def _ld_e4m3_bf16(p):
+        """``_ld_e4m3_f16`` with bf16 results (for a bf16 activation operand)."""
+        return gl.inline_asm_elementwise(_LD_E4M3_BF16_ASM, _LD_E4M3_CONSTRAINTS, [p], dtype=gl.bfloat16,
+                                         is_pure=True, pack=16)
 
     @gluon.jit
     def _ld_e4m3_f16(p):
@@ -83,12 +101,16 @@ if GLUON:
         return v.to(gl.float8e4nv).to(gl.float16)
 
     @gluon.jit
-    def _fp8_mma_kernel(A, SA, W, WS, C, PART, CNT, M, N, K, k_per_split,
-                        stride_am, stride_sam, stride_wn, stride_wsn, stride_cm,
-                        A_BF16: gl.constexpr, SB_E8M0: gl.constexpr, SB_ROW: gl.constexpr, BM: gl.constexpr,
+    def _fp8_mma_kernel(A, SA, W, WS, C, PART, CNT, M, N, K, k_per_split, group_rows,
+                        stride_am, stride_ag, stride_sam, stride_wn, stride_wsn, stride_cm,
+                        ACT: gl.constexpr, SB_E8M0: gl.constexpr, SB_ROW: gl.constexpr, BM: gl.constexpr,
                         BN: gl.constexpr, SPLIT: gl.constexpr, REDUCE: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """Program (m-tile, BN weight rows, K split ks). SPLIT: fp32 partials into PART [S, M, N];
-        REDUCE: the tile's last arriving split sums them into bf16 C. Not SPLIT: bf16 C directly."""
+        """Program (m-tile, BN weight rows, K split ks). ACT: 0 e4m3 activations + scales SA, 1 bf16
+        activations quantised here, 2 bf16 activations as they are (bf16 mma, weights e4m3 -> bf16).
+        Weight rows come in groups of ``group_rows`` (a multiple of BN); group g reads the activation
+        columns from g * stride_ag (wo_a's grouped einsum; one group: all N rows). SPLIT: fp32
+        partials into PART [S, M, N]; REDUCE: the tile's last arriving split sums them into bf16 C.
+        Not SPLIT: bf16 C directly."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=16)
@@ -104,7 +126,8 @@ if GLUON:
         # activation operand [64, BM] per half: rows past M read row M-1, masked at the store
         ja = gl.arange(0, 64, layout=gl.SliceLayout(1, lb))
         cb = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lb))
-        aptr = A + gl.minimum(cb, M - 1).to(gl.int64)[None, :] * stride_am + ja[:, None]
+        grp = (pid_n * BN) // group_rows
+        aptr = A + grp.to(gl.int64) * stride_ag + gl.minimum(cb, M - 1).to(gl.int64)[None, :] * stride_am + ja[:, None]
         amask = (cb < M)[None, :]
         # scales in the accumulator's layout
         rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
@@ -120,9 +143,16 @@ if GLUON:
         kb_lo = (ks * k_per_split) // 128
         kb_hi = gl.minimum(K, ks * k_per_split + k_per_split) // 128
         for kb in range(kb_lo, kb_hi):
-            w0 = _ld_e4m3_f16(wptr + kb * 128)
-            w1 = _ld_e4m3_f16(wptr + kb * 128 + 64)
-            if A_BF16:   # 1x128 act quant of this block, per activation row (column of the operand)
+            if ACT == 2:
+                w0 = _ld_e4m3_bf16(wptr + kb * 128)
+                w1 = _ld_e4m3_bf16(wptr + kb * 128 + 64)
+            else:
+                w0 = _ld_e4m3_f16(wptr + kb * 128)
+                w1 = _ld_e4m3_f16(wptr + kb * 128 + 64)
+            if ACT == 2:   # bf16 x bf16 products, exact in fp32
+                x0 = gl.load(aptr + kb * 128, mask=amask, other=0.0)
+                x1 = gl.load(aptr + kb * 128 + 64, mask=amask, other=0.0)
+            elif ACT == 1:   # 1x128 act quant of this block, per activation row (column of the operand)
                 y0 = gl.load(aptr + kb * 128, mask=amask, other=0.0).to(gl.float32)
                 y1 = gl.load(aptr + kb * 128 + 64, mask=amask, other=0.0).to(gl.float32)
                 e = _ue8m0_exp(gl.maximum(gl.max(gl.abs(y0), axis=0), gl.max(gl.abs(y1), axis=0)))
@@ -140,7 +170,10 @@ if GLUON:
                 sw = gl.where(sbb == 0, 5.877471754111438e-39, (sbb << 23).to(gl.float32, bitcast=True))
             else:
                 sw = gl.load(swptr + kb)
-            acc += part * (sw[:, None] * sa[None, :])
+            if ACT == 2:
+                acc += part * sw[:, None]
+            else:
+                acc += part * (sw[:, None] * sa[None, :])
         rn64 = rn_c.to(gl.int64)
         rc64 = rc.to(gl.int64)
         omask = (rn_c < N)[:, None] & (rc < M)[None, :]
@@ -169,28 +202,41 @@ def available(dev) -> bool:
 
 
 def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, xs: torch.Tensor | None = None, *,
-            x_bf16: torch.Tensor | None = None, out: torch.Tensor | None = None, partial: bool = False,
-            split: int | None = None, config: dict | None = None) -> torch.Tensor:
-    """bf16 [M, N] = the block-scaled FP8 GEMM (module doc) of FP8 weight ``w`` e4m3 [N, K] / ``ws``
-    [N/128, K/128] (or per-row [N, K/128]; e8m0 bytes or fp32) with either pre-quantised activations
-    (``xq`` e4m3 [M, K], ``xs`` fp32 [M, K/128]) or bf16 ``x_bf16`` [M, K] quantised in the kernel.
+            x_bf16: torch.Tensor | None = None, act: str = "fp8", groups: int = 1, out: torch.Tensor | None = None,
+            partial: bool = False, split: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """bf16 [M, N] = ``x . w^T`` for the FP8 weight ``w`` e4m3 [N, K] / ``ws`` [N/128, K/128] (or per-row
+    [N, K/128]; e8m0 bytes or fp32) and either pre-quantised activations (``xq`` e4m3 [M, K], ``xs``
+    fp32 [M, K/128]: the block-scaled FP8 GEMM of the module doc) or bf16 ``x_bf16``, quantised in the
+    kernel (``act="fp8"``, the same bits as ``act_quant_fp8`` + ``xq``) or taken as is (``act="bf16"``:
+    the bf16 GEMM of the dequantised weight, fp32 accumulation, as the official wo_a einsum).
+    ``groups`` G (bf16 activations only): x_bf16 [M, G*K], weight rows in G equal groups, group g
+    reading x columns g*K ..: out [M, N] = the grouped einsum "mgk,grk->mgr" flattened.
     ``partial``: return the fp32 split partials [S, M, N] (summed in split order they are the result).
     ``config``: ``BN`` (16 rows per warp) / ``num_warps``."""
     _check_fp8_weight(w, ws)
     N, K = w.shape
+    if act not in ("fp8", "bf16"):
+        raise ValueError(f"fp8_mma: act must be 'fp8' or 'bf16', got {act!r}")
     if (x_bf16 is None) == (xq is None):
         raise ValueError("fp8_mma: pass either xq and xs (pre-quantised) or x_bf16")
+    if groups < 1 or N % groups:
+        raise ValueError(f"fp8_mma: {N} weight rows do not split into {groups} groups")
     if x_bf16 is not None:
-        if x_bf16.dim() != 2 or x_bf16.dtype != torch.bfloat16 or x_bf16.shape[1] != K:
-            raise ValueError(f"fp8_mma: x_bf16 must be bf16 [M, {K}], got {x_bf16.dtype} {tuple(x_bf16.shape)}")
+        if x_bf16.dim() != 2 or x_bf16.dtype != torch.bfloat16 or x_bf16.shape[1] != groups * K:
+            raise ValueError(f"fp8_mma: x_bf16 must be bf16 [M, {groups * K}], got {x_bf16.dtype} "
+                             f"{tuple(x_bf16.shape)}")
         a = x_bf16 if x_bf16.stride(-1) == 1 else x_bf16.contiguous()
         sa = a                                          # unused
+        mode = 2 if act == "bf16" else 1
     else:
+        if act != "fp8" or groups != 1:
+            raise ValueError("fp8_mma: pre-quantised activations take act='fp8' and one group")
         if xq.dim() != 2 or xq.shape[1] != K or xs is None or tuple(xs.shape) != (xq.shape[0], K // QBLOCK):
             raise ValueError(f"fp8_mma: shapes xq {tuple(xq.shape)} xs {None if xs is None else tuple(xs.shape)} "
                              f"w {tuple(w.shape)}")
         a = _u8(xq)
         sa = xs.float()
+        mode = 0
     M = a.shape[0]
     dev = w.device
     if a.device != dev or sa.device != dev or ws.device != dev:
@@ -208,6 +254,8 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
     BN, nw = cfg["BN"], cfg["num_warps"]
     if BN != 16 * nw:
         raise ValueError(f"fp8_mma: BN must be 16 rows per warp, got BN={BN}, num_warps={nw}")
+    if (N // groups) % BN and groups > 1:
+        raise ValueError(f"fp8_mma: {N // groups} rows per group must be a multiple of BN={BN}")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16 or out.stride(-1) != 1):
         raise ValueError(f"fp8_mma: out must be bf16 [{M}, {N}] with unit column stride")
     if not available(dev):
@@ -229,11 +277,11 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
     wsv = (_u8(ws) if sb_e8m0 else ws.float()).contiguous()
     sb_row = wsv.shape[0] == N and N != triton.cdiv(N, QBLOCK)
     _fp8_mma_kernel[grid](
-        a, sa, _u8(w), wsv, res, dst, cnt, M, N, K, kps,
-        a.stride(0), sa.stride(0), w.stride(0), wsv.stride(0), res.stride(-2),
-        A_BF16=x_bf16 is not None, SB_E8M0=sb_e8m0, SB_ROW=sb_row, BM=BM_ROWS, BN=BN,
+        a, sa, _u8(w), wsv, res, dst, cnt, M, N, K, kps, N // groups,
+        a.stride(0), K, sa.stride(0), w.stride(0), wsv.stride(0), res.stride(-2),
+        ACT=mode, SB_E8M0=sb_e8m0, SB_ROW=sb_row, BM=BM_ROWS, BN=BN,
         SPLIT=dst.dtype == torch.float32, REDUCE=reduce, NUM_WARPS=nw, num_warps=nw)
     return res
 
 
-__all__ = ["BM_ROWS", "GLUON", "MAX_ROWS", "MAX_WEIGHT", "available", "fp8_mma"]
+__all__ = ["BM_ROWS", "GLUON", "MAX_ROWS", "MAX_WEIGHT", "WO_A_MAX_ROWS", "available", "fp8_mma"]

@@ -128,6 +128,10 @@ class FastDecoder:
             # batched tensor-core GEMM over the G groups
             self._wo_a = [b.attn.wo_a.weight.to(torch.bfloat16).view(b.attn.G, -1, b.attn.wo_a.weight.shape[1])
                           for b in model.layers]
+            # ... and, where the weight is FP8-representable (checkpoints: it is FP8 dequantised), its
+            # FP8 form for the decode-size kernel (``fp8_mma`` act="bf16": half the weight bytes)
+            self._wo_a_fp8 = [self._fp8_or_none(b.attn.wo_a.weight) if cache.device.type == "cuda" else None
+                              for b in model.layers]
         self.max_blocks = -(-max_model_len // BLOCK_TOKENS)
         # private scratch slot and block: writes of padding / non-completing rows land there
         self.scratch_slot = cache.allocate_slot()
@@ -137,6 +141,16 @@ class FastDecoder:
         self._memo: dict | None = None      # per-step values shared by the layers (see _once)
         self.trace: dict | None = None      # name -> tensor, filled when set (``dsv4 validate``)
         self.force: dict | None = None      # name -> tensor that replaces this path's value downstream
+
+    @staticmethod
+    def _fp8_or_none(w):
+        from ..kernels.gemm import fp8_weight_exact
+        if w.shape[0] % 128 or w.shape[1] % 128:
+            return None
+        try:
+            return fp8_weight_exact(w)
+        except ValueError:
+            return None
 
     def _t(self, name, t):
         """Trace point: record this path's value; continue with a forced one if given (module-by-
@@ -335,7 +349,13 @@ class FastDecoder:
         else:
             og = apply_rope(o, freqs, inverse=True).view(B, at.G, -1).float()
         if self.fused:
-            z = torch.einsum("tgd,grd->tgr", og.to(torch.bfloat16), self._wo_a[blk.layer_id])
+            from ..kernels import fp8_mma
+            wq = self._wo_a_fp8[blk.layer_id]
+            if wq is not None and B <= fp8_mma.WO_A_MAX_ROWS and fp8_mma.available(og.device):
+                z = fp8_mma.fp8_mma(*wq, x_bf16=og.reshape(B, -1).to(torch.bfloat16), act="bf16", groups=at.G)
+                z = z.view(B, at.G, -1)
+            else:
+                z = torch.einsum("tgd,grd->tgr", og.to(torch.bfloat16), self._wo_a[blk.layer_id])
         else:
             z = num.round(num.einsum("tgd,grd->tgr", og, at.wo_a.weight.view(at.G, -1, og.shape[-1])))
         out = self._lin(at.wo_b, z.flatten(1))
