@@ -24,6 +24,7 @@ from kernel_helpers import check_gemm, kernel_device, need_gpu, run_aot_script  
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref  # noqa: E402
@@ -283,12 +284,48 @@ def test_route_exact(hash_layer):
     i0, w0 = ref.route(x, ids)
     i1, w1 = Mo.route(x.to(DEV), ids.to(DEV), w)
     i1, w1 = i1.cpu(), w1.cpu()
-    if DEV == "cpu":   # same device as the twin: same bits in the same slot order
-        assert torch.equal(i1, i0) and torch.equal(w1, w0)
+    if DEV == "cpu":   # same logits: the same ids in the same slot order, weights within ulps
+        assert torch.equal(i1, i0)
+        torch.testing.assert_close(w1, w0, rtol=4e-7, atol=0)
     else:              # scores from another device's GEMM: compare as sets, weights to ~ulps
         assert torch.equal(i1.sort(-1).values, i0.sort(-1).values)
         o1, o0 = i1.argsort(-1), i0.argsort(-1)
         torch.testing.assert_close(w1.gather(1, o1), w0.gather(1, o0), rtol=1e-5, atol=1e-6)
+
+
+@triton.jit
+def _sqrt_softplus_probe(Z, Y, N, B: tl.constexpr):
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    tl.store(Y + i, Mo._sqrt_softplus(tl.load(Z + i, mask=i < N)), mask=i < N)
+
+
+def test_sqrt_softplus_matches_torch():
+    """The routing kernel's sqrt(softplus(z)) against torch's over the fp32 range that matters (tails,
+    the 20 threshold, zero)."""
+    z = torch.cat([torch.linspace(-90, 40, 4001), torch.tensor([0.0, -0.0, 20.0, 20.000002, 19.999998, -1e-8,
+                                                                 1e-8, -20.0, -88.0])]).float()
+    y = torch.empty_like(z).to(DEV)
+    _sqrt_softplus_probe[(triton.cdiv(z.numel(), 1024),)](z.to(DEV), y, z.numel(), B=1024)
+    ref = torch.sqrt(torch.nn.functional.softplus(z))
+    # a few ulps (the GPU's exp / log are the approximate ex2 / lg2 forms; near z = -88 exp() is
+    # subnormal and keeps fewer bits)
+    torch.testing.assert_close(y.cpu(), ref, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("P,E", [(1, 8), (6, 256), (100, 8), (384, 256), (1000, 64), (1500, 8)])
+def test_sort_pairs_stable(P, E):
+    """sort_pairs (one-program counting sort up to SORT_ONE_PROGRAM_MAX pairs, torch.sort above) =
+    a stable sort by expert id with the sentinel E last; offs / tcum / inv consistent."""
+    gen = torch.Generator().manual_seed(P)
+    ef = torch.randint(0, E + 1, (P,), generator=gen, dtype=torch.int32)
+    ef[: P // 3] = ef[0]                          # long runs of one expert
+    perm, offs, tcum, inv = Mo.sort_pairs(ef.to(DEV), E, 8)
+    ref = torch.sort(ef.long(), stable=True).indices
+    assert torch.equal(perm.cpu(), ref)
+    assert torch.equal(inv.cpu().long()[ref], torch.arange(P))
+    cnt = torch.bincount(ef.long(), minlength=E + 1)
+    assert torch.equal(offs.cpu(), torch.cat([torch.zeros(1, dtype=torch.long), cnt.cumsum(0)[:E]]))
+    assert torch.equal(tcum.cpu(), torch.cat([torch.zeros(1, dtype=torch.long), ((cnt[:E] + 7) // 8).cumsum(0)]))
 
 
 @pytest.mark.parametrize("hash_layer,T,path,bm", [(False, 9, "dequant", None), (True, 7, "dequant", None),
@@ -474,8 +511,10 @@ _AOT_SCRIPT = textwrap.dedent("""
             assert ("atom.global.gpu.acq_rel.add" in ptx) == reduce
         comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i64"),
              limit="fp32"), dict(GATHER=True, HAS_PW=True, INTERP=False), cap, 4)
-        comp(Mo._route_kernel, dict(S=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"),
-             WRAW=P("fp32"), EFLAT=P("i32")), dict(KTOP=6, KP=8, EP=256, HASH=False), cap, 4)
+        comp(Mo._route_kernel, dict(LOGIT=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"),
+             W=P("fp32"), EFLAT=P("i32"), route_scale="fp32"), dict(KTOP=6, KP=8, EP=256, HASH=False), cap, 4)
+        comp(Mo._moe_sort_prep, dict(EFLAT=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
+             dict(BM=8, EP=512, PP=512, CH=64), cap, 4)
         comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
              dict(BM=16, EP=512, LOG2P=15, CH=1024), cap, 4)
         comp(Mo._moe_combine, dict(OUT=P("bf16"), INV=P("i32"), OFFS=P("i64"), SH=P("bf16"), Y=P("bf16")),
@@ -589,8 +628,9 @@ def test_gpu_mma_gemv_flash_shapes(M, fmt, spread):
 @pytest.mark.parametrize("hash_layer,T", [(False, 64), (True, 16), (False, 200), (False, 2)])
 def test_gpu_moe_flash_dims(hash_layer, T):
     """V4-Flash dims (d 4096, inter 2048, top-6) with 8 experts (CPU reference time): 1.5 rows per
-    expert take the decode path (tensor-core kernel and CUDA-core GEMV), 12 rows the MMA kernels, 48
-    the prefill kernel's 64-row tiles, 150 its 128-row tiles."""
+    expert take the decode path (tensor-core kernel and CUDA-core GEMV), 12 rows the tensor-core
+    decode kernel on sm_89+ (else the MMA kernels; both run), 48 the prefill kernel's 64-row tiles,
+    150 its 128-row tiles."""
     _need_gpu()
     gen = torch.Generator().manual_seed(T)
     ref = _ref_moe(8, 4096, 2048, 6, gen, hash_layer, vocab=256, dup_row=3)
@@ -601,10 +641,16 @@ def test_gpu_moe_flash_dims(hash_layer, T):
     y, parts = Mo.moe_forward(x.cuda(), ids.cuda(), w, return_parts=True)
     _check_moe(y, ref(x, ids))
     rows = T * 6 / 8
-    assert parts["path"] == ("gemv" if rows <= Mo.GEMV_ROWS_PER_EXPERT else
+    from dsv4.kernels import fp4_mma
+    gemv_max = Mo.MMA_GEMV_ROWS_PER_EXPERT if fp4_mma.available("cuda") else Mo.GEMV_ROWS_PER_EXPERT
+    assert parts["path"] == ("gemv" if rows <= gemv_max else
                              "prefill" if rows > Mo.PREFILL_ROWS_PER_EXPERT else "dequant")
     if parts["path"] == "gemv":
-        assert parts["kernel"] == "mma"
+        assert parts["kernel"] == ("mma" if fp4_mma.available("cuda") else "cuda-core")
         y2, parts2 = Mo.moe_forward(x.cuda(), ids.cuda(), w, config={"kernel": "cuda-core"}, return_parts=True)
         assert parts2["kernel"] == "cuda-core"
         _check_moe(y2, ref(x, ids))
+    if Mo.GEMV_ROWS_PER_EXPERT < rows <= Mo.PREFILL_ROWS_PER_EXPERT:   # the MMA kernels' own range
+        y3, parts3 = Mo.moe_forward(x.cuda(), ids.cuda(), w, path="dequant", return_parts=True)
+        assert parts3["path"] == "dequant"
+        _check_moe(y3, ref(x, ids))

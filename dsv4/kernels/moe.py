@@ -3,16 +3,15 @@
 ``moe_forward(x, ids, weights)`` = ``MoE.__call__`` (official numerics) with no Python loop over
 experts and no host synchronisation (CUDA-graph capturable; every launch size follows from shapes):
 
-1. routing (``route``): fp32 gate GEMM and ``sqrt(softplus(.))`` as torch ops (the twin's own ops,
-   hence the same bits on the same device), then one Triton kernel per token: top-k of
-   ``score + bias`` (bias for selection only; ties -> lower expert id, as ``torch.topk``'s order
-   for distinct values) or the ``tid2eid`` row (hash layers), the gathered raw scores, and a
-   duplicate mask (a repeated hash id contributes once). The normalisation ``w / w.sum() *
-   route_scale`` is the twin's torch op over the same [T, k] tensor in the same order: ids and
-   weights equal the twin's bit for bit.
-2. sort: pairs (token, slot) sorted by expert (``torch.sort``, stable); ``_moe_prep`` (one Triton
-   program) finds every expert's first row, the per-expert m-tile prefix sum and the inverse
-   permutation. Duplicate / masked pairs get the sentinel expert ``E`` and sort last.
+1. routing (``route``): the fp32 gate GEMM (torch, the twin's op), then one Triton kernel per token
+   (``_route_kernel``): ``sqrt(softplus(.))`` of the logits, top-k of ``score + bias`` (bias for
+   selection only; ties -> lower expert id, as ``torch.topk``'s order for distinct values) or the
+   ``tid2eid`` row (hash layers), the picked scores normalised ``w / sum(w) * route_scale``, and the
+   sort keys with a duplicate mask (a repeated hash id contributes once).
+2. sort: pairs (token, slot) stably sorted by expert, every expert's first row, the per-expert m-tile
+   prefix sum and the inverse permutation: at decode sizes one Triton program (``_moe_sort_prep``,
+   a counting sort), above that ``torch.sort`` + ``_moe_prep``. Duplicate / masked pairs get the
+   sentinel expert ``E`` and sort last.
 3. act quant of x once per token (FP8 1x128, plus the f16 operand of the FP4 MMA kernel).
 4. grouped FP4 GEMM over the active experts (``gemm._fp4_gemm_kernel``, grouped + gather + SwiGLU
    modes): w1 and w3 tiles of the same 128 columns in one program, then the official clamped SwiGLU
@@ -37,10 +36,11 @@ Prefill path (``path="prefill"``, the default for MXFP4 on sm_90 above ``PREFILL
 per expert): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
 activations and h as split-K-order f16 operands), same epilogues.
 
-Numerics vs the twin: routing exact; every expert output agrees within bf16 rounding (GEMM fp32
-summation order differs; a one-ulp flip of a bf16 w1/w3 output can move h by one FP8 step), so the
-layer output is compared at FP8/bf16 tolerance. (CPU interpreter: bit-identical to the twin at the
-test shapes; H200: the GPU tests at V4-Flash dims pass on both paths.)
+Numerics vs the twin: routing ids equal (barring a near-tie within an ulp of the scores), weights
+within ulps (the kernel's softplus, log1p and sum order are not torch's); every expert output
+agrees within bf16 rounding (GEMM fp32 summation order differs; a one-ulp flip of a bf16 w1/w3
+output can move h by one FP8 step), so the layer output is compared at FP8/bf16 tolerance (H200:
+the GPU tests at V4-Flash dims pass on both paths).
 
 Measured (H200, BENCHMARKS.md session 4): 29-158x faster than the Python expert loop at decode;
 GEMV path 21% (Flash) / 30% (Pro) of the weight-bytes floor at batch 1, 26% / 33% at batch 64
@@ -71,32 +71,76 @@ if triton_available():
     from .kv_insert import _rne_bf16
 
     @triton.jit
-    def _route_kernel(S, BIAS, TID2EID, IDS, IDX, WRAW, EFLAT, E, stride_s,
+    def _sqrt_softplus(z):
+        """sqrt(softplus(z)) in fp32 (``F.softplus``: z above 20 passes through). log1p(exp(-|z|)) via
+        log(u) - ((u - 1) - y) / u, u = 1 + y (accurate to about an ulp, no libdevice: the
+        interpreter runs it too); the square root correctly rounded, as torch's."""
+        y = tl.exp(-tl.abs(z))
+        u = 1.0 + y
+        l1p = tl.where(u == 1.0, y, tl.log(u) - ((u - 1.0) - y) / u)
+        sp = tl.where(z > 20.0, z, tl.maximum(z, 0.0) + l1p)
+        return tl.sqrt_rn(sp)
+
+    @triton.jit
+    def _route_kernel(LOGIT, BIAS, TID2EID, IDS, IDX, W, EFLAT, E, stride_s, route_scale,
                       KTOP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr):
+        """One token: scores sqrt(softplus(logits)) of all E experts, the top-k of score + bias (ties ->
+        lower id) or the token's tid2eid row, the picked scores normalised (w / sum(w) * route_scale,
+        a repeated hash id counted in the sum as the twin's gather does) and the sort keys (a repeated
+        id contributes once: later copies get the sentinel E)."""
         t = tl.program_id(0).to(tl.int64)
         jk = tl.arange(0, KP)
         km = jk < KTOP
+        ar = tl.arange(0, EP)
+        em = ar < E
+        sc = _sqrt_softplus(tl.load(LOGIT + t * stride_s + ar, mask=em, other=0.0))
         if HASH:
             tok = tl.load(IDS + t).to(tl.int64)
             idx = tl.load(TID2EID + tok * KTOP + jk, mask=km, other=0).to(tl.int32)
         else:
-            ar = tl.arange(0, EP)
-            em = ar < E
-            s = tl.load(S + t * stride_s + ar, mask=em, other=0.0)
             b = tl.load(BIAS + ar, mask=em, other=0.0)
-            v = tl.where(em, s + b, float("-inf"))
+            v = tl.where(em, sc + b, float("-inf"))
             idx = tl.zeros([KP], tl.int32)
             for j in tl.static_range(KTOP):
                 m = tl.max(v, axis=0)
                 i = tl.min(tl.where(v == m, ar, EP), axis=0)
                 idx = tl.where(jk == j, i, idx)
                 v = tl.where(ar == i, float("-inf"), v)
-        w = tl.load(S + t * stride_s + idx, mask=km, other=0.0)
-        # a repeated id (hash rows) contributes once: later copies are masked
+        # the picked scores out of registers (one-hot sums: exact, one nonzero term each)
+        w = tl.sum(tl.where((ar[None, :] == idx[:, None]) & km[:, None], sc[None, :], 0.0), axis=1)
+        w = w / tl.sum(w, axis=0) * route_scale
         dup = tl.sum(((idx[None, :] == idx[:, None]) & (jk[None, :] < jk[:, None])).to(tl.int32), axis=1) > 0
         tl.store(IDX + t * KTOP + jk, idx.to(tl.int64), mask=km)
-        tl.store(WRAW + t * KTOP + jk, w, mask=km)
+        tl.store(W + t * KTOP + jk, w, mask=km)
         tl.store(EFLAT + t * KTOP + jk, tl.where(dup | (idx < 0), E, idx), mask=km)
+
+    @triton.jit
+    def _moe_sort_prep(EFLAT, PERM, OFFS, TCUM, INV, P, E, BM: tl.constexpr, EP: tl.constexpr,
+                       PP: tl.constexpr, CH: tl.constexpr):
+        """One program, P <= PP pairs: stable counting sort by expert id (sentinel E last) -> PERM[row] =
+        pair id, INV[pair] = row; OFFS / TCUM as ``_moe_prep``. A pair's row is its expert's first row
+        + the number of earlier pairs of that expert (compared in CH x CH blocks: O(P^2), for decode)."""
+        e = tl.arange(0, EP)
+        i = tl.arange(0, PP)
+        cnt = tl.histogram(tl.load(EFLAT + i, mask=i < P, other=0), EP, mask=i < P)
+        offs = tl.cumsum(cnt, axis=0) - cnt
+        tl.store(OFFS + e, offs.to(tl.int64), mask=e <= E)
+        tiles = tl.where(e < E, (cnt + BM - 1) // BM, 0)
+        tl.store(TCUM + 1 + e, tl.cumsum(tiles, axis=0).to(tl.int64), mask=e < E)
+        tl.store(TCUM + e, tl.zeros([EP], tl.int64), mask=e == 0)
+        tl.debug_barrier()                          # OFFS stored before the gathers below
+        jl = tl.arange(0, CH)
+        for c0 in range(0, P, CH):
+            ii = c0 + jl
+            im = ii < P
+            ei = tl.load(EFLAT + ii, mask=im, other=-1)
+            before = tl.sum(((ei[None, :] == ei[:, None]) & (jl[None, :] < jl[:, None])).to(tl.int32), axis=1)
+            for d0 in range(0, c0, CH):
+                ej = tl.load(EFLAT + d0 + jl)
+                before += tl.sum((ej[None, :] == ei[:, None]).to(tl.int32), axis=1)
+            row = tl.load(OFFS + ei, mask=im, other=0).to(tl.int32) + before
+            tl.store(PERM + row, ii.to(tl.int64), mask=im)
+            tl.store(INV + ii, row, mask=im)
 
     @triton.jit
     def _moe_prep(SORTED_E, PERM, OFFS, TCUM, INV, P, E,
@@ -347,9 +391,9 @@ def route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, _want_eflat:
     T = x.shape[0]
     k, E = w.topk, w.n_experts
     dev = x.device
-    scores = torch.sqrt(F.softplus(x.float() @ w.gate_w.T))             # the twin's ops, fp32
+    logits = x.float() @ w.gate_w.T                                       # the twin's fp32 GEMM
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
-    wraw = torch.empty(T, k, dtype=torch.float32, device=dev)
+    weights = torch.empty(T, k, dtype=torch.float32, device=dev)
     eflat = torch.empty(T * k, dtype=torch.int32, device=dev)
     if T:
         hash_layer = w.tid2eid is not None
@@ -357,10 +401,9 @@ def route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, _want_eflat:
             raise ValueError("hash-routed layer needs the token ids")
         kw = {} if interpreting() else {"num_warps": 4}
         _route_kernel[(T,)](
-            scores, w.bias if w.bias is not None else scores, w.tid2eid if hash_layer else idx,
-            ids if hash_layer else idx, idx, wraw, eflat, E, scores.stride(0),
+            logits, w.bias if w.bias is not None else logits, w.tid2eid if hash_layer else idx,
+            ids if hash_layer else idx, idx, weights, eflat, E, logits.stride(0), float(w.route_scale),
             KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, **kw)
-    weights = wraw / wraw.sum(dim=-1, keepdim=True) * w.route_scale       # the twin's ops, same order
     if _want_eflat:
         return idx, weights, eflat
     return idx, weights
@@ -370,15 +413,25 @@ def route_torch(moe_ref, x, ids):
     return moe_ref.route(x, ids)
 
 
+SORT_ONE_PROGRAM_MAX = 1024   # pairs up to which sort_pairs runs the one-program counting sort
+
+
 def sort_pairs(eflat: torch.Tensor, n_experts: int, bm: int):
-    """(perm int64 [P] sorted row -> pair id, offs int64 [E+1], tcum int64 [E+1], inv int32 [P])."""
+    """(perm int64 [P] sorted row -> pair id, offs int64 [E+1], tcum int64 [E+1], inv int32 [P]): the
+    pairs stably sorted by expert id (the sentinel ``n_experts`` last). Up to ``SORT_ONE_PROGRAM_MAX``
+    pairs (decode) one Triton program (``_moe_sort_prep``), else ``torch.sort`` + ``_moe_prep``."""
     P = eflat.numel()
     dev = eflat.device
-    sorted_e, perm = torch.sort(eflat, stable=True)       # perm int64, read as is by the kernels
     offs = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
     tcum = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
     inv = torch.empty(P, dtype=torch.int32, device=dev)
     kw = {} if interpreting() else {"num_warps": 4}
+    if 0 < P <= SORT_ONE_PROGRAM_MAX:
+        perm = torch.empty(P, dtype=torch.int64, device=dev)
+        _moe_sort_prep[(1,)](eflat, perm, offs, tcum, inv, P, n_experts, BM=bm,
+                             EP=triton.next_power_of_2(n_experts + 1), PP=triton.next_power_of_2(P), CH=64, **kw)
+        return perm, offs, tcum, inv
+    sorted_e, perm = torch.sort(eflat, stable=True)       # perm int64, read as is by the kernels
     _moe_prep[(1,)](sorted_e, perm, offs, tcum, inv, P, n_experts, BM=bm,
                     EP=triton.next_power_of_2(n_experts + 1), LOG2P=max(1, P.bit_length()),
                     CH=min(1024, triton.next_power_of_2(max(P, 1))), **kw)
