@@ -126,6 +126,8 @@ def main():
     ap.add_argument("--out", default=None, help="append the markdown section to this file")
     ap.add_argument("--profile-layer", type=int, default=None,
                     help="also list the GPU kernels of this layer (torch.profiler, eager calls)")
+    ap.add_argument("--profile-step", action="store_true",
+                    help="also list the GPU kernels of one whole step (torch.profiler, eager call)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -162,7 +164,10 @@ def main():
                          for i in range(args.layers)]
             head = graph_time(lambda: dec.fused_head(h0))
         if args.profile_layer is not None and dev.type == "cuda":
-            profiles.append((B, kernel_profile(lambda: dec.fused_layer(args.profile_layer, h0, tokens, pos, sl, bt))))
+            profiles.append((B, f"layer {args.profile_layer}",
+                             kernel_profile(lambda: dec.fused_layer(args.profile_layer, h0, tokens, pos, sl, bt))))
+        if args.profile_step and dev.type == "cuda":
+            profiles.append((B, "the whole step", kernel_profile(lambda: dec.forward(tokens, pos, sl, bt), top=60)))
         for i, t in enumerate(per_layer):
             r = cfg.compress_ratios[i]
             nb = layer_bytes(tensors, cfg_real, i, B, args.ctx, r)
@@ -184,9 +189,9 @@ def main():
     for B, name, us, nb in rows:
         fl = nb / copy_bw * 1e6
         md.append(f"| {B} | {name} | {us:.1f} | {fl:.1f} | {fl / us * 100:.0f}% |")
-    for B, prof in profiles:
-        md += ["", f"<details><summary>layer {args.profile_layer} at batch {B}: GPU kernels (eager calls, "
-                   f"torch.profiler; us per layer call)</summary>", "", "| kernel | calls | us |", "|---|---|---|"]
+    for B, what, prof in profiles:
+        md += ["", f"<details><summary>{what} at batch {B}: GPU kernels (eager calls, "
+                   f"torch.profiler; us per call)</summary>", "", "| kernel | calls | us |", "|---|---|---|"]
         md += [f"| `{name[:90]}` | {n} | {us:.1f} |" for name, n, us in prof]
         md += ["", "</details>"]
     text = "\n".join(md) + "\n"
