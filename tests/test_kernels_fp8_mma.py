@@ -49,6 +49,8 @@ def test_fp8_mma_argument_errors():
         F.fp8_mma(q, s, xq, xs, config={"BN": 64, "num_warps": 2})
     with pytest.raises(ValueError, match="unknown config keys"):
         F.fp8_mma(q, s, xq, xs, config={"BM": 8})
+    with pytest.raises(ValueError, match="UNROLL must be 1 or 2"):
+        F.fp8_mma(q, s, xq, xs, config={"UNROLL": 4})
     with pytest.raises(ValueError, match="act must be"):
         F.fp8_mma(q, s, x_bf16=x, act="fp16")
     with pytest.raises(ValueError, match="one group"):
@@ -83,6 +85,11 @@ def test_gpu_fp8_mma_flash_shapes(M):
         for S in (1, 3):
             assert torch.equal(F.fp8_mma(qc, sc, xq, xs, split=S), F.fp8_mma(qc, sc, x_bf16=x, split=S))
             check_gemm(F.fp8_mma(qc, sc, xq, xs, split=S), xq, xs, Wd)
+        # two K blocks per step: the same additions in the same order (odd block counts per split at S 3)
+        for S in (None, 3):
+            u2 = {"UNROLL": 2}
+            assert torch.equal(F.fp8_mma(qc, sc, xq, xs, split=S, config=u2), F.fp8_mma(qc, sc, xq, xs, split=S))
+            assert torch.equal(F.fp8_mma(qc, sc, x_bf16=x, split=S, config=u2), F.fp8_mma(qc, sc, x_bf16=x, split=S))
         part = F.fp8_mma(qc, sc, xq, xs, partial=True, split=4)
         assert part.shape == (4, M, N)
         check_gemm(part.sum(0).bfloat16(), xq, xs, Wd)
@@ -144,4 +151,9 @@ def test_gpu_fp8_mma_grouped_bf16_wo_a(M):
     assert (err <= 2.0 ** -8 * ex.abs() + 2.0 ** -20 * mag + 1e-30).all(), (err - 2.0 ** -8 * ex.abs()).max()
     # the bf16 einsum of the dequantised weight (torch's, on the GPU): the same up to summation order
     zt = torch.einsum("tgd,grd->tgr", og.cuda(), Wd.view(G, R, D).bfloat16().cuda()).reshape(M, G * R)
+    for S in (None, 3):
+        assert torch.equal(F.fp8_mma(q.cuda(), s.cuda(), x_bf16=og.view(M, G * D).cuda(), act="bf16", groups=G,
+                                     split=S, config={"UNROLL": 2}),
+                           F.fp8_mma(q.cuda(), s.cuda(), x_bf16=og.view(M, G * D).cuda(), act="bf16", groups=G,
+                                     split=S))
     assert ((z.float() - zt.float()).abs() <= 2.0 ** -7 * zt.float().abs() + 2.0 ** -19 * mag.float().cuda()).all()

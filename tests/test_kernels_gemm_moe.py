@@ -505,7 +505,7 @@ _AOT_SCRIPT = textwrap.dedent("""
             ptx = comp(F8._fp8_mma_kernel, dict(A=P("bf16") if act else P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"),
                        C=P("bf16"), PART=P("fp32"), CNT=P("i32")),
                        dict(ACT=act, SB_E8M0=True, SB_ROW=False, BM=F8.BM_ROWS, BN=64, SPLIT=reduce,
-                            REDUCE=reduce, NUM_WARPS=4), cap, 4)
+                            REDUCE=reduce, NUM_WARPS=4, UNROLL=1 if act == 2 else 2), cap, 4)
             ab = "bf16" if act == 2 else "f16"
             assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
             assert ("atom.global.gpu.acq_rel.add" in ptx) == reduce

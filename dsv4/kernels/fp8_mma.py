@@ -11,7 +11,8 @@ side (16 weight rows per warp), up to ``BM_ROWS`` = 8 activation rows the N side
 ``mma.sync`` m16n8k16 (f16 in, fp32 accumulate; e4m3 -> f16 is exact). Per 128-K block a thread loads
 16 contiguous bytes of each of its weight rows for each 64-K half (one ``ld.global.nc.L2::128B.v4``
 and eight ``cvt.rn.f16x2.e4m3x2``, ``_ld_e4m3_f16``), straight into the ``DotOperandLayout(k_width=16)``
-operand; no shared memory.
+operand; no shared memory. ``UNROLL`` 2 issues two K blocks' loads before their math (more bytes in
+flight per warp; the same additions in the same order).
 
 Split K without a second launch: with S > 1 K splits every program stores its fp32 partial, then
 arrives on its output tile's counter (``atomic_add``, acq_rel, gpu scope); the last to arrive sums
@@ -49,10 +50,10 @@ except ImportError:      # CPU-only torch without triton, or a triton without Gl
 
 BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mma
 # fp8_linear / fp8_gemm route calls here (sm_89+) up to MAX_ROWS rows on weights of up to MAX_WEIGHT
-# elements. H200 (benchmarks/gemm_moe.py --only fp8dec, BENCHMARKS.md session 7): on the 2-8 MB
-# V4-Flash linears 6.5-7.8 us at one row against 8.4-9.0 us for the best split-K MMA tile (which also
-# needs its sum launch), equal at 4 rows, not faster at 8; on the 32 MB ones (wq_b, wo_b) slower
-# (18.8 / 19.8 us against 15.3 / 18.2: one K block in flight per warp, no pipelining)
+# elements. H200 (benchmarks/gemm_moe.py --only fp8dec and exp_fp8_mma.py, BENCHMARKS.md session 7): on
+# the 2-8 MB V4-Flash linears 7.1-7.5 us at one row (two K blocks per step) against 8.7-9.7 us for the
+# split-K Triton tile + its sum launch, about equal at 8 rows; on the 32 MB ones (wq_b, wo_b) slower
+# (19.3 / 20.3 us against 15.3 / 17.9: no cross-iteration pipelining, the Triton tile has 3 stages)
 MAX_ROWS = 4
 MAX_WEIGHT = 8 * 1024 * 1024
 # the decode step's grouped wo_a (act="bf16") up to this many rows: H200 (benchmarks/exp_bf16_decode.py)
@@ -101,10 +102,53 @@ if GLUON:
         return v.to(gl.float8e4nv).to(gl.float16)
 
     @gluon.jit
+    def _kload(kb, wptr, aptr, amask, saptr, swptr, mma: gl.constexpr, ACT: gl.constexpr,
+               SB_E8M0: gl.constexpr):
+        """Operands of 128-K block kb: weight halves, activation halves (quantised here for ACT 1),
+        the activation scales (ones for ACT 2) and the weight block scales."""
+        if ACT == 2:
+            w0 = _ld_e4m3_bf16(wptr + kb * 128)
+            w1 = _ld_e4m3_bf16(wptr + kb * 128 + 64)
+            x0 = gl.load(aptr + kb * 128, mask=amask, other=0.0)
+            x1 = gl.load(aptr + kb * 128 + 64, mask=amask, other=0.0)
+            sa = gl.full([x0.shape[1]], 1.0, gl.float32, layout=gl.SliceLayout(0, mma))
+        else:
+            w0 = _ld_e4m3_f16(wptr + kb * 128)
+            w1 = _ld_e4m3_f16(wptr + kb * 128 + 64)
+            if ACT == 1:   # 1x128 act quant of this block, per activation row (column of the operand)
+                y0 = gl.load(aptr + kb * 128, mask=amask, other=0.0).to(gl.float32)
+                y1 = gl.load(aptr + kb * 128 + 64, mask=amask, other=0.0).to(gl.float32)
+                e = _ue8m0_exp(gl.maximum(gl.max(gl.abs(y0), axis=0), gl.max(gl.abs(y1), axis=0)))
+                x0 = _quant_half(y0, e)
+                x1 = _quant_half(y1, e)
+                sa = gl.convert_layout(_exp2i(e), gl.SliceLayout(0, mma))
+            else:
+                x0 = _ld_e4m3_f16(aptr + kb * 128)
+                x1 = _ld_e4m3_f16(aptr + kb * 128 + 64)
+                sa = gl.load(saptr + kb)
+        if SB_E8M0:   # 2^(byte-127); byte 0 is the subnormal 2^-127
+            sbb = gl.load(swptr + kb).to(gl.int32)
+            sw = gl.where(sbb == 0, 5.877471754111438e-39, (sbb << 23).to(gl.float32, bitcast=True))
+        else:
+            sw = gl.load(swptr + kb)
+        return w0, w1, x0, x1, sa, sw
+
+    @gluon.jit
+    def _kpart(zero, w0, w1, x0, x1, sa, sw, ACT: gl.constexpr):
+        """The block's fp32 partial times its scale factor (sB for ACT 2, sB * sA otherwise)."""
+        part = mma_v2(w1, x1, mma_v2(w0, x0, zero))
+        if ACT == 2:
+            f = part * sw[:, None]
+        else:
+            f = part * (sw[:, None] * sa[None, :])
+        return f
+
+    @gluon.jit
     def _fp8_mma_kernel(A, SA, W, WS, C, PART, CNT, M, N, K, k_per_split, group_rows,
                         stride_am, stride_ag, stride_sam, stride_wn, stride_wsn, stride_cm,
                         ACT: gl.constexpr, SB_E8M0: gl.constexpr, SB_ROW: gl.constexpr, BM: gl.constexpr,
-                        BN: gl.constexpr, SPLIT: gl.constexpr, REDUCE: gl.constexpr, NUM_WARPS: gl.constexpr):
+                        BN: gl.constexpr, SPLIT: gl.constexpr, REDUCE: gl.constexpr, NUM_WARPS: gl.constexpr,
+                        UNROLL: gl.constexpr):
         """Program (m-tile, BN weight rows, K split ks). ACT: 0 e4m3 activations + scales SA, 1 bf16
         activations quantised here, 2 bf16 activations as they are (bf16 mma, weights e4m3 -> bf16).
         Weight rows come in groups of ``group_rows`` (a multiple of BN); group g reads the activation
@@ -142,38 +186,16 @@ if GLUON:
         zero = gl.zeros([BN, BM], gl.float32, layout=mma)
         kb_lo = (ks * k_per_split) // 128
         kb_hi = gl.minimum(K, ks * k_per_split + k_per_split) // 128
-        for kb in range(kb_lo, kb_hi):
-            if ACT == 2:
-                w0 = _ld_e4m3_bf16(wptr + kb * 128)
-                w1 = _ld_e4m3_bf16(wptr + kb * 128 + 64)
-            else:
-                w0 = _ld_e4m3_f16(wptr + kb * 128)
-                w1 = _ld_e4m3_f16(wptr + kb * 128 + 64)
-            if ACT == 2:   # bf16 x bf16 products, exact in fp32
-                x0 = gl.load(aptr + kb * 128, mask=amask, other=0.0)
-                x1 = gl.load(aptr + kb * 128 + 64, mask=amask, other=0.0)
-            elif ACT == 1:   # 1x128 act quant of this block, per activation row (column of the operand)
-                y0 = gl.load(aptr + kb * 128, mask=amask, other=0.0).to(gl.float32)
-                y1 = gl.load(aptr + kb * 128 + 64, mask=amask, other=0.0).to(gl.float32)
-                e = _ue8m0_exp(gl.maximum(gl.max(gl.abs(y0), axis=0), gl.max(gl.abs(y1), axis=0)))
-                x0 = _quant_half(y0, e)
-                x1 = _quant_half(y1, e)
-                sa = gl.convert_layout(_exp2i(e), gl.SliceLayout(0, mma))
-            else:
-                x0 = _ld_e4m3_f16(aptr + kb * 128)
-                x1 = _ld_e4m3_f16(aptr + kb * 128 + 64)
-                sa = gl.load(saptr + kb)
-            part = mma_v2(w0, x0, zero)
-            part = mma_v2(w1, x1, part)
-            if SB_E8M0:   # 2^(byte-127); byte 0 is the subnormal 2^-127
-                sbb = gl.load(swptr + kb).to(gl.int32)
-                sw = gl.where(sbb == 0, 5.877471754111438e-39, (sbb << 23).to(gl.float32, bitcast=True))
-            else:
-                sw = gl.load(swptr + kb)
-            if ACT == 2:
-                acc += part * sw[:, None]
-            else:
-                acc += part * (sw[:, None] * sa[None, :])
+        for kb in range(kb_lo, kb_hi, UNROLL):
+            # UNROLL 2: both blocks' loads issued before either block's math (block kb+1 clamped and
+            # its sum skipped past the split's end: the same additions in the same order as UNROLL 1)
+            wa0, wa1, xa0, xa1, saa, swa = _kload(kb, wptr, aptr, amask, saptr, swptr, mma, ACT, SB_E8M0)
+            if UNROLL == 2:
+                wb0, wb1, xb0, xb1, sab, swb = _kload(gl.minimum(kb + 1, kb_hi - 1), wptr, aptr, amask, saptr,
+                                                      swptr, mma, ACT, SB_E8M0)
+            acc += _kpart(zero, wa0, wa1, xa0, xa1, saa, swa, ACT)
+            if UNROLL == 2:
+                acc = gl.where(kb + 1 < kb_hi, acc + _kpart(zero, wb0, wb1, xb0, xb1, sab, swb, ACT), acc)
         rn64 = rn_c.to(gl.int64)
         rc64 = rc.to(gl.int64)
         omask = (rn_c < N)[:, None] & (rc < M)[None, :]
@@ -212,7 +234,7 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
     ``groups`` G (bf16 activations only): x_bf16 [M, G*K], weight rows in G equal groups, group g
     reading x columns g*K ..: out [M, N] = the grouped einsum "mgk,grk->mgr" flattened.
     ``partial``: return the fp32 split partials [S, M, N] (summed in split order they are the result).
-    ``config``: ``BN`` (16 rows per warp) / ``num_warps``."""
+    ``config``: ``BN`` (16 rows per warp) / ``num_warps`` / ``UNROLL`` (K blocks loaded per step: 1, 2)."""
     _check_fp8_weight(w, ws)
     N, K = w.shape
     if act not in ("fp8", "bf16"):
@@ -245,7 +267,9 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
     for name, t in (("activation", a), ("weight", w)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             raise ValueError(f"fp8_mma: {name} must be row-contiguous with 16-byte aligned rows")
-    cfg = {"BN": 64, "num_warps": 4}
+    # H200 (benchmarks/exp_fp8_mma.py, BENCHMARKS.md session 7): two K blocks per step took the FP8-activation
+    # modes 0.3-3 us lower on every V4-Flash decode linear; wo_a's bf16 mode was 0.5-0.8 us slower with it
+    cfg = {"BN": 64, "num_warps": 4, "UNROLL": 1 if mode == 2 else 2}
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -254,6 +278,8 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
     BN, nw = cfg["BN"], cfg["num_warps"]
     if BN != 16 * nw:
         raise ValueError(f"fp8_mma: BN must be 16 rows per warp, got BN={BN}, num_warps={nw}")
+    if cfg["UNROLL"] not in (1, 2):
+        raise ValueError(f"fp8_mma: UNROLL must be 1 or 2, got {cfg['UNROLL']}")
     if (N // groups) % BN and groups > 1:
         raise ValueError(f"fp8_mma: {N // groups} rows per group must be a multiple of BN={BN}")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16 or out.stride(-1) != 1):
@@ -280,7 +306,7 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
         a, sa, _u8(w), wsv, res, dst, cnt, M, N, K, kps, N // groups,
         a.stride(0), K, sa.stride(0), w.stride(0), wsv.stride(0), res.stride(-2),
         ACT=mode, SB_E8M0=sb_e8m0, SB_ROW=sb_row, BM=BM_ROWS, BN=BN,
-        SPLIT=dst.dtype == torch.float32, REDUCE=reduce, NUM_WARPS=nw, num_warps=nw)
+        SPLIT=dst.dtype == torch.float32, REDUCE=reduce, NUM_WARPS=nw, UNROLL=cfg["UNROLL"], num_warps=nw)
     return res
 
 
