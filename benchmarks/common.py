@@ -67,3 +67,15 @@ def graph_time(fn, reps=3):
         del g
         return t
     return max(capture(fn) - capture(lambda: None), 1e-6)
+
+
+def gpu_experiment(script: str, why: str = ""):
+    """(device, seeded generator, copy bandwidth) for a GPU-only experiment, the copy bandwidth printed;
+    None (after saying so) without a GPU."""
+    if not torch.cuda.is_available():
+        print(f"{script}: needs a CUDA GPU{f' ({why})' if why else ''}")
+        return None
+    dev = "cuda"
+    copy_bw, _ = roofline(dev, False)
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    return dev, torch.Generator(device=dev).manual_seed(0), copy_bw

@@ -17,17 +17,14 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import graph_time, roofline  # noqa: E402
+from benchmarks.common import gpu_experiment, graph_time  # noqa: E402
 
 
 def main():
-    if not torch.cuda.is_available():
-        print("exp_bf16_decode: needs a CUDA GPU")
+    setup = gpu_experiment("exp_bf16_decode")
+    if setup is None:
         return
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    copy_bw, _ = roofline(dev, False)
-    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    dev, gen, copy_bw = setup
     print("| GEMM | B | x . W^T us | (W . x^T)^T us | floor us |")
     print("|---|---|---|---|---|")
     # CSA layer: main compressor wkv|wgate (2 x 1024) + indexer compressor (2 x 256) + weights_proj (64);

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import graph_time, roofline  # noqa: E402
+from benchmarks.common import gpu_experiment, graph_time  # noqa: E402
 
 # (name, N, K, groups); groups > 1: wo_a's grouped einsum with bf16 activations
 SHAPES = [("wq_b", 32768, 1024, 1), ("wo_b", 4096, 8192, 1), ("shared w1|w3", 4096, 4096, 1),
@@ -24,16 +24,13 @@ VARIANTS = {"u1": {}, "u2": {"UNROLL": 2}, "u1.k1": dict(split=1), "u2.k1": dict
 
 
 def main():
-    if not torch.cuda.is_available():
-        print("exp_fp8_mma: needs a CUDA GPU (Gluon kernel)")
+    setup = gpu_experiment("exp_fp8_mma", "Gluon kernel")
+    if setup is None:
         return
+    dev, gen, copy_bw = setup
     from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight
     from dsv4.kernels import fp8_mma as F8
     from dsv4.kernels import gemm as G
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    copy_bw, _ = roofline(dev, False)
-    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     print("| linear | M | floor us | Triton tile (+ sum) us | " + " | ".join(VARIANTS) + " |")
     print("|---|---|---|---|" + "---|" * len(VARIANTS))
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
