@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import interpreting, triton_available
+from . import triton_available
 from .gemm import QBLOCK, _check_fp8_weight, _u8
 from .gemv import launch_plan
 

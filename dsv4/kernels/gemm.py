@@ -658,7 +658,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, fuse_quant: b
     GEMM's A-tile load when M <= 64, unless ``fuse_quant`` says otherwise). Bit-identical to the
     two-step path. ``gemv=True`` runs the CUDA-core GEMV instead (``gemv.fp8_gemv``: same products
     and quantisation, another fp32 summation order); not the default: at 1-4 rows the split-K MMA
-    kernel measured faster on the H200 for every V4-Flash linear (BENCHMARKS.md)."""
+    kernel measured faster on the H200 for every V4-Flash linear (BENCHMARKS.md). On sm_89+ the
+    decode-size calls on small weights (``_mma_decode_ok``) run ``fp8_mma`` instead: the same
+    quantisation, products and per-block promotion, another fp32 summation order."""
     _check_fp8_weight(w, ws)
     K = x.shape[-1]
     N = w.shape[0]
