@@ -5,6 +5,9 @@ scales (e8m0 bytes or fp32; per-row ``[N, K/128]`` also accepted), activations q
 (``act_quant_fp8``: e4m3 + power-of-two scales) either beforehand (``xq``, ``xs``) or in this kernel
 from bf16 ``x`` (``x_bf16``: ``gemm._quant_rows``' rule, the same bytes and scales). Per 128-K block a
 fresh fp32 partial of exact products, then ``acc += P * (sA * sB)``; one bf16 rounding at the end.
+``act="bf16"`` keeps bf16 activations as they are (weights e4m3 -> bf16 in the load, exact; bf16 mma;
+``acc += P * sB``): the official bf16 GEMM of the dequantised weight up to fp32 summation order, with
+``groups`` for wo_a's grouped einsum (the FP8 weight read instead of its bf16 copy: half the bytes).
 
 Layout, as ``fp4_mma.py`` (whose notes on the operand layouts apply): output features are the mma M
 side (16 weight rows per warp), up to ``BM_ROWS`` = 8 activation rows the N side of
@@ -19,7 +22,7 @@ arrives on its output tile's counter (``atomic_add``, acq_rel, gpu scope); the l
 the S partials in split order (``gemm._splitk_sum``'s order: deterministic whatever the arrival
 order), writes bf16 and resets the counter (``mhc._counters``: per device, zero between calls, so
 calls on one device must be stream-ordered; the engine's are). ``partial=True`` returns the fp32
-partials [S, M, N] instead (the SwiGLU pass of the shared expert reads them).
+partials [S, M, N] instead (for a consumer that sums them in its own pass).
 
 Gluon has no CPU interpreter: CPU CI compiles this kernel for sm_90 / sm_100; the GPU tests compare
 it with ``gemm.fp8_gemm_torch``. Needs sm_89+ (e4m3 -> f16 conversion).
