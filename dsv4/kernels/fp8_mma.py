@@ -20,8 +20,8 @@ flight per warp; the same additions in the same order).
 Split K without a second launch: with S > 1 K splits every program stores its fp32 partial, then
 arrives on its output tile's counter (``atomic_add``, acq_rel, gpu scope); the last to arrive sums
 the S partials in split order (``gemm._splitk_sum``'s order: deterministic whatever the arrival
-order), writes bf16 and resets the counter (``mhc._counters``: per device, zero between calls, so
-calls on one device must be stream-ordered; the engine's are). ``partial=True`` returns the fp32
+order), writes bf16 and resets the counter (``counters.arrival_counters``: per device, zero between
+calls, so calls on one device must be stream-ordered; the engine's are). ``partial=True`` returns the fp32
 partials [S, M, N] instead (for a consumer that sums them in its own pass).
 
 Gluon has no CPU interpreter: CPU CI compiles this kernel for sm_90 / sm_100; the GPU tests compare
@@ -298,8 +298,8 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
                                            torch.empty(M, N, dtype=torch.bfloat16, device=dev))
     reduce = S > 1 and not partial
     if reduce:
-        from .mhc import _counters
-        cnt = _counters(dev, grid[0] * grid[1])
+        from .counters import arrival_counters
+        cnt = arrival_counters(dev, grid[0] * grid[1])
     else:
         cnt = dst
     sb_e8m0 = ws.dtype in (torch.float8_e8m0fnu, torch.uint8)

@@ -24,10 +24,10 @@ not found; the hc_pre paths were bit-stable there, eager and in CUDA graphs):
   stores them, and arrives on the token block's counter (``atomic_add``, acq_rel, gpu scope). The
   last program to arrive sums the partials in split order (deterministic whatever the arrival
   order), computes rsqrt, sigmoids and the Sinkhorn, does the weighted stream sum (``x`` re-read,
-  from L2) and resets the counter to 0: the counters (``_counters``, one int32 buffer per device,
-  zeroed once) need no memset launch. Calls on one device must therefore be stream-ordered (as
-  everything in the engine is); inside a CUDA-graph capture with no buffer yet, a zeroed one is
-  captured with the call.
+  from L2) and resets the counter to 0: the counters (``counters.arrival_counters``, one int32
+  buffer per device, zeroed once, shared with ``fp8_mma``) need no memset launch. Calls on one
+  device must therefore be stream-ordered (as everything in the engine is); inside a CUDA-graph
+  capture with no buffer yet, a zeroed one is captured with the call.
 * ``"tiled"`` (prefill sizes), three launches. ``_hc_mix_tile``: the ``[T, 4d] x [4d, NMIX]`` mix
   GEMM over 64 / 128-token blocks (``fn`` re-read from L2 once per token block, not per 16 tokens),
   split-K only as far as needed for ~2 programs per SM (8 splits at T = 4096, 4 at 8192), grid
@@ -76,6 +76,7 @@ import weakref
 import torch
 
 from . import interpreting, triton_available
+from .counters import arrival_counters
 
 HC = 4
 DEFAULT_MODE = "bf16x3"   # GPU default (the interpreter always runs the fp32 FMA path)
@@ -530,28 +531,7 @@ def _mix_launch(x, fn, nmix, np_, config):
 
 FUSED_MAX_T = 1       # hc_pre: the one-launch fused path up to this many tokens, the tiled path above
                       # (H200, d 4096: T 1 fused 8.8 vs v1 10.5 us; T 8 fused 19.3, tiled 12.3, v1 12.0)
-_CNT_MIN = 1024       # arrival counters kept per device (one per token block of the fused path)
-_COUNTERS: dict = {}
-_RETIRED: list = []   # outgrown counter buffers: captured CUDA graphs may still use them, never freed
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, >= n of them, reused across calls: the fused kernel's last
-    arriver of a token block resets its counter to 0, so no memset launch is needed. Kept per device
-    (calls on one device must be stream-ordered: two hc_pre/hc_head launches running concurrently on
-    two streams of one device would share counters). Inside a CUDA-graph capture with no buffer yet,
-    a fresh zeroed one is used (its memset is captured: correct at every replay)."""
-    key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    fresh = torch.zeros(max(n, _CNT_MIN), dtype=torch.int32, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return fresh
-    if buf is not None:
-        _RETIRED.append(buf)
-    _COUNTERS[key] = fresh
-    return fresh
+_counters = arrival_counters   # one zeroed buffer per device, reset by each last arriver (counters.py)
 
 
 def _impl(cfg: dict, T: int) -> str:

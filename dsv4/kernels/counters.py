@@ -1,0 +1,37 @@
+"""Arrival counters for one-launch split reductions (the last program to arrive finishes the job).
+
+Kernels that split a reduction over programs and let the last arriving program finish it (``mhc``'s
+fused hc_pre / hc_head, ``fp8_mma``'s in-kernel split-K sum) count arrivals in an int32 counter per
+output tile (``atomic_add``, acq_rel, gpu scope); the last arriver resets its counter to 0. So one
+zeroed buffer per device serves every such launch with no memset launch, as long as the launches on
+a device are stream-ordered (two of them running concurrently on two streams would share counters;
+everything in the engine runs on one stream).
+"""
+from __future__ import annotations
+
+import torch
+
+_CNT_MIN = 1024       # counters kept per device (grown on demand)
+_COUNTERS: dict = {}
+_RETIRED: list = []   # outgrown buffers: captured CUDA graphs may still use them, never freed
+
+
+def arrival_counters(device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, >= n of them, reused across calls and kernels (module doc).
+    Inside a CUDA-graph capture with no large enough buffer yet, a fresh zeroed one is used (its
+    memset is captured: correct at every replay)."""
+    device = torch.device(device)
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    fresh = torch.zeros(max(n, _CNT_MIN), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh
+    if buf is not None:
+        _RETIRED.append(buf)
+    _COUNTERS[key] = fresh
+    return fresh
+
+
+__all__ = ["arrival_counters"]
