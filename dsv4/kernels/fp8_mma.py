@@ -75,7 +75,7 @@ if GLUON:
 
     # the same 16 bytes -> 16 bf16 (exact: e4m3 -> f16 -> f32 -> bf16, no rounding on the way)
     _LD_E4M3_BF16_ASM = gl.constexpr(_asm_text(
-        [".reg .b32 w0, w1, w2, w3, a, b; .reg .b16 l, h; .reg .f32 f0, f1;",
+        [".reg .b32 w0, w1, w2, w3, a; .reg .b16 l, h; .reg .f32 f0, f1;",
          "ld.global.nc.L2::128B.v4.b32 {w0, w1, w2, w3}, [$8];"]
         + [line for j in range(4) for q, half in ((0, "l"), (1, "h")) for line in (
             f"mov.b32 {{l, h}}, w{j}; cvt.rn.f16x2.e4m3x2 a, {half};",
