@@ -646,10 +646,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tens
 def _mma_decode_ok(M: int, N: int, K: int, dev) -> bool:
     """Decode-sized calls on small weights go to ``fp8_mma`` (tensor-core, in-kernel split-K sum) where
     it runs: measured faster there on the H200 (``fp8_mma.MAX_ROWS`` / ``MAX_WEIGHT`` say where)."""
-    if M <= 0 or interpreting() or torch.device(dev).type != "cuda":
-        return False
-    from . import fp8_mma
-    return M <= fp8_mma.MAX_ROWS and N * K <= fp8_mma.MAX_WEIGHT and fp8_mma.available(dev)
+    from . import fp8_mma     # available(): a CUDA sm_89+ device, Gluon, not the interpreter
+    return 0 < M <= fp8_mma.MAX_ROWS and N * K <= fp8_mma.MAX_WEIGHT and fp8_mma.available(dev)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, fuse_quant: bool | None = None,
