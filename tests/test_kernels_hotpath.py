@@ -522,6 +522,25 @@ def test_index_topk_no_valid_and_small_k():
     assert torch.equal(out, index_topk_torch(s, 40))
 
 
+def test_index_topk_workspace_reset():
+    """The chunked passes keep their counters, row fields and histogram in the shared arrival-counter
+    buffer: the last pass leaves it zeroed, so back-to-back calls (other data, other row counts, with
+    and without n_valid, both sort paths) stay exact with no memset launch."""
+    from dsv4.kernels.counters import arrival_counters
+    from dsv4.kernels.indexer import _TOPK_WS
+    gen = torch.Generator().manual_seed(11)
+    for B, N, k, sort_max in ((3, 3000, 100, 512), (1, 9000, 700, 512), (2, 5000, 600, 0), (3, 3000, 100, 512)):
+        s = torch.randn(B, N, generator=gen).bfloat16()
+        s[0, ::5] = 1.0                                              # ties across the threshold
+        nv = torch.randint(N // 2, N + 1, (B,), generator=gen).int()
+        for n_valid in (nv, None):
+            out = index_topk(s.to(DEV), k, None if n_valid is None else n_valid.to(DEV), single_max=0,
+                             sort_max=sort_max).cpu()
+            assert torch.equal(out, index_topk_torch(s, k, n_valid))
+            ws = arrival_counters(DEV, B * _TOPK_WS)[:B * _TOPK_WS]
+            assert not ws.any(), "index_topk left its workspace dirty"
+
+
 def test_index_scores_topk_match_fast_decoder_rule():
     """scores + top-k == the reference path of FastDecoder._indexer (stable sort, -1 past visible)."""
     gen = torch.Generator().manual_seed(8)

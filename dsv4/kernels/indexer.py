@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from . import interpreting, triton_available
+from .counters import arrival_counters
 
 HEAD_DIM = 128
 INDEX_PAGE = 64                 # keys per page (dsv4.engine.kv_cache.INDEX_PAGE)
@@ -57,6 +58,8 @@ if triton_available():
 
     from .compressor import _e2m1_value, _fp4_qdq_blocks
     from .kv_insert import _rne_bf16
+
+    WS_P2 = tl.constexpr(512)     # _TOPK_WS rounded up to a power of two (the workspace reset's arange)
 
     # -------------------------------------------------------------------------- q prologue
     @triton.jit
@@ -183,12 +186,20 @@ if triton_available():
         return tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
 
     @triton.jit
-    def _topk_pass1(SC, NV, WS, N, K, stride_sb, CH, NC, WSTRIDE: tl.constexpr, TILE: tl.constexpr):
+    def _row_len(NV, b, N, HAS_NV: tl.constexpr):
+        """Entries of row b that take part: min(n_valid[b], N), or N without n_valid."""
+        if HAS_NV:
+            return tl.minimum(tl.load(NV + b), N)
+        return N
+
+    @triton.jit
+    def _topk_pass1(SC, NV, WS, N, K, stride_sb, CH, NC, WSTRIDE: tl.constexpr, TILE: tl.constexpr,
+                    HAS_NV: tl.constexpr):
         """High-byte histogram of the chunk, added into the row's; the row's last chunk program
         derives the threshold byte hb and #entries in higher bins -> WS[b, 3:5] (hb = -1: k == 0)."""
         b = tl.program_id(0)
         c = tl.program_id(1)
-        nv = tl.minimum(tl.load(NV + b), N)
+        nv = _row_len(NV, b, N, HAS_NV)
         ws = WS + b * WSTRIDE
         bins = tl.arange(0, 256)
         hist = tl.zeros([256], tl.int32)
@@ -204,13 +215,13 @@ if triton_available():
 
     @triton.jit
     def _topk_pass2(SC, NV, WS, H2, BASE, N, K, stride_sb, CH, NC, WSTRIDE: tl.constexpr, G: tl.constexpr,
-                    TILE: tl.constexpr):
+                    TILE: tl.constexpr, HAS_NV: tl.constexpr):
         """Low-byte histogram of the chunk's entries in bin hb (-> H2[b, c]) and its count above hb;
         the row's last chunk program derives the exact threshold key, #entries above it, #ties to
         take (WS[b, 5:8]) and per chunk the picks above / ties in the chunks before it (BASE[b, c])."""
         b = tl.program_id(0)
         c = tl.program_id(1)
-        nv = tl.minimum(tl.load(NV + b), N)
+        nv = _row_len(NV, b, N, HAS_NV)
         ws = WS + b * WSTRIDE
         hb = tl.load(ws + 3)
         if hb >= 0:
@@ -256,13 +267,15 @@ if triton_available():
 
     @triton.jit
     def _topk_pass3(SC, NV, WS, BASE, BUF, OUT, N, K, stride_sb, stride_ob, CH, NC, WSTRIDE: tl.constexpr,
-                    KP: tl.constexpr, TILE: tl.constexpr, SORT: tl.constexpr):
+                    KP: tl.constexpr, TILE: tl.constexpr, SORT: tl.constexpr, HAS_NV: tl.constexpr):
         """The chunk's picks as (0xFFFF - key) << 32 | index at their BUF slots (every entry above
         the threshold, the lowest-index ties up to k); with SORT the row's last chunk program sorts
-        the k picks into OUT (else ``_topk_rank`` does, spread over programs)."""
+        the k picks into OUT (else ``_topk_rank`` does, spread over programs). The row's last program
+        zeroes its workspace row (counters, fields, H1): every program read its fields before arriving,
+        and the next call starts from zeros without a memset launch."""
         b = tl.program_id(0)
         c = tl.program_id(1)
-        nv = tl.minimum(tl.load(NV + b), N)
+        nv = _row_len(NV, b, N, HAS_NV)
         ws = WS + b * WSTRIDE
         hb = tl.load(ws + 3)
         buf = BUF + b.to(tl.int64) * KP
@@ -283,9 +296,11 @@ if triton_available():
                 tl.store(buf + n_gt + r_eq, comp, mask=(eqi != 0) & (r_eq < need_eq))
                 base_gt += tl.sum(gti, axis=0)
                 base_eq += tl.sum(eqi, axis=0)
-        if SORT:
-            if _arrive(ws + 2) == NC - 1:
+        if _arrive(ws + 2) == NC - 1:
+            if SORT:
                 _emit_sorted(buf, OUT + b.to(tl.int64) * stride_ob, tl.minimum(K, nv), K, KP)
+            wi = tl.arange(0, WS_P2)
+            tl.store(ws + wi, tl.zeros([WS_P2], tl.int32), mask=wi < WSTRIDE)
 
     @triton.jit
     def _pick_code(v, j):
@@ -304,12 +319,12 @@ if triton_available():
         tl.store(orow + j, tl.where(j < kk, idx, -1).to(orow.dtype.element_ty), mask=j < K)
 
     @triton.jit
-    def _topk_rank(BUF, NV, OUT, N, K, stride_ob, KP: tl.constexpr, RB: tl.constexpr):
+    def _topk_rank(BUF, NV, OUT, N, K, stride_ob, KP: tl.constexpr, RB: tl.constexpr, HAS_NV: tl.constexpr):
         """Large k: the picks' final positions spread over k / RB programs; each counts, for RB picks,
         the picks with a smaller code (KP compares each) and writes its index at that rank."""
         b = tl.program_id(0)
         i = tl.program_id(1) * RB + tl.arange(0, RB)
-        kk = tl.minimum(K, tl.minimum(tl.load(NV + b), N))
+        kk = tl.minimum(K, _row_len(NV, b, N, HAS_NV))
         buf = BUF + b.to(tl.int64) * KP
         orow = OUT + b.to(tl.int64) * stride_ob
         vi = tl.load(buf + i, mask=i < kk, other=0)
@@ -321,11 +336,12 @@ if triton_available():
         tl.store(orow + i, tl.full([RB], -1, tl.int32).to(OUT.dtype.element_ty), mask=(i >= kk) & (i < K))
 
     @triton.jit
-    def _topk_single(SC, NV, BUF, OUT, N, K, stride_sb, stride_ob, KP: tl.constexpr, TILE: tl.constexpr):
+    def _topk_single(SC, NV, BUF, OUT, N, K, stride_sb, stride_ob, KP: tl.constexpr, TILE: tl.constexpr,
+                     HAS_NV: tl.constexpr):
         """Whole row in one program (N <= TILE): both histograms, the selection and the sort with
         the keys held in registers; one launch, no workspace to zero."""
         b = tl.program_id(0)
-        nv = tl.minimum(tl.load(NV + b), N)
+        nv = _row_len(NV, b, N, HAS_NV)
         kk = tl.minimum(K, nv)
         i, m, key = _topk_keys(SC, b, nv, stride_sb, 0, TILE)
         m = m & (kk > 0)
@@ -453,9 +469,13 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
     out = torch.empty(B, k, dtype=out_dtype, device=dev)
     if B == 0:
         return out
-    if n_valid is None:
-        n_valid = torch.full((B,), N, dtype=torch.int32, device=dev)
-    n_valid = n_valid.to(torch.int32).contiguous()
+    has_nv = n_valid is not None
+    if has_nv:
+        if n_valid.shape != (B,):
+            raise ValueError(f"n_valid: expected [{B}], got {tuple(n_valid.shape)}")
+        n_valid = n_valid.to(torch.int32).contiguous()
+    else:           # every row is N long: the kernels use N (no fill launch)
+        n_valid = out
     interp = interpreting()
     KP = max(16, triton.next_power_of_2(k))
     buf = torch.empty(B, KP, dtype=torch.int64, device=dev)
@@ -464,7 +484,7 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
     single_max = SINGLE_MAX if single_max is None else single_max
     if chunks is None and N <= single_max:
         _topk_single[(B,)](sc, n_valid, buf, out, N, k, sc.stride(0), out.stride(0), KP=KP,
-                           TILE=max(16, triton.next_power_of_2(N)), **kw)
+                           TILE=max(16, triton.next_power_of_2(N)), HAS_NV=has_nv, **kw)
         return out
     TILE = min(2048 if not interp else 256, triton.next_power_of_2(max(N, 16)))
     n_tiles = triton.cdiv(max(N, 1), TILE)
@@ -472,22 +492,25 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
     CH = triton.cdiv(triton.cdiv(max(N, 1), NC), TILE) * TILE
     NC = triton.cdiv(max(N, 1), CH)
     G = min(32, triton.next_power_of_2(NC))
-    ws = torch.zeros(B, _TOPK_WS, dtype=torch.int32, device=dev)      # counters, row fields, H1
+    # counters, row fields, H1: zeros at entry, zeroed again by pass 3 (the shared arrival counters)
+    ws = arrival_counters(dev, B * _TOPK_WS)
     h2 = torch.empty(B, NC, 256, dtype=torch.int32, device=dev)
     base = torch.empty(B, NC, 2, dtype=torch.int32, device=dev)
     grid = (B, NC)
-    _topk_pass1[grid](sc, n_valid, ws, N, k, sc.stride(0), CH, NC, WSTRIDE=_TOPK_WS, TILE=TILE, **kw)
-    _topk_pass2[grid](sc, n_valid, ws, h2, base, N, k, sc.stride(0), CH, NC, WSTRIDE=_TOPK_WS, G=G, TILE=TILE,
+    _topk_pass1[grid](sc, n_valid, ws, N, k, sc.stride(0), CH, NC, WSTRIDE=_TOPK_WS, TILE=TILE, HAS_NV=has_nv,
                       **kw)
+    _topk_pass2[grid](sc, n_valid, ws, h2, base, N, k, sc.stride(0), CH, NC, WSTRIDE=_TOPK_WS, G=G, TILE=TILE,
+                      HAS_NV=has_nv, **kw)
     # many rows (prefill): one in-kernel sort per row runs in parallel over the rows (B = 128, k = 1024
     # over 64K on the H200: 174 us with it, int64 codes then, vs 206 us with the rank launch); few rows: the rank launch
     # spreads a row's sort over k / 16 programs (B = 1, k = 2048 over 256K: 30.7 vs 41.1 us)
     sort = KP <= sort_max or B >= 32
     _topk_pass3[grid](sc, n_valid, ws, base, buf, out, N, k, sc.stride(0), out.stride(0), CH, NC,
-                      WSTRIDE=_TOPK_WS, KP=KP, TILE=TILE, SORT=sort, **kw)
+                      WSTRIDE=_TOPK_WS, KP=KP, TILE=TILE, SORT=sort, HAS_NV=has_nv, **kw)
     if not sort:
         RB = 16
-        _topk_rank[(B, triton.cdiv(k, RB))](buf, n_valid, out, N, k, out.stride(0), KP=KP, RB=RB, **kw)
+        _topk_rank[(B, triton.cdiv(k, RB))](buf, n_valid, out, N, k, out.stride(0), KP=KP, RB=RB, HAS_NV=has_nv,
+                                            **kw)
     return out
 
 
