@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import graph_time, roofline  # noqa: E402
 from benchmarks.gemm_moe import rand_mx, rand_nv, relerr  # noqa: E402
 from dsv4.kernels import gemm as G  # noqa: E402
-from dsv4.kernels.fp4_mma import BM_ROWS, mma_gemv_launch  # noqa: E402
+from dsv4.kernels.fp4_mma import BM_ROWS, act_f16_split, band_layout, mma_gemv_launch  # noqa: E402
 from dsv4.kernels.gemv import gemv_launch  # noqa: E402
 
 # (name, experts, N, K, rows per expert)
@@ -28,7 +28,7 @@ CASES = [("Flash w1|w3 32 exp x1", 32, 4096, 4096, 1), ("Flash w2 32 exp x1", 32
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--variants", default="bn64.w4,bn32.w2")
+    ap.add_argument("--variants", default="bn64.w4,bn64.w4.band")
     args = ap.parse_args()
     if not torch.cuda.is_available():   # Gluon kernels have no CPU interpreter: nothing to run here
         print("exp_fp4_mma: needs a CUDA GPU (the Gluon kernel has no interpreter); CPU CI compiles it instead")
@@ -60,14 +60,21 @@ def main():
         print(f"| {name} | gemv bm{bm_g} | {t * 1e3:.1f} | {wbytes / t / 1e6:.0f} | {100 * wbytes / t / 1e6 / (copy_bw / 1e9):.0f} | - |",
               flush=True)
         for v in args.variants.split(","):
-            cfg = {}
+            cfg, ww, ss, aa = {}, w, s, xq
             for p in v.split("."):
+                if p == "band":      # weights and scales in fp4_mma.band_layout
+                    ww, ss = band_layout(w, 64), band_layout(s, 4 if fmt == "mxfp4" else 8)
+                    continue
+                if p == "a16":       # the activation as act_f16_split's f16 operand (no in-kernel decode)
+                    aa = act_f16_split(xq)
+                    continue
                 key, num = p.rstrip("0123456789"), p[len(p.rstrip("0123456789")):]
                 cfg[{"bn": "BN", "w": "num_warps", "k": "SPLIT_K"}[key]] = int(num)
             try:
-                y = mma_gemv_launch(xq, xs, w, s, R, N, K, fmt=fmt, ws2=s2, config=cfg, **mma_tiles)
+                y = mma_gemv_launch(aa, xs, ww, ss, R, N, K, fmt=fmt, ws2=s2, config=cfg, **mma_tiles)
                 err = relerr(y.float(), ref.float())
-                t = graph_time(lambda: mma_gemv_launch(xq, xs, w, s, R, N, K, fmt=fmt, ws2=s2, config=cfg, **mma_tiles))
+                t = graph_time(lambda: mma_gemv_launch(aa, xs, ww, ss, R, N, K, fmt=fmt, ws2=s2, config=cfg,
+                                                       **mma_tiles))
                 print(f"| {name} | mma {v} | {t * 1e3:.1f} | {wbytes / t / 1e6:.0f} | {100 * wbytes / t / 1e6 / (copy_bw / 1e9):.0f} | {err:.2e} |",
                       flush=True)
             except Exception as ex:    # a variant that fails to compile is reported, the sweep goes on

@@ -493,10 +493,11 @@ _AOT_SCRIPT = textwrap.dedent("""
         from dsv4.kernels import fp4_mma as F
         mmt = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("fp32"), PERM=P("i64"),
                    OFFS=P("i64"), TCUM=P("i64"))
-        for nv, grouped, split in ((False, True, True), (False, False, False), (True, True, True)):
-            ptx = comp(F._mma_gemv_kernel, dict(mmt, C=P("fp32") if split else P("bf16")),
+        for nv, grouped, split, band in ((False, True, True, True), (False, False, False, False),
+                                         (True, True, True, False), (True, True, True, True)):
+            ptx = comp(F._mma_gemv_kernel, dict(mmt, C=P("fp32") if split else P("bf16"), A=P("fp16") if band else P("u8")),
                        dict(NV=nv, GROUPED=grouped, GATHER=grouped, BM=F.BM_ROWS, BN=64, LOG2G=9, SPLIT=split,
-                            NUM_WARPS=4), cap, 4)
+                            NUM_WARPS=4, BAND=band, A16=band), cap, 4)
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
             assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
         # decode FP8 on tensor cores (Gluon): in-kernel act quant + in-kernel split-K sum, pre-quantised
@@ -622,6 +623,13 @@ def test_gpu_mma_gemv_flash_shapes(M, fmt, spread):
         check_gemm(y, xq, xs, Wd)
         part = F.mma_gemv_launch(*args, fmt=fmt, ws2=s2, partial=True, split=4)
         check_gemm(part.sum(0).bfloat16(), xq, xs, Wd)
+        # the f16 activation operand: the same values, products and order, so the same bits
+        assert torch.equal(F.mma_gemv_launch(F.act_f16_split(args[0]), *args[1:], fmt=fmt, ws2=s2), y)
+        if N % F.BAND_ROWS == 0:   # the band layout: same products in the same order, so the same bits
+            sb = 4 if fmt == "mxfp4" else 8
+            band = (args[0], args[1], F.band_layout(args[2], 64), F.band_layout(args[3], sb), M, N, K)
+            assert torch.equal(F.mma_gemv_launch(*band, fmt=fmt, ws2=s2), y)
+            assert torch.equal(F.mma_gemv_launch(*band, fmt=fmt, ws2=s2, partial=True, split=4), part)
 
 
 @pytest.mark.gpu

@@ -25,11 +25,17 @@ block sum is scaled by 2^6 * sA, the final sum by the global scale (``gemv.py`` 
 its scale; here the exact scaled products are summed). Products are exact, sums are fp32 in
 tensor-core order.
 
-H200 measurements (BENCHMARKS.md session 6, ``benchmarks/exp_fp4_mma.py``): 56-71% of copy bandwidth
-on the V4 expert shapes with one or more rows per expert (GEMV: 28-46%), 44% for the six experts of
-batch 1. Timing probes with the decode or the activation removed ran equally fast, so the kernel is
-bound by its load pattern (each warp load touches 8 rows x 64 bytes), not by instructions: the L2
-128-byte prefetch hint gained ~15%; a cp.async ring, K-loop unrolling and 128-row tiles did not.
+H200 measurements (BENCHMARKS.md sessions 6 and 8, ``benchmarks/exp_fp4_mma.py``): 56-73% of copy
+bandwidth on the V4 expert shapes with one or more rows per expert (GEMV: 28-46%), 44% for the six
+experts of batch 1. Nsight Compute (one row per expert, 32 Flash experts): DRAM 55% busy, the ALU
+pipe 74% (the e2m1 / e4m3 decodes: ~130 of the ~220 instructions per K block and warp), issue slots
+59%, occupancy 8 programs per SM (64 registers). The L2 128-byte prefetch hint gained ~15%; a cp.async
+ring, K-loop unrolling, 128-row tiles and a register prefetch of the next block (its loop-carried
+bytes cost ~100 byte shuffles) did not. Two operand forms cut instructions and are kept as options:
+``band_layout`` weights (a warp load reads 512 contiguous bytes; helps NVFP4's 8-byte scale rows most)
+and the ``act_f16_split`` f16 activation (no activation decode); together 62-79% with 32+ experts
+(46% at batch 1) where the default gives 56-70% (44%). The engine keeps the checkpoint's row layout (the prefill FP4 kernels read it too) and
+the e4m3 activation (the f16 form alone was slower at 8 rows per expert).
 
 Gluon has no CPU interpreter: CPU CI compiles this kernel for sm_90 and sm_100; the GPU tests run it
 against the dequantised reference. Needs sm_89+ (e4m3 -> f16 conversion).
@@ -56,6 +62,7 @@ except ImportError:      # CPU-only torch without triton, or a triton without Gl
     GLUON = False
 
 BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mma
+BAND_ROWS = 16         # rows of one band in the band layout: one warp's 16 mma rows
 
 
 if GLUON:
@@ -65,17 +72,20 @@ if GLUON:
     # e2m1 nibbles -> e4m3 bytes (value * 2^-6, exact), 4 at a time: ``gemm._e2m1_f16``'s placement
     _E2M1_LO = "and.b32 t, {w}, 0x08080808; shl.b32 t, t, 4; and.b32 u, {w}, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;"
     _E2M1_HI = "and.b32 t, {w}, 0x80808080; shr.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;"
-    # outputs $0-$7 (low nibbles / even K) and $8-$15 (high nibbles / odd K), 16 pointers $16-$31,
-    # the 8 f16x2 multiplier registers $32-$39
+    # one 16-byte weight load: 4 raw words $0-$3 from 16 pointers $4-$19 (only $4 is used)
+    _W_LOAD_ASM = gl.constexpr("ld.global.nc.L2::128B.v4.b32 {$0, $1, $2, $3}, [$4];")
+    _W_LOAD_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["l"] * 16))
+    # outputs $0-$7 (low nibbles / even K) and $8-$15 (high nibbles / odd K), the 4 raw words $16-$19,
+    # the 8 f16x2 multiplier registers $20-$27
     _W_DECODE_ASM = gl.constexpr(_asm_text(
-        [".reg .b32 w0, w1, w2, w3, t, u; .reg .b16 l, h;",
-         "ld.global.nc.L2::128B.v4.b32 {w0, w1, w2, w3}, [$16];"]
+        [".reg .b32 t, u; .reg .b16 l, h;"]
         + [line for j in range(4) for o, place in ((0, _E2M1_LO), (8, _E2M1_HI)) for line in (
-            place.format(w=f"w{j}"),
+            place.format(w=f"${16 + j}"),
             f"mov.b32 {{l, h}}, t; cvt.rn.f16x2.e4m3x2 ${o + 2 * j}, l; cvt.rn.f16x2.e4m3x2 ${o + 2 * j + 1}, h;",
-            f"mul.rn.f16x2 ${o + 2 * j}, ${o + 2 * j}, ${32 + 2 * j}; "
-            f"mul.rn.f16x2 ${o + 2 * j + 1}, ${o + 2 * j + 1}, ${33 + 2 * j};")]))
-    _W_DECODE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 16 + ["l"] * 16 + ["r"] * 8))
+            f"mul.rn.f16x2 ${o + 2 * j}, ${o + 2 * j}, ${20 + 2 * j}; "
+            f"mul.rn.f16x2 ${o + 2 * j + 1}, ${o + 2 * j + 1}, ${21 + 2 * j};")]))
+    _W_DECODE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 16 + ["r"] * 4 + ["r"] * 8))
+    _BAND = gl.constexpr(BAND_ROWS)
     # 32 activation bytes -> even bytes (e) and odd bytes (o) of each word pair -> f16x2
     _ACT_ASM = gl.constexpr(_asm_text(
         [".reg .b32 w0, w1, w2, w3, w4, w5, w6, w7, e, o; .reg .b16 l, h;",
@@ -96,33 +106,49 @@ if GLUON:
                                          is_pure=True, pack=16)
 
     @gluon.jit
-    def _w_load_decode(p, mul):
-        """16 consecutive weight bytes of one row (p: their pointers; p[0] is 16-byte aligned) ->
-        (low nibbles, high nibbles) as f16 = e2m1 * 2^-6 * mul (exact while representable): one
-        16-byte load, ``gemm._e2m1_f16``'s e4m3 placement, e4m3x2 -> f16x2, f16x2 multiplies.
-        Loading inside the asm keeps the bytes packed (a Triton uint8 load unpacks and repacks them);
-        ``.nc.L2::128B`` (read-only path; L2 fetches the whole 128-byte line, i.e. the row's next K
-        block too) took the H200 from 49-59% to 56-71% of copy bandwidth."""
-        return gl.inline_asm_elementwise(_W_DECODE_ASM, _W_DECODE_CONSTRAINTS, [p, mul],
+    def _w_load(p):
+        """16 consecutive weight bytes of one row (p: their pointers; p[0] is 16-byte aligned), raw: one
+        16-byte load in asm, which keeps the bytes packed in 4 registers (a Triton uint8 load unpacks
+        and repacks them). ``.nc.L2::128B`` (read-only path; L2 fetches the whole 128-byte line, i.e.
+        the row's next K block too) took the H200 from 49-59% to 56-71% of copy bandwidth."""
+        return gl.inline_asm_elementwise(_W_LOAD_ASM, _W_LOAD_CONSTRAINTS, [p], dtype=gl.uint8, is_pure=True,
+                                         pack=16)
+
+    @gluon.jit
+    def _w_decode(raw, mul):
+        """16 raw weight bytes -> (low nibbles, high nibbles) as f16 = e2m1 * 2^-6 * mul (exact while
+        representable): ``gemm._e2m1_f16``'s e4m3 placement, e4m3x2 -> f16x2, f16x2 multiplies."""
+        return gl.inline_asm_elementwise(_W_DECODE_ASM, _W_DECODE_CONSTRAINTS, [raw, mul],
                                          dtype=(gl.float16, gl.float16), is_pure=True, pack=16)
 
     @gluon.jit
-    def _kblock(kb, acc, zero, wptr, srow, amask, jb, aptr, saptr, mma: gl.constexpr, NV: gl.constexpr):
-        """acc + the 128-K block kb: scales, weights (load + decode + scale), activation, two mma
-        chains (even / odd K), the block factor (MXFP4: 2^(smax - 136) * sA; NVFP4: 2^6 * sA)."""
+    def _kload(kb, wptr, srow, amask, NV: gl.constexpr, KBW: gl.constexpr, KBS: gl.constexpr):
+        """The global loads of the 128-K block kb's weights: (raw weight bytes, group-scale words a, b);
+        b is NVFP4's second word (MXFP4's four scales fit in a)."""
+        raw = _w_load((wptr + kb * KBW).to(gl.int64))
+        swa = gl.load((srow + kb * KBS).to(gl.pointer_type(gl.int32)), mask=amask, other=0)
+        swb = swa
+        if NV:
+            swb = gl.load((srow + kb * KBS + 4).to(gl.pointer_type(gl.int32)), mask=amask, other=0)
+        return raw, swa, swb
+
+    @gluon.jit
+    def _kblock(kb, acc, zero, raw, swa, swb, jb, aptr, saptr, mma: gl.constexpr, NV: gl.constexpr,
+                A16: gl.constexpr):
+        """acc + the 128-K block kb from its loaded weights (``_kload``): group scales, weight decode,
+        activation, two mma chains (even / odd K), the block factor (MXFP4: 2^(smax - 136) * sA;
+        NVFP4: 2^6 * sA)."""
         if NV:   # 8 e4m3 group scales (16 values each) per row and block: exact in the f16 weights
-            sw0 = gl.load((srow + kb * 8).to(gl.pointer_type(gl.int32)), mask=amask, other=0)
-            sw1 = gl.load((srow + kb * 8 + 4).to(gl.pointer_type(gl.int32)), mask=amask, other=0)
             grp = jb // 8
-            sel = gl.where(grp[None, :] < 4, sw0[:, None], sw1[:, None])
+            sel = gl.where(grp[None, :] < 4, swa[:, None], swb[:, None])
             sg = (sel >> ((grp[None, :] % 4) * 8)) & 0xFF
             mul = sg.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+            smax = swa
         else:    # 4 e8m0 group scales (32 values each) per row and block
-            sw = gl.load((srow + kb * 4).to(gl.pointer_type(gl.int32)), mask=amask, other=0)
-            s0 = sw & 0xFF
-            s1 = (sw >> 8) & 0xFF
-            s2 = (sw >> 16) & 0xFF
-            s3 = (sw >> 24) & 0xFF
+            s0 = swa & 0xFF
+            s1 = (swa >> 8) & 0xFF
+            s2 = (swa >> 16) & 0xFF
+            s3 = (swa >> 24) & 0xFF
             smax = gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3))
             grp = jb // 16
             sg = gl.where(grp[None, :] == 0, s0[:, None],
@@ -130,8 +156,12 @@ if GLUON:
                                    gl.where(grp[None, :] == 2, s2[:, None], s3[:, None])))
             # 2^(15 - (smax - s_g)) as f16 (an fp32 power of two, one exact conversion, subnormal included)
             mul = (gl.maximum(sg - smax[:, None] + 142, 1) << 23).to(gl.float32, bitcast=True).to(gl.float16)
-        wl, wh = _w_load_decode((wptr + kb * 64).to(gl.int64), mul)
-        ae, ao = _act_even_odd(aptr + kb * 128)
+        wl, wh = _w_decode(raw, mul)
+        if A16:   # f16 activation, even / odd K of each 32-K span stored apart (``act_f16_split``)
+            ae = gl.load(aptr + kb * 128)
+            ao = gl.load(aptr + kb * 128 + 16)
+        else:
+            ae, ao = _act_even_odd(aptr + kb * 128)
         part = mma_v2(wl, ae, zero)
         part = mma_v2(wh, ao, part)
         sa = gl.load(saptr + kb)
@@ -158,7 +188,8 @@ if GLUON:
                      M, N, K, n_groups, top_k, k_per_split,
                      stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_w2e, stride_cm,
                      NV: gl.constexpr, GROUPED: gl.constexpr, GATHER: gl.constexpr, BM: gl.constexpr,
-                     BN: gl.constexpr, LOG2G: gl.constexpr, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr):
+                     BN: gl.constexpr, LOG2G: gl.constexpr, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr,
+                     BAND: gl.constexpr, A16: gl.constexpr):
         """Grouped (MoE) or plain FP4 x FP8 GEMM of BM-row tiles: program (m-tile t, BN columns,
         K split ks). Output fp32 split partials [S, M, N] (SPLIT) or bf16 [M, N]."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -175,12 +206,24 @@ if GLUON:
             rn_a64 = rn_a.to(gl.int64)
             amask = rn_a < N
             jb = gl.arange(0, 64, layout=gl.SliceLayout(0, la))
-            wptr = W + e64 * stride_we + gl.minimum(rn_a, N - 1).to(gl.int64)[:, None] * stride_wn + jb[None, :]
-            srow = WS + e64 * stride_wse + rn_a64 * stride_wsn
+            rw = gl.minimum(rn_a, N - 1).to(gl.int64)
+            SB: gl.constexpr = 8 if NV else 4            # scale bytes per row and K block
+            KBW: gl.constexpr = _BAND * 64 if BAND else 64
+            KBS: gl.constexpr = _BAND * SB if BAND else SB
+            if BAND:   # band layout (``band_layout``): [N / 16, K / 128, 16 rows, one block's bytes]
+                wptr = W + e64 * stride_we + ((rw // _BAND) * (8 * K) + (rw % _BAND) * 64)[:, None] + jb[None, :]
+                srow = WS + e64 * stride_wse + (rn_a64 // _BAND) * (_BAND * SB * (K // 128)) \
+                    + (rn_a64 % _BAND) * SB
+            else:
+                wptr = W + e64 * stride_we + rw[:, None] * stride_wn + jb[None, :]
+                srow = WS + e64 * stride_wse + rn_a64 * stride_wsn
             ja = gl.arange(0, 64, layout=gl.SliceLayout(1, lb))
             cb = gl.arange(0, BM, layout=gl.SliceLayout(0, lb))
             arow_b, vb = _act_rows(PERM, m0 + cb, m_end, top_k, GATHER)
-            aptr = A + arow_b[None, :] * stride_am + 2 * ja[:, None]
+            if A16:
+                aptr = A + arow_b[None, :] * stride_am + (ja + 16 * (ja // 16))[:, None]
+            else:
+                aptr = A + arow_b[None, :] * stride_am + 2 * ja[:, None]
             cc = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
             rc = m0 + cc
             arow_c, vc = _act_rows(PERM, rc, m_end, top_k, GATHER)
@@ -190,7 +233,8 @@ if GLUON:
             kb_lo = (ks * k_per_split) // 128
             kb_hi = gl.minimum(K, ks * k_per_split + k_per_split) // 128
             for kb in range(kb_lo, kb_hi):
-                acc = _kblock(kb, acc, zero, wptr, srow, amask, jb, aptr, saptr, mma, NV)
+                raw, swa, swb = _kload(kb, wptr, srow, amask, NV, KBW, KBS)
+                acc = _kblock(kb, acc, zero, raw, swa, swb, jb, aptr, saptr, mma, NV, A16)
             rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
             out_mask = (rn_c < N)[:, None] & vc[None, :]
             if NV:   # the per-row fp32 global scale of NVFP4
@@ -211,12 +255,35 @@ def available(dev) -> bool:
     return capability(dev) >= (8, 9)
 
 
+def band_layout(t: torch.Tensor, per_block: int) -> torch.Tensor:
+    """Rows [G, N, K/128 * per_block] (packed FP4 weights: per_block 64; MXFP4 / NVFP4 scale bytes: 4 / 8)
+    -> the band layout [G, N/16, K/128, 16, per_block]: each K block of 16 consecutive rows is one
+    contiguous run, so a warp's weight load reads 512 contiguous bytes instead of 8 rows x 64 bytes."""
+    G, N, C = t.shape
+    if N % BAND_ROWS or C % per_block:
+        raise ValueError(f"band_layout: rows {N} must be a multiple of {BAND_ROWS} and {C} bytes per row "
+                         f"a multiple of {per_block}")
+    return t.view(G, N // BAND_ROWS, BAND_ROWS, C // per_block, per_block).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def act_f16_split(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 activation [rows, K] -> the kernel's f16 operand form: each 32-K span's 16 even-K values,
+    then its 16 odd-K values (exact: every e4m3 value is an f16). The kernel then loads its operands
+    without decoding them (the e4m3 decode costs ~30 ALU instructions per K block and warp)."""
+    R, K = q.shape
+    if K % 32:
+        raise ValueError(f"act_f16_split: K={K} must be a multiple of 32")
+    f = q.view(torch.float8_e4m3fn).to(torch.float16).view(R, K // 32, 16, 2)
+    return f.transpose(2, 3).reshape(R, K).contiguous()
+
+
 def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=None, partial: bool = False,
                     perm=None, offs=None, tcum=None, top_k: int = 1, n_groups: int = 1, n_tiles: int | None = None,
                     split: int | None = None, config: dict | None = None):
     """``gemv.gemv_launch`` for FP4 weights on the tensor cores: a e4m3 bytes [rows, K], sa fp32
     [rows, K/128] (power-of-two scales, as ``act_quant_fp8`` writes); w uint8 [G, N, K/2]; ws e8m0
-    bytes [G, N, K/32] (mxfp4) or e4m3 bytes [G, N, K/16] with fp32 ws2 [G, N] (nvfp4). Grouped tiles
+    bytes [G, N, K/32] (mxfp4) or e4m3 bytes [G, N, K/16] with fp32 ws2 [G, N] (nvfp4); or w and ws
+    both in ``band_layout``. Grouped tiles
     (``tcum``/``offs`` from ``moe.sort_pairs``) must use ``BM_ROWS``-row tiles. Returns bf16 ``out``
     [M, N] or, with ``partial``, the fp32 split partials [S, M, N]."""
     if not available(w.device):
@@ -224,11 +291,23 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
     if fmt not in ("mxfp4", "nvfp4"):
         raise ValueError(f"mma_gemv: fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
     group = 32 if fmt == "mxfp4" else 16
-    if K % QBLOCK or w.shape[-1] * 2 != K or ws.shape[-1] * group != K:
+    band = w.dim() == 5
+    if band:   # ``band_layout`` weights and scales
+        sb = QBLOCK // group
+        G = w.shape[0]
+        if (K % QBLOCK or N % BAND_ROWS or tuple(w.shape) != (G, N // BAND_ROWS, K // QBLOCK, BAND_ROWS, 64)
+                or tuple(ws.shape) != (G, N // BAND_ROWS, K // QBLOCK, BAND_ROWS, sb)
+                or not w.is_contiguous() or not ws.is_contiguous()):
+            raise ValueError(f"mma_gemv: band-layout w {tuple(w.shape)} / {fmt} scales {tuple(ws.shape)} do not "
+                             f"match N={N}, K={K} (want contiguous [G, N/16, K/128, 16, 64] / [.., {sb}])")
+    elif K % QBLOCK or w.shape[-1] * 2 != K or ws.shape[-1] * group != K:
         raise ValueError(f"mma_gemv: K={K} must be a multiple of 128 matching w {tuple(w.shape)} and "
                          f"{fmt} scales {tuple(ws.shape)}")
     if fmt == "nvfp4" and (ws2 is None or ws2.dtype != torch.float32 or tuple(ws2.shape) != (w.shape[0], N)):
         raise ValueError(f"mma_gemv: nvfp4 needs fp32 global scales ws2 [{w.shape[0]}, {N}]")
+    if a.dtype not in (torch.uint8, torch.float16) or a.shape[-1] != K:
+        raise ValueError(f"mma_gemv: a must be e4m3 bytes or act_f16_split f16 [rows, {K}], got {a.dtype} "
+                         f"{tuple(a.shape)}")
     # the asm loads 16 bytes (weights, activation) and the scales 4 bytes at a time
     for name, t, al in (("a", a, 16), ("w", w, 16), ("ws", ws, 4)):
         if t.stride(-1) != 1 or t.data_ptr() % al or any(st % al for st in t.stride()[:-1]):
@@ -252,10 +331,10 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         ws2.stride(0) if nv else 0, dst.stride(-2),
         NV=nv, GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
         LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
-        num_warps=nw)
+        BAND=band, A16=a.dtype == torch.float16, num_warps=nw)
     if partial:
         return dst
     return sum_splits(dst, out)
 
 
-__all__ = ["BM_ROWS", "GLUON", "available", "mma_gemv_launch"]
+__all__ = ["BAND_ROWS", "BM_ROWS", "GLUON", "act_f16_split", "available", "band_layout", "mma_gemv_launch"]
