@@ -5,7 +5,8 @@ fused hc_pre / hc_head, ``fp8_mma``'s in-kernel split-K sum) count arrivals in a
 output tile (``atomic_add``, acq_rel, gpu scope); the last arriver resets its counter to 0. So one
 zeroed buffer per device serves every such launch with no memset launch, as long as the launches on
 a device are stream-ordered (two of them running concurrently on two streams would share counters;
-everything in the engine runs on one stream).
+everything in the engine runs on one stream). ``indexer.index_topk`` keeps its per-row workspace
+(counters, fields, histogram) in the same buffer across its launches; its last pass zeroes it.
 """
 from __future__ import annotations
 
