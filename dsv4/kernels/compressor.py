@@ -485,14 +485,16 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
                      norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, ratio: int,
                      indexer: bool = False, eps: float = 1e-6, pages: torch.Tensor | None = None,
                      page_slots: torch.Tensor | None = None, page_size: int = 64, return_pooled: bool = False,
-                     block_c: int | None = None, fused: bool | None = None):
+                     block_c: int | None = None, fused: bool | None = None, num_warps: int | None = None):
     """Triton prefill-chunk update of one compressor: entries j = first .. last-1 (see the module doc).
 
     rows_k, rows_s fp32 [R, coff*c]: row i = position base + i (scores include ape); norm_w [c];
     cos/sin fp32 [last-first, 32] at positions j*ratio; pages / page_slots [last-first] (-1 = skip)
     as in ``compress_decode``. -> entries bf16 [last-first, c] (, pooled fp32 [last-first, c]).
     ``fused`` (default: CSA) pools all c channels and post-processes in one program per entry;
-    otherwise ``_pref_pool`` over channel blocks of ``block_c`` then ``_pref_post``.
+    otherwise ``_pref_pool`` over channel blocks of ``block_c`` then ``_pref_post``. ``num_warps``:
+    warps per program (a tuning knob; default 2 for the fused c = 512 kernel, 1 for the fused indexer,
+    else 4).
     """
     c, coff, n = _check_prefill(rows_k, rows_s, base, first, last, norm_w, cos, sin, ratio, indexer)
     dev = rows_k.device
@@ -512,7 +514,11 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
     if c % CB != 0 or CB & (CB - 1):
         raise ValueError(f"block_c must be a power of two dividing {c}, got {CB}")
     pg, ps_t, pnb = (pages, page_slots.to(torch.int64).contiguous(), pages.shape[1]) if write else (out, out, 0)
-    nw = (8 if c >= 512 else 4) if use_fused else 4
+    # H200 (benchmarks/exp_compress_prefill.py, T = 4096 / 16384): the fused kernel is latency-bound in
+    # its per-entry post-processing (cross-warp reductions and layout shuffles through shared memory),
+    # so fewer warps per entry win: c = 512 at 2 warps 17.7 / 47.8 us (8 warps: 21.7 / 59.7), the
+    # indexer's c = 128 at 1 warp 8.5 / 19.2 us (4 warps: 14.3 / 41.2)
+    nw = num_warps or ((2 if c >= 512 else 1) if use_fused else 4)
     kw = {} if interpreting() else {"num_warps": nw, "enable_fp_fusion": False}
     w = norm_w.float().contiguous()
     _pref_pool[(n, c // CB)](rows_k, rows_s, pooled, w, cos, sin, out, pg, ps_t, int(base), int(first),
