@@ -345,11 +345,14 @@ def test_compress_prefill(ratio, indexer):
     else:
         _check_compress_prefill(m, indexer, 0, 0, 2, gen, tail=5, joined=True)
         _check_compress_prefill(m, indexer, 2 * m, 2, 3, gen, tail=0)
-    # the other path for CSA: channel blocks + post kernel; HCA with 128-channel blocks
+    # the other path for CSA: channel blocks, the entry's last block program post-processing; HCA with
+    # 128-channel blocks; the per-entry arrival counters are left zeroed
+    from dsv4.kernels.counters import arrival_counters
     if ratio == 4:
         _check_compress_prefill(m, indexer, 4 * m, 5, 9, gen, fused=False, block_c=64)
     else:
         _check_compress_prefill(m, indexer, m, 1, 2, gen, block_c=128)
+    assert not arrival_counters(DEV, 64)[:64].any()
 
 
 @pytest.mark.parametrize("ratio,indexer,chunks", [(4, False, (37, 100, 5)), (4, True, (37, 100, 5)),
@@ -628,8 +631,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     P = lambda t: "*" + t
     F = P("fp32")
     PREF = dict(RK=F, RS=F, POOLED=F, NORMW=F, COS=F, SIN_=F, OUT=P("bf16"), PAGES=P("u8"), PSLOTS=P("i64"),
-                eps="fp32")
-    PREF_POST = dict(POOLED=F, NORMW=F, COS=F, SIN_=F, OUT=P("bf16"), PAGES=P("u8"), PSLOTS=P("i64"), eps="fp32")
+                CNT=P("i32"), eps="fp32")
     cases = [
         (mhc._hc_mix_partial, dict(X=P("bf16"), FN=F, PART=F, SQ=F),
          dict(NMIX=24, NP=32, BT=16, BK=64, MODE=0), 4, False),
@@ -683,10 +685,10 @@ _AOT_SCRIPT = textwrap.dedent("""
                                    STORE_POOLED=False), 8, False),
         (cp._pref_pool, PREF, dict(M=4, C=128, OVERLAP=True, CB=128, POST=True, INDEXER=True, WRITE=True,
                                    STORE_POOLED=True), 4, False),
-        (cp._pref_pool, PREF, dict(M=128, C=512, OVERLAP=False, CB=32, POST=False, INDEXER=False, WRITE=False,
+        (cp._pref_pool, PREF, dict(M=128, C=512, OVERLAP=False, CB=32, POST=True, INDEXER=False, WRITE=True,
                                    STORE_POOLED=True), 4, False),
-        (cp._pref_post, PREF_POST, dict(C=512, INDEXER=False, WRITE=True), 4, False),
-        (cp._pref_post, PREF_POST, dict(C=128, INDEXER=True, WRITE=True), 4, False),
+        (cp._pref_pool, PREF, dict(M=4, C=128, OVERLAP=True, CB=32, POST=True, INDEXER=True, WRITE=True,
+                                   STORE_POOLED=True), 4, False),
         (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16")), dict(HB=16, INTERP=False), 4, True),
         (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16")), dict(HB=64, INTERP=False), 4, True),
         (ix._index_scores_kernel, dict(Q=P("bf16"), W=P("bf16"), PAGES=P("u8"), BT=P("i32"), POS=P("i64"),

@@ -49,8 +49,8 @@ write (``page_slots`` [last-first], -1 = skip) as the decode step. The rows must
 [(first-1)*m (CSA, first > 0) or first*m, last*m) (checked on the host: ValueError). Kernels: CSA
 (main and indexer): ``_pref_pool`` with ``POST``, grid (entries,), all c channels of a 2m x c tile
 and the post-processing in one program; HCA (m x c = 128 x 512 does not fit one program):
-``_pref_pool`` grid (entries, c / 32) writes the pooled fp32 vectors, then ``_pref_post`` grid
-(entries,). Same numerics as the decode step vs ``compress_prefill_torch`` (``Compressor.pool`` +
+``_pref_pool`` grid (entries, c / 32) writes the pooled fp32 vectors and the entry's last-arriving
+program (an arrival counter, ``counters.py``) post-processes it: one launch either way. Same numerics as the decode step vs ``compress_prefill_torch`` (``Compressor.pool`` +
 ``Compressor.postprocess``, official numerics). The default path choice is by construction, not
 measured on the H200.
 """
@@ -59,6 +59,7 @@ from __future__ import annotations
 import torch
 
 from . import interpreting, triton_available
+from .counters import arrival_counters
 
 ROPE_DIM = 64
 
@@ -327,12 +328,14 @@ if triton_available():
             tl.store(OUT + b64 * stride_ob + d, tl.zeros([C], tl.float32).to(tl.bfloat16))
 
     @triton.jit
-    def _pref_pool(RK, RS, POOLED, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, base, first,
+    def _pref_pool(RK, RS, POOLED, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, CNT, base, first,
                    stride_rk, stride_rs, stride_pb, stride_ob, page_size, page_nbytes, eps,
                    M: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr, CB: tl.constexpr,
                    POST: tl.constexpr, INDEXER: tl.constexpr, WRITE: tl.constexpr, STORE_POOLED: tl.constexpr):
-        """Prefill chunk: program (i, cb) pools channels [cb*CB, cb*CB + CB) of entry j = first + i; with
-        POST (CB == C) it also post-processes the entry (and writes its cache bytes)."""
+        """Prefill chunk: program (i, cb) pools channels [cb*CB, cb*CB + CB) of entry j = first + i and
+        post-processes the entry (and writes its cache bytes): in the same program when CB == C, else
+        in the entry's last-arriving channel-block program (CNT: per-entry arrival counters, zero at
+        entry and reset by that program), from the pooled fp32 vector the others stored."""
         i64 = tl.program_id(0).to(tl.int64)
         cb = tl.program_id(1)
         j = i64 + first
@@ -340,16 +343,16 @@ if triton_available():
         if STORE_POOLED:
             tl.store(POOLED + i64 * stride_pb + cb * CB + tl.arange(0, CB), pooled)
         if POST:
-            _entry(pooled, i64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
-                   C, INDEXER, WRITE)
-
-    @triton.jit
-    def _pref_post(POOLED, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_pb, stride_ob, page_size, page_nbytes,
-                   eps, C: tl.constexpr, INDEXER: tl.constexpr, WRITE: tl.constexpr):
-        i64 = tl.program_id(0).to(tl.int64)
-        x = tl.load(POOLED + i64 * stride_pb + tl.arange(0, C))
-        _entry(x, i64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
-               C, INDEXER, WRITE)
+            if CB == C:
+                _entry(pooled, i64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
+                       C, INDEXER, WRITE)
+            else:
+                tl.debug_barrier()     # every thread's pooled stores precede thread 0's release below
+                if tl.atomic_add(CNT + i64, 1, sem="acq_rel", scope="gpu") == C // CB - 1:
+                    x = tl.load(POOLED + i64 * stride_pb + tl.arange(0, C), cache_modifier=".cg")
+                    _entry(x, i64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes,
+                           eps, C, INDEXER, WRITE)
+                    tl.store(CNT + i64, 0)
 
 
 def _dims(state: torch.Tensor, ratio: int) -> tuple[int, int, bool]:
@@ -492,7 +495,8 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
     cos/sin fp32 [last-first, 32] at positions j*ratio; pages / page_slots [last-first] (-1 = skip)
     as in ``compress_decode``. -> entries bf16 [last-first, c] (, pooled fp32 [last-first, c]).
     ``fused`` (default: CSA) pools all c channels and post-processes in one program per entry;
-    otherwise ``_pref_pool`` over channel blocks of ``block_c`` then ``_pref_post``. ``num_warps``:
+    otherwise ``_pref_pool`` over channel blocks of ``block_c``, the entry's last block program
+    post-processing it. ``num_warps``:
     warps per program (a tuning knob; default 2 for the fused c = 512 kernel, 1 for the fused indexer,
     else 4).
     """
@@ -521,13 +525,11 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
     nw = num_warps or ((2 if c >= 512 else 1) if use_fused else 4)
     kw = {} if interpreting() else {"num_warps": nw, "enable_fp_fusion": False}
     w = norm_w.float().contiguous()
-    _pref_pool[(n, c // CB)](rows_k, rows_s, pooled, w, cos, sin, out, pg, ps_t, int(base), int(first),
+    cnt = arrival_counters(dev, n) if CB != c else out        # per-entry arrivals of the channel blocks
+    _pref_pool[(n, c // CB)](rows_k, rows_s, pooled, w, cos, sin, out, pg, ps_t, cnt, int(base), int(first),
                              rows_k.stride(0), rows_s.stride(0), pooled.stride(0), out.stride(0), page_size, pnb,
-                             eps, M=ratio, C=c, OVERLAP=ratio == 4, CB=CB, POST=use_fused, INDEXER=indexer,
-                             WRITE=write, STORE_POOLED=return_pooled or not use_fused, **kw)
-    if not use_fused:
-        _pref_post[(n,)](pooled, w, cos, sin, out, pg, ps_t, pooled.stride(0), out.stride(0), page_size, pnb, eps,
-                         C=c, INDEXER=indexer, WRITE=write, **kw)
+                             eps, M=ratio, C=c, OVERLAP=ratio == 4, CB=CB, POST=True, INDEXER=indexer,
+                             WRITE=write, STORE_POOLED=return_pooled or CB != c, **kw)
     return (out, pooled) if return_pooled else out
 
 
