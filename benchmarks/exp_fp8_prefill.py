@@ -54,6 +54,20 @@ CONFIGS = {
     "tma.128x128.w8.s4.epitma": dict(LOAD="tma", WS=False, BM=128, BN=128, NSUB=1, num_warps=8, num_stages=4,
                                      EPI_TMA=True),
     "tma.64x128.w4.s4": dict(LOAD="tma", WS=False, BM=64, BN=128, NSUB=1, num_warps=4, num_stages=4),
+    # the wq_b default's neighbours (N >> K: 8-16 K blocks per tile, the epilogue weighs)
+    "tma.64x128.w4.s4.epitma": dict(LOAD="tma", WS=False, BM=64, BN=128, NSUB=1, num_warps=4, num_stages=4,
+                                    EPI_TMA=True),
+    "tma.64x128.w4.s4.persist": dict(LOAD="tma", WS=False, BM=64, BN=128, NSUB=1, num_warps=4, num_stages=4,
+                                     PERSISTENT=True),
+    "tma.64x128.w4.s4.persist.flatten": dict(LOAD="tma", WS=False, BM=64, BN=128, NSUB=1, num_warps=4,
+                                             num_stages=4, PERSISTENT=True, FLATTEN=True),
+    "tma.128x128.w8.s3": dict(LOAD="tma", WS=False, BM=128, BN=128, NSUB=1, num_warps=8, num_stages=3),
+    "tma.128x128.w8.s3.epitma": dict(LOAD="tma", WS=False, BM=128, BN=128, NSUB=1, num_warps=8, num_stages=3,
+                                     EPI_TMA=True),
+    "tma.64x128.w4.s3": dict(LOAD="tma", WS=False, BM=64, BN=128, NSUB=1, num_warps=4, num_stages=3),
+    "tma.64x128.w4.s2": dict(LOAD="tma", WS=False, BM=64, BN=128, NSUB=1, num_warps=4, num_stages=2),
+    "tma.64x128.w4.s3.epitma": dict(LOAD="tma", WS=False, BM=64, BN=128, NSUB=1, num_warps=4, num_stages=3,
+                                    EPI_TMA=True),
     # warp-specialised (TMA producer + two consumer warpgroups of 64 rows, 12 warps)
     "ws.128x128.s4": dict(_WS, BM=128, BN=128, NSUB=1, num_stages=4),
     "ws.128x128.s5.persist": dict(_WS, BM=128, BN=128, NSUB=1, num_stages=5, PERSISTENT=True),
@@ -62,6 +76,8 @@ CONFIGS = {
     "ws.128x256.order.s3.persist": dict(_WS, BM=128, BN=256, NSUB=2, ORDER=True, num_stages=3, PERSISTENT=True),
     "wsdev.128x256.order.s3": dict(_WS, LOAD="tma_dev", BM=128, BN=256, NSUB=2, ORDER=True, num_stages=3),
 }
+for _cfg in CONFIGS.values():      # a variant's name says ".epitma" when it uses the TMA-store epilogue
+    _cfg.setdefault("EPI_TMA", False)
 # extra variants for --static only (to show what does not compile well)
 STATIC_EXTRA = {
     "tma.128x256.nsub2.w8.s3 (no ORDER)": dict(LOAD="tma", WS=False, BM=128, BN=256, NSUB=2, ORDER=False,
@@ -294,7 +310,7 @@ def _compare(y, ref):
     return rel, same
 
 
-def run(configs, smoke, md, out, jobs=None):
+def run(configs, smoke, md, out, jobs=None, shapes=None):
     import torch
 
     from dsv4.kernels import gemm as G
@@ -312,6 +328,8 @@ def run(configs, smoke, md, out, jobs=None):
         def timer(fn):
             return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
         plan = [(n, 4096, N, K) for n, N, K in SHAPES] + [(SHAPES[0][0], 8192, SHAPES[0][1], SHAPES[0][2])]
+        if shapes:
+            plan = [p for p in plan if any(sub in p[0] for sub in shapes.split(","))]
         peak = fp8_peak(dev, timer)
         log(f"_scaled_mm 8192^3 FP8 peak: {peak / 1e12:.0f} TFLOP/s ({time.time() - t_start:.0f} s)")
         bad = warm_isolated(configs, jobs)
@@ -389,6 +407,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (--static, pre-check)")
     ap.add_argument("--md", default=None, help="append the markdown table to this file")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for exp_fp8_prefill.json")
+    ap.add_argument("--shapes", default=None, help="comma-separated substrings of the shape names to run")
     args = ap.parse_args()
     configs = dict(CONFIGS)
     if args.configs:
@@ -409,7 +428,7 @@ def main():
         import torch
         if not torch.cuda.is_available():
             sys.exit("no CUDA device: use --smoke or --static")
-    run(configs, args.smoke, args.md, args.out, args.jobs)
+    run(configs, args.smoke, args.md, args.out, args.jobs, args.shapes)
 
 
 if __name__ == "__main__":

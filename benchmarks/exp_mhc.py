@@ -69,6 +69,9 @@ def pre_variants(T, full):
         v.append(("tiled 4/SM", {"impl": "tiled", "splits": max(1, 4 * _sms() // n_tb)}))
         v.append(("tiled fwd", {"impl": "tiled", "reverse": False}))
         v.append(("tiled apply1024", {"impl": "tiled", "apply_block_d": 1024}))
+        v += [(f"tiled tok{b}", {"impl": "tiled", "tokens_block": b}) for b in (4, 8, 16)]
+        v.append(("tiled splits8", {"impl": "tiled", "splits": 8}))
+        v.append(("tiled splits8 tok8", {"impl": "tiled", "splits": 8, "tokens_block": 8}))
     if T in (256, 4096):
         v.append(("v1 ieee", {"impl": "v1", "mode": "ieee"}))
         v.append(("tiled ieee", {"impl": "tiled", "mode": "ieee"}))

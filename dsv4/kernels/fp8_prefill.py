@@ -51,9 +51,10 @@ the promotion FFMAs: Triton keeps a wgmma asynchronous past non-dot users only b
 block k's wgmma runs, a loop-carried copy of the partial) made ptxas serialise every wgmma
 (C7514: "non wgmma instructions reading accumulator registers"); that variant was dropped. MMA/FFMA
 overlap therefore comes from the two independent consumer warpgroups of the ``WS`` variant.
-H200 (triton 3.6, BENCHMARKS.md session 5): the non-specialised TMA variants reach 860-890 TFLOP/s
-(57-61% of the measured 1454 TFLOP/s ``_scaled_mm`` peak) on the square-ish prefill shapes and
-750-810 (51-56%) on wq_b (N >> K); the pointer-load tile of ``gemm.py`` 440-560. ``prefill_config``
+H200 (triton 3.6, BENCHMARKS.md sessions 5 and 8): the non-specialised TMA variants reach 860-890
+TFLOP/s (57-61% of the measured 1454 TFLOP/s ``_scaled_mm`` peak) on the square-ish prefill shapes
+with 4 stages and 750-810 (51-56%) on wq_b (N >> K); 3 stages (three CTAs per SM) with the TMA
+store: 854-917 (59-63%) on all six shapes; the pointer-load tile of ``gemm.py`` 440-560. ``prefill_config``
 holds the measured best; ``gemm.fp8_gemm`` routes prefill-sized calls (``PREFILL_MIN_ROWS``) here.
 """
 from __future__ import annotations
@@ -224,16 +225,18 @@ def _ensure_allocator(device):
 
 
 def prefill_config(M: int, N: int, K: int, dev) -> dict:
-    """Default variant, from the H200 run of benchmarks/exp_fp8_prefill.py (BENCHMARKS.md session 5):
-    TMA loads, no warp specialization, 128-column tiles, 4 stages; K <= 4096: 64 x 128 with 4 warps
-    (wq_b-like shapes: 747 / 810 TFLOP/s vs 646 / 762 for 128 x 128), else 128 x 128 with 8 warps
-    (860-890 TFLOP/s). The warp-specialized variants produced no timing on the H200 (dropped by the
-    benchmark's per-variant pre-run). Small tiles under the interpreter."""
+    """Default variant, from the H200 runs of benchmarks/exp_fp8_prefill.py (BENCHMARKS.md sessions 5
+    and 8): TMA loads, no warp specialization, 64 x 128 tiles of one warpgroup, 3 stages (72 KB of
+    shared memory: three CTAs per SM, so one CTA's epilogue overlaps the others' main loops) and the
+    TMA store epilogue. On the six V4 prefill shapes 854-917 TFLOP/s (59-63% of the measured FP8
+    peak); the previous 4-stage defaults (two CTAs per SM) gave 723-881. The warp-specialized
+    variants produced no timing on the H200 (dropped by the benchmark's per-variant pre-run). Small
+    tiles under the interpreter."""
     cfg = dict(DEFAULT_CONFIG)
     if interpreting() or torch.device(dev).type != "cuda":
         cfg.update(BM=32, BN=64)
-    elif K <= 4096:
-        cfg.update(BM=64, num_warps=4)
+    else:
+        cfg.update(BM=64, num_warps=4, num_stages=3, EPI_TMA=True)
     return cfg
 
 
@@ -246,6 +249,9 @@ def resolve_config(M: int, N: int, K: int, dev, config: dict | None) -> dict:
         if unknown:
             raise ValueError(f"fp8_gemm_prefill: unknown config keys {sorted(unknown)}")
         cfg.update(config)
+        # the default TMA-store epilogue goes with the variants it compiles with, unless asked for
+        if "EPI_TMA" not in config and (cfg["WS"] or cfg["LOAD"] == "ptr"):
+            cfg["EPI_TMA"] = False
     if cfg["LOAD"] not in LOADS:
         raise ValueError(f"fp8_gemm_prefill: LOAD must be one of {sorted(LOADS)}, got {cfg['LOAD']!r}")
     BM, BN, NSUB = cfg["BM"], cfg["BN"], cfg["NSUB"]
