@@ -50,6 +50,10 @@ if DEV == "cuda":   # GPU-sized tiles (the interpreter ignores warps/stages)
         CONFIGS = {k: v for k, v in CONFIGS.items() if not v["WS"]}
     if not triton.__version__.startswith("3.6"):
         CONFIGS = {k: (dict(v, LOAD="tma_dev") if v["WS"] else v) for k, v in CONFIGS.items()}
+    else:   # on the H200 the 256-wide warp-specialized tiles crash Triton 3.6's MMA lowering for some
+        # shapes ("Instruction shape is too large for the layout"; seen 2026-11-30, before and after the
+        # session-8 defaults); no default or engine path uses them
+        CONFIGS = {k: v for k, v in CONFIGS.items() if not (v["WS"] and v["BN"] == 256)}
 
 
 def _bits(t):

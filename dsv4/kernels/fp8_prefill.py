@@ -249,9 +249,12 @@ def resolve_config(M: int, N: int, K: int, dev, config: dict | None) -> dict:
         if unknown:
             raise ValueError(f"fp8_gemm_prefill: unknown config keys {sorted(unknown)}")
         cfg.update(config)
-        # the default TMA-store epilogue goes with the variants it compiles with, unless asked for
+        # the default TMA-store epilogue goes with the variants it compiles with, unless asked for;
+        # the warp-specialized variants keep the 4 stages they were validated with
         if "EPI_TMA" not in config and (cfg["WS"] or cfg["LOAD"] == "ptr"):
             cfg["EPI_TMA"] = False
+        if cfg["WS"] and "num_stages" not in config:
+            cfg["num_stages"] = DEFAULT_CONFIG["num_stages"]
     if cfg["LOAD"] not in LOADS:
         raise ValueError(f"fp8_gemm_prefill: LOAD must be one of {sorted(LOADS)}, got {cfg['LOAD']!r}")
     BM, BN, NSUB = cfg["BM"], cfg["BN"], cfg["NSUB"]
