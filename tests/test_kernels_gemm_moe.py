@@ -495,7 +495,8 @@ _AOT_SCRIPT = textwrap.dedent("""
                    OFFS=P("i64"), TCUM=P("i64"))
         for nv, grouped, split, band in ((False, True, True, True), (False, False, False, False),
                                          (True, True, True, False), (True, True, True, True)):
-            ptx = comp(F._mma_gemv_kernel, dict(mmt, C=P("fp32") if split else P("bf16"), A=P("fp16") if band else P("u8")),
+            ptx = comp(F._mma_gemv_kernel,
+                       dict(mmt, C=P("fp32") if split else P("bf16"), A=P("fp16") if band else P("u8")),
                        dict(NV=nv, GROUPED=grouped, GATHER=grouped, BM=F.BM_ROWS, BN=64, LOG2G=9, SPLIT=split,
                             NUM_WARPS=4, BAND=band, A16=band), cap, 4)
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx

@@ -46,13 +46,13 @@ keeps the pending rows, as ``CompressorState`` does). Row i of ``rows_k`` / ``ro
 stacked under the first channel half of positions (j-1)*m .., K = 0 / score = -inf for j = 0), RoPE
 at position j*m (cos/sin rows [last-first, 32]), the same post-processing, QDQ and optional paged
 write (``page_slots`` [last-first], -1 = skip) as the decode step. The rows must cover positions
-[(first-1)*m (CSA, first > 0) or first*m, last*m) (checked on the host: ValueError). Kernels: CSA
-(main and indexer): ``_pref_pool`` with ``POST``, grid (entries,), all c channels of a 2m x c tile
-and the post-processing in one program; HCA (m x c = 128 x 512 does not fit one program):
-``_pref_pool`` grid (entries, c / 32) writes the pooled fp32 vectors and the entry's last-arriving
-program (an arrival counter, ``counters.py``) post-processes it: one launch either way. Same numerics as the decode step vs ``compress_prefill_torch`` (``Compressor.pool`` +
-``Compressor.postprocess``, official numerics). The default path choice is by construction, not
-measured on the H200.
+[(first-1)*m (CSA, first > 0) or first*m, last*m) (checked on the host: ValueError). Kernels: CSA (main
+and indexer): ``_pref_pool`` with ``POST``, grid (entries,), all c channels of a 2m x c tile and the
+post-processing in one program; HCA (m x c = 128 x 512 does not fit one program): ``_pref_pool`` grid
+(entries, c / 32) writes the pooled fp32 vectors and the entry's last-arriving program (an arrival
+counter, ``counters.py``) post-processes it: one launch either way. Same numerics as the decode step vs
+``compress_prefill_torch`` (``Compressor.pool`` + ``Compressor.postprocess``, official numerics). The
+default path choice is by construction, not measured on the H200.
 """
 from __future__ import annotations
 
@@ -496,9 +496,8 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
     as in ``compress_decode``. -> entries bf16 [last-first, c] (, pooled fp32 [last-first, c]).
     ``fused`` (default: CSA) pools all c channels and post-processes in one program per entry;
     otherwise ``_pref_pool`` over channel blocks of ``block_c``, the entry's last block program
-    post-processing it. ``num_warps``:
-    warps per program (a tuning knob; default 2 for the fused c = 512 kernel, 1 for the fused indexer,
-    else 4).
+    post-processing it. ``num_warps``: warps per program (a tuning knob; default 2 for the fused
+    c = 512 kernel, 1 for the fused indexer, else 4).
     """
     c, coff, n = _check_prefill(rows_k, rows_s, base, first, last, norm_w, cos, sin, ratio, indexer)
     dev = rows_k.device

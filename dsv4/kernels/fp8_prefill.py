@@ -52,10 +52,10 @@ block k's wgmma runs, a loop-carried copy of the partial) made ptxas serialise e
 (C7514: "non wgmma instructions reading accumulator registers"); that variant was dropped. MMA/FFMA
 overlap therefore comes from the two independent consumer warpgroups of the ``WS`` variant.
 H200 (triton 3.6, BENCHMARKS.md sessions 5 and 8): the non-specialised TMA variants reach 860-890
-TFLOP/s (57-61% of the measured 1454 TFLOP/s ``_scaled_mm`` peak) on the square-ish prefill shapes
-with 4 stages and 750-810 (51-56%) on wq_b (N >> K); 3 stages (three CTAs per SM) with the TMA
-store: 854-917 (59-63%) on all six shapes; the pointer-load tile of ``gemm.py`` 440-560. ``prefill_config``
-holds the measured best; ``gemm.fp8_gemm`` routes prefill-sized calls (``PREFILL_MIN_ROWS``) here.
+TFLOP/s (57-61% of the measured 1454 TFLOP/s ``_scaled_mm`` peak) on the square-ish prefill shapes with
+4 stages and 750-810 (51-56%) on wq_b (N >> K); 3 stages (three CTAs per SM) with the TMA store: 854-917
+(59-63%) on all six shapes; the pointer-load tile of ``gemm.py`` 440-560. ``prefill_config`` holds the
+measured best; ``gemm.fp8_gemm`` routes prefill-sized calls (``PREFILL_MIN_ROWS``) here.
 """
 from __future__ import annotations
 
