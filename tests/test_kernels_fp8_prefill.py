@@ -194,7 +194,8 @@ _AOT_SCRIPT = textwrap.dedent("""
     TMA = dict(LOAD="tma", WS=False, BM=128, BN=128, NSUB=1, num_warps=8, num_stages=4)
     for cap in (90, 100):
         for cfg in (TMA, dict(TMA, EPI_TMA=True, PERSISTENT=True), dict(TMA, LOAD="tma_dev", FLATTEN=True, PERSISTENT=True),
-                    dict(TMA, LOAD="ptr", num_stages=3), dict(TMA, BM=64, num_warps=4)):
+                    dict(TMA, LOAD="ptr", num_stages=3), dict(TMA, BM=64, num_warps=4),
+                    dict(TMA, BM=64, num_warps=4, num_stages=3, EPI_TMA=True)):      # the H200 default
             ptx, k = comp(cfg, cap)
             if cap == 90:
                 assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, "expected fp8 wgmma"
