@@ -67,6 +67,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .counters import arrive
     from .kv_insert import _e4m3_bits, _exp2i, _rne_bf16, _ue8m0_exp
 
     @triton.jit
@@ -347,8 +348,7 @@ if triton_available():
                 _entry(pooled, i64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
                        C, INDEXER, WRITE)
             else:
-                tl.debug_barrier()     # every thread's pooled stores precede thread 0's release below
-                if tl.atomic_add(CNT + i64, 1, sem="acq_rel", scope="gpu") == C // CB - 1:
+                if arrive(CNT + i64) == C // CB - 1:
                     x = tl.load(POOLED + i64 * stride_pb + tl.arange(0, C), cache_modifier=".cg")
                     _entry(x, i64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes,
                            eps, C, INDEXER, WRITE)

@@ -5,12 +5,14 @@ fused hc_pre / hc_head, ``fp8_mma``'s in-kernel split-K sum) count arrivals in a
 output tile (``atomic_add``, acq_rel, gpu scope); the last arriver resets its counter to 0. So one
 zeroed buffer per device serves every such launch with no memset launch, as long as the launches on
 a device are stream-ordered (two of them running concurrently on two streams would share counters;
-everything in the engine runs on one stream). ``indexer.index_topk`` keeps its per-row workspace
+everything in the engine runs on one stream). ``arrive`` is the Triton side: count a program in. ``indexer.index_topk`` keeps its per-row workspace
 (counters, fields, histogram) in the same buffer across its launches; its last pass zeroes it.
 """
 from __future__ import annotations
 
 import torch
+
+from . import triton_available
 
 _CNT_MIN = 1024       # counters kept per device (grown on demand)
 _COUNTERS: dict = {}
@@ -33,6 +35,19 @@ def arrival_counters(device, n: int) -> torch.Tensor:
         _RETIRED.append(buf)
     _COUNTERS[key] = fresh
     return fresh
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def arrive(CNT):
+        """Count this program in on the counter CNT -> the count before it (the last of n programs sees
+        n - 1). Its acquire sees the other programs' writes: every thread's writes precede the barrier,
+        and thread 0's release covers them."""
+        tl.debug_barrier()
+        return tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
 
 
 __all__ = ["arrival_counters"]

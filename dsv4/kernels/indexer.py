@@ -57,6 +57,7 @@ if triton_available():
     import triton.language as tl
 
     from .compressor import _e2m1_value, _fp4_qdq_blocks
+    from .counters import arrive
     from .kv_insert import _rne_bf16
 
     WS_P2 = tl.constexpr(512)     # _TOPK_WS rounded up to a power of two (the workspace reset's arange)
@@ -179,13 +180,6 @@ if triton_available():
         return i, m, _key16(tl.load(SC + b.to(tl.int64) * stride_sb + i, mask=m, other=0).to(tl.int32))
 
     @triton.jit
-    def _arrive(CNT):
-        """Count this program in; True for the row's last one (its acquire sees the others' writes:
-        every thread's writes precede the barrier, thread 0's release covers them)."""
-        tl.debug_barrier()
-        return tl.atomic_add(CNT, 1, sem="acq_rel", scope="gpu")
-
-    @triton.jit
     def _row_len(NV, b, N, HAS_NV: tl.constexpr):
         """Entries of row b that take part: min(n_valid[b], N), or N without n_valid."""
         if HAS_NV:
@@ -207,7 +201,7 @@ if triton_available():
             i, m, key = _topk_keys(SC, b, nv, stride_sb, t0, TILE)
             hist += tl.histogram(key >> 8, 256, mask=m)
         tl.atomic_add(ws + 8 + bins, hist, mask=hist != 0, sem="relaxed", scope="gpu")
-        if _arrive(ws) == NC - 1:
+        if arrive(ws) == NC - 1:
             kk = tl.minimum(K, nv)
             hb, above = _threshold(tl.load(ws + 8 + bins, cache_modifier=".cg"), kk)
             tl.store(ws + 3, tl.where(kk > 0, hb, -1))
@@ -235,7 +229,7 @@ if triton_available():
             hp = H2 + (b * NC + c).to(tl.int64) * 256
             tl.store(hp + bins, hist)
             tl.store(BASE + (b * NC + c).to(tl.int64) * 2, tl.sum(gt, axis=0))
-            if _arrive(ws + 1) == NC - 1:
+            if arrive(ws + 1) == NC - 1:
                 kk = tl.minimum(K, nv)
                 above1 = tl.load(ws + 4)
                 tot = tl.zeros([256], tl.int32)
@@ -296,7 +290,7 @@ if triton_available():
                 tl.store(buf + n_gt + r_eq, comp, mask=(eqi != 0) & (r_eq < need_eq))
                 base_gt += tl.sum(gti, axis=0)
                 base_eq += tl.sum(eqi, axis=0)
-        if _arrive(ws + 2) == NC - 1:
+        if arrive(ws + 2) == NC - 1:
             if SORT:
                 _emit_sorted(buf, OUT + b.to(tl.int64) * stride_ob, tl.minimum(K, nv), K, KP)
             wi = tl.arange(0, WS_P2)

@@ -85,6 +85,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .counters import arrive
     from .kv_insert import _rne_bf16
 
     @triton.jit
@@ -376,8 +377,7 @@ if triton_available():
         col = PART + pid_s * NP * T + t.to(tl.int64)
         tl.store(col[:, None] + (n * T)[None, :], tl.sum(acc, axis=2), mask=tm[:, None] & nm[None, :])
         tl.store(col + (NP - 1) * T, tl.sum(sq, axis=1), mask=tm)
-        tl.debug_barrier()
-        if tl.atomic_add(CNT + tb, 1, sem="acq_rel", scope="gpu") == S - 1:
+        if arrive(CNT + tb) == S - 1:
             sv, bv = _coefs(BASE, SCALE, NMIX, NP)
             z = _logits(_split_sum(PART, t, tm, S, T, NMIX, SP, NP), sv, bv, inv_k, rms_eps, NP)
             p0, p1, p2, p3 = _pre_weights(z, hc_eps, NP)
