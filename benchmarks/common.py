@@ -37,31 +37,52 @@ def fp8_peak(dev, timer, size: int = 8192) -> float:
 
 
 _FLUSH = None
+_FLUSH_READ = None
+
+
+def flush_mode() -> str:
+    """How ``graph_time`` empties the L2 before each call (env ``DSV4_BENCH_FLUSH``): ``read`` (default:
+    a 256 MB zero fill, then a 256 MB read, so L2 holds clean lines, as after Nsight Compute's cache
+    invalidation) or ``write`` (the fill alone, sessions 1-8: its last ~50 MB stay dirty in L2 and
+    the timed kernel also pays their write-back, up to ~10 us of HBM time that is not its own;
+    BENCHMARKS.md session 9 has both)."""
+    mode = __import__("os").environ.get("DSV4_BENCH_FLUSH", "read")
+    if mode not in ("write", "read"):
+        raise ValueError(f"DSV4_BENCH_FLUSH must be 'write' or 'read', got {mode!r}")
+    return mode
 
 
 def graph_time(fn, reps=3):
-    """GPU ms of fn from CUDA-graph replays with the L2 flushed before every call (a 256 MB
-    write, timed alone in its own graph and subtracted): no call finds weights left in L2 by
+    """GPU ms of fn from CUDA-graph replays with the L2 flushed before every call (``flush_mode``;
+    the flush timed alone in its own graph and subtracted): no call finds weights left in L2 by
     the previous one, and no host launch overhead is counted."""
-    global _FLUSH
+    global _FLUSH, _FLUSH_READ
     if not torch.cuda.is_available():       # smoke run (CPU interpreter): runs, does not time
         fn()
         return float("nan")
     import triton.testing
     if _FLUSH is None:
         _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        _FLUSH_READ = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")
+    read = flush_mode() == "read"
+
+    def flush():
+        _FLUSH.zero_()
+        if read:
+            torch.amax(_FLUSH_READ)
 
     def capture(body):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
+                flush()
                 body()
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(reps):
-                _FLUSH.zero_()
+                flush()
                 body()
         t = triton.testing.do_bench(g.replay, warmup=5, rep=100, return_mode="median") / reps
         del g

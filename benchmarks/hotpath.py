@@ -9,7 +9,7 @@ matmul rate).
 Counting: bytes = the fewest HBM bytes of the operation (each input read once, each output written
 once); floor = max(bytes / copy rate, FLOPs / bf16 matmul rate); '% of floor' = floor / time (the
 '>= 70% of HBM bandwidth' target for the memory-bound kernels). Times: GPU time per call from
-CUDA-graph replays with the L2 flushed (256 MB write) before every call, flush time subtracted, so
+CUDA-graph replays with the L2 flushed (``common.flush_mode``) before every call, flush time subtracted, so
 launch gaps inside a graph count but host overhead does not; the PyTorch twin is timed the same way
 (eager do_bench where it cannot be captured). The markdown table is printed last and written to
 ``--out``; append it to BENCHMARKS.md by hand.
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import graph_time, roofline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from common import flush_mode, graph_time, roofline  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -315,8 +315,8 @@ def report(rows, copy_bw, mm_rate, dev, args):
          f"Command: `PYTHONPATH=. python benchmarks/hotpath.py`; torch {torch.__version__}, triton {triton.__version__}. "
          f"Roofline measured in this run: copy {copy_bw / 1e12:.2f} TB/s (read+write), dense bf16 matmul "
          f"{mm_rate / 1e12:.0f} TFLOP/s; floor = max(bytes / copy rate, FLOPs / matmul rate) with the fewest HBM "
-         f"bytes of the operation. Times: GPU time per call from CUDA-graph replays, L2 flushed before every "
-         f"call (flush subtracted). PyTorch = the torch twin (reference numerics) timed the same way. "
+         f"bytes of the operation. Times: GPU time per call from CUDA-graph replays, L2 flushed ({flush_mode()}) before "
+         f"every call (flush subtracted). PyTorch = the torch twin (reference numerics) timed the same way. "
          f"err = relative L2 error vs the twin (top-k: fraction of differing indices).", "",
          "| kernel | rows (T / B) | Triton us | GB/s | floor us | % of floor | PyTorch us | speedup | err |",
          "|---|---|---|---|---|---|---|---|---|"]
