@@ -54,7 +54,9 @@ overlap therefore comes from the two independent consumer warpgroups of the ``WS
 H200 (triton 3.6, BENCHMARKS.md sessions 5 and 8): the non-specialised TMA variants reach 860-890
 TFLOP/s (57-61% of the measured 1454 TFLOP/s ``_scaled_mm`` peak) on the square-ish prefill shapes with
 4 stages and 750-810 (51-56%) on wq_b (N >> K); 3 stages (three CTAs per SM) with the TMA store: 854-917
-(59-63%) on all six shapes; the pointer-load tile of ``gemm.py`` 440-560. ``prefill_config`` holds the
+(59-63%) on all six shapes; the pointer-load tile of ``gemm.py`` 440-560. Session 9 (7 rounds in
+shuffled order, the spread of one run shows in BENCHMARKS.md): 64-row-block groups 57-68%, Flash wq_b
+and Pro wo_b still 57-59%. ``prefill_config`` holds the
 measured best; ``gemm.fp8_gemm`` routes prefill-sized calls (``PREFILL_MIN_ROWS``) here.
 """
 from __future__ import annotations
@@ -225,18 +227,19 @@ def _ensure_allocator(device):
 
 
 def prefill_config(M: int, N: int, K: int, dev) -> dict:
-    """Default variant, from the H200 runs of benchmarks/exp_fp8_prefill.py (BENCHMARKS.md sessions 5
-    and 8): TMA loads, no warp specialization, 64 x 128 tiles of one warpgroup, 3 stages (72 KB of
+    """Default variant, from the H200 runs of benchmarks/exp_fp8_prefill.py (BENCHMARKS.md sessions 5,
+    8 and 9): TMA loads, no warp specialization, 64 x 128 tiles of one warpgroup, 3 stages (72 KB of
     shared memory: three CTAs per SM, so one CTA's epilogue overlaps the others' main loops) and the
-    TMA store epilogue. On the six V4 prefill shapes 854-917 TFLOP/s (59-63% of the measured FP8
-    peak); the previous 4-stage defaults (two CTAs per SM) gave 723-881. The warp-specialized
-    variants produced no timing on the H200 (dropped by the benchmark's per-variant pre-run). Small
-    tiles under the interpreter."""
+    TMA store epilogue, grouped order over 64 row blocks (4096 rows: at M <= 4096 each weight
+    tile is read from HBM once; session 9, 7 shuffled rounds: +1-3 points of peak over 8-block
+    groups on five of the seven benchmark rows, equal on the wq_b shapes). The warp-specialized variants
+    produced no timing on the H200 (dropped by the benchmark's per-variant pre-run). Small tiles
+    under the interpreter."""
     cfg = dict(DEFAULT_CONFIG)
     if interpreting() or torch.device(dev).type != "cuda":
         cfg.update(BM=32, BN=64)
     else:
-        cfg.update(BM=64, num_warps=4, num_stages=3, EPI_TMA=True)
+        cfg.update(BM=64, num_warps=4, num_stages=3, EPI_TMA=True, GROUP_M=64)
     return cfg
 
 
