@@ -432,10 +432,14 @@ def test_index_q_prologue(T, H):
     q[0, 0, :32] = 0                                                  # an all-zero FP4 block
     cos, sin = _rope(T, gen, "cpu")
     ref = index_q_prologue_torch(q, cos, sin)
+    first = None
     for hpp in (16, 64):
-        out = index_q_prologue(q.to(DEV), cos.to(DEV), sin.to(DEV), heads_per_program=hpp).cpu()
-        assert (out.float() != ref.float()).float().mean() < 2e-3
-        assert _rel(out, ref) < 0.2
+        for load_h in (True, False):       # Hadamard operand read from a tensor or built in the kernel: same bits
+            out = index_q_prologue(q.to(DEV), cos.to(DEV), sin.to(DEV), heads_per_program=hpp, load_h=load_h).cpu()
+            assert (out.float() != ref.float()).float().mean() < 2e-3
+            assert _rel(out, ref) < 0.2
+            first = out if first is None else first
+            assert torch.equal(out, first), (hpp, load_h)
 
 
 def _index_cache(n_blocks, gen, device=DEV):
@@ -689,8 +693,10 @@ _AOT_SCRIPT = textwrap.dedent("""
                                    STORE_POOLED=True), 4, False),
         (cp._pref_pool, PREF, dict(M=4, C=128, OVERLAP=True, CB=32, POST=True, INDEXER=True, WRITE=True,
                                    STORE_POOLED=True), 4, False),
-        (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16")), dict(HB=16, INTERP=False), 4, True),
-        (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16")), dict(HB=64, INTERP=False), 4, True),
+        (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16"), HMAT=P("bf16")),
+         dict(HB=16, INTERP=False, LOAD_H=False), 4, True),
+        (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16"), HMAT=P("bf16")),
+         dict(HB=64, INTERP=False, LOAD_H=True), 8, True),
         (ix._index_scores_kernel, dict(Q=P("bf16"), W=P("bf16"), PAGES=P("u8"), BT=P("i32"), POS=P("i64"),
                                        OUT=P("bf16")), dict(TPP=2, HP=64, INTERP=False), 4, True),
         (ix._index_scores_kernel, dict(Q=P("bf16"), W=P("bf16"), PAGES=P("u8"), BT=P("i64"), POS=P("i64"),
@@ -790,6 +796,34 @@ def test_gpu_mhc_cuda_graph(T, impl):
         ref = hc_pre(x, fn, base, scale, config=cfg) + (hc_head(x, fh, bh, sh),)
         for a, b in zip(out, ref):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4, 200])
+def test_gpu_q_prologue_cuda_graph(T):
+    """index_q_prologue captured in a CUDA graph before its cached Hadamard operand exists (the kernel
+    then builds the operand itself) and after: replays on new inputs equal eager calls bit for bit."""
+    _need_gpu()
+    import dsv4.kernels.indexer as ixm
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(T, 64, 128, generator=gen).bfloat16().cuda()
+    cos, sin = (t.cuda() for t in _rope(T, gen, "cpu"))
+    for cached in (False, True):
+        if not cached:
+            ixm._HMAT.clear()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):                 # warm-up: compiles both kernel variants
+            index_q_prologue(q, cos, sin, load_h=False)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = index_q_prologue(q, cos, sin)
+        assert bool(ixm._HMAT) == cached           # no operand tensor made inside the capture
+        for _ in range(2):
+            q.copy_(torch.randn(T, 64, 128, generator=gen).bfloat16().cuda())
+            g.replay()
+            assert torch.equal(out, index_q_prologue(q, cos, sin))     # eager: the loaded operand
 
 
 @pytest.mark.gpu

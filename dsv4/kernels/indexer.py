@@ -4,8 +4,9 @@
   64..127 (interleaved pairs, the caller's fp32 cos/sin ``[T, 32]`` at the token positions), bf16;
   Hadamard ``(x @ H) * 128^-0.5`` (natural-order Sylvester matrix, fp32 sums), bf16; FP4 e2m1 QDQ
   with UE8M0 scales per 32 values, bf16. Twin: ``Indexer.queries`` without the wq_b GEMM and
-  weights_proj. One program per (token, 16 heads; 64 measured faster, 7.7 vs 9.6 us at T = 128); the Hadamard is a ``tl.dot`` with the +-1
-  matrix built in registers (bf16 operands are exact: products exact, fp32 accumulation).
+  weights_proj. One program per (token, 16 heads below 128 tokens, 64 from 128 up); the Hadamard is a
+  ``tl.dot`` with the +-1 matrix read from a cached bf16 tensor (or built from index bits in the
+  kernel; bf16 operands are exact: products exact, fp32 accumulation).
 * ``index_scores(q, w, pages, block_table, pos)``: ``I[b, t] = sum_h relu(q[b,h] . K[t]) * w[b,h]``
   over the sequence's keys read from the MXFP4 paged key cache (page = ``[64 x 64 B codes][64 x 4 B
   e8m0 scales]``, entry t in block ``block_table[b, t // 64]`` at offset ``t % 64``), with the
@@ -64,14 +65,27 @@ if triton_available():
 
     # -------------------------------------------------------------------------- q prologue
     @triton.jit
-    def _index_q_kernel(Q, COS, SIN, OUT, H, stride_qt, stride_qh, stride_ot, stride_oh,
-                        HB: tl.constexpr, INTERP: tl.constexpr):
-        t = tl.program_id(0)
+    def _index_q_kernel(Q, COS, SIN, OUT, HMAT, H, stride_qt, stride_qh, stride_ot, stride_oh,
+                        HB: tl.constexpr, INTERP: tl.constexpr, LOAD_H: tl.constexpr):
+        """Program (t, hb): heads hb*HB .. of token t. LOAD_H: the +-1 Hadamard operand is read from HMAT
+        (bf16 [128, 128]; fp32 under the interpreter, L2-resident) instead of built from index bits
+        (~650 fewer instructions a program at HB = 64)."""
         hb = tl.program_id(1)
-        t64 = t.to(tl.int64)
         h = hb * HB + tl.arange(0, HB)
         hm = h < H
         d = tl.arange(0, 128)
+        # Hadamard operand: H[i, j] = (-1)^popcount(i & j)
+        if LOAD_H:
+            hmat = tl.load(HMAT + tl.arange(0, 128)[:, None] * 128 + d[None, :])
+        else:
+            v = tl.arange(0, 128)[:, None] & tl.arange(0, 128)[None, :]
+            v ^= v >> 4
+            v ^= v >> 2
+            v ^= v >> 1
+            hmat = (1 - 2 * (v & 1)).to(tl.float32)
+            if not INTERP:
+                hmat = hmat.to(tl.bfloat16)
+        t64 = tl.program_id(0).to(tl.int64)
         x = tl.load(Q + t64 * stride_qt + h[:, None] * stride_qh + d[None, :], mask=hm[:, None],
                     other=0.0).to(tl.float32)
         # RoPE on dims 64..127 (pairs 32..63)
@@ -85,16 +99,10 @@ if triton_available():
         y0 = tl.where(is_rope[None, :], y0, x0)
         y1 = tl.where(is_rope[None, :], y1, x1)
         x = _rne_bf16(tl.reshape(tl.join(y0, y1), [HB, 128]))
-        # Hadamard: x @ H with H[i, j] = (-1)^popcount(i & j)
-        v = tl.arange(0, 128)[:, None] & tl.arange(0, 128)[None, :]
-        v ^= v >> 4
-        v ^= v >> 2
-        v ^= v >> 1
-        hmat = (1 - 2 * (v & 1)).to(tl.float32)
         if INTERP:
-            y = tl.dot(x, hmat, input_precision="ieee")
+            y = tl.dot(x, hmat.to(tl.float32), input_precision="ieee")
         else:
-            y = tl.dot(x.to(tl.bfloat16), hmat.to(tl.bfloat16))
+            y = tl.dot(x.to(tl.bfloat16), hmat)
         y = _rne_bf16(y * 0.08838834764831845)
         q, _code, _e = _fp4_qdq_blocks(tl.reshape(y, [HB * 4, 32]))
         tl.store(OUT + t64 * stride_ot + h[:, None] * stride_oh + d[None, :],
@@ -366,11 +374,29 @@ def _num_sms(device) -> int:
 
 
 # ------------------------------------------------------------------------------ q prologue
+_HMAT: dict = {}
+
+
+def _hadamard_operand(device, dtype) -> torch.Tensor | None:
+    """The +-1 Sylvester matrix [128, 128] for the q prologue's ``LOAD_H`` path, one per device; None
+    inside a CUDA-graph capture before it exists (its host-to-device copy cannot be captured)."""
+    key = (str(device), dtype)
+    if key not in _HMAT:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        from ..reference.hadamard import hadamard_matrix
+        _HMAT[key] = hadamard_matrix(HEAD_DIM).to(device=device, dtype=dtype).contiguous()
+    return _HMAT[key]
+
+
 def index_q_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_per_program: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, load_h: bool = True) -> torch.Tensor:
     """RoPE (dims 64..127) + Hadamard + FP4 QDQ of the indexer queries q bf16 [T, H, 128] -> bf16.
     ``heads_per_program`` default (H200, 64 heads, BENCHMARKS.md session 9): 16 below 128 tokens
-    (T = 1: 4.5 us vs 6.8 with 64), 64 from 128 tokens up (T = 4096: 149 us vs 207 with 16)."""
+    (T = 1: 4.5 us vs 6.8 with 64), 64 from 128 tokens up (T = 4096: 149 us vs 207 with 16).
+    ``load_h``: read the +-1 Hadamard operand from a cached per-device tensor (1.18x at T >= 512 on
+    the H200) instead of building it in every program from index bits (same bits either way; a CUDA
+    graph captured before the tensor exists builds it in-kernel)."""
     T, H, D = q.shape
     if D != HEAD_DIM or q.dtype != torch.bfloat16 or q.stride(2) != 1:
         raise ValueError(f"q: expected bf16 [T, H, 128] (contiguous last dim), got {q.dtype} {tuple(q.shape)}")
@@ -380,9 +406,11 @@ def index_q_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     if T == 0:
         return out
     HB = heads_per_program or (64 if T >= 128 else 16)
-    _index_q_kernel[(T, triton.cdiv(H, HB))](q, cos.contiguous(), sin.contiguous(), out, H, q.stride(0),
-                                             q.stride(1), out.stride(0), out.stride(1), HB=HB,
-                                             INTERP=interpreting(),
+    interp = interpreting()
+    hmat = _hadamard_operand(q.device, torch.float32 if interp else torch.bfloat16) if load_h else None
+    _index_q_kernel[(T, triton.cdiv(H, HB))](q, cos.contiguous(), sin.contiguous(), out,
+                                             q if hmat is None else hmat, H, q.stride(0), q.stride(1), out.stride(0),
+                                             out.stride(1), HB=HB, INTERP=interp, LOAD_H=hmat is not None,
                                              **_kw(8 if HB >= 64 else 4, enable_fp_fusion=False))
     return out
 
