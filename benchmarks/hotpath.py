@@ -241,9 +241,11 @@ def index_cases(dev, gen, smoke, sweep=False):
         q = (_r(gen, T, H, 128, dev=dev) * 2).bfloat16()
         ang = torch.rand(T, 32, generator=gen, device=dev) * 100
         cos, sin = ang.cos(), ang.sin()
-        if sweep:
-            yield ("indexer q prologue (64 heads) 64 heads/program", T,
-                   lambda: ix.index_q_prologue(q, cos, sin, heads_per_program=64), None, 2 * T * H * 128 * 2 + T * 256, 0)
+        if sweep:      # the default takes 64 heads a program from 128 tokens and the loaded Hadamard operand
+            yield ("indexer q prologue (64 heads) 16 heads/program", T,
+                   lambda: ix.index_q_prologue(q, cos, sin, heads_per_program=16), None, 2 * T * H * 128 * 2 + T * 256, 0)
+            yield ("indexer q prologue (64 heads) Hadamard operand built in the kernel", T,
+                   lambda: ix.index_q_prologue(q, cos, sin, load_h=False), None, 2 * T * H * 128 * 2 + T * 256, 0)
             continue
         yield ("indexer q prologue (64 heads)", T, lambda: ix.index_q_prologue(q, cos, sin),
                lambda: ix.index_q_prologue_torch(q, cos, sin), 2 * T * H * 128 * 2 + T * 256, 0)
