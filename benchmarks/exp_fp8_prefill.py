@@ -8,8 +8,9 @@ Modes:
   existing ``fp8_gemm`` at its default config, and every variant in ``CONFIGS``. Each variant's output
   is first compared with ``fp8_gemm``'s (``WRONG`` if the relative difference exceeds 2e-3 or is not
   finite; bit-identical fraction printed), then timed with ``triton.testing.do_bench`` (L2 cleared
-  before every call, median). A pre-check first runs every variant on a small case in its own
-  process, in parallel (a Triton assertion aborts the process, not the run; the JIT compiles land in
+  before every call, median); ``--rounds R`` times every variant R times, in a new random order each
+  round, and prints the median and the range (one timing drifts by a few %). A pre-check first runs
+  every variant on a small case in its own process, in parallel (a Triton assertion aborts the process, not the run; the JIT compiles land in
   Triton's disk cache, so the main process does not compile them again); variants that fail there,
   or raise at the first call, are reported and skipped. Prints a markdown table (us,
   TFLOP/s, % of the ``_scaled_mm`` 8192^3 peak). Budget: well under 120 s on an H200.
@@ -434,8 +435,8 @@ def main():
     ap.add_argument("--md", default=None, help="append the markdown table to this file")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for exp_fp8_prefill.json")
     ap.add_argument("--shapes", default=None, help="comma-separated substrings of the shape names to run")
-    ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, round-robin; "
-                                                          "the table shows the median and the range")
+    ap.add_argument("--rounds", type=int, default=1, help="time every variant this many times, in a shuffled "
+                                                          "order each round; the table shows the median and the range")
     args = ap.parse_args()
     configs = dict(CONFIGS)
     if args.configs:

@@ -243,7 +243,8 @@ def index_cases(dev, gen, smoke, sweep=False):
         cos, sin = ang.cos(), ang.sin()
         if sweep:      # the default takes 64 heads a program from 128 tokens and the loaded Hadamard operand
             yield ("indexer q prologue (64 heads) 16 heads/program", T,
-                   lambda: ix.index_q_prologue(q, cos, sin, heads_per_program=16), None, 2 * T * H * 128 * 2 + T * 256, 0)
+                   lambda: ix.index_q_prologue(q, cos, sin, heads_per_program=16), None,
+                   2 * T * H * 128 * 2 + T * 256, 0)
             yield ("indexer q prologue (64 heads) Hadamard operand built in the kernel", T,
                    lambda: ix.index_q_prologue(q, cos, sin, load_h=False), None, 2 * T * H * 128 * 2 + T * 256, 0)
             continue
@@ -317,8 +318,8 @@ def report(rows, copy_bw, mm_rate, dev, args):
          f"Command: `PYTHONPATH=. python benchmarks/hotpath.py`; torch {torch.__version__}, triton {triton.__version__}. "
          f"Roofline measured in this run: copy {copy_bw / 1e12:.2f} TB/s (read+write), dense bf16 matmul "
          f"{mm_rate / 1e12:.0f} TFLOP/s; floor = max(bytes / copy rate, FLOPs / matmul rate) with the fewest HBM "
-         f"bytes of the operation. Times: GPU time per call from CUDA-graph replays, L2 flushed ({flush_mode()}) before "
-         f"every call (flush subtracted). PyTorch = the torch twin (reference numerics) timed the same way. "
+         f"bytes of the operation. Times: GPU time per call from CUDA-graph replays, L2 flushed "
+         f"({flush_mode()}) before every call (flush subtracted). PyTorch = the torch twin (reference numerics) timed the same way. "
          f"err = relative L2 error vs the twin (top-k: fraction of differing indices).", "",
          "| kernel | rows (T / B) | Triton us | GB/s | floor us | % of floor | PyTorch us | speedup | err |",
          "|---|---|---|---|---|---|---|---|---|"]
