@@ -10,10 +10,11 @@ Modes:
   finite; bit-identical fraction printed), then timed with ``triton.testing.do_bench`` (L2 cleared
   before every call, median); ``--rounds R`` times every variant R times, in a new random order each
   round, and prints the median and the range (one timing drifts by a few %). A pre-check first runs
-  every variant on a small case in its own process, in parallel (a Triton assertion aborts the process, not the run; the JIT compiles land in
-  Triton's disk cache, so the main process does not compile them again); variants that fail there,
-  or raise at the first call, are reported and skipped. Prints a markdown table (us,
-  TFLOP/s, % of the ``_scaled_mm`` 8192^3 peak). Budget: well under 120 s on an H200.
+  every variant on a small case in its own process, in parallel (a Triton assertion aborts the
+  process, not the run; the JIT compiles land in Triton's disk cache, so the main process does not
+  compile them again); variants that fail there, or raise at the first call, are reported and
+  skipped. Prints a markdown table (us, TFLOP/s, % of the ``_scaled_mm`` 8192^3 peak). Budget: well
+  under 120 s on an H200 with one round.
 * ``--smoke``: tiny shapes under the CPU interpreter (TRITON_INTERPRET=1): every variant runs and is
   checked against ``fp8_gemm``; no timing.
 * ``--static``: no GPU needed: AOT-compile every variant (and the baseline ``_fp8_gemm_kernel``
