@@ -319,7 +319,8 @@ def report(rows, copy_bw, mm_rate, dev, args):
          f"Roofline measured in this run: copy {copy_bw / 1e12:.2f} TB/s (read+write), dense bf16 matmul "
          f"{mm_rate / 1e12:.0f} TFLOP/s; floor = max(bytes / copy rate, FLOPs / matmul rate) with the fewest HBM "
          f"bytes of the operation. Times: GPU time per call from CUDA-graph replays, L2 flushed "
-         f"({flush_mode()}) before every call (flush subtracted). PyTorch = the torch twin (reference numerics) timed the same way. "
+         f"({flush_mode()}) before every call (flush subtracted). PyTorch = the torch twin (reference numerics) "
+         f"timed the same way. "
          f"err = relative L2 error vs the twin (top-k: fraction of differing indices).", "",
          "| kernel | rows (T / B) | Triton us | GB/s | floor us | % of floor | PyTorch us | speedup | err |",
          "|---|---|---|---|---|---|---|---|---|"]
