@@ -1,6 +1,8 @@
 """Shared benchmark pieces: the roofline measured in the same run as the kernels."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -46,7 +48,7 @@ def flush_mode() -> str:
     invalidation) or ``write`` (the fill alone, sessions 1-8: its last ~50 MB stay dirty in L2 and
     the timed kernel also pays their write-back, up to ~10 us of HBM time that is not its own;
     BENCHMARKS.md session 9 has both)."""
-    mode = __import__("os").environ.get("DSV4_BENCH_FLUSH", "read")
+    mode = os.environ.get("DSV4_BENCH_FLUSH", "read")
     if mode not in ("write", "read"):
         raise ValueError(f"DSV4_BENCH_FLUSH must be 'write' or 'read', got {mode!r}")
     return mode
