@@ -238,6 +238,28 @@ def test_compress_decode_ape_presummed_and_two_kernel_path():
     _check_compress(4, False, [3, 6, 15, 19], torch.Generator().manual_seed(3), fused=False)
 
 
+@pytest.mark.parametrize("ratio,indexer", [(4, False), (128, False), (4, True)])
+def test_compress_decode_bf16_rows_as_their_fp32_values(ratio, indexer):
+    """bf16 K / score rows (the projections' dtype) give exactly what their fp32 values give: the
+    kernels convert in the load, and the ring holds the fp32 values."""
+    gen = torch.Generator().manual_seed(5 + ratio + indexer)
+    positions = [3, 7, 5, 11] if ratio == 4 else [127, 255, 100]
+    state, slots, pos, k, s, ape, w, cos, sin, pages, pslots = _comp_case(ratio, indexer, len(positions), 6,
+                                                                          positions, gen)
+    kb, sb = k.bfloat16(), s.bfloat16()
+    runs = []
+    for kk, ss in ((kb, sb), (kb.float(), sb.float())):
+        st, pg = state.clone(), pages.clone()
+        out, done = compress_decode(st, slots, pos, kk, ss, w, cos, sin, ratio=ratio, indexer=indexer, ape=ape,
+                                    pages=pg, page_slots=pslots, page_size=4)
+        runs.append((out, done, st, pg))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert runs[0][1].any()
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        compress_decode(state, slots, pos, k.half(), s.half(), w, cos, sin, ratio=ratio, indexer=indexer)
+
+
 def test_compress_decode_sequence_vs_reference_update():
     """Token-by-token decode from an empty ring against the reference ``Compressor.update``."""
     from dsv4.reference.compressor import Compressor
@@ -668,31 +690,33 @@ _AOT_SCRIPT = textwrap.dedent("""
                              COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
          dict(NMIX=4, NP=8, SP=128, BT=2, BK=128, BD=2048, HEAD=True), 4, False),
         (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
-         dict(M=4, C=512, OVERLAP=True, HAS_APE=True, CB=512), 4, False),
+         dict(M=4, C=512, OVERLAP=True, HAS_APE=True, CB=512, FAST=True), 4, False),
         (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
-         dict(M=128, C=512, OVERLAP=False, HAS_APE=False, CB=32), 4, False),
+         dict(M=128, C=512, OVERLAP=False, HAS_APE=False, CB=32, FAST=True), 4, False),
         (cp._comp_post, dict(POOLED=F, NORMW=F, COS=F, SIN_=F, POS=P("i64"), OUT=P("bf16"), COMPLETE=P("i8"),
                              PAGES=P("u8"), PSLOTS=P("i64"), eps="fp32"),
-         dict(M=128, C=512, INDEXER=False, WRITE=True), 4, False),
+         dict(M=128, C=512, INDEXER=False, WRITE=True, FAST=True), 4, False),
         (cp._comp_fused, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F, NORMW=F,
                               COS=F, COSIN_=F, OUT=P("bf16"), COMPLETE=P("i8"), PAGES=P("u8"), PSLOTS=P("i64"),
                               eps="fp32"),
-         dict(M=4, C=512, OVERLAP=True, HAS_APE=False, INDEXER=False, WRITE=True, STORE_POOLED=False), 8, False),
+         dict(M=4, C=512, OVERLAP=True, HAS_APE=False, INDEXER=False, WRITE=True, STORE_POOLED=False,
+              FAST=True), 8, False),
         (cp._comp_fused, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F, NORMW=F,
                               COS=F, COSIN_=F, OUT=P("bf16"), COMPLETE=P("i8"), PAGES=P("u8"), PSLOTS=P("i64"),
                               eps="fp32"),
-         dict(M=4, C=128, OVERLAP=True, HAS_APE=True, INDEXER=True, WRITE=True, STORE_POOLED=True), 8, False),
+         dict(M=4, C=128, OVERLAP=True, HAS_APE=True, INDEXER=True, WRITE=True, STORE_POOLED=True,
+              FAST=True), 8, False),
         (cp._comp_post, dict(POOLED=F, NORMW=F, COS=F, SIN_=F, POS=P("i64"), OUT=P("bf16"), COMPLETE=P("i8"),
                              PAGES=P("u8"), PSLOTS=P("i64"), eps="fp32"),
-         dict(M=4, C=128, INDEXER=True, WRITE=True), 4, False),
+         dict(M=4, C=128, INDEXER=True, WRITE=True, FAST=True), 4, False),
         (cp._pref_pool, PREF, dict(M=4, C=512, OVERLAP=True, CB=512, POST=True, INDEXER=False, WRITE=True,
-                                   STORE_POOLED=False), 8, False),
+                                   STORE_POOLED=False, FAST=True), 8, False),
         (cp._pref_pool, PREF, dict(M=4, C=128, OVERLAP=True, CB=128, POST=True, INDEXER=True, WRITE=True,
-                                   STORE_POOLED=True), 4, False),
+                                   STORE_POOLED=True, FAST=True), 4, False),
         (cp._pref_pool, PREF, dict(M=128, C=512, OVERLAP=False, CB=32, POST=True, INDEXER=False, WRITE=True,
-                                   STORE_POOLED=True), 4, False),
+                                   STORE_POOLED=True, FAST=True), 4, False),
         (cp._pref_pool, PREF, dict(M=4, C=128, OVERLAP=True, CB=32, POST=True, INDEXER=True, WRITE=True,
-                                   STORE_POOLED=True), 4, False),
+                                   STORE_POOLED=True, FAST=True), 4, False),
         (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16"), HMAT=P("bf16")),
          dict(HB=16, INTERP=False, LOAD_H=False), 4, True),
         (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16"), HMAT=P("bf16")),

@@ -192,7 +192,7 @@ class FastDecoder:
         from ..kernels.compressor import compress_decode
         _f, cos, sin = self._rope(comp.rope, pos, ("comp", comp.ratio), offset=1 - comp.ratio)
         k, s = self._lin(comp.wkv, x), self._lin(comp.wgate, x)
-        new, complete = compress_decode(ring, slots, pos, k.float(), s.float(), comp.norm_w, cos, sin,
+        new, complete = compress_decode(ring, slots, pos, k, s, comp.norm_w, cos, sin,
                                         ratio=comp.ratio, indexer=comp.is_indexer, ape=comp.ape,
                                         eps=comp.eps, pages=pages, page_slots=page_ids, page_size=page_size)
         return new, complete
