@@ -536,3 +536,37 @@ def test_kv_validation_errors():
     with pytest.raises(ValueError):
         page_bytes(0)
     assert (pages == 0).all()  # failed calls wrote nothing
+
+
+def test_requantising_a_qdq_block_keeps_or_halves_its_scale():
+    """The cache writers re-derive a QDQ'd block's ue8m0 scale (encode_kv_entries / the MXFP4 index
+    keys); the compressor kernels take the new codes from the first encoding instead of quantising
+    twice. That rests on these facts, checked over every fp32 block maximum of three binades: the
+    re-derived scale is the QDQ scale or half of it, and at half the scale every value the block can
+    hold (|v| <= half the format's range) re-encodes as its code doubled exactly
+    (e4m3 magnitude m -> 2m below 8, else m + 8; e2m1 c -> 2c up to 2, else c + 2)."""
+    from dsv4.formats.fp4 import _magnitude_codes
+    mant = torch.arange(1 << 23, dtype=torch.int32) | (127 << 23)
+    one_binade = mant.view(torch.float32)                               # every fp32 in [1, 2)
+    for qmax, floor in ((FP8_MAX, 1e-4), (6.0, 6.0 * 2.0 ** -126)):
+        for e in (-12, 0, 9):
+            amax = one_binade * 2.0 ** e
+            s = ue8m0_scale(amax.clamp(min=floor), qmax)
+            v = (amax / s).clamp(max=qmax)
+            if qmax == FP8_MAX:
+                q = v.to(torch.float8_e4m3fn).float()
+            else:
+                q = E2M1_VALUES[_magnitude_codes(v)]
+            s2 = ue8m0_scale((q * s).clamp(min=floor), qmax)
+            assert bool(((s2 == s) | (s2 == s / 2)).all()), (qmax, e)
+            assert bool((s2 == s / 2).any())                            # both cases occur
+    codes = torch.arange(128, dtype=torch.uint8)
+    vals = codes.view(torch.float8_e4m3fn).float()
+    half = vals <= FP8_MAX / 2
+    doubled = (vals[half] * 2).to(torch.float8_e4m3fn).view(torch.uint8).long()
+    m = codes[half].long()
+    assert torch.equal(doubled, torch.where(m < 8, 2 * m, m + 8))
+    c = torch.arange(8)
+    fits = E2M1_VALUES[c] <= 3.0
+    assert torch.equal(_magnitude_codes(E2M1_VALUES[c[fits]] * 2), torch.where(c[fits] <= 2, 2 * c[fits],
+                                                                                  c[fits] + 2))

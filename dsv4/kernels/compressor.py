@@ -261,8 +261,8 @@ if triton_available():
 
         The cache bytes encode the QDQ'd entry with its scale re-derived from it (``encode_kv_entries``
         / ``encode_index_keys`` of the entry): that scale is the QDQ scale 2^e or, when rounding put the
-        block's QDQ'd maximum at or below half the format's range, 2^(e-1) (never another, checked
-        over every e4m3 / e2m1 maximum). The codes then follow from the first encoding: unchanged, or
+        block's QDQ'd maximum at or below half the format's range, 2^(e-1) (never another:
+        tests/test_formats.py checks every fp32 block maximum of three binades). The codes then follow from the first encoding: unchanged, or
         each value doubled exactly (e4m3: magnitude code m -> 2m if m < 8 else m + 8; e2m1: c -> 2c
         if c <= 2 else c + 2); no second quantisation."""
         d = tl.arange(0, C)
