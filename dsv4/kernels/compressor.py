@@ -439,9 +439,9 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                     fused: bool | None = None, fused_warps: int = 8):
     """Triton decode update of one compressor for a batch of tokens (see the module doc).
 
-    state fp32 [slots, coff*m, 2*coff*c] (updated in place); slots, pos int [B]; k, s fp32
-    or bf16 [B, coff*c] (read as fp32 in the kernel); norm_w bf16 / fp32 [c]; cos/sin fp32 [B, 32] at position pos + 1 - m; ape fp32 [m, coff*c]
-    (optional: added to s in the kernel). -> (entries bf16 [B, c], complete bool [B][, pooled fp32 [B, c]]).
+    state fp32 [slots, coff*m, 2*coff*c] (updated in place); slots, pos int [B]; k, s fp32 or bf16
+    [B, coff*c] (read as fp32 in the kernel); norm_w bf16 / fp32 [c]; cos/sin fp32 [B, 32] at
+    position pos + 1 - m; ape fp32 [m, coff*c] (optional: added to s in the kernel). -> (entries bf16 [B, c], complete bool [B][, pooled fp32 [B, c]]).
     """
     c, coff = _check(state, slots, pos, k, s, cos, sin, ratio, indexer)
     B = pos.shape[0]
