@@ -10,10 +10,11 @@ K / score rows read once, entries and cache bytes written) / time vs the copy ra
 ``--baseline FILE``: a copy of compressor.py with absolute imports (e.g. ``git show
 REV:dsv4/kernels/compressor.py | sed 's/from \\. import/from dsv4.kernels import/; s/from \\.\\([a-z]\\)/from
 dsv4.kernels.\\1/; s/from \\.\\./from dsv4./'``); its default launch is timed as the row "baseline" and
-every row's max diff is taken against it. Each prefill case also times a plain read of the same
-number of bytes (``torch.amax`` over an fp32 buffer: "read-only reference"), and the run starts with an
-empty Triton kernel: the fixed cost of one launch as this timing method counts it. ``--rounds R`` times each case's rows R times, in a new random
-order per round, and prints the median (the H200's clock drifts between back-to-back timings).
+every row's max diff is taken against it. Each prefill case also times plain reads of the same number
+of bytes ("read-only reference": a Triton sum of 8 / 32 KB blocks, and ``torch.amax``), and the run
+starts with an empty Triton kernel: the fixed cost of one launch as this timing method counts it.
+``--rounds R`` times each case's rows R times, in a new random order per round, and prints the median
+(the H200's clock drifts between back-to-back timings).
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def _load_baseline(path):
 
 
 def _rows(name_calls, nbytes, copy_bw, rounds, rng):
-    """Time every (name, call) `rounds` times in shuffled order; -> [(name, median us, % of copy, diff)]."""
+    """Time every (name, call) `rounds` times in shuffled order; -> [(name, median us, % of copy, diff)]
+    (diff: max abs difference to the first call's output; "-" for outputs of another shape, the reads)."""
     ref = name_calls[0][1]()
     diffs, times, live = {}, {}, []
     for name, call in name_calls:
@@ -103,6 +105,13 @@ def _rows(name_calls, nbytes, copy_bw, rounds, rng):
         ms = statistics.median(times[name])
         out.append((name, ms * 1e3, 100 * nbytes / (ms * 1e-3) / copy_bw, diffs[name]))
     return out
+
+
+def _print_rows(kind, label, size, rows):
+    for name, us, pct, diff in rows:
+        cell = f"{us:.1f} | {pct:.0f}" if us is not None else " | "
+        print(f"| {kind} {label} | {size} | {name} | {cell} | {diff if isinstance(diff, str) else f'{diff:.1e}'} |",
+              flush=True)
 
 
 def main():
@@ -137,12 +146,7 @@ def main():
                 rows_k, rows_s, 0, 0, n, w, cos, sin, pages=pages, page_slots=pslots, page_size=ps, ratio=ratio,
                 indexer=indexer, **kw)) for name, mod, kw in calls]
             name_calls += _read_refs(nbytes, dev)
-            for name, us, pct, diff in _rows(name_calls, nbytes, copy_bw, args.rounds, rng):
-                cell = f"{us:.1f} | {pct:.0f}" if us is not None else " | "
-                if name.startswith("read-only"):
-                    diff = "-"
-                print(f"| prefill {label} | {T} | {name} | {cell} | {diff if isinstance(diff, str) else f'{diff:.1e}'} |",
-                      flush=True)
+            _print_rows("prefill", label, T, _rows(name_calls, nbytes, copy_bw, args.rounds, rng))
         for B in (int(b) for b in args.B.split(",") if b):
             state = _r(gen, B, coff * ratio, 2 * coff * c, dev=dev)
             slots = torch.randperm(B, generator=gen, device=dev)
@@ -155,10 +159,7 @@ def main():
             name_calls = [(name, lambda mod=mod: mod.compress_decode(
                 state, slots, pos, k, s, w, cos, sin, pages=pages, page_slots=pslots, page_size=ps, ratio=ratio,
                 indexer=indexer)[0]) for name, mod in mods]
-            for name, us, pct, diff in _rows(name_calls, nbytes, copy_bw, args.rounds, rng):
-                cell = f"{us:.1f} | {pct:.0f}" if us is not None else " | "
-                print(f"| decode {label} | {B} | {name} | {cell} | {diff if isinstance(diff, str) else f'{diff:.1e}'} |",
-                      flush=True)
+            _print_rows("decode", label, B, _rows(name_calls, nbytes, copy_bw, args.rounds, rng))
 
 
 if __name__ == "__main__":

@@ -262,9 +262,9 @@ if triton_available():
         The cache bytes encode the QDQ'd entry with its scale re-derived from it (``encode_kv_entries``
         / ``encode_index_keys`` of the entry): that scale is the QDQ scale 2^e or, when rounding put the
         block's QDQ'd maximum at or below half the format's range, 2^(e-1) (never another:
-        tests/test_formats.py checks every fp32 block maximum of three binades). The codes then follow from the first encoding: unchanged, or
-        each value doubled exactly (e4m3: magnitude code m -> 2m if m < 8 else m + 8; e2m1: c -> 2c
-        if c <= 2 else c + 2); no second quantisation."""
+        tests/test_formats.py checks every fp32 block maximum of three binades). The codes then
+        follow from the first encoding: unchanged, or each value doubled exactly (e4m3: magnitude
+        code m -> 2m if m < 8 else m + 8; e2m1: c -> 2c if c <= 2 else c + 2); no second quantisation."""
         d = tl.arange(0, C)
         x = _bf16r(x, FAST)
         ms = tl.sum(x * x, axis=0) / C
@@ -441,7 +441,8 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
 
     state fp32 [slots, coff*m, 2*coff*c] (updated in place); slots, pos int [B]; k, s fp32 or bf16
     [B, coff*c] (read as fp32 in the kernel); norm_w bf16 / fp32 [c]; cos/sin fp32 [B, 32] at
-    position pos + 1 - m; ape fp32 [m, coff*c] (optional: added to s in the kernel). -> (entries bf16 [B, c], complete bool [B][, pooled fp32 [B, c]]).
+    position pos + 1 - m; ape fp32 [m, coff*c] (optional: added to s in the kernel).
+    -> (entries bf16 [B, c], complete bool [B][, pooled fp32 [B, c]]).
     """
     c, coff = _check(state, slots, pos, k, s, cos, sin, ratio, indexer)
     B = pos.shape[0]
