@@ -87,6 +87,11 @@ CONFIGS = {
 }
 for _cfg in CONFIGS.values():      # a variant's name says ".epitma" when it uses the TMA-store epilogue
     _cfg.setdefault("EPI_TMA", False)
+# the hand-written warp-specialized Gluon kernel (kernels/fp8_ws.py; its own config keys under GLUON_WS)
+CONFIGS.update({f"gluon_ws.s{st}.g{g}": dict(GLUON_WS=dict(STAGES=st, GROUP_M=g))
+                for st in (3, 4, 5, 6) for g in (8, 12, 32)})
+CONFIGS.update({f"gluon_ws.s{st}.g{g}.ahead": dict(GLUON_WS=dict(STAGES=st, GROUP_M=g, AHEAD=True))
+                for st, g in ((4, 8), (5, 12))})
 # extra variants for --static only (to show what does not compile well)
 STATIC_EXTRA = {
     "tma.128x256.nsub2.w8.s3 (no ORDER)": dict(LOAD="tma", WS=False, BM=128, BN=256, NSUB=2, ORDER=False,
@@ -222,6 +227,9 @@ from dsv4.formats.fp8 import quant_fp8_weight
 from dsv4.kernels import gemm as G
 from dsv4.kernels.fp8_prefill import fp8_gemm_prefill
 cfg = json.loads(sys.argv[1])
+if "GLUON_WS" in cfg:
+    from dsv4.kernels.fp8_ws import fp8_gemm_ws as fp8_gemm_prefill
+    cfg = cfg["GLUON_WS"]
 M, N, K = 256, 512, 512          # sizes / strides multiples of 16 like the benchmark shapes: same JIT key
 x = torch.randn(M, K, device="cuda").bfloat16()
 wq, ws = quant_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
@@ -319,11 +327,19 @@ def _compare(y, ref):
     return rel, same
 
 
+def _variant(cfg):
+    """(function, its config) of a variant: the Triton prefill kernel, or the Gluon one for GLUON_WS."""
+    if "GLUON_WS" in cfg:
+        from dsv4.kernels.fp8_ws import fp8_gemm_ws
+        return fp8_gemm_ws, cfg["GLUON_WS"]
+    from dsv4.kernels.fp8_prefill import fp8_gemm_prefill
+    return fp8_gemm_prefill, cfg
+
+
 def run(configs, smoke, md, out, jobs=None, shapes=None, rounds=1):
     import torch
 
     from dsv4.kernels import gemm as G
-    from dsv4.kernels.fp8_prefill import fp8_gemm_prefill
     dev = "cpu" if smoke else "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     t_start = time.time()
@@ -369,8 +385,9 @@ def run(configs, smoke, md, out, jobs=None, shapes=None, rounds=1):
             if vname in failed:
                 continue
             try:
-                y = fp8_gemm_prefill(xq, xs, wq, ws, config=cfg)
-                add(vname, lambda cfg=cfg: fp8_gemm_prefill(xq, xs, wq, ws, config=cfg), y)
+                fn, vcfg = _variant(cfg)
+                y = fn(xq, xs, wq, ws, config=vcfg)
+                add(vname, lambda fn=fn, vcfg=vcfg: fn(xq, xs, wq, ws, config=vcfg), y)
             except Exception as e:   # noqa: BLE001
                 failed.add(vname)
                 log(f"{vname} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -449,9 +466,11 @@ def main():
     if args.static:
         if not args.configs:
             configs.update(STATIC_EXTRA)
+        configs = {n: c for n, c in configs.items() if "GLUON_WS" not in c}   # tests/test_kernels_fp8_ws.py
         static_report(configs, tuple(int(c) for c in args.caps.split(",")), args.md, args.jobs)
         return
     if args.smoke:
+        configs = {n: c for n, c in configs.items() if "GLUON_WS" not in c}   # Gluon: no interpreter
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.setdefault("TRITON_INTERPRET", "0")
