@@ -56,8 +56,10 @@ TFLOP/s (57-61% of the measured 1454 TFLOP/s ``_scaled_mm`` peak) on the square-
 4 stages and 750-810 (51-56%) on wq_b (N >> K); 3 stages (three CTAs per SM) with the TMA store: 854-917
 (59-63%) on all six shapes; the pointer-load tile of ``gemm.py`` 440-560. Session 9 (7 rounds in
 shuffled order, the spread of one run shows in BENCHMARKS.md): 64-row-block groups 57-68%, Flash wq_b
-and Pro wo_b still 57-59%. ``prefill_config`` holds the
-measured best; ``gemm.fp8_gemm`` routes prefill-sized calls (``PREFILL_MIN_ROWS``) here.
+and Pro wo_b still 57-59% (session 11: 60.7% and 61.9%, same code). ``prefill_config`` holds the
+measured best; ``gemm.fp8_gemm`` routes prefill-sized calls (``PREFILL_MIN_ROWS``) here. A hand-written
+warp-specialized version of the same math (Gluon, ``fp8_ws.py``) gives the same bits; it measured level
+with this kernel where N >> K and slower at K >= 7168, so it is not routed to.
 """
 from __future__ import annotations
 
