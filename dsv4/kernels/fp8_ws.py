@@ -193,8 +193,10 @@ if GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-DEFAULT_CONFIG = {"BN": 128, "STAGES": 4, "GROUP_M": 8, "AHEAD": False, "CONSUMER_REGS": 232, "PRODUCER_REGS": 40,
-                  "maxnreg": 168, "GRID": 0}
+# 5 stages of 32 KB, groups of 12 row blocks (~square with 132 tiles in flight): the best or level in
+# the H200 runs of BENCHMARKS.md session 11. GRID 0: one CTA per SM.
+DEFAULT_CONFIG = {"BN": 128, "STAGES": 5, "GROUP_M": 12, "AHEAD": False, "CONSUMER_REGS": 232,
+                  "PRODUCER_REGS": 40, "maxnreg": 168, "GRID": 0}
 
 
 def available(dev) -> bool:
