@@ -283,26 +283,33 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
                for t in ts)
 
 
+def check_args(fn: str, xq, xs, w, ws, out):
+    """The arguments of the ``gemm.fp8_gemm`` contract (ValueError naming ``fn`` and the problem);
+    -> (M, N, K, out), ``out`` a new bf16 [M, N] when None."""
+    _check_fp8_weight(w, ws)
+    if xq.dim() != 2 or xq.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise ValueError(f"{fn}: expected e4m3 activations [M, K], got {xq.dtype} {tuple(xq.shape)}")
+    M, K = xq.shape
+    N = w.shape[0]
+    if w.shape[1] != K or tuple(xs.shape) != (M, K // QBLOCK):
+        raise ValueError(f"{fn}: shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} w {tuple(w.shape)}")
+    if xq.device != w.device or xs.device != xq.device or ws.device != xq.device:
+        raise ValueError(f"{fn}: xq, xs, w, ws must be on one device")
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device)
+    elif tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
+        raise ValueError(f"{fn}: out must be bf16 [M, N] with unit column stride, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    return M, N, K, out
+
+
 def fp8_gemm_prefill(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """bf16 [M, N] = official block-scaled FP8 GEMM (the ``gemm.fp8_gemm`` contract, plain mode): xq
     e4m3 [M, K], xs fp32 [M, K/128] (power-of-two scales), w e4m3 [N, K], ws e8m0/fp32 [N/128, K/128]
     (or per-row [N, K/128]); ``out`` an optional bf16 [M, N] (row-contiguous) destination; ``config``
     selects the variant (module doc, ``DEFAULT_CONFIG``)."""
-    _check_fp8_weight(w, ws)
-    if xq.dim() != 2 or xq.dtype not in (torch.float8_e4m3fn, torch.uint8):
-        raise ValueError(f"fp8_gemm_prefill: expected e4m3 activations [M, K], got {xq.dtype} {tuple(xq.shape)}")
-    M, K = xq.shape
-    N = w.shape[0]
-    if w.shape[1] != K or tuple(xs.shape) != (M, K // QBLOCK):
-        raise ValueError(f"fp8_gemm_prefill: shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} w {tuple(w.shape)}")
-    if xq.device != w.device or xs.device != xq.device or ws.device != xq.device:
-        raise ValueError("fp8_gemm_prefill: xq, xs, w, ws must be on one device")
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device)
-    elif tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
-        raise ValueError(f"fp8_gemm_prefill: out must be bf16 [M, N] with unit column stride, got {out.dtype} "
-                         f"{tuple(out.shape)} strides {out.stride()}")
+    M, N, K, out = check_args("fp8_gemm_prefill", xq, xs, w, ws, out)
     if M == 0:
         return out
     cfg = resolve_config(M, N, K, xq.device, config)

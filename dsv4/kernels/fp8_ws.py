@@ -223,12 +223,11 @@ def resolve_config(config: dict | None) -> dict:
 def supports(xq: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether a call fits this kernel (the caller falls back to ``fp8_prefill`` otherwise): 128 x 128
     block weight scales, K % 128 == 0 and TMA-legal operands (16-byte aligned bases and row strides)."""
-    M, K = xq.shape
-    N = w.shape[0]
-    if K % BK or ws.dim() != 2 or ws.shape[0] != -(-N // 128) or not available(xq.device):
+    from .fp8_prefill import _tma_ok
+    K = xq.shape[1]
+    if K % BK or ws.dim() != 2 or ws.shape[0] != -(-w.shape[0] // 128) or not available(xq.device):
         return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(-1) == 1
-               for t in (xq, w, out))
+    return _tma_ok(xq, w, out)
 
 
 def fp8_gemm_ws(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
@@ -236,19 +235,9 @@ def fp8_gemm_ws(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     """bf16 [M, N] = the block-scaled FP8 GEMM (``gemm.fp8_gemm`` contract, plain mode) on sm_90: xq e4m3
     [M, K], xs fp32 [M, K/128], w e4m3 [N, K], ws e8m0 / fp32 [N/128, K/128]; ``out`` an optional bf16
     [M, N] destination. Raises ValueError for what ``supports`` rejects."""
-    from .gemm import QBLOCK, _check_fp8_weight, _sm_count, _u8
-    _check_fp8_weight(w, ws)
-    if xq.dim() != 2 or xq.dtype not in (torch.float8_e4m3fn, torch.uint8):
-        raise ValueError(f"fp8_gemm_ws: expected e4m3 activations [M, K], got {xq.dtype} {tuple(xq.shape)}")
-    M, K = xq.shape
-    N = w.shape[0]
-    if w.shape[1] != K or tuple(xs.shape) != (M, K // QBLOCK) or K % QBLOCK:
-        raise ValueError(f"fp8_gemm_ws: shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} w {tuple(w.shape)}")
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device)
-    elif tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
-        raise ValueError(f"fp8_gemm_ws: out must be bf16 [M, N] with unit column stride, got {out.dtype} "
-                         f"{tuple(out.shape)} strides {out.stride()}")
+    from .fp8_prefill import check_args
+    from .gemm import _sm_count, _u8
+    M, N, K, out = check_args("fp8_gemm_ws", xq, xs, w, ws, out)
     a = _u8(xq).view(torch.float8_e4m3fn)
     b = _u8(w).view(torch.float8_e4m3fn)
     if not supports(a, b, ws, out):
