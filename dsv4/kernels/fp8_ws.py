@@ -15,10 +15,16 @@ Why a hand-written kernel: Triton keeps each K block's wgmma synchronous with it
   a ``STAGES``-deep ring, each stage guarded by a ``ready`` (TMA bytes) and an ``empty`` (two
   consumer arrivals) mbarrier;
 * two 4-warp consumer partitions, one per 64-row half: wait ``ready``, wgmma, wait for it, release
-  the stage, promote with the scales (loaded from global memory before the wait), and at the end
+  the stage, promote with the scales (loaded from global memory one K block ahead), and at the end
   of a tile store their half through shared memory with a TMA store. The two consumers are not
   synchronised with each other, so one's promotion FFMAs overlap the other's wgmma, and the
   producer runs ahead across tile boundaries (the next tile's loads during this tile's epilogue).
+
+H200 (BENCHMARKS.md session 11): level with the Triton kernel where N >> K (wq_b: 0-3 points of peak
+ahead), 2-12 points behind at K >= 7168; Nsight Compute puts 42% of its stalls on the named barriers
+Gluon emits around each ``mbarrier.arrive`` / ``mbarrier.wait`` of the K loop. So ``fp8_gemm`` does not
+route here; the kernel is a tested option. ``AHEAD`` (issue block k+1's wgmma before waiting for block
+k's) makes ptxas serialise every wgmma (C7514); BN = 256 compiles with register spills.
 
 Limits: N % 128 == 0 is not required (TMA clips the store and zero-fills the loads), but the scales
 must be per 128 x 128 block (per-row weight scales go to ``fp8_prefill``); K % 128 == 0; 16-byte
