@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 
 from . import interpreting, triton_available
+from .gemm import QBLOCK as BK      # the scale block: one K block per stage
 
 BM_HALF = 64        # rows per consumer warpgroup (one wgmma M)
-BK = 128            # the scale block: one K block per stage
 
 try:
     if not triton_available():
@@ -227,8 +227,9 @@ def resolve_config(config: dict | None) -> dict:
 
 
 def supports(xq: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether a call fits this kernel (the caller falls back to ``fp8_prefill`` otherwise): 128 x 128
-    block weight scales, K % 128 == 0 and TMA-legal operands (16-byte aligned bases and row strides)."""
+    """Whether a call fits this kernel (``fp8_prefill`` takes every call that does not): an sm_90 GPU,
+    128 x 128 block weight scales, K % 128 == 0 and TMA-legal operands (16-byte aligned bases and row
+    strides)."""
     from .fp8_prefill import _tma_ok
     K = xq.shape[1]
     if K % BK or ws.dim() != 2 or ws.shape[0] != -(-w.shape[0] // 128) or not available(xq.device):
