@@ -8,7 +8,9 @@ with 8 experts; the fused step's MoE then gets the preset's full expert count (2
 random packed MXFP4 weights (``MoEWeights``), so the MoE time is the real one. The caches hold
 ``ctx`` positions of valid random FP8 / MXFP4 / fp32 contents for every sequence.
 
-Times are CUDA-graph replays (``do_bench`` medians) with the L2 flushed before every call. floor = bytes a step must move / measured copy bandwidth: the layer's
+Times are CUDA-graph replays (``do_bench`` medians) with the L2 flushed before every call. A layer's
+time excludes the per-step index / RoPE rows (``kernels/decode_meta.py``, one launch per step, which the
+full step includes). floor = bytes a step must move / measured copy bandwidth: the layer's
 checkpoint-format weights (routed experts: only the experts the batch hits, expected number for
 uniform routing), the KV entries attention reads (128 window + top-k CSA / all HCA entries, 584 B),
 the indexer keys scored (68 B) and the compressor rings.
@@ -160,12 +162,14 @@ def main():
             h0 = model.num.round(torch.nn.functional.embedding(tokens, model.embed)).unsqueeze(1).repeat(
                 1, cfg.hc_mult, 1)
             step = graph_time(lambda: dec.forward(tokens, pos, sl, bt))
+            dec._memo = dec._step_memo(pos, sl, bt)     # the step's per-step values, computed once per step
             per_layer = [graph_time(lambda i=i: dec.fused_layer(i, h0, tokens, pos, sl, bt))
                          for i in range(args.layers)]
             head = graph_time(lambda: dec.fused_head(h0))
         if args.profile_layer is not None and dev.type == "cuda":
             profiles.append((B, f"layer {args.profile_layer}",
                              kernel_profile(lambda: dec.fused_layer(args.profile_layer, h0, tokens, pos, sl, bt))))
+        dec._memo = None
         if args.profile_step and dev.type == "cuda":
             profiles.append((B, "the whole step", kernel_profile(lambda: dec.forward(tokens, pos, sl, bt), top=60)))
         for i, t in enumerate(per_layer):

@@ -137,6 +137,8 @@ class FastDecoder:
         self.scratch_slot = cache.allocate_slot()
         self.scratch_block = cache.allocate_blocks(1)[0]
         dev = cache.device
+        if fused:
+            self._plan_meta(max_model_len)
         self._win_off = torch.arange(WINDOW, device=dev)
         self._memo: dict | None = None      # per-step values shared by the layers (see _once)
         self.trace: dict | None = None      # name -> tensor, filled when set (``dsv4 validate``)
@@ -162,6 +164,53 @@ class FastDecoder:
         return t
 
     # ------------------------------------------------------------------ helpers
+    def _plan_meta(self, max_model_len):
+        """The fused step's per-step values (``_once`` keys) from one ``decode_meta`` launch: RoPE
+        tables of every layer's and compressor's rope (computed once, the rows ``rope(p)`` gives) and
+        the index vectors of the window, compressed-cache writes and HCA reads."""
+        from ..kernels.decode_meta import MetaPlan, rope_table
+        tables, tab_of, rope_keys, ropes = [], {}, [], []
+        for blk, lc in zip(self.model.layers, self.cache.layers):
+            ropes.append(("attn", blk.attn.rope, 0))
+            for c in (blk.attn.compressor, blk.attn.indexer.compressor if blk.attn.indexer else None):
+                if c is not None:
+                    ropes.append((("comp", c.ratio), c.rope, 1 - c.ratio))
+        rope_reqs = []
+        for key, rope, off in ropes:
+            if (key, id(rope)) in rope_keys:
+                continue
+            sig = (rope.freqs.cpu().numpy().tobytes(), rope.fp64_trig)    # equal ropes share a table
+            if sig not in tab_of:
+                tab_of[sig] = len(tables)
+                tables.append(rope_table(rope, max_model_len))
+            rope_keys.append((key, id(rope)))
+            rope_reqs.append((tab_of[sig], off))
+        write_keys, write_reqs, vis_keys, vis_reqs = [], [], [], []
+        for blk, lc in zip(self.model.layers, self.cache.layers):
+            if blk.ratio and ("wid", blk.ratio, lc.entries_per_block) not in write_keys:
+                write_keys.append(("wid", blk.ratio, lc.entries_per_block))
+                write_reqs.append((blk.ratio, lc.entries_per_block))
+            if blk.ratio and blk.ratio != 4 and ("visible", blk.ratio, lc.entries_per_block) not in vis_keys:
+                vis_keys.append(("visible", blk.ratio, lc.entries_per_block))
+                vis_reqs.append((blk.ratio, lc.entries_per_block))
+            if blk.attn.indexer is not None and "index_wid" not in write_keys:
+                write_keys.append("index_wid")
+                write_reqs.append((4, INDEX_PAGE))
+        self._meta_keys = (rope_keys, write_keys, vis_keys)
+        self._meta_plan = MetaPlan(rope_reqs, write_reqs, vis_reqs, self.max_blocks, self.cache.device)
+        self._rope_tables = torch.stack(tables)
+
+    def _step_memo(self, pos, slots, bt) -> dict:
+        """The ``_once`` values of a fused step, from one ``decode_meta`` launch."""
+        from ..kernels.decode_meta import decode_meta
+        m = decode_meta(pos, slots, bt, self._rope_tables, self._meta_plan, self.scratch_block)
+        rope_keys, write_keys, vis_keys = self._meta_keys
+        memo = {k: (None, c, s) for k, (c, s) in zip(rope_keys, m.rope)}
+        memo.update(zip(write_keys, m.write_ids))
+        memo.update(zip(vis_keys, m.visible))
+        memo.update(win_slot=m.win_slot, widx32=m.widx, index_nvalid=m.n_valid)
+        return memo
+
     def _once(self, key, fn):
         """A value every layer of the step needs (RoPE rows, window lists, entry ids): computed by
         the first layer, reused by the others (fewer small launches per step)."""
@@ -300,7 +349,6 @@ class FastDecoder:
         def window_list():
             wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + self._win_off
             return torch.where(wpos <= pos[:, None], slots[:, None] * WINDOW + wpos % WINDOW, -1)
-        widx = self._once("widx", window_list)
         extra_idx = None
         if blk.ratio:
             epb = lc.entries_per_block
@@ -330,10 +378,11 @@ class FastDecoder:
                 extra_idx = self._once(("visible", blk.ratio, epb), visible_entries)
         if self.attention == "triton":
             from ..kernels.sparse_attention import sparse_decode
-            o = sparse_decode(q, self._once("widx32", lambda: widx.to(torch.int32)), lc.window, WINDOW_PAGE,
+            o = sparse_decode(q, self._once("widx32", lambda: window_list().to(torch.int32)), lc.window, WINDOW_PAGE,
                               None if extra_idx is None else extra_idx.to(torch.int32),
                               lc.entries, lc.entries_per_block or 64, sinks=at.sink, scale=at.scale)
         else:
+            widx = self._once("widx", window_list)
             rows = read_entries(lc.window, widx, WINDOW_PAGE)
             valid = widx >= 0
             if extra_idx is not None:
@@ -400,7 +449,7 @@ class FastDecoder:
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def forward(self, tokens, pos, slots, bt):
-        self._memo = {}
+        self._memo = self._step_memo(pos, slots, bt) if self.fused else {}
         try:
             return self._forward(tokens, pos, slots, bt)
         finally:
