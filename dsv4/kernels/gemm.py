@@ -564,7 +564,9 @@ def _split_k(M, N, K, BM, BN, dev, swiglu) -> int:
     return max(1, min(kb // 2, triton.cdiv(2 * _sm_count(dev), tiles)))
 
 
-def _launch_fp8(a, sa, w, ws, out, out_s, M, N_out, K, n_half, a_bf16, swiglu, limit, config):
+def _launch_fp8(a, sa, w, ws, out, out_s, M, N_out, K, n_half, a_bf16, swiglu, limit, config, partial=False):
+    """The MMA kernel (+ the split-K sum). ``partial``: return the fp32 split partials [S, M, N_out]
+    unsummed (S = 1 included; ``out`` unused)."""
     cfg = dict(_fp8_config(M, N_out, a.device))
     if config:
         cfg.update(config)
@@ -582,14 +584,16 @@ def _launch_fp8(a, sa, w, ws, out, out_s, M, N_out, K, n_half, a_bf16, swiglu, l
     wsv = _u8(ws) if sb_e8m0 else ws.float()
     per_row = wsv.shape[0] == w.shape[0] and w.shape[0] != triton.cdiv(w.shape[0], QBLOCK)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N_out, BN), S)
-    split = S > 1 and not swiglu
-    dst = torch.empty(S, M, N_out, dtype=torch.float32, device=out.device) if split else out
+    split = (S > 1 or partial) and not swiglu
+    dst = torch.empty(S, M, N_out, dtype=torch.float32, device=a.device) if split else out
     _fp8_gemm_kernel[grid](
-        a, sa if sa is not None else wsv, _u8(w), wsv, dst, out_s if out_s is not None else out,
+        a, sa if sa is not None else wsv, _u8(w), wsv, dst, out_s if out_s is not None else dst,
         M, N_out, K, n_half, a.stride(0), sa.stride(0) if sa is not None else 0, w.stride(0),
-        wsv.stride(0), out.stride(0), out_s.stride(0) if out_s is not None else 0, float(limit), kps,
+        wsv.stride(0), dst.stride(-2), out_s.stride(0) if out_s is not None else 0, float(limit), kps,
         SB_SHIFT=0 if per_row else 7, A_BF16=a_bf16, SB_E8M0=sb_e8m0, SWIGLU=swiglu,
         BM=BM, BN=BN, GROUP_M=GM, SPLIT=split, INTERP=interpreting(), **kw)
+    if partial:
+        return dst
     if split:
         BLOCK = 1024
         _splitk_sum[(triton.cdiv(M * N_out, BLOCK),)](dst, out, M, N_out, S, out.stride(0), BLOCK=BLOCK,
@@ -616,6 +620,19 @@ def fp8_weight_exact(w: torch.Tensor, what: str = "weight") -> tuple[torch.Tenso
     if not torch.equal(dequant_fp8_weight(q, s), w.float()):
         raise ValueError(f"{what} {tuple(w.shape)} is not FP8 128x128-block representable")
     return q, s.float()
+
+
+def fp8_gemm_partials(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                      config: dict | None = None) -> torch.Tensor:
+    """fp32 [S, M, N]: the MMA kernel's split-K partials of ``fp8_gemm`` (each the per-block scaled
+    sum over its K range; the split count fills the GPU at decode sizes), for a pass that sums them
+    itself (``gemv.swiglu_quant``)."""
+    _check_fp8_weight(w, ws)
+    M, K = xq.shape
+    if w.shape[1] != K or tuple(xs.shape) != (M, K // QBLOCK):
+        raise ValueError(f"fp8_gemm_partials: shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} w {tuple(w.shape)}")
+    return _launch_fp8(_u8(xq.contiguous()), xs.float().contiguous(), w.contiguous(), ws.contiguous(), None, None,
+                       M, w.shape[0], K, 0, False, False, 0.0, config, partial=True)
 
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,

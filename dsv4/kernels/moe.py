@@ -19,8 +19,8 @@ experts and no host synchronisation (CUDA-graph capturable; every launch size fo
    the FP8 quantisation of h for w2 (e4m3 bytes + scales), written in sorted pair order; its f16
    copy for the next MMA is a torch cast.
 5. grouped FP4 GEMM for w2 -> bf16 per pair row.
-6. shared expert (``_shared_expert``): FP8 GEMM with the SwiGLU epilogue (the split-K GEMV + SwiGLU pass
-   up to 4 tokens), FP8 GEMM for w2 (no routing weight).
+6. shared expert (``_shared_expert``): FP8 GEMM with the SwiGLU epilogue (up to 64 tokens: split-K
+   partials of the GEMV / the MMA kernel + the SwiGLU pass), FP8 GEMM for w2 (no routing weight).
 7. ``_moe_combine``: per token, its pairs in increasing expert id (= increasing sorted position),
    summed in fp32 starting from 0 (the twin's ``y[rows] += out_e`` loop order), plus the bf16 shared
    output, one bf16 rounding. Given equal expert outputs the combine is bit-exact.
@@ -529,15 +529,25 @@ def _combine(out, inv, offs, sh, y, k):
         BD=BD, HAS_SHARED=sh is not None, INTERP=interpreting(), **kw)
 
 
+SHARED_SPLIT_MAX_ROWS = 64   # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to here
+
+
 def _shared_expert(xq, xs, w: MoEWeights):
-    """bf16 [T, d] shared-expert output from the quantised activation. w1|w3 + SwiGLU on the split-K
-    GEMV up to GEMV_MAX_ROWS tokens (the MMA SwiGLU kernel cannot split K: 16 programs at V4-Flash
-    size), else on the MMA kernel; w2 through ``fp8_gemm`` (its decode-size routing)."""
+    """bf16 [T, d] shared-expert output from the quantised activation. w1|w3 + SwiGLU: up to
+    GEMV_MAX_ROWS tokens the split-K GEMV's partials, up to SHARED_SPLIT_MAX_ROWS the split-K MMA
+    kernel's (``fp8_gemm_partials``), each summed by the SwiGLU pass (``swiglu_quant``); above, the
+    MMA kernel with the SwiGLU epilogue, which cannot split K (16 programs per 64 tokens at V4-Flash
+    size: 47 us at 64 tokens on the H200, session 12). w2 through ``fp8_gemm`` (its decode-size
+    routing)."""
+    from .gemm import fp8_gemm_partials
     from .gemv import gemv_launch, rows_tile, swiglu_quant
     T, d = xq.shape
-    if T <= GEMV_MAX_ROWS:
-        part = gemv_launch(_u8(xq), xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True,
-                           bm=rows_tile(T))
+    if T <= SHARED_SPLIT_MAX_ROWS:
+        if T <= GEMV_MAX_ROWS:
+            part = gemv_launch(_u8(xq), xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True,
+                               bm=rows_tile(T))
+        else:
+            part = fp8_gemm_partials(xq, xs, w.sh13, w.sh13_s)
         hq, hsc = swiglu_quant(part, w.limit)
         hq = hq.view(torch.float8_e4m3fn)
     else:
