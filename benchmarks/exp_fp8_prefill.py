@@ -135,7 +135,7 @@ def _aot_worker(job):
             from dsv4.kernels import gemm as G
             fn = G._fp8_gemm_kernel
             const = dict(SB_SHIFT=7, A_BF16=False, SB_E8M0=True, SWIGLU=False, BM=128, BN=128, GROUP_M=8, SPLIT=False,
-                         INTERP=False)
+                         SUM=False, INTERP=False)
             types = dict(A="*u8", SA="*fp32", B="*u8", SB="*u8", C="*bf16", CS="*fp32", limit="fp32")
             sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
             div = ("K", "N_out", "n_half", "stride_am", "stride_sam", "stride_bn", "stride_sbn", "stride_cm",

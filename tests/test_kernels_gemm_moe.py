@@ -107,7 +107,7 @@ def test_fp8_gemm(M, N, K):
 def test_fp8_gemm_partials_sum_to_fp8_gemm(M, N, K, S):
     """fp8_gemm_partials (the shared expert's w1|w3 at 5-64 tokens): the split-K kernel's fp32
     partials, unsummed; summed in split order and rounded once they are fp8_gemm's output bit for bit
-    at the same split."""
+    at the same split (fp8_gemm's in-kernel split sum)."""
     gen = torch.Generator().manual_seed(M * N + K)
     x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
     wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.05)
@@ -120,8 +120,10 @@ def test_fp8_gemm_partials_sum_to_fp8_gemm(M, N, K, S):
     acc = torch.zeros(M, N, device=part.device)
     for p in part:
         acc = acc + p
-    y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config={"SPLIT_K": n_split})
-    assert torch.equal(acc.bfloat16().cpu().view(torch.int16), y.cpu().view(torch.int16))
+    # fp8_gemm sums the same partials in its tiles' last arriving programs; twice: the counters reset
+    for _ in range(2):
+        y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config={"SPLIT_K": n_split})
+        assert torch.equal(acc.bfloat16().cpu().view(torch.int16), y.cpu().view(torch.int16))
     check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), G.fp8_gemm_torch(xq, xs, wq, ws), acc=FP8_ACC)
 
 
@@ -338,7 +340,7 @@ def test_sqrt_softplus_matches_torch():
 
 @pytest.mark.parametrize("P,E", [(1, 8), (6, 256), (100, 8), (384, 256), (1000, 64), (1500, 8)])
 def test_sort_pairs_stable(P, E):
-    """sort_pairs (one-program counting sort up to SORT_ONE_PROGRAM_MAX pairs, torch.sort above) =
+    """sort_pairs (the one-launch counting sort up to SORT_COUNTING_MAX pairs, torch.sort above) =
     a stable sort by expert id with the sentinel E last; offs / tcum / inv consistent."""
     gen = torch.Generator().manual_seed(P)
     ef = torch.randint(0, E + 1, (P,), generator=gen, dtype=torch.int32)
@@ -483,18 +485,19 @@ _AOT_SCRIPT = textwrap.dedent("""
     for cap in (90, 100):
         comp(G._act_quant_kernel, dict(X=P("bf16"), Q=P("u8"), S=P("fp32")), dict(BLOCKS=8, INTERP=False), cap, 4)
         ptx = comp(G._fp8_gemm_kernel, fp8t, dict(SB_SHIFT=7, A_BF16=False, SB_E8M0=False, SWIGLU=False,
-                                                  BM=128, BN=128, GROUP_M=8, SPLIT=False, INTERP=False), cap, 8, 4)
+                                                  BM=128, BN=128, GROUP_M=8, SPLIT=False, SUM=False, INTERP=False), cap, 8, 4)
         if cap == 90:
             assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, "expected fp8 wgmma"
         else:
             assert "tcgen05.mma" in ptx
         comp(G._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("u8")),
              dict(SB_SHIFT=7, A_BF16=True, SB_E8M0=True, SWIGLU=True, BM=16, BN=128, GROUP_M=8, SPLIT=False,
-                  INTERP=False), cap, 4)
-        # decode: split-K partials (fp32 workspace) + the ordered sum
-        comp(G._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("fp32")),
-             dict(SB_SHIFT=7, A_BF16=True, SB_E8M0=True, SWIGLU=False, BM=16, BN=32, GROUP_M=8, SPLIT=True,
-                  INTERP=False), cap, 4, 5)
+                  SUM=False, INTERP=False), cap, 4)
+        # decode: split-K partials (fp32 workspace) summed by each tile's last arriving program
+        ptx = comp(G._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("fp32"), OUT=P("bf16"), CNT=P("i32")),
+                   dict(SB_SHIFT=7, A_BF16=True, SB_E8M0=True, SWIGLU=False, BM=16, BN=32, GROUP_M=8, SPLIT=True,
+                        SUM=True, INTERP=False), cap, 4, 5)
+        assert "atom.global.gpu.acq_rel.add" in ptx, "expected the tile's acq_rel arrival"
         comp(G._splitk_sum, dict(WS=P("fp32"), C=P("bf16")), dict(BLOCK=1024, INTERP=False), cap, 4)
         for fmt, bm in ((0, 16), (1, 16), (2, 64), (1, 64)):
             comp(G._fp4_gemm_kernel, fp4t, dict(FMT=fmt, GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False,

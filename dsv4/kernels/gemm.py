@@ -79,6 +79,7 @@ from __future__ import annotations
 import torch
 
 from . import interpreting, triton_available
+from .counters import arrival_counters
 
 QBLOCK = 128        # activation / FP8 weight block
 GEMV_MAX_ROWS = 4   # up to this many rows (per expert) the decode GEMV (gemv.py) replaces the MMA kernels
@@ -89,6 +90,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .counters import arrive
     from .kv_insert import _e4m3_bits, _exp2i, _rne_bf16, _ue8m0_exp
 
     # ---------------------------------------------------------------------------------------
@@ -267,13 +269,16 @@ if triton_available():
         return first_m + (tile % width) % gsize, (tile % width) // gsize
 
     @triton.jit
-    def _fp8_gemm_kernel(A, SA, B, SB, C, CS, M, N_out, K, n_half,
-                         stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_csm, limit, k_per_split,
+    def _fp8_gemm_kernel(A, SA, B, SB, C, CS, OUT, CNT, M, N_out, K, n_half,
+                         stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_csm, stride_om, limit,
+                         k_per_split,
                          SB_SHIFT: tl.constexpr, A_BF16: tl.constexpr, SB_E8M0: tl.constexpr,
                          SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-                         SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                         SPLIT: tl.constexpr, SUM: tl.constexpr, INTERP: tl.constexpr):
         """SPLIT: program axis 1 takes K range [ks * k_per_split, ...) and stores its fp32 partial
-        in C = workspace [S, M, N] (``_splitk_sum`` adds them in split order)."""
+        in C = workspace [S, M, N]. SUM: the tile's last program to arrive on its counter (CNT, per
+        output tile, reset to 0 by that program: ``counters.arrival_counters``) adds the S partials in
+        split order, from 0 (``_splitk_sum``'s sums, bit for bit, without its launch), into bf16 OUT."""
         ks = tl.program_id(1)
         pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N_out, BN), GROUP_M)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -321,8 +326,19 @@ if triton_available():
                      mask=mm[:, None] & mn[None, :])
             tl.store(CS + rm64 * stride_csm + pid_n, _exp2i(e), mask=mm)
         elif SPLIT:
-            tl.store(C + ks.to(tl.int64) * M * N_out + rm64[:, None] * N_out + rn64[None, :], acc,
-                     mask=mm[:, None] & mn[None, :])
+            tile = C + rm64[:, None] * N_out + rn64[None, :]
+            tl.store(tile + ks.to(tl.int64) * M * N_out, acc, mask=mm[:, None] & mn[None, :])
+            if SUM:
+                S = tl.num_programs(1)
+                if arrive(CNT + tl.program_id(0)) == S - 1:
+                    tot = tl.zeros([BM, BN], tl.float32)
+                    plane = tl.full([], 0, tl.int64) + M * N_out
+                    for _s in range(0, S):
+                        tot += tl.load(tile, mask=mm[:, None] & mn[None, :], other=0.0, cache_modifier=".cg")
+                        tile += plane
+                    _store_bf16(OUT + rm64[:, None] * stride_om + rn64[None, :], tot,
+                                mm[:, None] & mn[None, :], INTERP)
+                    tl.store(CNT + tl.program_id(0), 0)
         else:
             _store_bf16(C + rm64[:, None] * stride_cm + rn64[None, :], acc,
                         mm[:, None] & mn[None, :], INTERP)
@@ -586,18 +602,18 @@ def _launch_fp8(a, sa, w, ws, out, out_s, M, N_out, K, n_half, a_bf16, swiglu, l
     grid = (triton.cdiv(M, BM) * triton.cdiv(N_out, BN), S)
     split = (S > 1 or partial) and not swiglu
     dst = torch.empty(S, M, N_out, dtype=torch.float32, device=a.device) if split else out
+    fused_sum = split and not partial       # the split sum by each tile's last program (no second launch)
+    cnt = arrival_counters(a.device, grid[0]) if fused_sum else dst
     _fp8_gemm_kernel[grid](
         a, sa if sa is not None else wsv, _u8(w), wsv, dst, out_s if out_s is not None else dst,
+        out if fused_sum else dst, cnt,
         M, N_out, K, n_half, a.stride(0), sa.stride(0) if sa is not None else 0, w.stride(0),
-        wsv.stride(0), dst.stride(-2), out_s.stride(0) if out_s is not None else 0, float(limit), kps,
+        wsv.stride(0), dst.stride(-2), out_s.stride(0) if out_s is not None else 0,
+        out.stride(0) if fused_sum else 0, float(limit), kps,
         SB_SHIFT=0 if per_row else 7, A_BF16=a_bf16, SB_E8M0=sb_e8m0, SWIGLU=swiglu,
-        BM=BM, BN=BN, GROUP_M=GM, SPLIT=split, INTERP=interpreting(), **kw)
+        BM=BM, BN=BN, GROUP_M=GM, SPLIT=split, SUM=fused_sum, INTERP=interpreting(), **kw)
     if partial:
         return dst
-    if split:
-        BLOCK = 1024
-        _splitk_sum[(triton.cdiv(M * N_out, BLOCK),)](dst, out, M, N_out, S, out.stride(0), BLOCK=BLOCK,
-                                                      INTERP=interpreting(), **({} if interpreting() else {"num_warps": 4}))
 
 
 def _check_fp8_weight(w, ws):

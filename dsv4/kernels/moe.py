@@ -9,8 +9,8 @@ experts and no host synchronisation (CUDA-graph capturable; every launch size fo
    ``tid2eid`` row (hash layers), the picked scores normalised ``w / sum(w) * route_scale``, and the
    sort keys with a duplicate mask (a repeated hash id contributes once).
 2. sort: pairs (token, slot) stably sorted by expert, every expert's first row, the per-expert m-tile
-   prefix sum and the inverse permutation: at decode sizes one Triton program (``_moe_sort_prep``,
-   a counting sort), above that ``torch.sort`` + ``_moe_prep``. Duplicate / masked pairs get the
+   prefix sum and the inverse permutation: at decode sizes one Triton launch (``_moe_sort_prep``,
+   a counting sort over 64-pair programs), above that ``torch.sort`` + ``_moe_prep``. Duplicate / masked pairs get the
    sentinel expert ``E`` and sort last.
 3. act quant of x once per token (FP8 1x128, plus the f16 operand of the FP4 MMA kernel).
 4. grouped FP4 GEMM over the active experts (``gemm._fp4_gemm_kernel``, grouped + gather + SwiGLU
@@ -117,30 +117,30 @@ if triton_available():
     @triton.jit
     def _moe_sort_prep(EFLAT, PERM, OFFS, TCUM, INV, P, E, BM: tl.constexpr, EP: tl.constexpr,
                        PP: tl.constexpr, CH: tl.constexpr):
-        """One program, P <= PP pairs: stable counting sort by expert id (sentinel E last) -> PERM[row] =
-        pair id, INV[pair] = row; OFFS / TCUM as ``_moe_prep``. A pair's row is its expert's first row
-        + the number of earlier pairs of that expert (compared in CH x CH blocks: O(P^2), for decode)."""
-        e = tl.arange(0, EP)
-        i = tl.arange(0, PP)
-        cnt = tl.histogram(tl.load(EFLAT + i, mask=i < P, other=0), EP, mask=i < P)
-        offs = tl.cumsum(cnt, axis=0) - cnt
-        tl.store(OFFS + e, offs.to(tl.int64), mask=e <= E)
-        tiles = tl.where(e < E, (cnt + BM - 1) // BM, 0)
-        tl.store(TCUM + 1 + e, tl.cumsum(tiles, axis=0).to(tl.int64), mask=e < E)
-        tl.store(TCUM + e, tl.zeros([EP], tl.int64), mask=e == 0)
-        tl.debug_barrier()                          # OFFS stored before the gathers below
+        """Grid (chunks of CH pairs), P <= PP: stable counting sort by expert id (sentinel E last) ->
+        PERM[row] = pair id, INV[pair] = row; program 0 writes OFFS / TCUM as ``_moe_prep``. A pair's row
+        is the number of pairs of a smaller expert id plus the earlier pairs of its own (CH x CH compare
+        blocks over all P pairs: O(P^2) work, P / CH programs, for decode sizes)."""
+        if tl.program_id(0) == 0:
+            e = tl.arange(0, EP)
+            i = tl.arange(0, PP)
+            cnt = tl.histogram(tl.load(EFLAT + i, mask=i < P, other=0), EP, mask=i < P)
+            tl.store(OFFS + e, (tl.cumsum(cnt, axis=0) - cnt).to(tl.int64), mask=e <= E)
+            tiles = tl.where(e < E, (cnt + BM - 1) // BM, 0)
+            tl.store(TCUM + 1 + e, tl.cumsum(tiles, axis=0).to(tl.int64), mask=e < E)
+            tl.store(TCUM + e, tl.zeros([EP], tl.int64), mask=e == 0)
         jl = tl.arange(0, CH)
-        for c0 in range(0, P, CH):
-            ii = c0 + jl
-            im = ii < P
-            ei = tl.load(EFLAT + ii, mask=im, other=-1)
-            before = tl.sum(((ei[None, :] == ei[:, None]) & (jl[None, :] < jl[:, None])).to(tl.int32), axis=1)
-            for d0 in range(0, c0, CH):
-                ej = tl.load(EFLAT + d0 + jl)
-                before += tl.sum((ej[None, :] == ei[:, None]).to(tl.int32), axis=1)
-            row = tl.load(OFFS + ei, mask=im, other=0).to(tl.int32) + before
-            tl.store(PERM + row, ii.to(tl.int64), mask=im)
-            tl.store(INV + ii, row, mask=im)
+        ii = tl.program_id(0) * CH + jl
+        im = ii < P
+        ei = tl.load(EFLAT + ii, mask=im, other=0)
+        row = tl.zeros([CH], tl.int32)
+        for d0 in range(0, P, CH):
+            jj = d0 + jl
+            ej = tl.load(EFLAT + jj, mask=jj < P, other=2147483647)
+            first = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (jj[None, :] < ii[:, None]))
+            row += tl.sum(first.to(tl.int32), axis=1)
+        tl.store(PERM + row, ii.to(tl.int64), mask=im)
+        tl.store(INV + ii, row, mask=im)
 
     @triton.jit
     def _moe_prep(SORTED_E, PERM, OFFS, TCUM, INV, P, E,
@@ -413,23 +413,24 @@ def route_torch(moe_ref, x, ids):
     return moe_ref.route(x, ids)
 
 
-SORT_ONE_PROGRAM_MAX = 1024   # pairs up to which sort_pairs runs the one-program counting sort
+SORT_COUNTING_MAX = 1024   # pairs up to which sort_pairs runs the one-launch counting sort
 
 
 def sort_pairs(eflat: torch.Tensor, n_experts: int, bm: int):
     """(perm int64 [P] sorted row -> pair id, offs int64 [E+1], tcum int64 [E+1], inv int32 [P]): the
-    pairs stably sorted by expert id (the sentinel ``n_experts`` last). Up to ``SORT_ONE_PROGRAM_MAX``
-    pairs (decode) one Triton program (``_moe_sort_prep``), else ``torch.sort`` + ``_moe_prep``."""
+    pairs stably sorted by expert id (the sentinel ``n_experts`` last). Up to ``SORT_COUNTING_MAX``
+    pairs (decode) one Triton launch (``_moe_sort_prep``), else ``torch.sort`` + ``_moe_prep``."""
     P = eflat.numel()
     dev = eflat.device
     offs = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
     tcum = torch.empty(n_experts + 1, dtype=torch.int64, device=dev)
     inv = torch.empty(P, dtype=torch.int32, device=dev)
     kw = {} if interpreting() else {"num_warps": 4}
-    if 0 < P <= SORT_ONE_PROGRAM_MAX:
+    if 0 < P <= SORT_COUNTING_MAX:
         perm = torch.empty(P, dtype=torch.int64, device=dev)
-        _moe_sort_prep[(1,)](eflat, perm, offs, tcum, inv, P, n_experts, BM=bm,
-                             EP=triton.next_power_of_2(n_experts + 1), PP=triton.next_power_of_2(P), CH=64, **kw)
+        _moe_sort_prep[(triton.cdiv(P, 64),)](eflat, perm, offs, tcum, inv, P, n_experts, BM=bm,
+                                              EP=triton.next_power_of_2(n_experts + 1), PP=triton.next_power_of_2(P),
+                                              CH=64, **kw)
         return perm, offs, tcum, inv
     sorted_e, perm = torch.sort(eflat, stable=True)       # perm int64, read as is by the kernels
     _moe_prep[(1,)](sorted_e, perm, offs, tcum, inv, P, n_experts, BM=bm,
