@@ -638,15 +638,21 @@ def fp8_weight_exact(w: torch.Tensor, what: str = "weight") -> tuple[torch.Tenso
     return q, s.float()
 
 
+def _check_fp8_gemm_args(name, xq, xs, w, ws) -> tuple[int, int]:
+    """(M, K) of a quantised activation xq [M, K] with scales xs [M, K/128] against the FP8 weight w."""
+    _check_fp8_weight(w, ws)
+    M, K = xq.shape
+    if w.shape[1] != K or tuple(xs.shape) != (M, K // QBLOCK):
+        raise ValueError(f"{name}: shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} w {tuple(w.shape)}")
+    return M, K
+
+
 def fp8_gemm_partials(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                       config: dict | None = None) -> torch.Tensor:
     """fp32 [S, M, N]: the MMA kernel's split-K partials of ``fp8_gemm`` (each the per-block scaled
     sum over its K range; the split count fills the GPU at decode sizes), for a pass that sums them
     itself (``gemv.swiglu_quant``)."""
-    _check_fp8_weight(w, ws)
-    M, K = xq.shape
-    if w.shape[1] != K or tuple(xs.shape) != (M, K // QBLOCK):
-        raise ValueError(f"fp8_gemm_partials: shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} w {tuple(w.shape)}")
+    M, K = _check_fp8_gemm_args("fp8_gemm_partials", xq, xs, w, ws)
     return _launch_fp8(_u8(xq.contiguous()), xs.float().contiguous(), w.contiguous(), ws.contiguous(), None, None,
                        M, w.shape[0], K, 0, False, False, 0.0, config, partial=True)
 
@@ -656,11 +662,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tens
     """bf16 [M, N] = official block-scaled FP8 GEMM of act_quant output (xq e4m3 [M, K], xs fp32
     [M, K/128]) and an FP8 weight (w e4m3 [N, K], ws e8m0/fp32 [N/128, K/128], or per-row
     [N, K/128])."""
-    _check_fp8_weight(w, ws)
-    M, K = xq.shape
+    M, K = _check_fp8_gemm_args("fp8_gemm", xq, xs, w, ws)
     N = w.shape[0]
-    if w.shape[1] != K or tuple(xs.shape) != (M, K // QBLOCK):
-        raise ValueError(f"fp8_gemm: shapes xq {tuple(xq.shape)} xs {tuple(xs.shape)} w {tuple(w.shape)}")
     out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device) if out is None else out
     if M == 0:
         return out

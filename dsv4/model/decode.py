@@ -168,23 +168,24 @@ class FastDecoder:
         """The fused step's per-step values (``_once`` keys) from one ``decode_meta`` launch: RoPE
         tables of every layer's and compressor's rope (computed once, the rows ``rope(p)`` gives) and
         the index vectors of the window, compressed-cache writes and HCA reads."""
-        from ..kernels.decode_meta import MetaPlan, rope_table
-        tables, tab_of, rope_keys, ropes = [], {}, [], []
-        for blk, lc in zip(self.model.layers, self.cache.layers):
+        from ..kernels.decode_meta import TABLE_NEG, MetaPlan, rope_table
+        ropes = []
+        for blk in self.model.layers:
             ropes.append(("attn", blk.attn.rope, 0))
             for c in (blk.attn.compressor, blk.attn.indexer.compressor if blk.attn.indexer else None):
                 if c is not None:
                     ropes.append((("comp", c.ratio), c.rope, 1 - c.ratio))
-        rope_reqs = []
+        uniq, rope_keys, rope_reqs = {}, [], []       # equal ropes (freqs, trig mode) share a table
         for key, rope, off in ropes:
             if (key, id(rope)) in rope_keys:
                 continue
-            sig = (rope.freqs.cpu().numpy().tobytes(), rope.fp64_trig)    # equal ropes share a table
-            if sig not in tab_of:
-                tab_of[sig] = len(tables)
-                tables.append(rope_table(rope, max_model_len))
+            sig = (rope.freqs.cpu().numpy().tobytes(), rope.fp64_trig)
+            uniq.setdefault(sig, (len(uniq), rope))
             rope_keys.append((key, id(rope)))
-            rope_reqs.append((tab_of[sig], off))
+            rope_reqs.append((uniq[sig][0], off))
+        self._rope_tables = torch.empty(len(uniq), TABLE_NEG + max_model_len, 64, device=self.cache.device)
+        for i, rope in uniq.values():
+            self._rope_tables[i] = rope_table(rope, max_model_len)
         write_keys, write_reqs, vis_keys, vis_reqs = [], [], [], []
         for blk, lc in zip(self.model.layers, self.cache.layers):
             if blk.ratio and ("wid", blk.ratio, lc.entries_per_block) not in write_keys:
@@ -198,7 +199,6 @@ class FastDecoder:
                 write_reqs.append((4, INDEX_PAGE))
         self._meta_keys = (rope_keys, write_keys, vis_keys)
         self._meta_plan = MetaPlan(rope_reqs, write_reqs, vis_reqs, self.max_blocks, self.cache.device)
-        self._rope_tables = torch.stack(tables)
 
     def _step_memo(self, pos, slots, bt) -> dict:
         """The ``_once`` values of a fused step, from one ``decode_meta`` launch."""
