@@ -28,7 +28,8 @@ Offline sm_90 compile (triton 3.6, ``--static``, session 12): 63 registers; the 
 instructions per 128-K block and thread (64 weight values per thread, as in fp4_mma, whose loop is ~220):
 4 QGMMA, 12 LDG, 37 LOP3 + 10 SHF (the placement), 38 IMAD (shifts and moves on the FMA pipe), 16 FFMA +
 6 FMUL (scales), 8 ISETP + 8 SEL (the e8m0 = 0 case), ~18 uniform-datapath ops (descriptors). About 77
-ALU-pipe instructions per block against ~130-160 for fp4_mma's.
+logic / integer instructions per block; fp4_mma's ~220 hold 34 LOP3 + 10 shifts + 12 PRMT, ~28 integer
+ops, and the 48 e4m3 -> f16 conversions and 32 HMUL2 that this loop has no need of.
 
 Open points for the GPU run: wgmma's fp8 accumulation inside one k32 step (products exact; the sum of
 32 of them in the tensor core's accumulator), register pressure with four in-flight accumulators, and
