@@ -83,6 +83,11 @@ if GLUON:
         return gl.inline_asm_elementwise(_A_ASM, _A_CONS, [p], dtype=gl.float8e4nv, is_pure=True, pack=16)
 
     @gluon.jit
+    def _e8m0(b):
+        """fp32 2^(b - 127) of e8m0 bytes b (b = 0: 2^-127, subnormal), exact."""
+        return gl.where(b == 0, 1 << 22, b << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
     def _wg_kernel(A, SA, W, WS, C, PERM, OFFS, TCUM, M, N, K, n_groups, top_k, k_per_split,
                    stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
                    GROUPED: gl.constexpr, GATHER: gl.constexpr, BM: gl.constexpr, KPS: gl.constexpr,
@@ -139,15 +144,10 @@ if GLUON:
                 sw = gl.load((sptr + kb * 4).to(gl.pointer_type(gl.int32)))
                 sa = gl.load(saptr + kb) * 64.0
                 p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t1, t2, t3))
-                # 2^(s - 127) of each group's e8m0 byte (s = 0: 2^-127, subnormal)
-                f0 = gl.where((sw & 0xFF) == 0, 1 << 22, (sw & 0xFF) << 23).to(gl.float32, bitcast=True)
-                f1 = gl.where(((sw >> 8) & 0xFF) == 0, 1 << 22, ((sw >> 8) & 0xFF) << 23).to(gl.float32, bitcast=True)
-                f2 = gl.where(((sw >> 16) & 0xFF) == 0, 1 << 22, ((sw >> 16) & 0xFF) << 23).to(gl.float32, bitcast=True)
-                f3 = gl.where(((sw >> 24) & 0xFF) == 0, 1 << 22, ((sw >> 24) & 0xFF) << 23).to(gl.float32, bitcast=True)
-                blk = p0 * f0[:, None]
-                blk += p1 * f1[:, None]
-                blk += p2 * f2[:, None]
-                blk += p3 * f3[:, None]
+                blk = p0 * _e8m0(sw & 0xFF)[:, None]
+                blk += p1 * _e8m0((sw >> 8) & 0xFF)[:, None]
+                blk += p2 * _e8m0((sw >> 16) & 0xFF)[:, None]
+                blk += p3 * _e8m0((sw >> 24) & 0xFF)[:, None]
                 acc += blk * sa[None, :]
             out_mask = (rs < N)[:, None] & vc[None, :]
             rn64 = rs.to(gl.int64)
