@@ -1,4 +1,4 @@
-"""Experiment (not run on a GPU yet): an FP4 (MXFP4) decode expert GEMM on Hopper's native FP8 wgmma,
+"""Experiment (not adopted: slower): an FP4 (MXFP4) decode expert GEMM on Hopper's native FP8 wgmma,
 the weights placed as e4m3 in registers, against ``kernels/fp4_mma.py`` (f16 ``mma.sync``).
 
     PYTHONPATH=. python benchmarks/exp_fp4_wgmma.py --static    # no GPU: sm_90 compile, SASS counts
@@ -24,16 +24,21 @@ and no f16 conversion or scale multiply:
   physical value 2 (k % 16) + k // 16; the program stages its K range of its (up to 8) activation rows
   in shared memory once (e4m3 bytes, [K / 32, 32, BM], K-major as fp8 wgmma requires).
 
-Offline sm_90 compile (triton 3.6, ``--static``, session 12): 63 registers; the K loop is 177 SASS
+Offline sm_90 compile (triton 3.6, ``--static``, session 12, before the prefetch below): 63 registers; the K loop is 177 SASS
 instructions per 128-K block and thread (64 weight values per thread, as in fp4_mma, whose loop is ~220):
 4 QGMMA, 12 LDG, 37 LOP3 + 10 SHF (the placement), 38 IMAD (shifts and moves on the FMA pipe), 16 FFMA +
 6 FMUL (scales), 8 ISETP + 8 SEL (the e8m0 = 0 case), ~18 uniform-datapath ops (descriptors). About 77
 logic / integer instructions per block; fp4_mma's ~220 hold 34 LOP3 + 10 shifts + 12 PRMT, ~28 integer
 ops, and the 48 e4m3 -> f16 conversions and 32 HMUL2 that this loop has no need of.
 
-Open points for the GPU run: wgmma's fp8 accumulation inside one k32 step (products exact; the sum of
-32 of them in the tensor core's accumulator), register pressure with four in-flight accumulators, and
-overlap (no software pipelining of the weight loads yet).
+H200 (session 13, BENCHMARKS.md): 1.5-2.7x slower than fp4_mma on every case (Flash w1|w3, 32
+experts x 1 row: 223 vs 107 us), relative error 3e-4 against the GEMV (fp4_mma: 1e-5; the fp8
+accumulation inside a k32 step is not exact). The activation staging (byte loads into shared memory,
+a barrier per group) costs about a third; with staging skipped (timing only, wrong values) the main
+loop alone is 0.97-1.65x fp4_mma's time (153 vs 107 us; equal only on Flash w2 and at 6 experts): each block waits for its four
+wgmmas before the scale math (``warpgroup_mma_wait(0)``), and ptxas issues the next block's weight
+loads only after that wait. Split from the conversion with a one-block register prefetch (below),
+the loads still land behind the wait. A k-split of 4 (smaller staging, more programs): 179 us.
 """
 from __future__ import annotations
 
@@ -70,17 +75,24 @@ if GLUON:
     _LO = "shl.b32 t, {w}, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, {w}, 4; and.b32 u, u, 0x80808080; or.b32 {o}, t, u;"
     _HI = "shr.b32 t, {w}, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, {w}, 0x80808080; or.b32 {o}, t, u;"
     # pack of 16 A elements: a0 (row r), a1 (row r + 8), a2 (row r, K + 16), a3 (row r + 8, K + 16); the
-    # pointers of elements 0 (row r) and 4 (row r + 8) address the two 4-byte words
-    _A_ASM = gl.constexpr("{ .reg .b32 w0, w1, t, u; "
-                          "ld.global.nc.L2::128B.b32 w0, [$4]; ld.global.nc.L2::128B.b32 w1, [$8]; "
-                          + _LO.format(w="w0", o="$0") + _LO.format(w="w1", o="$1")
-                          + _HI.format(w="w0", o="$2") + _HI.format(w="w1", o="$3") + " }")
-    _A_CONS = gl.constexpr(",".join(["=r"] * 4 + ["l"] * 16))
+    # pointers of elements 0 (row r) and 4 (row r + 8) address the two 4-byte words. The load writes its
+    # words to elements 0 and 4 only; the other 14 outputs are never read (ptxas drops them).
+    _LD_ASM = gl.constexpr("ld.global.nc.L2::128B.b32 $0, [$16]; ld.global.nc.L2::128B.b32 $4, [$20];")
+    _LD_CONS = gl.constexpr(",".join(["=r"] * 16 + ["l"] * 16))
+    _CV_ASM = gl.constexpr("{ .reg .b32 t, u; " + _LO.format(w="$4", o="$0") + _LO.format(w="$8", o="$1")
+                           + _HI.format(w="$4", o="$2") + _HI.format(w="$8", o="$3") + " }")
+    _CV_CONS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 16))
 
     @gluon.jit
-    def _a_fragment(p):
-        """[64, 32] e4m3 A operand of one 32-group (value * 2^-6) from its pointer tensor."""
-        return gl.inline_asm_elementwise(_A_ASM, _A_CONS, [p], dtype=gl.float8e4nv, is_pure=True, pack=16)
+    def _a_load(p):
+        """The raw weight words of one 32-group's A operand (p: its pointer tensor), loaded apart from
+        the conversion so the next block's loads can be in flight during this block's work."""
+        return gl.inline_asm_elementwise(_LD_ASM, _LD_CONS, [p], dtype=gl.int32, is_pure=True, pack=16)
+
+    @gluon.jit
+    def _a_convert(w):
+        """[64, 32] e4m3 A operand (value * 2^-6) from the raw words of ``_a_load``."""
+        return gl.inline_asm_elementwise(_CV_ASM, _CV_CONS, [w], dtype=gl.float8e4nv, is_pure=True, pack=16)
 
     @gluon.jit
     def _e8m0(b):
@@ -91,7 +103,7 @@ if GLUON:
     def _wg_kernel(A, SA, W, WS, C, PERM, OFFS, TCUM, M, N, K, n_groups, top_k, k_per_split,
                    stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
                    GROUPED: gl.constexpr, GATHER: gl.constexpr, BM: gl.constexpr, KPS: gl.constexpr,
-                   LOG2G: gl.constexpr, SPLIT: gl.constexpr):
+                   LOG2G: gl.constexpr, SPLIT: gl.constexpr, STAGE: gl.constexpr = True):
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BM, 32])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=4)
@@ -108,14 +120,15 @@ if GLUON:
             kb_hi = gl.minimum(K, ks * k_per_split + k_per_split) // 128
             # the split's activations, each 32-group in the A operand's logical K order, into shared memory
             bs = gl.allocate_shared_memory(gl.float8e4nv, [KPS // 32, 32, BM], b_sl)
-            kx = gl.arange(0, 32, layout=gl.SliceLayout(1, x_l))
-            phys = 2 * (kx % 16) + kx // 16
-            mx = gl.arange(0, BM, layout=gl.SliceLayout(0, x_l))
-            arow_x, vx = _act_rows(PERM, m0 + mx, m_end, top_k, GATHER)
-            xptr = A + arow_x[None, :] * stride_am + phys[:, None]
-            for g in range(kb_lo * 4, kb_hi * 4):
-                xg = gl.load(xptr + g * 32, mask=vx[None, :], other=0)
-                bs.index(g - kb_lo * 4).store(xg.to(gl.float8e4nv, bitcast=True))
+            if STAGE:
+                kx = gl.arange(0, 32, layout=gl.SliceLayout(1, x_l))
+                phys = 2 * (kx % 16) + kx // 16
+                mx = gl.arange(0, BM, layout=gl.SliceLayout(0, x_l))
+                arow_x, vx = _act_rows(PERM, m0 + mx, m_end, top_k, GATHER)
+                xptr = A + arow_x[None, :] * stride_am + phys[:, None]
+                for g in range(kb_lo * 4, kb_hi * 4):
+                    xg = gl.load(xptr + g * 32, mask=vx[None, :], other=0)
+                    bs.index(g - kb_lo * 4).store(xg.to(gl.float8e4nv, bitcast=True))
             fence_async_shared()
             _cta_barrier()
             # weight pointers of one group: rows pid_n * 64 + .., bytes 4q..4q+3 of the group's 16
@@ -131,24 +144,32 @@ if GLUON:
             saptr = SA + arow_c * stride_sam
             zero = gl.zeros([64, BM], gl.float32, acc_l)
             acc = gl.zeros([64, BM], gl.float32, acc_l)
+            w0 = _a_load(wptr + kb_lo * 64)
+            w1 = _a_load(wptr + kb_lo * 64 + 16)
+            w2 = _a_load(wptr + kb_lo * 64 + 32)
+            w3 = _a_load(wptr + kb_lo * 64 + 48)
+            sw = gl.load((sptr + kb_lo * 4).to(gl.pointer_type(gl.int32)))
+            sa = gl.load(saptr + kb_lo)
             for kb in range(kb_lo, kb_hi):
                 g0 = (kb - kb_lo) * 4
-                a0 = _a_fragment(wptr + kb * 64)
-                a1 = _a_fragment(wptr + kb * 64 + 16)
-                a2 = _a_fragment(wptr + kb * 64 + 32)
-                a3 = _a_fragment(wptr + kb * 64 + 48)
-                t0 = warpgroup_mma(a0, bs.index(g0), zero, use_acc=False, is_async=True)
-                t1 = warpgroup_mma(a1, bs.index(g0 + 1), zero, use_acc=False, is_async=True)
-                t2 = warpgroup_mma(a2, bs.index(g0 + 2), zero, use_acc=False, is_async=True)
-                t3 = warpgroup_mma(a3, bs.index(g0 + 3), zero, use_acc=False, is_async=True)
-                sw = gl.load((sptr + kb * 4).to(gl.pointer_type(gl.int32)))
-                sa = gl.load(saptr + kb) * 64.0
+                kn = gl.minimum(kb + 1, kb_hi - 1)      # the next block's loads, in flight during this one
+                n0 = _a_load(wptr + kn * 64)
+                n1 = _a_load(wptr + kn * 64 + 16)
+                n2 = _a_load(wptr + kn * 64 + 32)
+                n3 = _a_load(wptr + kn * 64 + 48)
+                nsw = gl.load((sptr + kn * 4).to(gl.pointer_type(gl.int32)))
+                nsa = gl.load(saptr + kn)
+                t0 = warpgroup_mma(_a_convert(w0), bs.index(g0), zero, use_acc=False, is_async=True)
+                t1 = warpgroup_mma(_a_convert(w1), bs.index(g0 + 1), zero, use_acc=False, is_async=True)
+                t2 = warpgroup_mma(_a_convert(w2), bs.index(g0 + 2), zero, use_acc=False, is_async=True)
+                t3 = warpgroup_mma(_a_convert(w3), bs.index(g0 + 3), zero, use_acc=False, is_async=True)
                 p0, p1, p2, p3 = warpgroup_mma_wait(num_outstanding=0, deps=(t0, t1, t2, t3))
                 blk = p0 * _e8m0(sw & 0xFF)[:, None]
                 blk += p1 * _e8m0((sw >> 8) & 0xFF)[:, None]
                 blk += p2 * _e8m0((sw >> 16) & 0xFF)[:, None]
                 blk += p3 * _e8m0((sw >> 24) & 0xFF)[:, None]
-                acc += blk * sa[None, :]
+                acc += blk * (sa * 64.0)[None, :]
+                w0, w1, w2, w3, sw, sa = n0, n1, n2, n3, nsw, nsa
             out_mask = (rs < N)[:, None] & vc[None, :]
             rn64 = rs.to(gl.int64)
             rc64 = rc.to(gl.int64)
@@ -158,7 +179,7 @@ if GLUON:
                 gl.store(C + rc64[None, :] * stride_cm + rn64[:, None], acc.to(gl.bfloat16), mask=out_mask)
 
 
-def wg_launch(a, sa, w, ws, M, N, K, *, offs, tcum, n_groups, n_tiles, split=None):
+def wg_launch(a, sa, w, ws, M, N, K, *, offs, tcum, n_groups, n_tiles, split=None, stage=True):
     """MXFP4 grouped decode GEMM on wgmma: a e4m3 bytes [rows, K], sa fp32 [rows, K/128], w uint8
     [G, N, K/2], ws e8m0 bytes [G, N, K/32]; tiles of BM rows (``tcum`` / ``offs`` as for fp4_mma).
     Returns bf16 [M, N] (split partials summed by ``gemv.sum_splits``)."""
@@ -170,7 +191,7 @@ def wg_launch(a, sa, w, ws, M, N, K, *, offs, tcum, n_groups, n_tiles, split=Non
     _wg_kernel[grid](a, sa, w, ws, dst, sa, offs, tcum, M, N, K, n_groups, 1, kps,
                      a.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), dst.stride(-2),
                      GROUPED=True, GATHER=False, BM=BM, KPS=kps, LOG2G=max(1, max(n_groups, 1).bit_length()),
-                     SPLIT=dst.dtype == torch.float32, num_warps=4)
+                     SPLIT=dst.dtype == torch.float32, STAGE=stage, num_warps=4)
     return sum_splits(dst, None)
 
 
@@ -233,9 +254,12 @@ def main():
         ref = gemv_launch(xq, xs, w, s, None, R, N, K, wfmt="mxfp4", offs=offs,
                           tcum=(torch.arange(E + 1, device=dev) * m).to(torch.int64), n_groups=E, n_tiles=E * m, bm=1)
         for kname, fn in (("fp4_mma", lambda: mma_gemv_launch(xq, xs, w, s, R, N, K, fmt="mxfp4", **tiles)),
-                          ("wgmma", lambda: wg_launch(xq, xs, w, s, R, N, K, **tiles))):
+                          ("wgmma", lambda: wg_launch(xq, xs, w, s, R, N, K, **tiles)),
+                          ("wgmma split 4", lambda: wg_launch(xq, xs, w, s, R, N, K, split=4, **tiles)),
+                          ("wgmma, no staging (timing only)", lambda: wg_launch(xq, xs, w, s, R, N, K, stage=False,
+                                                                                **tiles))):
             try:
-                err = relerr(fn().float(), ref.float())
+                err = relerr(fn().float(), ref.float()) if "timing only" not in kname else float("nan")
                 t = graph_time(fn)
                 print(f"| {name} | {kname} | {t * 1e3:.1f} | {100 * wbytes / t / 1e6 / (copy_bw / 1e9):.0f} | {err:.2e} |",
                       flush=True)
