@@ -89,21 +89,15 @@ if triton_available():
     from .kv_insert import _rne_bf16
 
     @triton.jit
-    def _mix_step(xrow, W, k0, K, tm, n, nm, acc, acc2, acc3, sq, NP: tl.constexpr, BK: tl.constexpr,
-                  MODE: tl.constexpr, SEP: tl.constexpr):
-        """One BK-wide K step of the mix GEMM for a token block: x [BT, BK] (rows xrow) -> the sum of
-        squares ``sq`` and the mix. MODE 0: fp32 FMA dot into ``acc`` (IEEE, W = fn fp32 [NMIX, K]);
-        MODE 1: bf16x3 against the prepared W = bf16 [K, 3*NP] (hi | mid | lo column groups, an exact
-        split of fn): the three dots chained into ``acc``, or with SEP into acc / acc2 / acc3
-        (independent MMA chains)."""
-        kx = k0 + tl.arange(0, BK)
-        km = kx < K
-        xv = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-        xf = xv.to(tl.float32)
-        sq += xf * xf
+    def _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP: tl.constexpr, MODE: tl.constexpr,
+                 SEP: tl.constexpr):
+        """The mix GEMM's step for the loaded x tile xv [BT, BK] (columns kx of the flattened 4d).
+        MODE 0: fp32 FMA dot into ``acc`` (IEEE, W = fn fp32 [NMIX, K]); MODE 1: bf16x3 against the
+        prepared W = bf16 [K, 3*NP] (hi | mid | lo column groups, an exact split of fn), xv bf16: the
+        three dots chained into ``acc``, or with SEP into acc / acc2 / acc3 (independent MMA chains)."""
         if MODE == 0:
             f = tl.load(W + n[:, None] * K + kx[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc += tl.dot(xf, tl.trans(f), input_precision="ieee")
+            acc += tl.dot(xv.to(tl.float32), tl.trans(f), input_precision="ieee")
         else:
             wp = W + kx.to(tl.int64)[:, None] * (3 * NP) + n[None, :]       # [BK, NP] K-major tiles
             acc = tl.dot(xv, tl.load(wp, mask=km[:, None], other=0.0), acc)                 # hi
@@ -113,6 +107,19 @@ if triton_available():
             else:
                 acc = tl.dot(xv, tl.load(wp + NP, mask=km[:, None], other=0.0), acc)
                 acc = tl.dot(xv, tl.load(wp + 2 * NP, mask=km[:, None], other=0.0), acc)
+        return acc, acc2, acc3
+
+    @triton.jit
+    def _mix_step(xrow, W, k0, K, tm, n, nm, acc, acc2, acc3, sq, NP: tl.constexpr, BK: tl.constexpr,
+                  MODE: tl.constexpr, SEP: tl.constexpr):
+        """One BK-wide K step of the mix GEMM for a token block (rows xrow): the sum of squares ``sq``
+        and ``_mix_dot``."""
+        kx = k0 + tl.arange(0, BK)
+        km = kx < K
+        xv = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+        xf = xv.to(tl.float32)
+        sq += xf * xf
+        acc, acc2, acc3 = _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP, MODE, SEP)
         return acc, acc2, acc3, sq
 
     @triton.jit
@@ -508,7 +515,7 @@ def _mix_launch(x, fn, nmix, np_, config):
     K = HC * D
     interp = interpreting()
     cfg = dict(config or {})
-    mode = 0 if interp or cfg.get("mode", DEFAULT_MODE) == "ieee" else 1
+    mode = _mode(cfg)
     BK = cfg.get("block_k", 64)
     BT = cfg.get("block_t", 16 if T <= 256 else 64)
     n_tb = triton.cdiv(T, BT)
@@ -583,15 +590,22 @@ def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
                          HEAD=head, **kw)
 
 
-def _tiled_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, rms_eps, cfg):
-    """Three launches (prefill sizes): the token-block mix GEMM ``_hc_mix_tile``, the per-token finish
-    ``_hc_tokens``, the streaming ``_hc_apply``. config: mode, block_t, block_k, splits, num_warps,
-    num_stages (mix); tokens_block (finish); apply_block_d, apply_warps, reverse (apply)."""
+def _mode(cfg: dict) -> int:
+    """0: fp32 FMA dot (``ieee``; the interpreter always), 1: bf16x3 tensor-core dots."""
+    return 0 if interpreting() or cfg.get("mode", DEFAULT_MODE) == "ieee" else 1
+
+
+def _np(nmix: int) -> int:
+    """Partial columns of the tiled paths: the mix columns, then the sum of squares in the last one."""
+    return max(16, triton.next_power_of_2(nmix + 1))
+
+
+def _tiled_mix(x, fn, nmix, np_, cfg):
+    """``_hc_mix_tile``: the split partials [S, np_, T] of the mix and the sum of squares, and S."""
     T, _, D = x.shape
     K = HC * D
     interp = interpreting()
-    mode = 0 if interp or cfg.get("mode", DEFAULT_MODE) == "ieee" else 1
-    np_ = max(16, triton.next_power_of_2(nmix + 1))
+    mode = _mode(cfg)
     BT = cfg.get("block_t") or (16 if interp else 128 if T >= 1024 else 64)
     BK = cfg.get("block_k") or 64
     n_tb = triton.cdiv(T, BT)
@@ -607,6 +621,22 @@ def _tiled_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
                             "num_stages": cfg.get("num_stages", 3)}
     _hc_mix_tile[(S, n_tb)](x, w, part, T, K, x.stride(0), k_per_split,
                             NMIX=nmix, NP=np_, BT=BT, BK=BK, MODE=mode, **kw)
+    return part, S
+
+
+def _tiled_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, rms_eps, cfg, part=None):
+    """Three launches (prefill sizes): the token-block mix GEMM ``_hc_mix_tile``, the per-token finish
+    ``_hc_tokens``, the streaming ``_hc_apply``. ``part``: split partials [S, NP, T] computed elsewhere
+    (``benchmarks/exp_hc_post_mix.py``): no mix GEMM. config: mode, block_t, block_k, splits,
+    num_warps, num_stages (mix); tokens_block (finish); apply_block_d, apply_warps, reverse (apply)."""
+    T, _, D = x.shape
+    K = HC * D
+    interp = interpreting()
+    np_ = _np(nmix)
+    if part is None:
+        part, S = _tiled_mix(x, fn, nmix, np_, cfg)
+    else:
+        S = part.shape[0]
     pre = torch.empty(T, HC, dtype=torch.float32, device=x.device)
     SP = max(2, triton.next_power_of_2(S))
     BTF = cfg.get("tokens_block") or max(1, min(64, 4096 // (SP * np_)))   # [SP, BTF, NP] tile <= 32 regs
