@@ -16,8 +16,9 @@ H200 (session 13, BENCHMARKS.md): with the mix done, hc_pre reaches 72-94% of co
 (55 vs 102 us at d 4096, T 4096), but hc_post_mix takes 2-3x hc_post's time (best 149-212 us vs 75 at
 d 4096, T 4096: 31-48% of copy), so the pair is 1.2-1.6x slower than the separate kernels. The
 kernel holds ~170 registers at 8 warps (one CTA per SM: y, four res tiles, four outputs and three
-accumulators), so its loads do not overlap its math and stores; a manual one-chunk prefetch, 4
-warps, 3 stages, 16-128 token or 16-64 column tiles did not change that. At d 7168, T 8192 its
+accumulators), so its loads do not overlap its math and stores. Tried: a manual one-chunk prefetch of
+y / res (slower: 149 -> 211 us at 4 warps, 213 -> 232 at 8; not kept), 3 stages, 16-128 token or
+16-64 column tiles: no gain. The 149 us: 4 warps (ptxas ~254 registers), the code below. At d 7168, T 8192 its
 post / comb differ from hc_pre's own by 2e-5 (longer tensor-core accumulation per split).
 Not adopted; hc_pre keeps its own mix GEMM.
 """
@@ -94,15 +95,11 @@ def _hc_post_mix(Yin, RES, POST, COMB, OUT, W, PART, T, D, K, stride_yt, stride_
     yrow = Yin + t64[:, None] * stride_yt
     rrow = RES + t64[:, None] * stride_rt
     orow = OUT + t64[:, None] * stride_ot
-    # the loads of chunk i + 1 are issued before chunk i's math and stores (a manual prefetch: one
-    # CTA per SM at these registers, so its own loads must overlap its work)
-    d_lo = pid_s * d_per_split
-    y, r0, r1, r2, r3 = _post_loads(yrow, rrow, D, d_lo, d_hi, tm, BK)
-    for d0 in range(d_lo, d_hi, BK):
+    for d0 in range(pid_s * d_per_split, d_hi, BK):
         d = d0 + tl.arange(0, BK)
         dm = d < d_hi
         m2 = tm[:, None] & dm[None, :]
-        ny, n0, n1, n2, n3 = _post_loads(yrow, rrow, D, d0 + BK, d_hi, tm, BK)
+        y, r0, r1, r2, r3 = _post_loads(yrow, rrow, D, d0, d_hi, tm, BK)
         o0 = _post_stream(POST, COMB, t64, tm, y, r0, r1, r2, r3, 0)
         o1 = _post_stream(POST, COMB, t64, tm, y, r0, r1, r2, r3, 1)
         o2 = _post_stream(POST, COMB, t64, tm, y, r0, r1, r2, r3, 2)
@@ -121,7 +118,6 @@ def _hc_post_mix(Yin, RES, POST, COMB, OUT, W, PART, T, D, K, stride_yt, stride_
         if MODE != 0:
             xv = xv.to(tl.bfloat16)
         acc, acc2, acc3 = _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP, MODE, True)
-        y, r0, r1, r2, r3 = ny, n0, n1, n2, n3
     if MODE != 0:
         acc = acc + (acc2 + acc3)
     col = PART + pid_s * NP * T + t64
