@@ -105,7 +105,7 @@ def test_fp8_gemm(M, N, K):
 
 @pytest.mark.parametrize("M,N,K,S", [(9, 256, 1024, None), (5, 128, 512, 1), (33, 256, 768, 3)])
 def test_fp8_gemm_partials_sum_to_fp8_gemm(M, N, K, S):
-    """fp8_gemm_partials (the shared expert's w1|w3 at 5-64 tokens): the split-K kernel's fp32
+    """fp8_gemm_partials (the shared expert's w1|w3 at 1-64 tokens): the split-K kernel's fp32
     partials, unsummed; summed in split order and rounded once they are fp8_gemm's output bit for bit
     at the same split (fp8_gemm's in-kernel split sum)."""
     gen = torch.Generator().manual_seed(M * N + K)
@@ -360,8 +360,8 @@ def test_sort_pairs_stable(P, E):
                                                   (False, 30, "prefill", None), (True, 9, "prefill", None)])
 def test_moe_forward(hash_layer, T, path, bm):
     """Every expert-GEMM path: the MMA kernels, the prefill kernel (fp4_prefill.py: one K=128 dot per
-    block, split-K-order operands) and the decode GEMV (1/2/4-row tiles, the shared expert on the FP8
-    GEMV for <= 4 tokens); the default picks the GEMV at <= 2 rows per expert."""
+    block, split-K-order operands) and the decode GEMV (1/2/4-row tiles); the shared expert on the
+    split-K MMA partials (<= 64 tokens); the default picks the GEMV at <= 2 rows per expert."""
     gen = torch.Generator().manual_seed(20 + T)
     ref = _ref_moe(8, 256, 128, 2, gen, hash_layer, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)

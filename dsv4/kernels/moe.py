@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from . import interpreting, triton_available
-from .gemm import (GEMV_MAX_ROWS, QBLOCK, _u8, act_quant_fp8, f16_operand, fp4_config, fp4_launch, fp4_path, fp8_gemm,
+from .gemm import (QBLOCK, _u8, act_quant_fp8, f16_operand, fp4_config, fp4_launch, fp4_path, fp8_gemm,
                    fp8_swiglu, fp8_weight_exact)
 
 if triton_available():
@@ -535,21 +535,16 @@ SHARED_SPLIT_MAX_ROWS = 64   # the shared expert's w1|w3 as split-K MMA partials
 
 def _shared_expert(xq, xs, w: MoEWeights):
     """bf16 [T, d] shared-expert output from the quantised activation. w1|w3 + SwiGLU: up to
-    GEMV_MAX_ROWS tokens the split-K GEMV's partials, up to SHARED_SPLIT_MAX_ROWS the split-K MMA
-    kernel's (``fp8_gemm_partials``), each summed by the SwiGLU pass (``swiglu_quant``); above, the
-    MMA kernel with the SwiGLU epilogue, which cannot split K (16 programs per 64 tokens at V4-Flash
-    size: 47 us at 64 tokens on the H200, session 12). w2 through ``fp8_gemm`` (its decode-size
-    routing)."""
+    SHARED_SPLIT_MAX_ROWS tokens the split-K MMA kernel's partials (``fp8_gemm_partials``) summed by
+    the SwiGLU pass (``swiglu_quant``); above, the MMA kernel with the SwiGLU epilogue, which cannot
+    split K (16 programs per 64 tokens at V4-Flash size: 47 us at 64 tokens on the H200, session 12).
+    At 1-4 tokens the partials came from the CUDA-core GEMV until session 13; the MMA partials are
+    bit-equal and faster there too (H200, Flash / Pro: 15.2-17.1 vs 18.0-30.9 us, 27.5-28.0 vs
+    31.9-68.7 us). w2 through ``fp8_gemm`` (its decode-size routing)."""
     from .gemm import fp8_gemm_partials
-    from .gemv import gemv_launch, rows_tile, swiglu_quant
-    T, d = xq.shape
-    if T <= SHARED_SPLIT_MAX_ROWS:
-        if T <= GEMV_MAX_ROWS:
-            part = gemv_launch(_u8(xq), xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True,
-                               bm=rows_tile(T))
-        else:
-            part = fp8_gemm_partials(xq, xs, w.sh13, w.sh13_s)
-        hq, hsc = swiglu_quant(part, w.limit)
+    from .gemv import swiglu_quant
+    if xq.shape[0] <= SHARED_SPLIT_MAX_ROWS:
+        hq, hsc = swiglu_quant(fp8_gemm_partials(xq, xs, w.sh13, w.sh13_s), w.limit)
         hq = hq.view(torch.float8_e4m3fn)
     else:
         hq, hsc = fp8_swiglu(_u8(xq).view(torch.float8_e4m3fn), xs, w.sh13, w.sh13_s, w.limit)
