@@ -42,7 +42,7 @@ def main():
             x = torch.randn(M, g * K, device=dev, generator=gen).bfloat16()
             act = "bf16" if g > 1 else "fp8"
             if g == 1:
-                tri = graph_time(lambda: G.fp8_linear(x, q, s, config=G._fp8_config(M, N, x.device)))
+                tri = graph_time(lambda: G.fp8_linear(x, q, s, config=G._fp8_config(M, N, K, x.device)))
                 tri_s = f"{tri * 1e3:.1f}"
             else:
                 Wb = dequant_fp8_weight(q, s).bfloat16().view(g, N // g, K)

@@ -551,13 +551,15 @@ def act_quant_fp8_torch(x: torch.Tensor, block: int = QBLOCK):
     return _aq(x, block)
 
 
-def _fp8_config(M: int, N: int, dev) -> dict:
+def _fp8_config(M: int, N: int, K: int, dev) -> dict:
     if interpreting() or dev.type != "cuda":
         return {"BM": 16, "BN": 32 if N <= 32 else 64, "GROUP_M": 8}
     # decode sizes (split-K fills the GPU): tiles from the H200 sweep of the V4-Flash decode linears
-    # (benchmarks/gemm_moe.py --only fp8dec)
+    # (benchmarks/gemm_moe.py --only fp8dec); above N = 4096, 128 columns where K >= 1536 (V4-Pro's
+    # wq_b / wo_b at one row: 29.1 / 40.1 us against 36.4 / 50.7 with 64, benchmarks/exp_fp8_big_decode.py;
+    # Flash's wq_b, K = 1024, stays faster with 64)
     if M <= 16:
-        bn = 32 if N <= 1024 else (128 if 2048 < N <= 4096 else 64)
+        bn = 32 if N <= 1024 else (128 if 2048 < N <= 4096 or (N > 4096 and K >= 1536) else 64)
         return {"BM": 16, "BN": bn, "GROUP_M": 8, "num_warps": 4, "num_stages": 5 if bn == 32 else 3}
     if M <= 64:
         return {"BM": 64, "BN": 128 if N > 1024 else 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
@@ -583,7 +585,7 @@ def _split_k(M, N, K, BM, BN, dev, swiglu) -> int:
 def _launch_fp8(a, sa, w, ws, out, out_s, M, N_out, K, n_half, a_bf16, swiglu, limit, config, partial=False):
     """The MMA kernel (+ the split-K sum). ``partial``: return the fp32 split partials [S, M, N_out]
     unsummed (S = 1 included; ``out`` unused)."""
-    cfg = dict(_fp8_config(M, N_out, a.device))
+    cfg = dict(_fp8_config(M, N_out, K, a.device))
     if config:
         cfg.update(config)
     if swiglu:
