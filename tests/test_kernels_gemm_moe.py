@@ -354,6 +354,28 @@ def test_sort_pairs_stable(P, E):
     assert torch.equal(tcum.cpu(), torch.cat([torch.zeros(1, dtype=torch.long), ((cnt[:E] + 7) // 8).cumsum(0)]))
 
 
+@pytest.mark.parametrize("S", [2, 5])
+def test_combine_sums_split_partials(S):
+    """The MoE combine on the w2 GEMM's unsummed fp32 split partials (the decode path's one launch
+    fewer) equals the combine on their ``sum_splits`` bf16 rows bit for bit, masked pairs included."""
+    from dsv4.kernels.gemv import sum_splits
+    gen = torch.Generator().manual_seed(S)
+    T, k, E, d = 5, 3, 8, 96
+    eflat = torch.randint(0, E, (T * k,), generator=gen)
+    eflat[4] = E                                   # a masked slot (sentinel expert: no row)
+    perm, offs, tcum, inv = Mo.sort_pairs(eflat.int().to(DEV), E, 1)
+    part = (torch.randn(S, T * k, d, generator=gen) * 3).to(DEV)
+    sh = torch.randn(T, d, generator=gen).bfloat16().to(DEV)
+    y_split = torch.empty(T, d, dtype=torch.bfloat16, device=DEV)
+    y_summed = torch.empty_like(y_split)
+    Mo._combine(part, inv, offs, sh, y_split, k)
+    Mo._combine(sum_splits(part), inv, offs, sh, y_summed, k)
+    assert torch.equal(y_split.view(torch.int16), y_summed.view(torch.int16))
+    # ... and differs from a combine that skipped a split (the partials are really read)
+    Mo._combine(part[:-1].contiguous(), inv, offs, sh, y_split, k)
+    assert not torch.equal(y_split, y_summed)
+
+
 @pytest.mark.parametrize("hash_layer,T,path,bm", [(False, 9, "dequant", None), (True, 7, "dequant", None),
                                                   (False, 9, "gemv", 2), (True, 7, "gemv", 4), (False, 1, "gemv", 1),
                                                   (True, 2, None, None), (False, 12, None, None),
@@ -550,7 +572,9 @@ _AOT_SCRIPT = textwrap.dedent("""
         comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
              dict(BM=16, EP=512, LOG2P=15, CH=1024), cap, 4)
         comp(Mo._moe_combine, dict(OUT=P("bf16"), INV=P("i32"), OFFS=P("i64"), SH=P("bf16"), Y=P("bf16")),
-             dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, INTERP=False), cap, 4)
+             dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=False, INTERP=False), cap, 4)
+        comp(Mo._moe_combine, dict(OUT=P("fp32"), INV=P("i32"), OFFS=P("i64"), SH=P("bf16"), Y=P("bf16")),
+             dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=True, INTERP=False), cap, 4)
 """)
 
 

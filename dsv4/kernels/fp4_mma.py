@@ -282,13 +282,14 @@ def act_f16_split(q: torch.Tensor) -> torch.Tensor:
 
 def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=None, partial: bool = False,
                     perm=None, offs=None, tcum=None, top_k: int = 1, n_groups: int = 1, n_tiles: int | None = None,
-                    split: int | None = None, config: dict | None = None):
+                    split: int | None = None, config: dict | None = None, split_sum: bool = True):
     """``gemv.gemv_launch`` for FP4 weights on the tensor cores: a e4m3 bytes [rows, K], sa fp32
     [rows, K/128] (power-of-two scales, as ``act_quant_fp8`` writes); w uint8 [G, N, K/2]; ws e8m0
     bytes [G, N, K/32] (mxfp4) or e4m3 bytes [G, N, K/16] with fp32 ws2 [G, N] (nvfp4); or w and ws
     both in ``band_layout``. Grouped tiles
     (``tcum``/``offs`` from ``moe.sort_pairs``) must use ``BM_ROWS``-row tiles. Returns bf16 ``out``
-    [M, N] or, with ``partial``, the fp32 split partials [S, M, N]."""
+    [M, N] or, with ``partial``, the fp32 split partials [S, M, N]; ``split_sum=False``: the partials
+    unsummed where K is split, bf16 [M, N] where it is not (for a consumer that sums them itself)."""
     if not available(w.device):
         raise RuntimeError("mma_gemv: needs a CUDA GPU of sm_89+ and triton with Gluon")
     if fmt not in ("mxfp4", "nvfp4"):
@@ -335,7 +336,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         NV=nv, GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
         LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
         BAND=band, A16=a.dtype == torch.float16, num_warps=nw)
-    if partial:
+    if partial or not split_sum:
         return dst
     return sum_splits(dst, out)
 

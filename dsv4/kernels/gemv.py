@@ -263,12 +263,13 @@ def launch_plan(M: int, N: int, K: int, bm: int, BN: int, *, grouped: bool, n_ti
 def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: bool = False,
                 a_bf16: bool = False, perm=None, offs=None, tcum=None, top_k: int = 1, n_groups: int = 1,
                 n_tiles: int | None = None, bm: int = 1, split: int | None = None, config: dict | None = None,
-                use_asm: bool | None = None):
+                use_asm: bool | None = None, split_sum: bool = True):
     """Launch the decode GEMV. a: e4m3 bytes (or bf16 with ``a_bf16``) [rows, K]; sa fp32 [rows, K/128]
     (unused with ``a_bf16``). w: FP4 packed uint8 [G, N, K/2] with scales uint8 [G, N, K/32] (mxfp4) /
     e4m3 bytes [G, N, K/16] + fp32 ws2 [G, N] (nvfp4), or FP8 e4m3 [N, K] with ws [N/128, K/128] or
     per-row [N, K/128] (e8m0 bytes or fp32). Returns bf16 ``out`` [M, N], or with ``partial`` the fp32
-    split partials [S, M, N]."""
+    split partials [S, M, N]; ``split_sum=False``: the partials unsummed where K is split, bf16 [M, N]
+    where it is not."""
     if bm not in (1, 2, 4):
         raise ValueError(f"gemv: tile rows bm must be 1, 2 or 4, got {bm}")
     dev = w.device
@@ -302,7 +303,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         WFMT=wfmt_i, SB_SHIFT=0 if per_row else 7, SB_E8M0=sb_e8m0, A_BF16=a_bf16, GROUPED=grouped,
         GATHER=perm is not None, USE_ASM=use_asm, BM=bm, BN=BN, NG=ng, GB=gb,
         LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
-    if partial:
+    if partial or not split_sum:
         return dst
     return sum_splits(dst, out)
 

@@ -178,9 +178,12 @@ if triton_available():
             tl.store(INV + p, i.to(tl.int32), mask=pm)
 
     @triton.jit
-    def _moe_combine(OUT, INV, OFFS, SH, Y, d, E, stride_o, stride_sh, stride_y,
+    def _moe_combine(OUT, INV, OFFS, SH, Y, d, E, S, stride_s, stride_o, stride_sh, stride_y,
                      KTOP: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, HAS_SHARED: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     SPLIT: tl.constexpr, INTERP: tl.constexpr):
+        """Y[t] = sum of token t's expert rows of OUT in increasing sorted position (+ SH[t]), fp32, one
+        bf16 rounding. SPLIT: OUT holds the w2 GEMM's fp32 split-K partials [S, pairs, d]; each row is
+        their sum in split order rounded to bf16 (``gemm._splitk_sum``'s bits, without its launch)."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         cm = cols < d
@@ -194,8 +197,14 @@ if triton_available():
             p = tl.min(pos, axis=0)
             pos = tl.where(pos == p, big, pos)
             pv = (cols * 0 + p) < nvalid
-            o = tl.load(OUT + p.to(tl.int64) * stride_o + cols, mask=cm & pv, other=0.0)
-            y += o.to(tl.float32)
+            orow = OUT + p.to(tl.int64) * stride_o + cols
+            if SPLIT:
+                o = tl.zeros([BD], tl.float32)
+                for s in range(0, S):
+                    o += tl.load(orow + s * stride_s, mask=cm & pv, other=0.0)
+                y += _rne_bf16(o)
+            else:
+                y += tl.load(orow, mask=cm & pv, other=0.0).to(tl.float32)
         if HAS_SHARED:
             y += tl.load(SH + t * stride_sh + cols, mask=cm, other=0.0).to(tl.float32)
         if INTERP:
@@ -520,14 +529,17 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
 
 
 def _combine(out, inv, offs, sh, y, k):
-    """y [T, d] = sum over each token's pairs of the expert outputs ``out`` (+ shared expert ``sh``)."""
+    """y [T, d] = sum over each token's pairs of the expert outputs ``out`` (+ shared expert ``sh``);
+    ``out``: bf16 rows [pairs, d], or the w2 GEMM's unsummed fp32 split partials [S, pairs, d]."""
     T, d = y.shape
     kw = {} if interpreting() else {"num_warps": 4}
     BD = min(1024, triton.next_power_of_2(d))
+    split = out.dim() == 3
     _moe_combine[(T, triton.cdiv(d, BD))](
-        out, inv, offs, sh if sh is not None else y, y, d, offs.numel() - 1, out.stride(0),
-        sh.stride(0) if sh is not None else 0, y.stride(0), KTOP=k, KP=triton.next_power_of_2(k),
-        BD=BD, HAS_SHARED=sh is not None, INTERP=interpreting(), **kw)
+        out, inv, offs, sh if sh is not None else y, y, d, offs.numel() - 1, out.shape[0] if split else 1,
+        out.stride(0) if split else 0, out.stride(-2), sh.stride(0) if sh is not None else 0, y.stride(0),
+        KTOP=k, KP=triton.next_power_of_2(k), BD=BD, HAS_SHARED=sh is not None, SPLIT=split,
+        INTERP=interpreting(), **kw)
 
 
 SHARED_SPLIT_MAX_ROWS = 64   # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to here
@@ -600,14 +612,16 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
                            **grouped)
     h, hs = swiglu_quant(part, w.limit, pw=pw, perm=perm)
     grouped.update(perm=None, top_k=1)
+    # w2: split partials left unsummed (the combine sums them: one launch fewer)
     if kernel == "mma":
-        out = fp4_mma.mma_gemv_launch(h, hs, w.w2, _u8(w.w2_s), P, d, I, fmt=w.fmt, ws2=w.w2_s2, **grouped)
+        out = fp4_mma.mma_gemv_launch(h, hs, w.w2, _u8(w.w2_s), P, d, I, fmt=w.fmt, ws2=w.w2_s2, split_sum=False,
+                                      **grouped)
     else:
-        out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, bm=bm, **grouped)
+        out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, bm=bm, split_sum=False, **grouped)
     sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
     y = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
     _combine(out, inv, offs, sh, y, k)
-    if return_parts:
+    if return_parts:      # out: w2's rows, or its split partials [S, pairs, d] where K was split
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
                        path="gemv", kernel=kernel)
     return y
