@@ -315,6 +315,14 @@ def test_route_exact(hash_layer):
         assert torch.equal(i1.sort(-1).values, i0.sort(-1).values)
         o1, o0 = i1.argsort(-1), i0.argsort(-1)
         torch.testing.assert_close(w1.gather(1, o1), w0.gather(1, o0), rtol=1e-5, atol=1e-6)
+    # the router's quantised x (the expert GEMMs' operand from the same launch): act_quant_fp8's bytes
+    x = x * torch.logspace(-3, 1, 256).bfloat16()          # blocks of very different scales
+    i2, w2, e2, xq, xs = Mo._route(x.to(DEV), ids.to(DEV), w, quant=True)
+    i3, w3, e3, nq, ns = Mo._route(x.to(DEV), ids.to(DEV), w)
+    q0, s0 = G.act_quant_fp8(x.to(DEV))
+    assert nq is None and ns is None
+    assert torch.equal(xq, q0.view(torch.uint8)) and torch.equal(xs, s0)
+    assert torch.equal(i2, i3) and torch.equal(w2, w3) and torch.equal(e2, e3)
 
 
 @triton.jit
@@ -565,8 +573,10 @@ _AOT_SCRIPT = textwrap.dedent("""
             assert ("atom.global.gpu.acq_rel.add" in ptx) == reduce
         comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i64"),
              limit="fp32"), dict(GATHER=True, HAS_PW=True, INTERP=False), cap, 4)
-        comp(Mo._route_kernel, dict(LOGIT=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"),
-             W=P("fp32"), EFLAT=P("i32"), route_scale="fp32"), dict(KTOP=6, KP=8, EP=256, HASH=False), cap, 4)
+        for quant in (False, True):
+            comp(Mo._route_kernel, dict(LOGIT=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"),
+                 IDX=P("i64"), W=P("fp32"), EFLAT=P("i32"), X=P("bf16"), Q=P("u8"), SQ=P("fp32"), route_scale="fp32"),
+                 dict(KTOP=6, KP=8, EP=256, HASH=False, QUANT=quant, INTERP=False), cap, 4)
         comp(Mo._moe_sort_prep, dict(EFLAT=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
              dict(BM=8, EP=512, PP=512, CH=64), cap, 4)
         comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),

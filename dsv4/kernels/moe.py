@@ -68,7 +68,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .kv_insert import _rne_bf16
+    from .gemm import _quant_rows
+    from .kv_insert import _exp2i, _rne_bf16
 
     @triton.jit
     def _sqrt_softplus(z):
@@ -82,12 +83,15 @@ if triton_available():
         return tl.sqrt_rn(sp)
 
     @triton.jit
-    def _route_kernel(LOGIT, BIAS, TID2EID, IDS, IDX, W, EFLAT, E, stride_s, route_scale,
-                      KTOP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr):
+    def _route_kernel(LOGIT, BIAS, TID2EID, IDS, IDX, W, EFLAT, X, Q, SQ, E, stride_s, route_scale, nb,
+                      stride_x, stride_q, stride_sq, KTOP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                      HASH: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr):
         """One token: scores sqrt(softplus(logits)) of all E experts, the top-k of score + bias (ties ->
         lower id) or the token's tid2eid row, the picked scores normalised (w / sum(w) * route_scale,
         a repeated hash id counted in the sum as the twin's gather does) and the sort keys (a repeated
-        id contributes once: later copies get the sentinel E)."""
+        id contributes once: later copies get the sentinel E). QUANT: also the token's 1x128 FP8
+        quantisation (``gemm._act_quant_kernel``'s bytes and scales: the expert GEMMs' operand, one
+        launch fewer)."""
         t = tl.program_id(0).to(tl.int64)
         jk = tl.arange(0, KP)
         km = jk < KTOP
@@ -113,6 +117,16 @@ if triton_available():
         tl.store(IDX + t * KTOP + jk, idx.to(tl.int64), mask=km)
         tl.store(W + t * KTOP + jk, w, mask=km)
         tl.store(EFLAT + t * KTOP + jk, tl.where(dup | (idx < 0), E, idx), mask=km)
+        if QUANT:
+            c = tl.arange(0, 128)
+            for b0 in range(0, nb, 8):                 # [8, 128] tiles, as _act_quant_kernel's
+                blk = b0 + tl.arange(0, 8)
+                bm = blk < nb
+                cols = blk[:, None] * 128 + c[None, :]
+                xv = tl.load(X + t * stride_x + cols, mask=bm[:, None], other=0.0).to(tl.float32)
+                q, e = _quant_rows(xv, INTERP)
+                tl.store(SQ + t * stride_sq + blk, _exp2i(e), mask=bm)
+                tl.store(Q + t * stride_q + cols, q.to(tl.uint8, bitcast=True), mask=bm[:, None])
 
     @triton.jit
     def _moe_sort_prep(EFLAT, PERM, OFFS, TCUM, INV, P, E, BM: tl.constexpr, EP: tl.constexpr,
@@ -395,15 +409,29 @@ def _e8m0_f32(s: torch.Tensor) -> torch.Tensor:
 # -------------------------------------------------------------------------------------------------
 # forward
 
-def route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, _want_eflat: bool = False):
+def route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights):
     """(expert ids [T, k] int64, routing weights [T, k] fp32): ``MoE.route``'s result (module doc)."""
-    T = x.shape[0]
+    return _route(x, ids, w)[:2]
+
+
+def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool = False):
+    """``route`` -> (idx, weights, sort keys int32 [T * k], xq, xs): with ``quant`` also x's
+    ``act_quant_fp8`` (e4m3 bytes uint8 [T, d], fp32 scales [T, d/128]) from the same launch, else
+    (..., None, None)."""
+    T, d = x.shape
     k, E = w.topk, w.n_experts
     dev = x.device
     logits = x.float() @ w.gate_w.T                                       # the twin's fp32 GEMM
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
     weights = torch.empty(T, k, dtype=torch.float32, device=dev)
     eflat = torch.empty(T * k, dtype=torch.int32, device=dev)
+    xq = xs = None
+    if quant:
+        if d % QBLOCK:
+            raise ValueError(f"moe route: quantised x needs d % {QBLOCK} == 0, got d={d}")
+        x = x.contiguous()
+        xq = torch.empty(T, d, dtype=torch.uint8, device=dev)
+        xs = torch.empty(T, d // QBLOCK, dtype=torch.float32, device=dev)
     if T:
         hash_layer = w.tid2eid is not None
         if hash_layer and ids is None:
@@ -411,11 +439,12 @@ def route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, _want_eflat:
         kw = {} if interpreting() else {"num_warps": 4}
         _route_kernel[(T,)](
             logits, w.bias if w.bias is not None else logits, w.tid2eid if hash_layer else idx,
-            ids if hash_layer else idx, idx, weights, eflat, E, logits.stride(0), float(w.route_scale),
-            KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, **kw)
-    if _want_eflat:
-        return idx, weights, eflat
-    return idx, weights
+            ids if hash_layer else idx, idx, weights, eflat, x if quant else logits, xq if quant else idx,
+            xs if quant else logits, E, logits.stride(0), float(w.route_scale), d // QBLOCK,
+            x.stride(0) if quant else 0, xq.stride(0) if quant else 0, xs.stride(0) if quant else 0,
+            KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, QUANT=quant,
+            INTERP=interpreting(), **kw)
+    return idx, weights, eflat, xq, xs
 
 
 def route_torch(moe_ref, x, ids):
@@ -461,25 +490,27 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     y = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
     if T == 0:
         return y
-    if routing is None:
-        idx, rw, eflat = route(x, ids, w, _want_eflat=True)
-    else:
-        idx, rw = routing
-        k = idx.shape[1]
-        first = torch.ones_like(idx, dtype=torch.bool)
-        for j in range(1, k):                                    # slots, not experts
-            first[:, j] = (idx[:, :j] != idx[:, j:j + 1]).all(dim=1)
-        eflat = torch.where(first & (idx >= 0), idx, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
+    if routing is not None:
+        k = routing[0].shape[1]
     P = T * k
-    rows_per_expert = P / max(1, min(E, P))
+    rows_per_expert = P / max(1, min(E, P))     # the path needs the pair count only, not the routing
     if path is None:
         from . import fp4_mma
         gemv_max = MMA_GEMV_ROWS_PER_EXPERT if fp4_mma.available(dev) else GEMV_ROWS_PER_EXPERT
         path = "gemv" if rows_per_expert <= gemv_max else \
             "prefill" if rows_per_expert > PREFILL_ROWS_PER_EXPERT and _prefill_kernel_ok(dev, w.fmt) else \
             fp4_path(w.fmt, dev)
+    xq = xs = None
+    if routing is None:    # the paths that take x as plain e4m3 + scales get it from the router's launch
+        idx, rw, eflat, xq, xs = _route(x, ids, w, quant=path in ("gemv", "prefill"))
+    else:
+        idx, rw = routing
+        first = torch.ones_like(idx, dtype=torch.bool)
+        for j in range(1, k):                                    # slots, not experts
+            first[:, j] = (idx[:, :j] != idx[:, j:j + 1]).all(dim=1)
+        eflat = torch.where(first & (idx >= 0), idx, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
     if path == "gemv":
-        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts)
+        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs)
     if path == "prefill":
         from .fp4_prefill import f16_operand_split, fp4_prefill_launch, prefill_config
         pcfg = {"13": dict(prefill_config(rows_per_expert, dev, swiglu=True), **(config or {})),
@@ -496,7 +527,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     # activations: one quantisation per token (the shared expert's e4m3 copy and the FP4 operand)
     if path == "prefill":
-        xq, xs = act_quant_fp8(x)
+        if xq is None:
+            xq, xs = act_quant_fp8(x)
         a = operand(xq.view(torch.float8_e4m3fn))
     else:
         xq, xs, a16 = act_quant_fp8(x, with_f16=True)
@@ -577,12 +609,13 @@ def _prefill_kernel_ok(dev, fmt: str) -> bool:
     return fmt == "mxfp4" and torch.device(dev).type == "cuda" and not interpreting() and capability(dev)[0] == 9
 
 
-def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
+def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None, xs=None):
     """Decode MoE: grouped w1|w3 (split-K fp32 partials), the SwiGLU + FP8 quantisation pass, grouped
     w2; the shared expert (``_shared_expert``); combine. On sm_89+ both expert GEMMs run on the
     tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
     rows); other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
-    (``config={"kernel": "cuda-core"}`` forces it)."""
+    (``config={"kernel": "cuda-core"}`` forces it). ``xq``, ``xs``: x's ``act_quant_fp8`` (from the
+    router's launch), else computed here."""
     from . import fp4_mma
     from .gemv import gemv_launch, swiglu_quant
     T, d = x.shape
@@ -600,7 +633,8 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts):
         bm = cfg.pop("BM", 1)
     perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
-    xq, xs = act_quant_fp8(x)
+    if xq is None:
+        xq, xs = act_quant_fp8(x)
     xq = _u8(xq)
     pw = rw.float().contiguous().reshape(-1)
     grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=n_tiles, config=cfg or None)
