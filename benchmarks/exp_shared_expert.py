@@ -3,6 +3,8 @@ split-K path up to 4 tokens only (old) and up to ``SHARED_SPLIT_MAX_ROWS`` (new)
 shapes (H200, CUDA-graph replays, L2 flushed).
 
     PYTHONPATH=. python benchmarks/exp_shared_expert.py
+    PYTHONPATH=. python benchmarks/exp_shared_expert.py --small   # 1-4 tokens: FP8 GEMV vs MMA partials
+                                                                  # (session 13)
 """
 import os
 import sys
@@ -17,6 +19,31 @@ from dsv4.config import preset  # noqa: E402
 from dsv4.kernels.gemm import act_quant_fp8  # noqa: E402
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)
+
+
+def gemv_shared(xq, xs, w):
+    """The shared expert as it ran at 1-4 tokens before session 13: w1|w3 partials from the FP8 GEMV."""
+    from dsv4.kernels.gemm import _u8, fp8_gemm
+    from dsv4.kernels.gemv import gemv_launch, rows_tile, swiglu_quant
+    T, d = xq.shape
+    part = gemv_launch(_u8(xq), xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True,
+                       bm=rows_tile(T))
+    hq, hsc = swiglu_quant(part, w.limit)
+    return fp8_gemm(hq.view(torch.float8_e4m3fn), hsc, w.sh2, w.sh2_s)
+
+
+if "--small" in sys.argv:     # 1-4 tokens: the GEMV partials (old) against the MMA partials (now)
+    for model in ("flash", "pro"):
+        w = real_moe(preset(model), 5, dev, gen)
+        for T in (1, 2, 3, 4):
+            xq, xs = act_quant_fp8(torch.randn(T, w.sh13.shape[1], device=dev, generator=gen).bfloat16())
+            a, b = gemv_shared(xq, xs, w), Mo._shared_expert(xq, xs, w)
+            diff = (a.float() - b.float()).abs().max().item() / a.float().abs().max().item()
+            ta = graph_time(lambda: gemv_shared(xq, xs, w)) * 1e3
+            tb = graph_time(lambda: Mo._shared_expert(xq, xs, w)) * 1e3
+            print(f"{model} shared expert T={T}: gemv {ta:6.1f} us  mma split {tb:6.1f} us  max rel diff {diff:.1e}",
+                  flush=True)
+    sys.exit(0)
 for model in ("flash", "pro"):
     w = real_moe(preset(model), 5, dev, gen)
     d = w.sh13.shape[1]
