@@ -95,6 +95,14 @@ if GLUON:
         return gl.inline_asm_elementwise(_CV_ASM, _CV_CONS, [w], dtype=gl.float8e4nv, is_pure=True, pack=16)
 
     @gluon.jit
+    def _block_loads(wptr, sptr, saptr, kb):
+        """128-K block kb's loads: the four groups' raw weight words, the four e8m0 group scales (one
+        int32) and the activation block scales."""
+        return (_a_load(wptr + kb * 64), _a_load(wptr + kb * 64 + 16), _a_load(wptr + kb * 64 + 32),
+                _a_load(wptr + kb * 64 + 48), gl.load((sptr + kb * 4).to(gl.pointer_type(gl.int32))),
+                gl.load(saptr + kb))
+
+    @gluon.jit
     def _e8m0(b):
         """fp32 2^(b - 127) of e8m0 bytes b (b = 0: 2^-127, subnormal), exact."""
         return gl.where(b == 0, 1 << 22, b << 23).to(gl.float32, bitcast=True)
@@ -144,21 +152,11 @@ if GLUON:
             saptr = SA + arow_c * stride_sam
             zero = gl.zeros([64, BM], gl.float32, acc_l)
             acc = gl.zeros([64, BM], gl.float32, acc_l)
-            w0 = _a_load(wptr + kb_lo * 64)
-            w1 = _a_load(wptr + kb_lo * 64 + 16)
-            w2 = _a_load(wptr + kb_lo * 64 + 32)
-            w3 = _a_load(wptr + kb_lo * 64 + 48)
-            sw = gl.load((sptr + kb_lo * 4).to(gl.pointer_type(gl.int32)))
-            sa = gl.load(saptr + kb_lo)
+            w0, w1, w2, w3, sw, sa = _block_loads(wptr, sptr, saptr, kb_lo)
             for kb in range(kb_lo, kb_hi):
                 g0 = (kb - kb_lo) * 4
-                kn = gl.minimum(kb + 1, kb_hi - 1)      # the next block's loads, in flight during this one
-                n0 = _a_load(wptr + kn * 64)
-                n1 = _a_load(wptr + kn * 64 + 16)
-                n2 = _a_load(wptr + kn * 64 + 32)
-                n3 = _a_load(wptr + kn * 64 + 48)
-                nsw = gl.load((sptr + kn * 4).to(gl.pointer_type(gl.int32)))
-                nsa = gl.load(saptr + kn)
+                # the next block's loads, in flight during this one
+                n0, n1, n2, n3, nsw, nsa = _block_loads(wptr, sptr, saptr, gl.minimum(kb + 1, kb_hi - 1))
                 t0 = warpgroup_mma(_a_convert(w0), bs.index(g0), zero, use_acc=False, is_async=True)
                 t1 = warpgroup_mma(_a_convert(w1), bs.index(g0 + 1), zero, use_acc=False, is_async=True)
                 t2 = warpgroup_mma(_a_convert(w2), bs.index(g0 + 2), zero, use_acc=False, is_async=True)
