@@ -72,7 +72,8 @@ def main():
     copy_bw, _ = roofline(dev, False)
     t0 = time.time()
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
-    print("| linear | M | default us (% copy) | best (sweep) | us (% copy) | 2nd | 3rd |\n|---|---|---|---|---|---|---|")
+    print("| linear | M | default us (% copy) | best (sweep) | us (% copy) | 2nd | 3rd |")
+    print("|---|---|---|---|---|---|---|")
     for (name, N, K), M in itertools.product(SHAPES, (1, 64)):
         if time.time() - t0 > BUDGET_S:
             print(f"(time budget reached: {name} M{M} and later not run)")

@@ -13,13 +13,13 @@ before every call). Checked first: out equal to hc_post's bit for bit, hc_pre's 
 partials within 1e-5 (post / comb, relative) of hc_pre's own.
 
 H200 (session 13, BENCHMARKS.md): with the mix done, hc_pre reaches 72-94% of copy at T = 4096 / 8192
-(55 vs 102 us at d 4096, T 4096), but hc_post_mix takes 2-3x hc_post's time (best 149-212 us vs 75 at
-d 4096, T 4096: 31-48% of copy), so the pair is 1.2-1.6x slower than the separate kernels. The
-kernel holds ~170 registers at 8 warps (one CTA per SM: y, four res tiles, four outputs and three
-accumulators), so its loads do not overlap its math and stores. Tried: a manual one-chunk prefetch of
-y / res (slower: 149 -> 211 us at 4 warps, 213 -> 232 at 8; not kept), 3 stages, 16-128 token or
-16-64 column tiles: no gain. The 149 us: 4 warps (ptxas ~254 registers), the code below. At d 7168, T 8192 its
-post / comb differ from hc_pre's own by 2e-5 (longer tensor-core accumulation per split).
+(55 vs 102 us at d 4096, T 4096), but hc_post_mix runs at 32-48% of its floor (best: 149 us against
+hc_post's 75 at d 4096, T 4096, 4 warps, ptxas ~254 registers: the code below), so the pair is
+1.13-1.57x slower than the separate kernels. At 8 warps the kernel holds ~170 registers (one CTA per
+SM: y, four res tiles, four outputs and three accumulators), so its loads do not overlap its math and
+stores. Tried: a manual one-chunk prefetch of y / res (slower: 149 -> 211 us at 4 warps, 213 -> 232
+at 8; not kept), 3 stages, 16-128 token or 16-64 column tiles: no gain. At d 7168, T 8192 its post /
+comb differ from hc_pre's own by 2e-5 (longer tensor-core accumulation per split).
 Not adopted; hc_pre keeps its own mix GEMM.
 """
 from __future__ import annotations
@@ -213,7 +213,8 @@ def main():
                 print(f"  {label}: out equal {torch.equal(o2, out)}, post / comb rel err {errs}", flush=True)
             t_pm = graph_time(lambda: hc_post_mix(y, res, post, comb, fn, config=cfg))
             t_pr = graph_time(lambda: pre_from_partials(o2, fn, base, scale, part))
-            print(f"| {D} | {T} | post+mix {label}{'' if ok else ' WRONG'} | {t_pm * 1e3:.1f} ({pct(b_post, t_pm):.0f}) | "
+            mark = "" if ok else " WRONG"
+            print(f"| {D} | {T} | post+mix {label}{mark} | {t_pm * 1e3:.1f} ({pct(b_post, t_pm):.0f}) | "
                   f"{t_pr * 1e3:.1f} ({pct(b_pre, t_pr):.0f}) | {(t_pm + t_pr) * 1e3:.1f} "
                   f"({pct(b_post + b_pre, t_pm + t_pr):.0f}) |", flush=True)
 
