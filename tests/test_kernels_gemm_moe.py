@@ -576,7 +576,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         for quant in (False, True):
             comp(Mo._route_kernel, dict(LOGIT=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"),
                  IDX=P("i64"), W=P("fp32"), EFLAT=P("i32"), X=P("bf16"), Q=P("u8"), SQ=P("fp32"), route_scale="fp32"),
-                 dict(KTOP=6, KP=8, EP=256, HASH=False, QUANT=quant, INTERP=False), cap, 4)
+                 dict(KTOP=6, KP=8, EP=256, HASH=False, QUANT=quant, QB=8, INTERP=False), cap, 4)
         comp(Mo._moe_sort_prep, dict(EFLAT=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
              dict(BM=8, EP=512, PP=512, CH=64), cap, 4)
         comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),

@@ -85,7 +85,7 @@ if triton_available():
     @triton.jit
     def _route_kernel(LOGIT, BIAS, TID2EID, IDS, IDX, W, EFLAT, X, Q, SQ, E, stride_s, route_scale, nb,
                       stride_x, stride_q, stride_sq, KTOP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                      HASH: tl.constexpr, QUANT: tl.constexpr, INTERP: tl.constexpr):
+                      HASH: tl.constexpr, QUANT: tl.constexpr, QB: tl.constexpr, INTERP: tl.constexpr):
         """One token: scores sqrt(softplus(logits)) of all E experts, the top-k of score + bias (ties ->
         lower id) or the token's tid2eid row, the picked scores normalised (w / sum(w) * route_scale,
         a repeated hash id counted in the sum as the twin's gather does) and the sort keys (a repeated
@@ -119,8 +119,8 @@ if triton_available():
         tl.store(EFLAT + t * KTOP + jk, tl.where(dup | (idx < 0), E, idx), mask=km)
         if QUANT:
             c = tl.arange(0, 128)
-            for b0 in range(0, nb, 8):                 # [8, 128] tiles, as _act_quant_kernel's
-                blk = b0 + tl.arange(0, 8)
+            for b0 in range(0, nb, QB):                # [QB, 128] tiles, as _act_quant_kernel's
+                blk = b0 + tl.arange(0, QB)
                 bm = blk < nb
                 cols = blk[:, None] * 128 + c[None, :]
                 xv = tl.load(X + t * stride_x + cols, mask=bm[:, None], other=0.0).to(tl.float32)
@@ -443,7 +443,7 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
             xs if quant else logits, E, logits.stride(0), float(w.route_scale), d // QBLOCK,
             x.stride(0) if quant else 0, xq.stride(0) if quant else 0, xs.stride(0) if quant else 0,
             KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, QUANT=quant,
-            INTERP=interpreting(), **kw)
+            QB=min(8, triton.next_power_of_2(max(1, d // QBLOCK))), INTERP=interpreting(), **kw)
     return idx, weights, eflat, xq, xs
 
 
