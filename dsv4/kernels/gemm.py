@@ -82,7 +82,7 @@ from . import interpreting, triton_available
 from .counters import arrival_counters
 
 QBLOCK = 128        # activation / FP8 weight block
-GEMV_MAX_ROWS = 4   # up to this many rows (per expert) the decode GEMV (gemv.py) replaces the MMA kernels
+GEMV_MAX_ROWS = 4   # rows up to which the benchmarks sweep the decode GEMV (no engine path routes by it now)
 PREFILL_MIN_ROWS = 128   # from this many rows fp8_gemm takes the TMA kernel of fp8_prefill.py (Hopper)
 FP8_MAX = 448.0
 
