@@ -224,12 +224,16 @@ if triton_available():
     @triton.jit
     def _act_quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s,
                           BLOCKS: tl.constexpr, INTERP: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-        nb = K // 128
+        _quant_blocks(X, Q, S, tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCKS, K // 128,
+                      stride_x, stride_q, stride_s, BLOCKS, INTERP)
+
+    @triton.jit
+    def _quant_blocks(X, Q, S, row, b0, nb, stride_x, stride_q, stride_s, BLOCKS: tl.constexpr,
+                      INTERP: tl.constexpr):
+        """Row ``row``'s 128-blocks b0 .. b0 + BLOCKS (< nb) of bf16 X -> e4m3 bytes Q and fp32 scales S."""
+        blk = b0 + tl.arange(0, BLOCKS)
         bm = blk < nb
-        c = tl.arange(0, 128)
-        cols = blk[:, None] * 128 + c[None, :]
+        cols = blk[:, None] * 128 + tl.arange(0, 128)[None, :]
         x = tl.load(X + row * stride_x + cols, mask=bm[:, None], other=0.0).to(tl.float32)
         q, e = _quant_rows(x, INTERP)
         tl.store(S + row * stride_s + blk, _exp2i(e), mask=bm)

@@ -68,8 +68,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .gemm import _quant_rows
-    from .kv_insert import _exp2i, _rne_bf16
+    from .gemm import _quant_blocks
+    from .kv_insert import _rne_bf16
 
     @triton.jit
     def _sqrt_softplus(z):
@@ -118,15 +118,8 @@ if triton_available():
         tl.store(W + t * KTOP + jk, w, mask=km)
         tl.store(EFLAT + t * KTOP + jk, tl.where(dup | (idx < 0), E, idx), mask=km)
         if QUANT:
-            c = tl.arange(0, 128)
             for b0 in range(0, nb, QB):                # [QB, 128] tiles, as _act_quant_kernel's
-                blk = b0 + tl.arange(0, QB)
-                bm = blk < nb
-                cols = blk[:, None] * 128 + c[None, :]
-                xv = tl.load(X + t * stride_x + cols, mask=bm[:, None], other=0.0).to(tl.float32)
-                q, e = _quant_rows(xv, INTERP)
-                tl.store(SQ + t * stride_sq + blk, _exp2i(e), mask=bm)
-                tl.store(Q + t * stride_q + cols, q.to(tl.uint8, bitcast=True), mask=bm[:, None])
+                _quant_blocks(X, Q, SQ, t, b0, nb, stride_x, stride_q, stride_sq, QB, INTERP)
 
     @triton.jit
     def _moe_sort_prep(EFLAT, PERM, OFFS, TCUM, INV, P, E, BM: tl.constexpr, EP: tl.constexpr,
