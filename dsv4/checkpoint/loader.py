@@ -341,8 +341,86 @@ def raise_problems(problems: list[str], header: str = "") -> None:
 
 
 # ------------------------------------------------------------------------- main entry
-def load_checkpoint(path: str, progress: bool = True) -> LoadedCheckpoint:
-    """Load, validate and convert a V4 checkpoint directory to the canonical form (module doc)."""
+@dataclass
+class CheckpointReader:
+    """A validated checkpoint directory whose tensor data has not been read yet.
+
+    ``open_checkpoint`` checks everything the headers can show; ``tensors()`` then streams the
+    canonical tensors shard by shard (one disk tensor in host memory at a time, plus for the hf
+    layout one layer's stacked expert tensor while its per-expert views are consumed)."""
+    config: ModelConfig
+    layout: str
+    expert_format: str
+    wo_a_format: str
+    has_mtp: bool
+    path: str
+    files: list[str]
+    names: list[str]                      # canonical names in schema order
+    inventory: dict[str, HeaderEntry]     # disk name -> header entry
+    aliases: dict[str, str]
+    sources: dict[str, DiskSource]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data on disk."""
+        return sum(e.end - e.start for e in self.inventory.values())
+
+    def tensors(self, progress: bool = False, skip=None):
+        """Yield ``(canonical name, tensor)`` for every tensor, file by file in on-disk order.
+        ``skip(canonical_name) -> bool`` leaves tensors unread (an hf stacked expert tensor is read
+        unless all of its experts are skipped). Tensor values are checked as they are read
+        (``gate.tid2eid`` ids in range). The tensors are CPU tensors backed by their own memory;
+        a consumer that keeps one should copy it into its own storage."""
+        from tqdm import tqdm
+        inv, cfg = self.inventory, self.config
+        by_file: dict[str, list[str]] = {}
+        for n, e in inv.items():
+            by_file.setdefault(e.file, []).append(n)
+        bar = tqdm(total=self.total_bytes, desc=f"loading {os.path.basename(os.path.abspath(self.path))}",
+                   unit="B", unit_scale=True, unit_divisor=1000, disable=not progress, file=sys.stderr,
+                   leave=False, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}B/{total_fmt}B "
+                                           "[{elapsed}<{remaining}, {rate_fmt}]")
+        try:
+            for fp in self.files:
+                names = sorted(by_file.get(fp, []), key=lambda n: inv[n].start)
+                try:
+                    fh_ctx = safe_open(fp, framework="pt", device="cpu")
+                except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                    raise CheckpointError(f"{fp}: cannot open safetensors file ({e})") from None
+                with fh_ctx as fh:
+                    for n in names:
+                        src = self.sources[self.aliases.get(n, n)]
+                        outs = list(_canonical_names(src, cfg))
+                        if skip is not None and all(skip(c) for c in outs):
+                            bar.update(inv[n].end - inv[n].start)
+                            continue
+                        try:
+                            t = fh.get_tensor(n)
+                        except Exception as e:  # noqa: BLE001
+                            raise CheckpointError(f"{fp}: cannot read tensor '{n}' ({e})") from None
+                        for name, part in _split(src, t, cfg):
+                            if skip is not None and skip(name):
+                                continue
+                            if name.endswith("gate.tid2eid"):
+                                self._check_tid2eid(name, n, part)
+                            yield name, part
+                        del t
+                        bar.update(inv[n].end - inv[n].start)
+        finally:
+            bar.close()
+
+    def _check_tid2eid(self, name: str, disk: str, t: torch.Tensor) -> None:
+        cfg = self.config
+        bad = (t < 0) | (t >= cfg.n_routed_experts)
+        if bool(bad.any()):
+            row = int(bad.any(dim=1).nonzero()[0, 0])
+            raise CheckpointError(
+                f"{self.inventory[disk].file}: tensor '{disk}' holds expert ids outside [0, n_routed_experts="
+                f"{cfg.n_routed_experts}) (row {row}: {t[row].tolist()})")
+
+
+def open_checkpoint(path: str) -> CheckpointReader:
+    """Validate a V4 checkpoint directory (module doc) without reading tensor data."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory")
@@ -351,7 +429,6 @@ def load_checkpoint(path: str, progress: bool = True) -> LoadedCheckpoint:
     layout = _detect_layout(inv)
     where_path = os.path.join(path, where) if where in (INDEX_NAME, SINGLE_NAME) else path
     cfg_path = os.path.join(path, "config.json")
-
     # ---- formats announced by config.json vs. what the layout can carry
     expert_format = expert_format_of_config(cfg)
     if layout == "modelopt-nvfp4":
@@ -407,63 +484,48 @@ def load_checkpoint(path: str, progress: bool = True) -> LoadedCheckpoint:
     problems = check_tensors(dspecs, found, cfg, missing_where=where_path, context=context, aliases=aliases)
     raise_problems(problems)
 
-    # ---- read (validated) data, one tensor at a time
-    tensors: dict[str, torch.Tensor] = {}
-    by_file: dict[str, list[str]] = {}
-    for n, e in inv.items():
-        by_file.setdefault(e.file, []).append(n)
-    from tqdm import tqdm
-    bar = tqdm(total=len(inv), desc=f"loading {os.path.basename(os.path.abspath(path))}", unit="tensor",
-               disable=not progress, file=sys.stderr, leave=False)
-    try:
-        for fp in files:
-            names = sorted(by_file.get(fp, []), key=lambda n: inv[n].start)
-            try:
-                fh_ctx = safe_open(fp, framework="pt", device="cpu")
-            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-                raise CheckpointError(f"{fp}: cannot open safetensors file ({e})") from None
-            with fh_ctx as fh:
-                for n in names:
-                    try:
-                        t = fh.get_tensor(n)
-                    except Exception as e:  # noqa: BLE001
-                        raise CheckpointError(f"{fp}: cannot read tensor '{n}' ({e})") from None
-                    key = aliases.get(n, n)
-                    _place(tensors, sources[key], t, cfg)
-                    del t
-                    bar.update(1)
-    finally:
-        bar.close()
-
-    # ---- value checks that headers cannot show
-    for name, t in tensors.items():
-        if name.endswith("gate.tid2eid"):
-            bad = (t < 0) | (t >= cfg.n_routed_experts)
-            if bool(bad.any()):
-                row = int(bad.any(dim=1).nonzero()[0, 0])
-                disk = official_to_hf(name) if layout == "hf" else name
-                raise CheckpointError(
-                    f"{inv[disk].file}: tensor '{disk}' holds expert ids outside [0, n_routed_experts="
-                    f"{cfg.n_routed_experts}) (row {row}: {t[row].tolist()})")
-    tensors = {k: tensors[k] for k in specs}          # schema order
-    return LoadedCheckpoint(config=cfg, tensors=tensors, layout=layout, expert_format=expert_format,
-                            wo_a_format=wo_a, has_mtp=has_mtp, path=path, files=files)
+    return CheckpointReader(config=cfg, layout=layout, expert_format=expert_format, wo_a_format=wo_a,
+                            has_mtp=has_mtp, path=path, files=files, names=list(specs), inventory=inv,
+                            aliases=aliases, sources=sources)
 
 
-def _place(out: dict[str, torch.Tensor], src: DiskSource, t: torch.Tensor, cfg: ModelConfig) -> None:
-    """Put one disk tensor into the canonical dict (hf stacked experts are split per expert)."""
+def load_checkpoint(path: str, progress: bool = True) -> LoadedCheckpoint:
+    """Load, validate and convert a V4 checkpoint directory to the canonical form (module doc)."""
+    r = open_checkpoint(path)
+    tensors = {}
+    for name, t in r.tensors(progress=progress):
+        tensors[name] = t.clone() if t._base is not None else t   # hf expert parts: own their memory
+    tensors = {k: tensors[k] for k in r.names}          # schema order
+    return LoadedCheckpoint(config=r.config, tensors=tensors, layout=r.layout, expert_format=r.expert_format,
+                            wo_a_format=r.wo_a_format, has_mtp=r.has_mtp, path=r.path, files=r.files)
+
+
+def _canonical_names(src: DiskSource, cfg: ModelConfig):
+    """The canonical tensor names one disk tensor supplies."""
     if src.kind == "same":
-        out[src.name] = t
+        yield src.name
+        return
+    p = src.name + "ffn.experts."
+    suffix = "weight" if src.part in ("gate_up_proj", "down_proj") else "scale"
+    ws = ("w1", "w3") if src.part.startswith("gate_up") else ("w2",)
+    for e in range(cfg.n_routed_experts):
+        for w in ws:
+            yield f"{p}{e}.{w}.{suffix}"
+
+
+def _split(src: DiskSource, t: torch.Tensor, cfg: ModelConfig):
+    """(canonical name, tensor) of one disk tensor (hf stacked experts: per-expert views)."""
+    if src.kind == "same":
+        yield src.name, t
         return
     p = src.name + "ffn.experts."
     E = cfg.n_routed_experts
+    suffix = "weight" if src.part in ("gate_up_proj", "down_proj") else "scale"
     if src.part.startswith("gate_up"):
         half = t.shape[1] // 2
-        suffix = "weight" if src.part == "gate_up_proj" else "scale"
         for e in range(E):
-            out[f"{p}{e}.w1.{suffix}"] = t[e, :half].clone()
-            out[f"{p}{e}.w3.{suffix}"] = t[e, half:].clone()
+            yield f"{p}{e}.w1.{suffix}", t[e, :half]
+            yield f"{p}{e}.w3.{suffix}", t[e, half:]
     else:
-        suffix = "weight" if src.part == "down_proj" else "scale"
         for e in range(E):
-            out[f"{p}{e}.w2.{suffix}"] = t[e].clone()
+            yield f"{p}{e}.w2.{suffix}", t[e]
