@@ -315,3 +315,20 @@ def yarn_correction_range(cfg: ModelConfig, base: float) -> tuple[int, int]:
     low = max(math.floor(corr(rs.beta_fast)), 0)
     high = min(math.ceil(corr(rs.beta_slow)), dim - 1)
     return low, high
+
+
+def rope_frequencies(cfg: ModelConfig, ratio: int) -> torch.Tensor:
+    """fp32 [rd/2] inverse frequencies of a layer with compress ratio ``ratio``."""
+    import torch
+    dim = cfg.qk_rope_head_dim
+    base = cfg.rope_theta if ratio == 0 else cfg.compress_rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    rs = cfg.rope_scaling
+    if ratio != 0 and rs is not None:
+        low, high = yarn_correction_range(cfg, base)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / rs.factor * (1 - smooth) + freqs * smooth
+    return freqs
