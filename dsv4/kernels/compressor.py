@@ -582,7 +582,7 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
 def _write_pages_torch(pages, slots, entries, page_size, indexer):
     """The twins' paged write: main entries as 584-byte FP8 entries, indexer keys as MXFP4 (slot -1: skip)."""
     if indexer:
-        from ..engine.kv_cache import write_index_entries
+        from ..formats.index_key import write_index_entries
         sel = slots >= 0
         if bool(sel.any()):
             write_index_entries(pages, slots[sel], entries[sel], page_size)
