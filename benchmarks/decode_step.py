@@ -29,10 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import graph_time, roofline  # noqa: E402
 from dsv4.checkpoint.tiny import build_tiny_tensors  # noqa: E402
 from dsv4.config import preset  # noqa: E402
-from dsv4.engine.kv_cache import (BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE, CacheConfig,  # noqa: E402
-                                  KVCache)
+from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
+from dsv4.formats.index_key import write_index_keys  # noqa: E402
+from dsv4.formats.kv_entry import write_entries  # noqa: E402
+from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  # noqa: E402
 from dsv4.kernels.moe import MoEWeights  # noqa: E402
-from dsv4.model.decode import FastDecoder, write_entries, write_index_keys  # noqa: E402
+from dsv4.model.decode import FastDecoder  # noqa: E402
 from dsv4.reference.model import ReferenceModel  # noqa: E402
 from dsv4.validate import synthetic_config  # noqa: E402
 

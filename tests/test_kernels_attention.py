@@ -19,7 +19,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from dsv4.formats.kv_entry import encode_kv_entries, page_bytes, write_kv_entries  # noqa: E402
-from dsv4.formats.kv_entry import _page_views  # noqa: E402
+from dsv4.formats.kv_entry import page_views  # noqa: E402
 from dsv4.kernels import KERNELS, available_kernels, cuda_ok, interpreting, triton_available  # noqa: E402
 from dsv4.kernels.inverse_rope import inverse_rope, inverse_rope_torch  # noqa: E402
 from dsv4.kernels.kv_insert import kv_insert, kv_insert_torch  # noqa: E402
@@ -87,7 +87,7 @@ def _check_insert(T, H, B, n_pages, slots, gen, device=DEV):
     # kv: exactly the twin's row, and the bytes are encode_kv_entries of it; nothing else touched
     assert torch.equal(kv_out.view(torch.int16), kv_ref.view(torch.int16))
     assert torch.equal(pages, pages_ref)
-    data_v, scale_v = _page_views(pages, B)
+    data_v, scale_v = page_views(pages, B)
     data, scales = encode_kv_entries(kv_ref)
     for t, s in enumerate(slots.tolist()):
         if s >= 0:

@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 from dsv4.checkpoint.tiny import build_tiny_tensors  # noqa: E402
 from dsv4.config import preset  # noqa: E402
 from dsv4.engine import kv_cache  # noqa: E402
+from dsv4.formats import paging  # noqa: E402
 from dsv4.kernels import decode_meta as dm  # noqa: E402
 from dsv4.reference.model import ReferenceModel  # noqa: E402
 from dsv4.reference.rope import RopeTable  # noqa: E402
@@ -91,7 +92,7 @@ def test_decode_meta_rejects_bad_input():
 
 
 def test_constants_match_the_cache_layout():
-    assert dm.WINDOW == kv_cache.WINDOW and dm.BLOCK_TOKENS == kv_cache.BLOCK_TOKENS
+    assert dm.WINDOW == paging.WINDOW and dm.BLOCK_TOKENS == paging.BLOCK_TOKENS
 
 
 def test_fused_step_on_decode_meta_equals_the_pytorch_index_path(monkeypatch):

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from dsv4.engine.kv_cache import write_index_entries  # noqa: E402
+from dsv4.formats.index_key import write_index_entries  # noqa: E402
 from dsv4.formats.kv_entry import page_bytes, write_kv_entries  # noqa: E402
 from dsv4.kernels.compressor import (compress_decode, compress_decode_torch, compress_prefill,  # noqa: E402
                                      compress_prefill_torch)
@@ -594,7 +594,7 @@ def test_index_scores_topk_match_fast_decoder_rule():
 # compressed-cache entry ids through the block table
 
 def _check_entry_ids(device=DEV):
-    from dsv4.engine.kv_cache import BLOCK_TOKENS
+    from dsv4.formats.paging import BLOCK_TOKENS
     from dsv4.kernels import paging
     assert paging.BLOCK_TOKENS == BLOCK_TOKENS
     gen = torch.Generator().manual_seed(5)

@@ -7,21 +7,20 @@ import torch
 
 from dsv4.checkpoint.tiny import build_tiny_tensors
 from dsv4.config import preset
-from dsv4.engine.kv_cache import (
-    BLOCK_TOKENS,
-    CacheConfig,
-    KVCache,
-    KVCacheError,
-    PagedSequenceState,
-    block_table_tensor,
-    blocks_needed,
-    decode_index_keys,
-    encode_index_keys,
-    read_index_entries,
-)
+from dsv4.engine.kv_cache import CacheConfig, KVCache, KVCacheError, PagedSequenceState
 from dsv4.formats.fp4 import fp4_qdq
 from dsv4.formats.fp8 import fp8_qdq
-from dsv4.formats.kv_entry import page_bytes, read_kv_entries
+from dsv4.formats.index_key import (
+    decode_index_keys,
+    encode_index_keys,
+    index_page_bytes,
+    read_index_entries,
+    read_index_keys,
+    write_index_entries,
+    write_index_keys,
+)
+from dsv4.formats.kv_entry import page_bytes, read_entries, read_kv_entries, write_entries, write_kv_entries
+from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, block_table_tensor, blocks_needed
 from dsv4.reference.model import ReferenceModel
 
 EXACT = dict(rtol=0, atol=0)
@@ -194,6 +193,35 @@ def test_mxfp4_index_codec():
     p2, s2 = encode_index_keys(y)
     assert s2[0].tolist() == [127 - 4, 127 - 3, 127 - 4, 127 - 4]
     torch.testing.assert_close(decode_index_keys(p2, s2), y, **EXACT)
+
+
+def test_sync_free_page_access_matches_the_checked_form():
+    """write_index_keys / read_index_keys and write_entries / read_entries (no host syncs) store the
+    same bytes and read the same rows as the checked write/read_*_entries."""
+    g = torch.Generator().manual_seed(1)
+    n_pages = 3
+    keys = (torch.randn(40, 128, generator=g) * 3).to(torch.bfloat16)
+    slots = torch.randperm(n_pages * INDEX_PAGE, generator=g)[:40]
+    a = torch.zeros(n_pages, index_page_bytes(INDEX_PAGE, 128), dtype=torch.uint8)
+    b = torch.zeros_like(a)
+    write_index_entries(a, slots, keys, INDEX_PAGE)
+    write_index_keys(b, slots, keys)
+    assert torch.equal(a, b)
+    ids = torch.cat([slots[:7], torch.tensor([-1])]).view(2, 4)
+    got = read_index_keys(b, ids)
+    assert got.shape == (2, 4, 128)
+    torch.testing.assert_close(got.view(8, 128)[:7], read_index_entries(a, slots[:7], INDEX_PAGE, 128), **EXACT)
+    kv = (torch.randn(20, 512, generator=g) * 2).to(torch.bfloat16)
+    es = torch.randperm(2 * 64, generator=g)[:20]
+    pa = torch.zeros(2, page_bytes(64), dtype=torch.uint8)
+    pb = torch.zeros_like(pa)
+    write_kv_entries(pa, es, kv, 64)
+    write_entries(pb, es, kv, 64)
+    assert torch.equal(pa, pb)
+    ids = torch.cat([es[:5], torch.tensor([-1])]).view(3, 2)
+    rows = read_entries(pb, ids, 64)
+    assert rows.shape == (3, 2, 512)
+    torch.testing.assert_close(rows.view(6, 512), read_kv_entries(pa, ids.reshape(-1), 64), **EXACT)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@
 paged_state), ...])`` runs unchanged and gives bit-identical logits to ``model.new_state()``:
 every stored value is one the reference has already quantised, and the codecs are exact on them.
 
-Layout (spec §10; one pool tensor per layer and kind, allocated once at start):
+Layout (spec §10; one pool tensor per layer and kind, allocated once at start; the geometry
+constants and ``blocks_needed`` / ``block_table_tensor`` live in ``formats.paging``, the codecs in
+``formats.kv_entry`` and ``formats.index_key``):
 
 * **KV block** = allocation unit of ``BLOCK_TOKENS = 256`` tokens. Block id ``b`` indexes, in
   EVERY compressed layer, one page per cache kind (vLLM-style: one block table per sequence,
@@ -18,7 +20,7 @@ Layout (spec §10; one pool tensor per layer and kind, allocated once at start):
       (``page_bytes(2)`` = 1728 B with the 576-byte alignment).
   Entry j of a ratio-m layer lives in block ``block_table[j*m // 256]`` at offset
   ``j % (256 // m)``: the block that holds its tokens.
-* **Indexer keys: MXFP4** — 128 e2m1 codes packed in 64 B + one e8m0 scale per 32 values (4 B)
+* **Indexer keys: MXFP4** (``formats.index_key``) — 128 e2m1 codes packed in 64 B + one e8m0 scale per 32 values (4 B)
   = 68 B per entry; page = ``[64 x 64 B codes][64 x 4 B scales]`` (4352 B). FP4 because it is
   LOSSLESS here (the reference's keys are already FP4-QDQ'd with power-of-two scales per 32; a
   re-encode may pick a smaller power of two for a block whose largest code is < 4, the decoded
@@ -52,106 +54,13 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig
-from ..formats.fp4 import E2M1_MAX, MXFP4_BLOCK, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
-from ..formats.fp8 import e8m0_to_fp32, fp32_to_e8m0, ue8m0_scale
+from ..formats.index_key import index_page_bytes, read_index_entries, write_index_entries
 from ..formats.kv_entry import KV_DIM, page_bytes, read_kv_entries, write_kv_entries
-
-BLOCK_TOKENS = 256          # tokens per KV block (allocation unit)
-WINDOW = 128                # sliding-window tokens per sequence slot
-WINDOW_PAGE = 64            # entries per window page (2 pages per slot and layer)
-INDEX_PAGE = 64             # indexer keys per block (= BLOCK_TOKENS // 4)
-_FP4_SCALE_FLOOR = E2M1_MAX * 2.0 ** -126      # fp4_qdq's amax floor (all-zero blocks)
+from ..formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE, block_table_tensor, blocks_needed
 
 
 class KVCacheError(RuntimeError):
     """Out of blocks / slots, or a block table that does not cover the positions written."""
-
-
-def blocks_needed(num_tokens: int) -> int:
-    """KV blocks a sequence of ``num_tokens`` tokens needs: ceil(num_tokens / 256)."""
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    return -(-num_tokens // BLOCK_TOKENS)
-
-
-def block_table_tensor(tables: list[list[int]], width: int | None = None, device="cpu") -> Tensor:
-    """Block tables of a batch as int32 [B, width] (default: the longest table), padded with -1."""
-    w = max((len(t) for t in tables), default=0) if width is None else width
-    out = torch.full((len(tables), w), -1, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        if len(t) > w:
-            raise ValueError(f"block table {i} has {len(t)} blocks, more than width={w}")
-        if t:
-            out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out.to(device)
-
-
-# ---------------------------------------------------------------------------------------------
-# MXFP4 indexer-key entries: [D/2 packed e2m1 bytes] + [D/32 e8m0 scale bytes] (68 B for D = 128)
-def index_entry_bytes(dim: int = 128) -> int:
-    return dim // 2 + dim // MXFP4_BLOCK
-
-
-def index_page_bytes(page_size: int = INDEX_PAGE, dim: int = 128) -> int:
-    """One page: [page_size x D/2 B codes][page_size x D/32 B scales], no padding."""
-    return page_size * index_entry_bytes(dim)
-
-
-def encode_index_keys(keys: Tensor) -> tuple[Tensor, Tensor]:
-    """bf16 [N, D] -> (packed codes uint8 [N, D/2], e8m0 scale bytes uint8 [N, D/32]).
-
-    Same rounding as ``fp4_qdq(keys, 32)`` (scale = ue8m0_scale(amax, 6)), so decode(encode(x))
-    == fp4_qdq(x) for every x, and == x for values that are already FP4-QDQ'd."""
-    if keys.dim() != 2 or keys.shape[1] % MXFP4_BLOCK != 0:
-        raise ValueError(f"keys: expected [N, D] with D % 32 == 0, got {tuple(keys.shape)}")
-    n, d = keys.shape
-    xb = keys.float().view(n, d // MXFP4_BLOCK, MXFP4_BLOCK)
-    s = ue8m0_scale(xb.abs().amax(dim=-1, keepdim=True).clamp(min=_FP4_SCALE_FLOOR), E2M1_MAX)
-    codes = e2m1_encode((xb / s).clamp(-E2M1_MAX, E2M1_MAX)).view(n, d)
-    return pack_fp4(codes), fp32_to_e8m0(s.squeeze(-1)).view(torch.uint8)
-
-
-def decode_index_keys(packed: Tensor, scales: Tensor) -> Tensor:
-    """(uint8 [N, D/2], uint8 [N, D/32]) -> bf16 [N, D] (fp32 product, one bf16 rounding)."""
-    n, d = packed.shape[0], packed.shape[1] * 2
-    v = e2m1_decode(unpack_fp4(packed)).view(n, d // MXFP4_BLOCK, MXFP4_BLOCK)
-    return (v * e8m0_to_fp32(scales).unsqueeze(-1)).view(n, d).to(torch.bfloat16)
-
-
-def _index_page_views(pages: Tensor, page_size: int, dim: int) -> tuple[Tensor, Tensor]:
-    want = index_page_bytes(page_size, dim)
-    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != want:
-        raise ValueError(f"index pages: expected uint8 [num_pages, {want}], got {pages.dtype} {tuple(pages.shape)}")
-    code_end = page_size * (dim // 2)
-    codes = pages[:, :code_end].unflatten(1, (page_size, dim // 2))
-    scales = pages[:, code_end:].unflatten(1, (page_size, dim // MXFP4_BLOCK))
-    return codes, scales
-
-
-def write_index_entries(pages: Tensor, slots: Tensor, keys: Tensor, page_size: int = INDEX_PAGE) -> None:
-    """Encode bf16 keys [N, D] into ``pages`` at ``slots`` (slot = page * page_size + offset)."""
-    codes_v, scales_v = _index_page_views(pages, page_size, keys.shape[1])
-    if keys.dtype != torch.bfloat16 or keys.shape[0] != slots.shape[0]:
-        raise ValueError(f"keys: expected bfloat16 [{slots.shape[0]}, D], got {keys.dtype} {tuple(keys.shape)}")
-    _check_slots(slots, pages.shape[0] * page_size)
-    packed, sc = encode_index_keys(keys)
-    codes_v[slots // page_size, slots % page_size] = packed
-    scales_v[slots // page_size, slots % page_size] = sc
-
-
-def read_index_entries(pages: Tensor, slots: Tensor, page_size: int = INDEX_PAGE, dim: int = 128) -> Tensor:
-    """Gather and decode the keys at ``slots`` -> bf16 [N, D]."""
-    codes_v, scales_v = _index_page_views(pages, page_size, dim)
-    _check_slots(slots, pages.shape[0] * page_size)
-    return decode_index_keys(codes_v[slots // page_size, slots % page_size],
-                             scales_v[slots // page_size, slots % page_size])
-
-
-def _check_slots(slots: Tensor, capacity: int) -> None:
-    if slots.dtype != torch.int64 or slots.dim() != 1:
-        raise ValueError(f"slots: expected int64 [N], got {slots.dtype} {tuple(slots.shape)}")
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-        raise ValueError(f"slots out of range [0, {capacity})")
 
 
 # ---------------------------------------------------------------------------------------------

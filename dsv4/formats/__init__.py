@@ -1,4 +1,5 @@
-"""Numeric formats: FP8 e4m3 + ue8m0 scales, FP4 e2m1 (MXFP4 / NVFP4), FlashMLA KV entries."""
+"""Numeric formats: FP8 e4m3 + ue8m0 scales, FP4 e2m1 (MXFP4 / NVFP4), FlashMLA KV entries, MXFP4
+indexer keys, and the paged cache geometry they are stored in."""
 from .fp4 import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -26,6 +27,17 @@ from .fp8 import (
     quant_fp8_weight,
     ue8m0_scale,
 )
+from .index_key import (
+    decode_index_keys,
+    encode_index_keys,
+    index_entry_bytes,
+    index_page_bytes,
+    index_page_views,
+    read_index_entries,
+    read_index_keys,
+    write_index_entries,
+    write_index_keys,
+)
 from .kv_entry import (
     ENTRY_BYTES,
     KV_DIM,
@@ -39,9 +51,13 @@ from .kv_entry import (
     decode_kv_entries,
     encode_kv_entries,
     page_bytes,
+    page_views,
+    read_entries,
     read_kv_entries,
+    write_entries,
     write_kv_entries,
 )
+from .paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE, block_table_tensor, blocks_needed
 
 __all__ = [
     # fp8
@@ -54,5 +70,12 @@ __all__ = [
     # kv entries
     "NOPE_DIM", "ROPE_DIM", "KV_DIM", "KV_QUANT_BLOCK", "N_SCALES", "TOKEN_DATA_BYTES",
     "SCALE_BYTES", "ENTRY_BYTES", "PAGE_ALIGN", "page_bytes", "encode_kv_entries",
-    "decode_kv_entries", "write_kv_entries", "read_kv_entries",
+    "decode_kv_entries", "write_kv_entries", "read_kv_entries", "page_views", "write_entries",
+    "read_entries",
+    # indexer keys
+    "index_entry_bytes", "index_page_bytes", "encode_index_keys", "decode_index_keys",
+    "index_page_views", "write_index_entries", "read_index_entries", "write_index_keys",
+    "read_index_keys",
+    # paging
+    "BLOCK_TOKENS", "WINDOW", "WINDOW_PAGE", "INDEX_PAGE", "blocks_needed", "block_table_tensor",
 ]

@@ -54,8 +54,9 @@ def decode_kv_entries(data: Tensor, scales: Tensor) -> Tensor:
     return torch.cat([nope, rope], dim=1)
 
 
-def _page_views(pages: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
-    """Views [num_pages, B, 576] (token data) and [num_pages, B, 8] (scales) into `pages`."""
+def page_views(pages: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
+    """Views [num_pages, B, 576] (token data) and [num_pages, B, 8] (scales) into `pages`
+    (shape checks only, no device sync)."""
     want = page_bytes(page_size)
     if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != want:
         raise ValueError(f"pages: expected uint8 [num_pages, {want}] for page_size={page_size}, "
@@ -84,7 +85,7 @@ def write_kv_entries(pages: Tensor, slots: Tensor, kv: Tensor, page_size: int) -
 
     Slots should be distinct: for a repeated slot, which row lands is unspecified (index_put).
     """
-    data_v, scale_v = _page_views(pages, page_size)
+    data_v, scale_v = page_views(pages, page_size)
     valid, page, off = _split_slots(slots, pages.shape[0], page_size)
     _check_kv(kv)
     if kv.shape[0] != slots.shape[0]:
@@ -96,10 +97,31 @@ def write_kv_entries(pages: Tensor, slots: Tensor, kv: Tensor, page_size: int) -
 
 def read_kv_entries(pages: Tensor, slots: Tensor, page_size: int) -> Tensor:
     """Gather and decode entries at `slots` -> bf16 [N, 512]; slot -1 gives a zero row."""
-    data_v, scale_v = _page_views(pages, page_size)
+    data_v, scale_v = page_views(pages, page_size)
     valid, page, off = _split_slots(slots, pages.shape[0], page_size)
     kv = decode_kv_entries(data_v[page, off], scale_v[page, off])  # -1 reads slot 0, masked below
     return kv.masked_fill(~valid.unsqueeze(-1), 0)
+
+
+# ------------------------------------------------------------------ sync-free page access
+# write_kv_entries / read_kv_entries validate slot ranges on the host (a device sync, not allowed in
+# a CUDA graph); these use the same page views and codecs without that check.
+def write_entries(pages: Tensor, slots: Tensor, kv: Tensor, page_size: int) -> None:
+    """Sync-free ``write_kv_entries``: encode kv [N, 512] bf16 into ``pages`` at ``slots`` (valid
+    global entry ids, not checked)."""
+    data, scales = page_views(pages, page_size)
+    d, s = encode_kv_entries(kv)
+    data[slots // page_size, slots % page_size] = d
+    scales[slots // page_size, slots % page_size] = s
+
+
+def read_entries(pages: Tensor, slots: Tensor, page_size: int) -> Tensor:
+    """bf16 rows of global entry ids ``slots`` (any shape; -1 -> zero row), sync-free."""
+    data, scales = page_views(pages, page_size)
+    s = slots.clamp(min=0).long().reshape(-1)
+    rows = decode_kv_entries(data[s // page_size, s % page_size], scales[s // page_size, s % page_size])
+    rows = rows * (slots.reshape(-1, 1) >= 0)
+    return rows.view(*slots.shape, -1)
 
 
 def _check_kv(kv: Tensor) -> None:

@@ -558,7 +558,7 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
     if c % CB != 0 or CB & (CB - 1):
         raise ValueError(f"block_c must be a power of two dividing {c}, got {CB}")
     pg, ps_t, pnb = (pages, page_slots.to(torch.int64).contiguous(), pages.shape[1]) if write else (out, out, 0)
-    # H200 (benchmarks/exp_compress_prefill.py, T = 4096 / 16384): the fused kernel is latency-bound in
+    # H200 (experiments/exp_compress_prefill.py, T = 4096 / 16384): the fused kernel is latency-bound in
     # its per-entry post-processing (cross-warp reductions and layout shuffles through shared memory),
     # so fewer warps per entry win: c = 512 at 2 warps 17.7 / 47.8 us (8 warps: 21.7 / 59.7), the
     # indexer's c = 128 at 1 warp 8.5 / 19.2 us (4 warps: 14.3 / 41.2)
@@ -582,7 +582,7 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
 def _write_pages_torch(pages, slots, entries, page_size, indexer):
     """The twins' paged write: main entries as 584-byte FP8 entries, indexer keys as MXFP4 (slot -1: skip)."""
     if indexer:
-        from ..engine.kv_cache import write_index_entries
+        from ..formats.index_key import write_index_entries
         sel = slots >= 0
         if bool(sel.any()):
             write_index_entries(pages, slots[sel], entries[sel], page_size)

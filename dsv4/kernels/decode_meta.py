@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..formats.paging import BLOCK_TOKENS, WINDOW
 from . import interpreting, triton_available
-from .paging import BLOCK_TOKENS
 
-WINDOW = 128            # dsv4.engine.kv_cache.WINDOW (checked in the tests)
 ROPE_HALF = 32          # rope_dim / 2 = 32 complex rotations per position
 TABLE_NEG = 128         # rope_table rows start at position -TABLE_NEG (compressor offsets reach -127)
 VIS_BLOCK = 1024        # visible entries per program

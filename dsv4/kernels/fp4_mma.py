@@ -25,7 +25,7 @@ block sum is scaled by 2^6 * sA, the final sum by the global scale (``gemv.py`` 
 its scale; here the exact scaled products are summed). Products are exact, sums are fp32 in
 tensor-core order.
 
-H200 measurements (BENCHMARKS.md sessions 6 and 8, ``benchmarks/exp_fp4_mma.py``): 56-73% of copy
+H200 measurements (BENCHMARKS.md sessions 6 and 8, ``experiments/exp_fp4_mma.py``): 56-73% of copy
 bandwidth on the V4 expert shapes with one or more rows per expert (GEMV: 28-46%), 44% for the six
 experts of batch 1. Nsight Compute (one row per expert, 32 Flash experts): DRAM 55% busy, the ALU pipe
 74% (the e2m1 / e4m3 decodes: ~130 of the ~220 instructions per K block and warp), issue slots 59%,

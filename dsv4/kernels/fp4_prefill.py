@@ -223,7 +223,7 @@ def f16_operand_split(q: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_config(rows_per_group: float, device, swiglu: bool = False) -> dict:
-    """Tile / variant of the prefill kernel, from the H200 sweep of ``benchmarks/exp_fp4_prefill.py``
+    """Tile / variant of the prefill kernel, from the H200 sweep of ``experiments/exp_fp4_prefill.py``
     (V4-Flash, 4096 tokens, ~96 rows per expert; BENCHMARKS.md session 5): split K order; >= 96 rows
     per expert BM 128 (SwiGLU 16 warps 2 stages: 5107 us vs 20727 for ``fp4_launch``; w2 8 warps
     3 stages: 2092 vs 10194), else BM 64 (SwiGLU 8 warps, w2 4 warps, 3 stages: 3.1x / 4.6x).

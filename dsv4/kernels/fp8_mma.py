@@ -59,7 +59,7 @@ BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mm
 # (19.3 / 20.3 us against 15.3 / 17.9: no cross-iteration pipelining, the Triton tile has 3 stages)
 MAX_ROWS = 4
 MAX_WEIGHT = 8 * 1024 * 1024
-# the decode step's grouped wo_a (act="bf16") up to this many rows: H200 (benchmarks/exp_bf16_decode.py)
+# the decode step's grouped wo_a (act="bf16") up to this many rows: H200 (experiments/exp_bf16_decode.py)
 # 15.4 / 16.4 / 21.2 us at 1 / 4 / 16 rows against 24.5-24.8 for the bf16 einsum; 48.0 vs 27.2 at 64
 WO_A_MAX_ROWS = 16
 
@@ -270,7 +270,7 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
     for name, t in (("activation", a), ("weight", w)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             raise ValueError(f"fp8_mma: {name} must be row-contiguous with 16-byte aligned rows")
-    # H200 (benchmarks/exp_fp8_mma.py, BENCHMARKS.md session 7): two K blocks per step took the FP8-activation
+    # H200 (experiments/exp_fp8_mma.py, BENCHMARKS.md session 7): two K blocks per step took the FP8-activation
     # modes 0.3-3 us lower on every V4-Flash decode linear; wo_a's bf16 mode was 0.5-0.8 us slower with it
     cfg = {"BN": 64, "num_warps": 4, "UNROLL": 1 if mode == 2 else 2}
     if config:

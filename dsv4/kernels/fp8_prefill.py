@@ -43,7 +43,7 @@ Variants, selected through ``config`` (keys of ``DEFAULT_CONFIG``):
   base or row stride is not 16-byte aligned, e.g. N % 8 != 0).
 * ``num_warps`` / ``num_stages``, ``GROUP_M`` (grouped-ordering height).
 
-Static facts (Triton 3.6.0 AOT for sm_90a, ptxas -v, cuobjdump; benchmarks/exp_fp8_prefill.py --static
+Static facts (Triton 3.6.0 AOT for sm_90a, ptxas -v, cuobjdump; experiments/exp_fp8_prefill.py --static
 prints them): every variant uses ``QGMMA.64xNx32.F32.E4M3.E4M3``; TMA variants ``UTMALDG.2D``. Per
 K block each consumer warpgroup waits for its wgmma chain (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) before
 the promotion FFMAs: Triton keeps a wgmma asynchronous past non-dot users only behind a ``wait(0)``
@@ -58,7 +58,7 @@ TFLOP/s (57-61% of the measured 1454 TFLOP/s ``_scaled_mm`` peak) on the square-
 shuffled order, the spread of one run shows in BENCHMARKS.md): 64-row-block groups 57-68%, Flash wq_b
 and Pro wo_b still 57-59% (session 11: 60.7% and 61.9%, same code). ``prefill_config`` holds the
 measured best; ``gemm.fp8_gemm`` routes prefill-sized calls (``PREFILL_MIN_ROWS``) here. A hand-written
-warp-specialized version of the same math (Gluon, ``fp8_ws.py``) gives the same bits; it measured level
+warp-specialized version of the same math (Gluon, ``experiments/fp8_ws.py``) gives the same bits; it measured level
 with this kernel where N >> K and slower at K >= 7168, so it is not routed to.
 """
 from __future__ import annotations
@@ -229,7 +229,7 @@ def _ensure_allocator(device):
 
 
 def prefill_config(M: int, N: int, K: int, dev) -> dict:
-    """Default variant, from the H200 runs of benchmarks/exp_fp8_prefill.py (BENCHMARKS.md sessions 5,
+    """Default variant, from the H200 runs of experiments/exp_fp8_prefill.py (BENCHMARKS.md sessions 5,
     8 and 9): TMA loads, no warp specialization, 64 x 128 tiles of one warpgroup, 3 stages (72 KB of
     shared memory: three CTAs per SM, so one CTA's epilogue overlaps the others' main loops) and the
     TMA store epilogue, grouped order over 64 row blocks (4096 rows: at M <= 4096 each weight
@@ -359,7 +359,7 @@ def fp8_gemm_prefill(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
 def aot_spec(config: dict | None = None, sb_e8m0: bool = True):
     """(kernel, signature, constexprs, attrs, options) to compile a variant ahead of time with
     ``triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=..., options=options)``
-    (the AOT test and ``benchmarks/exp_fp8_prefill.py --static``): the arguments the launcher passes
+    (the AOT test and ``experiments/exp_fp8_prefill.py --static``): the arguments the launcher passes
     for a row-major problem whose sizes and strides are multiples of 16, activation scales as SA_T says."""
     cfg = dict(DEFAULT_CONFIG)
     cfg.update(config or {})

@@ -560,7 +560,7 @@ def _fp8_config(M: int, N: int, K: int, dev) -> dict:
         return {"BM": 16, "BN": 32 if N <= 32 else 64, "GROUP_M": 8}
     # decode sizes (split-K fills the GPU): tiles from the H200 sweep of the V4-Flash decode linears
     # (benchmarks/gemm_moe.py --only fp8dec); above N = 4096, 128 columns where K >= 1536 (V4-Pro's
-    # wq_b / wo_b at one row: 29.1 / 40.1 us against 36.4 / 50.7 with 64, benchmarks/exp_fp8_big_decode.py;
+    # wq_b / wo_b at one row: 29.1 / 40.1 us against 36.4 / 50.7 with 64, experiments/exp_fp8_big_decode.py;
     # Flash's wq_b, K = 1024, stays faster with 64)
     if M <= 16:
         bn = 32 if N <= 1024 else (128 if 2048 < N <= 4096 or (N > 4096 and K >= 1536) else 64)

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.paging import INDEX_PAGE      # keys per page
 from . import interpreting, triton_available
 from .counters import arrival_counters
 
 HEAD_DIM = 128
-INDEX_PAGE = 64                 # keys per page (dsv4.engine.kv_cache.INDEX_PAGE)
-INDEX_ENTRY_BYTES = 68          # 64 B codes + 4 B scales
+INDEX_ENTRY_BYTES = 68          # 64 B codes + 4 B scales (formats.index_key.index_entry_bytes(128))
 MAX_K = 2048
 SINGLE_MAX = 4096          # rows up to this long: one program each, one launch
 SORT_IN_KERNEL_MAX = 512  # the chunked path sorts up to this many picks in its last pass
@@ -456,7 +456,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_ta
 
 def index_scores_torch(q, w, pages, block_table, pos, n=None, out_dtype=torch.bfloat16, **_):
     """The scoring part of ``FastDecoder._indexer`` (official numerics)."""
-    from ..model.decode import read_index_keys
+    from ..formats.index_key import read_index_keys
     from ..reference.numerics import OFFICIAL as num
     B = q.shape[0]
     n_bt = block_table.shape[1]

@@ -43,7 +43,7 @@ not found; the hc_pre paths were bit-stable there, eager and in CUDA graphs):
   ``_hc_apply``: the streaming weighted sum, one program per (token, d block), tokens in reverse
   order (the mix pass read the last ones last: their x may still be in L2). Reads x twice (mix,
   then sum): its cap is ~55% of the one-read HBM floor.
-* ``"v1"``: the previous pair, kept for comparison (benchmarks/exp_mhc.py): ``_hc_mix_partial``
+* ``"v1"``: the previous pair, kept for comparison (experiments/exp_mhc.py): ``_hc_mix_partial``
   (split-K GEMM, grid (token blocks of 16 / 64, splits for ~8 programs per SM), three bf16x3 dots
   into one accumulator; at T = 4096 ``fn`` is re-read from L2 per 16-64 tokens as three bf16 tiles
   and the MMAs are 16x64x32) and ``_hc_finish`` (grid (T, d blocks): every program reduces its
@@ -66,7 +66,7 @@ cancels: there the difference stays below 1e-5 (bf16x3; ieee and the fused path:
 summed magnitudes sum_j |x_j| (tests/test_kernels_hotpath.py holds both modes to that). All paths
 are deterministic (fixed split partition and reduction order, no float atomics). Throughput on the
 H200: BENCHMARKS.md (v1: the split-K mix GEMM latency-bound, 8-14% of the HBM floor at T = 4096;
-v2: benchmarks/exp_mhc.py). bf16 roundings are done on the bits (RNE), so the CPU interpreter (whose
+v2: experiments/exp_mhc.py). bf16 roundings are done on the bits (RNE), so the CPU interpreter (whose
 casts truncate) gives the GPU's values.
 """
 from __future__ import annotations
@@ -627,7 +627,7 @@ def _tiled_mix(x, fn, nmix, np_, cfg):
 def _tiled_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, rms_eps, cfg, part=None):
     """Three launches (prefill sizes): the token-block mix GEMM ``_hc_mix_tile``, the per-token finish
     ``_hc_tokens``, the streaming ``_hc_apply``. ``part``: split partials [S, NP, T] computed elsewhere
-    (``benchmarks/exp_hc_post_mix.py``): no mix GEMM. config: mode, block_t, block_k, splits,
+    (``experiments/exp_hc_post_mix.py``): no mix GEMM. config: mode, block_t, block_k, splits,
     num_warps, num_stages (mix); tokens_block (finish); apply_block_d, apply_warps, reverse (apply)."""
     T, _, D = x.shape
     K = HC * D

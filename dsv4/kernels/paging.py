@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.paging import BLOCK_TOKENS    # tokens per cache block
 from . import interpreting, triton_available
-
-BLOCK_TOKENS = 256     # tokens per cache block (dsv4.engine.kv_cache.BLOCK_TOKENS, checked in the tests)
 
 if triton_available():
     import triton

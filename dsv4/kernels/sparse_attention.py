@@ -45,7 +45,7 @@ from functools import lru_cache
 
 import torch
 
-from ..formats.kv_entry import _page_views, decode_kv_entries, page_bytes, read_kv_entries
+from ..formats.kv_entry import decode_kv_entries, page_bytes, page_views, read_kv_entries
 from . import interpreting, triton_available
 
 HEAD_DIM = 512
@@ -414,7 +414,7 @@ def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pa
         if check:
             rows = read_kv_entries(pages, idx.reshape(-1).long(), psz).view(T, K, HEAD_DIM)
         else:
-            data_v, scale_v = _page_views(pages, psz)
+            data_v, scale_v = page_views(pages, psz)
             s = idx.reshape(-1).long().clamp(min=0)
             rows = decode_kv_entries(data_v[s // psz, s % psz], scale_v[s // psz, s % psz])
             rows = rows.view(T, K, HEAD_DIM) * (idx >= 0).unsqueeze(-1).to(rows.dtype)

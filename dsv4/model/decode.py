@@ -16,57 +16,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..engine.kv_cache import (BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE, KVCache, _index_page_views,
-                               decode_index_keys)
-from ..formats.fp4 import E2M1_MAX, _magnitude_codes, pack_fp4
-from ..formats.fp8 import fp8_qdq, ue8m0_scale
-from ..formats.kv_entry import _page_views, decode_kv_entries, encode_kv_entries
+from ..engine.kv_cache import KVCache
+from ..formats.fp8 import fp8_qdq
+from ..formats.index_key import read_index_keys, write_index_keys
+from ..formats.kv_entry import read_entries, write_entries
+from ..formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE
 from ..reference.attention import sparse_attention
 from ..reference.model import Block, ReferenceModel
 from ..kernels.paging import block_entry_ids, entry_ids, entry_ids_torch
 from ..reference.norm import head_rms_norm, rms_norm
 from ..reference.rope import apply_rope
-
-_FP4_FLOOR = E2M1_MAX * 2.0 ** -126
-
-
-# ------------------------------------------------------------------ sync-free page access
-# The codecs' own read/write helpers validate slot ranges on the host (a device sync, not
-# allowed in a CUDA graph); these use the same page views and codecs without that check.
-def write_entries(pages, slots, kv, page_size):
-    data, scales = _page_views(pages, page_size)
-    d, s = encode_kv_entries(kv)
-    data[slots // page_size, slots % page_size] = d
-    scales[slots // page_size, slots % page_size] = s
-
-
-def read_entries(pages, slots, page_size):
-    """bf16 rows of global entry ids ``slots`` (any shape; -1 -> zero row)."""
-    data, scales = _page_views(pages, page_size)
-    s = slots.clamp(min=0).long().reshape(-1)
-    rows = decode_kv_entries(data[s // page_size, s % page_size], scales[s // page_size, s % page_size])
-    rows = rows * (slots.reshape(-1, 1) >= 0)
-    return rows.view(*slots.shape, -1)
-
-
-def write_index_keys(pages, slots, keys):
-    """MXFP4 encode with ``encode_index_keys``' rounding (exact for already-QDQ'd keys), minus its
-    NaN and power-of-two checks (host syncs), and scatter."""
-    n, d = keys.shape
-    xb = keys.float().view(n, d // 32, 32)
-    s = ue8m0_scale(xb.abs().amax(-1, keepdim=True).clamp(min=_FP4_FLOOR), E2M1_MAX)
-    v = (xb / s).clamp(-E2M1_MAX, E2M1_MAX)
-    codes = (_magnitude_codes(v).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)).view(n, d)
-    cv, sv = _index_page_views(pages, INDEX_PAGE, d)
-    cv[slots // INDEX_PAGE, slots % INDEX_PAGE] = pack_fp4(codes)
-    sv[slots // INDEX_PAGE, slots % INDEX_PAGE] = s.squeeze(-1).to(torch.float8_e8m0fnu).view(torch.uint8)
-
-
-def read_index_keys(pages, slots, dim=128):
-    cv, sv = _index_page_views(pages, INDEX_PAGE, dim)
-    s = slots.clamp(min=0).long().reshape(-1)
-    keys = decode_index_keys(cv[s // INDEX_PAGE, s % INDEX_PAGE], sv[s // INDEX_PAGE, s % INDEX_PAGE])
-    return keys.view(*slots.shape, dim)
 
 
 class FastDecoder:

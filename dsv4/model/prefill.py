@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..engine.kv_cache import INDEX_PAGE, WINDOW, WINDOW_PAGE
-from ..formats.kv_entry import _page_views, page_bytes
+from ..formats.kv_entry import page_bytes
+from ..formats.kv_entry import page_views as _page_views
+from ..formats.paging import INDEX_PAGE, WINDOW, WINDOW_PAGE
 
 SCORE_BYTES = 256 << 20          # bound of one block of indexer scores during a prefill chunk
 

@@ -7,7 +7,7 @@ and (W . x^T)^T, the same products) on V4-Flash shapes, and wo_a also as ``fp8_m
 8 groups: the FP8 weight dequantised in the kernel, half the bytes). CUDA-graph replays, L2 flushed
 before every call.
 
-    PYTHONPATH=. python benchmarks/exp_bf16_decode.py
+    PYTHONPATH=. python experiments/exp_bf16_decode.py
 """
 from __future__ import annotations
 

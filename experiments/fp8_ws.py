@@ -23,7 +23,8 @@ Why a hand-written kernel: Triton keeps each K block's wgmma synchronous with it
 H200 (BENCHMARKS.md session 11): level with the Triton kernel where N >> K (wq_b: 0-3 points of peak
 ahead), 2-12 points behind at K >= 7168; Nsight Compute puts 42% of its stalls on the named barriers
 Gluon emits around each ``mbarrier.arrive`` / ``mbarrier.wait`` of the K loop. So ``fp8_gemm`` does not
-route here; the kernel is a tested option. ``AHEAD`` (issue block k+1's wgmma before waiting for block
+route here, and the kernel lives in ``experiments/`` (formerly ``dsv4/kernels/fp8_ws.py``; its test is
+``experiments/test_fp8_ws.py``, outside the default pytest run). ``AHEAD`` (issue block k+1's wgmma before waiting for block
 k's) makes ptxas serialise every wgmma (C7514); BN = 256 compiles with register spills.
 
 Limits: N % 128 == 0 is not required (TMA clips the store and zero-fills the loads), but the scales
@@ -35,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from . import interpreting, triton_available
-from .gemm import QBLOCK as BK      # the scale block: one K block per stage
+from dsv4.kernels import interpreting, triton_available
+from dsv4.kernels.gemm import QBLOCK as BK      # the scale block: one K block per stage
 
 BM_HALF = 64        # rows per consumer warpgroup (one wgmma M)
 
@@ -230,7 +231,7 @@ def supports(xq: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: torch.Ten
     """Whether a call fits this kernel (``fp8_prefill`` takes every call that does not): an sm_90 GPU,
     128 x 128 block weight scales, K % 128 == 0 and TMA-legal operands (16-byte aligned bases and row
     strides)."""
-    from .fp8_prefill import _tma_ok
+    from dsv4.kernels.fp8_prefill import _tma_ok
     K = xq.shape[1]
     if K % BK or ws.dim() != 2 or ws.shape[0] != -(-w.shape[0] // 128) or not available(xq.device):
         return False
@@ -242,8 +243,8 @@ def fp8_gemm_ws(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     """bf16 [M, N] = the block-scaled FP8 GEMM (``gemm.fp8_gemm`` contract, plain mode) on sm_90: xq e4m3
     [M, K], xs fp32 [M, K/128], w e4m3 [N, K], ws e8m0 / fp32 [N/128, K/128]; ``out`` an optional bf16
     [M, N] destination. Raises ValueError for what ``supports`` rejects."""
-    from .fp8_prefill import check_args
-    from .gemm import _sm_count, _u8
+    from dsv4.kernels.fp8_prefill import check_args
+    from dsv4.kernels.gemm import _sm_count, _u8
     M, N, K, out = check_args("fp8_gemm_ws", xq, xs, w, ws, out)
     a = _u8(xq).view(torch.float8_e4m3fn)
     b = _u8(w).view(torch.float8_e4m3fn)

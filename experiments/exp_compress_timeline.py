@@ -7,7 +7,7 @@ block post-processes). One launch after an L2 flush (fill + read), not in a grap
 the earliest program start. Entries are checked equal to ``compress_prefill``'s. The timer ticks in
 ~0.26 us steps on the H200.
 
-    PYTHONPATH=. python benchmarks/exp_compress_timeline.py [--T 4096,16384]
+    PYTHONPATH=. python experiments/exp_compress_timeline.py [--T 4096,16384]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import gpu_experiment  # noqa: E402
 from hotpath import _entry_outputs, _r  # noqa: E402

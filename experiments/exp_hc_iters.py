@@ -1,7 +1,7 @@
 """Experiment (session 5): how much of hc_pre's time at decode sizes is the 20-iteration Sinkhorn?
 hc_pre with iters=20 vs iters=1 and hc_head (no Sinkhorn), CUDA-graph timed, L2 flushed.
 
-    PYTHONPATH=. python benchmarks/exp_hc_iters.py
+    PYTHONPATH=. python experiments/exp_hc_iters.py
 """
 from __future__ import annotations
 

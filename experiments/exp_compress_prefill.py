@@ -4,7 +4,7 @@ fused vs two-kernel, channel block, warps per program; decode (``compress_decode
 complete a window): the default launch. L2 flushed, CUDA-graph timed; % = the fewest HBM bytes (the
 K / score rows read once, entries and cache bytes written) / time vs the copy rate.
 
-    PYTHONPATH=. python benchmarks/exp_compress_prefill.py [--T 4096,16384] [--B 256,1024]
+    PYTHONPATH=. python experiments/exp_compress_prefill.py [--T 4096,16384] [--B 256,1024]
         [--baseline FILE] [--rounds R]
 
 ``--baseline FILE``: a copy of compressor.py with absolute imports (e.g. ``git show
@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import gpu_experiment, graph_time  # noqa: E402
 from hotpath import _entry_outputs, _r  # noqa: E402

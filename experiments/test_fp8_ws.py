@@ -1,4 +1,5 @@
-"""The warp-specialized Gluon FP8 GEMM for Hopper prefill (dsv4/kernels/fp8_ws.py).
+"""The warp-specialized Gluon FP8 GEMM for Hopper prefill (experiments/fp8_ws.py; not in the default
+``pytest`` run: ``python3 -m pytest experiments/test_fp8_ws.py``).
 
 Gluon has no CPU interpreter: on a CPU machine these tests check the argument errors and compile the
 kernel for sm_90 (producer / consumer partitions, register reallocation, fp8 wgmma, TMA); the
@@ -22,7 +23,7 @@ pytest.importorskip("triton")
 from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, e8m0_to_fp32, quant_fp8_weight  # noqa: E402
 from dsv4.kernels import fp8_prefill as P  # noqa: E402
-from dsv4.kernels import fp8_ws as WS  # noqa: E402
+from experiments import fp8_ws as WS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +66,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
     import triton
     from kernel_helpers import aot_compile
-    from dsv4.kernels import fp8_ws as WS
+    from experiments import fp8_ws as WS
     if not WS.GLUON:
         print("no Gluon Hopper ops in this triton"); sys.exit(0)
     from triton.experimental.gluon import language as gl

@@ -23,7 +23,7 @@ Modes:
   warps, and the SASS instruction counts that matter (QGMMA, UTMALDG, LDGSTS, DEPBAR, BAR.SYNC,
   USETMAXREG, LDL/STL), plus ptxas performance warnings (C7514 = serialised wgmma).
 
-Usage: ``python benchmarks/exp_fp8_prefill.py [--smoke | --static] [--configs a,b] [--shapes s] [--rounds R]
+Usage: ``python experiments/exp_fp8_prefill.py [--smoke | --static] [--configs a,b] [--shapes s] [--rounds R]
 [--md FILE]``.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ CONFIGS = {
 }
 for _cfg in CONFIGS.values():      # a variant's name says ".epitma" when it uses the TMA-store epilogue
     _cfg.setdefault("EPI_TMA", False)
-# the hand-written warp-specialized Gluon kernel (kernels/fp8_ws.py; its own config keys under GLUON_WS)
+# the hand-written warp-specialized Gluon kernel (experiments/fp8_ws.py; its own config keys under GLUON_WS)
 CONFIGS.update({f"gluon_ws.s{st}.g{g}": dict(GLUON_WS=dict(STAGES=st, GROUP_M=g))
                 for st in (3, 4, 5, 6) for g in (8, 12, 32)})
 CONFIGS.update({f"gluon_ws.s{st}.g{g}.ahead": dict(GLUON_WS=dict(STAGES=st, GROUP_M=g, AHEAD=True))
@@ -186,7 +186,7 @@ def aot_subprocess(work, jobs=None):
     """Run ``_aot_worker`` on each (name, cfg, cap, analyse) job in its own Python process, ``jobs``
     at a time (a Triton assertion aborts the process: only that variant is marked). -> results."""
     script = ("import sys, json; sys.path[:0] = [%r];"
-              "from benchmarks.exp_fp8_prefill import _aot_worker;"
+              "from experiments.exp_fp8_prefill import _aot_worker;"
               "n, c, cap, an = json.loads(sys.argv[1]);"
               "r = _aot_worker((n, c, cap, an)); print('RESULT', json.dumps(r))") % str(REPO)
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -228,7 +228,7 @@ from dsv4.kernels import gemm as G
 from dsv4.kernels.fp8_prefill import fp8_gemm_prefill
 cfg = json.loads(sys.argv[1])
 if "GLUON_WS" in cfg:
-    from dsv4.kernels.fp8_ws import fp8_gemm_ws as fp8_gemm_prefill
+    from experiments.fp8_ws import fp8_gemm_ws as fp8_gemm_prefill
     cfg = cfg["GLUON_WS"]
 M, N, K = 256, 512, 512          # sizes / strides multiples of 16 like the benchmark shapes: same JIT key
 x = torch.randn(M, K, device="cuda").bfloat16()
@@ -330,7 +330,7 @@ def _compare(y, ref):
 def _variant(cfg):
     """(function, its config) of a variant: the Triton prefill kernel, or the Gluon one for GLUON_WS."""
     if "GLUON_WS" in cfg:
-        from dsv4.kernels.fp8_ws import fp8_gemm_ws
+        from experiments.fp8_ws import fp8_gemm_ws
         return fp8_gemm_ws, cfg["GLUON_WS"]
     from dsv4.kernels.fp8_prefill import fp8_gemm_prefill
     return fp8_gemm_prefill, cfg
@@ -466,7 +466,7 @@ def main():
     if args.static:
         if not args.configs:
             configs.update(STATIC_EXTRA)
-        configs = {n: c for n, c in configs.items() if "GLUON_WS" not in c}   # tests/test_kernels_fp8_ws.py
+        configs = {n: c for n, c in configs.items() if "GLUON_WS" not in c}   # experiments/test_fp8_ws.py
         static_report(configs, tuple(int(c) for c in args.caps.split(",")), args.md, args.jobs)
         return
     if args.smoke:

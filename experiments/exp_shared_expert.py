@@ -2,8 +2,8 @@
 split-K path up to 4 tokens only (old) and up to ``SHARED_SPLIT_MAX_ROWS`` (new), V4-Flash / V4-Pro
 shapes (H200, CUDA-graph replays, L2 flushed).
 
-    PYTHONPATH=. python benchmarks/exp_shared_expert.py
-    PYTHONPATH=. python benchmarks/exp_shared_expert.py --small   # 1-4 tokens: FP8 GEMV vs MMA partials
+    PYTHONPATH=. python experiments/exp_shared_expert.py
+    PYTHONPATH=. python experiments/exp_shared_expert.py --small   # 1-4 tokens: FP8 GEMV vs MMA partials
                                                                   # (session 13)
 """
 import os

@@ -2,9 +2,9 @@
 """Experiment: the prefill FP4 expert GEMM (dsv4/kernels/fp4_prefill.py) vs the grouped dequant path
 of ``gemm.fp4_launch`` as ``moe.moe_forward`` calls it, at a V4-Flash MoE prefill.
 
-    PYTHONPATH=. python benchmarks/exp_fp4_prefill.py                 # H200: < 90 s
-    PYTHONPATH=. python benchmarks/exp_fp4_prefill.py --md OUT.md     # ... and append the table there
-    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/exp_fp4_prefill.py --smoke   # CPU: code paths only
+    PYTHONPATH=. python experiments/exp_fp4_prefill.py                 # H200: < 90 s
+    PYTHONPATH=. python experiments/exp_fp4_prefill.py --md OUT.md     # ... and append the table there
+    TRITON_INTERPRET=1 PYTHONPATH=. python experiments/exp_fp4_prefill.py --smoke   # CPU: code paths only
 
 Case: 4096 tokens, top-6 of 256 experts (uniform random routing, ~96 pair rows per expert), d 4096,
 inter 2048, MXFP4 weights with random codes and e8m0 scales 2^-9..2^-4 (``gemm_moe.rand_mx``).

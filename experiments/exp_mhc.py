@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Experiment: the v2 mHC paths (dsv4/kernels/mhc.py) against the v1 two-launch hc_pre / hc_head.
 
-    PYTHONPATH=. python benchmarks/exp_mhc.py                  # H200: < 2 min
-    PYTHONPATH=. python benchmarks/exp_mhc.py --md OUT.md      # ... and write the table there too
-    PYTHONPATH=. python benchmarks/exp_mhc.py --smoke          # CPU interpreter: code paths only
+    PYTHONPATH=. python experiments/exp_mhc.py                  # H200: < 2 min
+    PYTHONPATH=. python experiments/exp_mhc.py --md OUT.md      # ... and write the table there too
+    PYTHONPATH=. python experiments/exp_mhc.py --smoke          # CPU interpreter: code paths only
 
 For d in (4096, 7168) and T in (1, 8, 64, 256, 4096, 8192): hc_pre with ``config={"impl": "v1"}``
 (split-K mix GEMM + finish, the previous default), the new default (``config=None``: the fused

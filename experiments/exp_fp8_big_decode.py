@@ -2,8 +2,8 @@
 """Experiment: tiles of the split-K Triton FP8 GEMM (``gemm._fp8_gemm_kernel``) for the 32-128 MB decode
 linears (wq_b, wo_b), which ``fp8_linear`` keeps on that kernel (``fp8_mma`` lost there, session 7).
 
-    PYTHONPATH=. python benchmarks/exp_fp8_big_decode.py          # H200, < 5 min
-    PYTHONPATH=. python benchmarks/exp_fp8_big_decode.py --rule   # the default tile against BN 64 on
+    PYTHONPATH=. python experiments/exp_fp8_big_decode.py          # H200, < 5 min
+    PYTHONPATH=. python experiments/exp_fp8_big_decode.py --rule   # the default tile against BN 64 on
                                                                   # every V4-Pro linear it changed
 
 For each linear and row count: the default tile and a sweep over BN, warps, stages and the split count

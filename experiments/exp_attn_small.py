@@ -1,6 +1,6 @@
 """Sparse decode attention at batch 1-16 (H200): heads per program, entries per block, warps.
 
-    PYTHONPATH=. python benchmarks/exp_attn_small.py
+    PYTHONPATH=. python experiments/exp_attn_small.py
 
 Per case (V4-Flash 64 / V4-Pro 128 heads; window only, CSA window + 512 picks, HCA window + 64
 entries at ctx 8192): us per call (CUDA-graph replays, L2 flushed), the max difference to the
@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))  # attention.py's `common`
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsv4.kernels.sparse_attention as sa  # noqa: E402
 from benchmarks.attention import decode_case, relerr, run_torch, run_triton  # noqa: E402

@@ -1,7 +1,7 @@
 """Experiment: the tensor-core FP4 decode GEMM (kernels/fp4_mma.py) against the CUDA-core GEMV
 (kernels/gemv.py) on V4 expert shapes: same grouped tiles, L2 flushed, CUDA-graph timed.
 
-    PYTHONPATH=. python benchmarks/exp_fp4_mma.py [--smoke]
+    PYTHONPATH=. python experiments/exp_fp4_mma.py [--smoke]
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Experiment (not adopted: slower): an FP4 (MXFP4) decode expert GEMM on Hopper's native FP8 wgmma,
 the weights placed as e4m3 in registers, against ``kernels/fp4_mma.py`` (f16 ``mma.sync``).
 
-    PYTHONPATH=. python benchmarks/exp_fp4_wgmma.py --static    # no GPU: sm_90 compile, SASS counts
-    PYTHONPATH=. python benchmarks/exp_fp4_wgmma.py             # H200: correctness + time vs fp4_mma
+    PYTHONPATH=. python experiments/exp_fp4_wgmma.py --static    # no GPU: sm_90 compile, SASS counts
+    PYTHONPATH=. python experiments/exp_fp4_wgmma.py             # H200: correctness + time vs fp4_mma
 
 Why: ``fp4_mma`` is bound by ALU issue (Nsight Compute, BENCHMARKS.md session 8: ~220 SASS
 instructions per 128-K block and warp, 48 of them e4m3 -> f16 conversions and 32 f16 multiplies

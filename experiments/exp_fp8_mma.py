@@ -2,7 +2,7 @@
 MMA tile (gemm._fp8_gemm_kernel + its sum) on the V4-Flash decode linears and wo_a, at 1 and 4 rows:
 K blocks per step (UNROLL 1 / 2), K splits, 64-row / 32-row tiles. CUDA-graph replays, L2 flushed.
 
-    PYTHONPATH=. python benchmarks/exp_fp8_mma.py [--only SUBSTRING]
+    PYTHONPATH=. python experiments/exp_fp8_mma.py [--only SUBSTRING]
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 below), so that hc_pre reads x once, against the separate hc_post + hc_pre (tiled: the mix GEMM
 reads x, the weighted sum reads it again).
 
-    PYTHONPATH=. python benchmarks/exp_hc_post_mix.py             # H200, < 2 min
-    PYTHONPATH=. python benchmarks/exp_hc_post_mix.py --smoke     # CPU interpreter: code paths only
+    PYTHONPATH=. python experiments/exp_hc_post_mix.py             # H200, < 2 min
+    PYTHONPATH=. python experiments/exp_hc_post_mix.py --smoke     # CPU interpreter: code paths only
 
 Bytes (the floors): hc_post reads y [T, d] and res [T, 4, d], writes out [T, 4, d]; hc_pre reads x
 [T, 4, d] once and fn, writes y [T, d] and post / comb; '% copy' = (bytes / copy bandwidth) / time.
