@@ -1,0 +1,310 @@
+"""The V4 attention layer (spec §4-§6): its weights as stored, and the one attention orchestration.
+
+One forward for every batch kind (``ctx``: a ``DecodeContext`` of one token per sequence with
+fixed shapes, or a ``PrefillContext`` of chunks): the row-wise projections, q/kv prologue with the
+FP8 cache insert, the compressor (and, on CSA layers, indexer) updates, sparse attention over the
+window + compressed entries, inverse RoPE and the grouped output projection. The only difference
+between the kinds is where a token's window rows and compressor windows come from: in a decode
+step every row is written into its slot's ring / pages and read back by index lists built without
+host synchronisation (capturable in a CUDA graph); in a prefill chunk the chunk's own keys go to a
+scratch page buffer that also holds the ring's previous entries (a long chunk would overwrite its
+own ring), and each sequence's compressor update is one launch.
+
+Cache layout: ``dsv4.engine.kv_cache`` (window ring per slot, compressed / index pages per block).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..formats.kv_entry import page_bytes, page_views
+from ..formats.paging import INDEX_PAGE, WINDOW, WINDOW_PAGE
+from ..kernels.paging import block_entry_ids
+from .linear import Bf16Linear, Fp8Linear, GroupedFp8, _copy
+
+SCORE_BYTES = 256 << 20          # bound of one block of indexer scores during a prefill chunk
+
+
+class Rope:
+    """RoPE of one layer type: ``rope(positions)`` -> complex64 [n, 32] (the official
+    ``precompute_freqs_cis`` angles, fp32 product pos * f)."""
+
+    def __init__(self, freqs: torch.Tensor):
+        self.freqs = freqs
+        self.fp64_trig = False
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        angles = torch.outer(positions.to(torch.float32), self.freqs)
+        return torch.polar(torch.ones_like(angles), angles)
+
+    def cos_sin(self, positions: torch.Tensor):
+        f = self(positions)
+        return f.real.float().contiguous(), f.imag.float().contiguous()
+
+
+class Compressor(nn.Module):
+    """Softmax-pooling KV compressor (spec §5); wkv / wgate live in the attention's merged
+    projection."""
+
+    def __init__(self, cfg, ratio: int, dim: int, indexer: bool, rope: Rope, device=None):
+        super().__init__()
+        self.ratio, self.dim, self.is_indexer, self.rope = ratio, dim, indexer, rope
+        self.overlap = ratio == 4
+        self.coff = 2 if self.overlap else 1
+        self.eps = cfg.rms_norm_eps
+        self.register_buffer("ape", torch.empty(ratio, self.coff * dim, dtype=torch.float32, device=device))
+        self.register_buffer("norm_w", torch.empty(dim, dtype=torch.float32, device=device))
+
+    def loaders(self, p: str):
+        return {p + "ape": _copy(self.ape, p + "ape"), p + "norm.weight": _copy(self.norm_w, p + "norm.weight")}
+
+
+def _copy_entries(dst, dst_ids, src, src_ids, page_size):
+    """Byte copy of 584-B entries between two paged buffers (same page size)."""
+    dd, ds = page_views(dst, page_size)
+    sd, ss = page_views(src, page_size)
+    dd[dst_ids // page_size, dst_ids % page_size] = sd[src_ids // page_size, src_ids % page_size]
+    ds[dst_ids // page_size, dst_ids % page_size] = ss[src_ids // page_size, src_ids % page_size]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_id: int, ops, ropes: dict[int, Rope], wo_a_fmt: str, device=None):
+        super().__init__()
+        self.layer_id, self.ops = layer_id, ops
+        self.ratio = cfg.layer_ratio(layer_id)
+        self.H, self.D, self.G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        self.q_lora, self.eps, self.scale = cfg.q_lora_rank, cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        d, a = cfg.hidden_size, f"layers.{layer_id}.attn."
+        self.prefix = a
+        self.wq_a_wkv = Fp8Linear(d, [(a + "wq_a", cfg.q_lora_rank), (a + "wkv", cfg.head_dim)], ops, device)
+        self.wq_b = Fp8Linear(cfg.q_lora_rank, [(a + "wq_b", self.H * self.D)], ops, device)
+        self.wo_a = GroupedFp8(a + "wo_a", self.G, cfg.o_lora_rank, self.H * self.D // self.G, ops, wo_a_fmt, device)
+        self.wo_b = Fp8Linear(self.G * cfg.o_lora_rank, [(a + "wo_b", d)], ops, device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.register_buffer("q_norm", torch.empty(cfg.q_lora_rank, **f32))
+        self.register_buffer("kv_norm", torch.empty(cfg.head_dim, **f32))
+        self.register_buffer("sink", torch.empty(self.H, **f32))
+        self.rope = ropes[self.ratio]
+        self.compressor = self.index_comp = self.index_wq_b = self.proj = None
+        if self.ratio:
+            self.compressor = Compressor(cfg, self.ratio, cfg.head_dim, False, self.rope, device)
+            c = self.compressor.coff * cfg.head_dim
+            members = [(a + "compressor.wkv", c), (a + "compressor.wgate", c)]
+            if self.ratio == 4:
+                self.index_comp = Compressor(cfg, 4, cfg.index_head_dim, True, self.rope, device)
+                self.index_wq_b = Fp8Linear(cfg.q_lora_rank, [(a + "indexer.wq_b", cfg.index_n_heads *
+                                                                cfg.index_head_dim)], ops, device)
+                ci = 2 * cfg.index_head_dim
+                members += [(a + "indexer.compressor.wkv", ci), (a + "indexer.compressor.wgate", ci),
+                            (a + "indexer.weights_proj", cfg.index_n_heads)]
+                self.index_heads, self.index_dim, self.index_topk = cfg.index_n_heads, cfg.index_head_dim, \
+                    cfg.index_topk
+            # every linear that reads the layer input besides wq_a / wkv: one fp32-output GEMM
+            self.proj = Bf16Linear(d, members, ops, "fp32", device)
+        self.lc = None          # this layer's LayerCache, set by the model's attach_cache
+
+    def loaders(self):
+        a = self.prefix
+        out = {}
+        for m in (self.wq_a_wkv, self.wq_b, self.wo_a, self.wo_b, self.proj, self.index_wq_b):
+            if m is not None:
+                out.update(m.loaders())
+        out[a + "q_norm.weight"] = _copy(self.q_norm, a + "q_norm.weight")
+        out[a + "kv_norm.weight"] = _copy(self.kv_norm, a + "kv_norm.weight")
+        out[a + "attn_sink"] = _copy(self.sink, a + "attn_sink")
+        if self.compressor is not None:
+            out.update(self.compressor.loaders(a + "compressor."))
+        if self.index_comp is not None:
+            out.update(self.index_comp.loaders(a + "indexer.compressor."))
+        return out
+
+    # ------------------------------------------------------------------ shared parts
+    def _projections(self, x, pos):
+        """(q [T, H, D], kv [T, D], qr, compressor rows {name: (k, s)}, indexer head weights)."""
+        ops, T = self.ops, x.shape[0]
+        y = ops.linear(self.wq_a_wkv, x)
+        qr = ops.rms_norm(y[:, :self.q_lora], self.q_norm, self.eps)
+        kv = ops.rms_norm(y[:, self.q_lora:], self.kv_norm, self.eps)
+        q = ops.linear(self.wq_b, qr).view(T, self.H, self.D)
+        rows, iw = {}, None
+        if self.proj is not None:
+            z = ops.linear(self.proj, x)                 # fp32 [T, sum of members]
+            o = 0
+            for name, comp in (("main", self.compressor), ("index", self.index_comp)):
+                if comp is None:
+                    continue
+                w = comp.coff * comp.dim
+                rows[name] = (z[:, o:o + w], z[:, o + w:o + 2 * w] + comp.ape[pos % comp.ratio])
+                o += 2 * w
+            if self.index_comp is not None:
+                # the bf16 linear's rounding, then the scaled weights' (reference order)
+                iw = z[:, o:].to(torch.bfloat16)
+                iw = (iw * (self.index_dim ** -0.5 * self.index_heads ** -0.5)).to(torch.bfloat16)
+        return q, kv, qr, rows, iw
+
+    def _output(self, o, cos, sin, trace):
+        T = o.shape[0]
+        og = self.ops.inverse_rope(o, cos, sin).view(T, self.G, -1)
+        z = self.wo_a(og)
+        return trace(f"L{self.layer_id}.attn", self.ops.linear(self.wo_b, z.flatten(1)))
+
+    def _index_queries(self, qr, cos, sin):
+        T = qr.shape[0]
+        iq = self.ops.linear(self.index_wq_b, qr).view(T, self.index_heads, self.index_dim)
+        return self.ops.index_q_prologue(iq, cos, sin)
+
+    def forward(self, x, ctx):
+        return self._decode(x, ctx) if ctx.decode else self._prefill(x, ctx)
+
+    # ------------------------------------------------------------------ decode step
+    def _decode(self, x, ctx):
+        ops, lc, L, trace = self.ops, self.lc, f"L{self.layer_id}.", ctx.trace
+        m = ctx.meta
+        pos, slots, bt = ctx.pos, ctx.slots, ctx.bt
+        _f, cos, sin = m[("attn", id(self.rope))]
+        q, kv, qr, rows, iw = self._projections(x, pos)
+        q, kv = ops.kv_insert(q, kv, cos, sin, lc.window, m["win_slot"], WINDOW_PAGE, self.eps)
+        q, kv = trace(L + "q", q), trace(L + "kv", kv)
+        extra_idx = None
+        if self.ratio:
+            epb = lc.entries_per_block
+            if self.index_comp is not None:
+                ic = self.index_comp
+                iq = self._index_queries(qr, cos, sin)
+                _f, icos, isin = m[(("comp", 4), id(ic.rope))]
+                ops.compress_decode(lc.index_state, slots, pos, *rows["index"], ic.norm_w, icos, isin, ratio=4,
+                                    indexer=True, eps=ic.eps, pages=lc.index_keys, page_slots=m["index_wid"],
+                                    page_size=INDEX_PAGE)
+                n_max = ctx.max_blocks * INDEX_PAGE
+                scores = ops.index_scores(iq, iw, lc.index_keys, bt, pos, n=n_max)
+                picks = ops.index_topk(scores, min(self.index_topk, n_max), n_valid=m["index_nvalid"])
+                picks = trace(L + "indexer_topk", picks)
+            c = self.compressor
+            _f, ccos, csin = m[(("comp", c.ratio), id(c.rope))]
+            new, complete = ops.compress_decode(lc.comp_state, slots, pos, *rows["main"], c.norm_w, ccos, csin,
+                                                ratio=c.ratio, indexer=False, eps=c.eps, pages=lc.entries,
+                                                page_slots=m[("wid", self.ratio, epb)], page_size=epb)
+            if ctx.trace.trace_on:
+                trace(L + "compressor", torch.where(complete[:, None], new, 0))
+            if self.ratio == 4:
+                extra_idx = ops.entry_ids(bt, picks, epb, 4)
+            else:
+                extra_idx = m[("visible", self.ratio, epb)]
+        o = ops.sparse_decode(q, m["widx32"], lc.window, WINDOW_PAGE,
+                              None if extra_idx is None else extra_idx.to(torch.int32),
+                              lc.entries, lc.entries_per_block or 64, sinks=self.sink, scale=self.scale)
+        o = trace(L + "sparse_attn", o)
+        return self._output(o, cos, sin, trace)
+
+    # ------------------------------------------------------------------ prefill chunks
+    def _prefill(self, x, ctx):
+        ops, lc, L, trace = self.ops, self.lc, f"L{self.layer_id}.", ctx.trace
+        segs, pos, dev = ctx.segs, ctx.pos, x.device
+        T = x.shape[0]
+        cos, sin = ctx.rope_rows(self.rope)
+        q, kv, qr, rows, iw = self._projections(x, pos)
+        # scratch window source: per segment [the ring's previous entries | this chunk's entries]
+        offs, o = [], 0
+        for s in segs:
+            offs.append(o)
+            o += s.w_prev + s.n
+        scratch = torch.empty(-(-o // WINDOW_PAGE), page_bytes(WINDOW_PAGE), dtype=torch.uint8, device=dev)
+        chunk_ids = torch.empty(T, dtype=torch.long, device=dev)
+        seg_base = torch.empty(T, dtype=torch.long, device=dev)    # scratch id of position 0
+        for s, off in zip(segs, offs):
+            if s.w_prev:
+                prev = torch.arange(s.p0 - s.w_prev, s.p0, device=dev)
+                _copy_entries(scratch, off + torch.arange(s.w_prev, device=dev), lc.window,
+                              s.slot * WINDOW + prev % WINDOW, WINDOW_PAGE)
+            chunk_ids[s.r0:s.r1] = off + s.w_prev + torch.arange(s.n, device=dev)
+            seg_base[s.r0:s.r1] = off - (s.p0 - s.w_prev)
+        q, kv = ops.kv_insert(q, kv, cos, sin, scratch, chunk_ids, WINDOW_PAGE, self.eps)
+        q = trace(L + "q", q)
+        trace(L + "kv", kv)
+        # window lists: positions max(0, p-127) .. p (the reference layout), -1 beyond p
+        wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + torch.arange(WINDOW, device=dev)
+        widx = torch.where(wpos <= pos[:, None], seg_base[:, None] + wpos, -1)
+        extra_idx = None
+        if self.ratio:
+            iq = self._index_queries(qr, cos, sin) if self.index_comp is not None else None
+            extra_idx = self._compressed(ctx, rows, iq, iw)
+        o = ops.sparse_prefill(q, widx.to(torch.int32), scratch, WINDOW_PAGE,
+                               None if extra_idx is None else extra_idx.to(torch.int32),
+                               lc.entries if self.ratio else None, lc.entries_per_block or 64,
+                               sinks=self.sink, scale=self.scale)
+        o = trace(L + "sparse_attn", o)
+        for s, off in zip(segs, offs):            # the ring keeps each sequence's last 128 entries
+            keep = min(s.n, WINDOW)
+            p = torch.arange(s.end - keep, s.end, device=dev)
+            _copy_entries(lc.window, s.slot * WINDOW + p % WINDOW, scratch, off + s.w_prev + (p - s.p0),
+                          WINDOW_PAGE)
+        return self._output(o, cos, sin, trace)
+
+    def _compress_chunk(self, ctx, comp, ring, s, k, sc, pages, per_block, name):
+        """Chunk update of one compressor of one sequence: entries completed by the chunk pooled,
+        post-processed and written into the paged cache, the ring left holding the pending rows
+        (positions [start, end) at pos % R, the layout the decode kernel reads)."""
+        dev, m = k.device, comp.ratio
+        R = ring.shape[1]
+        first, last = s.p0 // m, s.end // m
+        if last > first:
+            # rows from the previous window's first position (overlap) or the window's own
+            base = max(0, (first - (1 if comp.overlap else 0)) * m)
+            old = ring[s.slot, torch.arange(base, s.p0, device=dev) % R]
+            w = old.shape[1] // 2
+            j = torch.arange(first, last, device=dev)
+            cos, sin = comp.rope.cos_sin(j * m)
+            ids, blk = block_entry_ids(s.bt, j[None, :], per_block, m)
+            page_slots = torch.where(blk >= 0, ids, ctx.scratch_block * per_block)
+            new = self.ops.compress_prefill(torch.cat([old[:, :w], k]), torch.cat([old[:, w:], sc]), base, first,
+                                            last, comp.norm_w, cos, sin, ratio=m, indexer=comp.is_indexer,
+                                            eps=comp.eps, pages=pages, page_slots=page_slots.view(-1),
+                                            page_size=per_block)
+            ctx.trace(name, new)
+        start = m * max(0, last - 1) if comp.overlap else m * last
+        keep_from = max(start, s.p0)
+        if s.end > keep_from:
+            p = torch.arange(keep_from, s.end, device=dev)
+            ring[s.slot, p % R] = torch.cat([k[keep_from - s.p0:], sc[keep_from - s.p0:]], dim=1)
+
+    def _compressed(self, ctx, rows, iq, iw):
+        """Compressor (and indexer) updates of every segment; extra index lists [T, K] of global
+        entry ids into the compressed pages (-1 pad)."""
+        ops, lc, L = self.ops, self.lc, f"L{self.layer_id}."
+        dev, epb = ctx.pos.device, lc.entries_per_block
+        ck, cs = rows["main"]
+        lists = []
+        for s in ctx.segs:
+            r = slice(s.r0, s.r1)
+            if self.index_comp is not None:
+                ik, isc = rows["index"]
+                self._compress_chunk(ctx, self.index_comp, lc.index_state, s, ik[r], isc[r], lc.index_keys,
+                                     INDEX_PAGE, L + "indexer_compressor")
+            self._compress_chunk(ctx, self.compressor, lc.comp_state, s, ck[r], cs[r], lc.entries, epb,
+                                 L + "compressor")
+            n_e = s.end // self.ratio                    # entries complete at the chunk's end
+            p = ctx.pos[r]
+            if n_e == 0:
+                lists.append(torch.full((s.n, 1), -1, dtype=torch.long, device=dev))
+                continue
+            if self.ratio == 4:
+                # scores [rows, n_e] bf16 in row blocks of <= SCORE_BYTES (a 4K-row chunk at 1M
+                # context would otherwise hold 2 GB of scores)
+                rb = max(1, min(s.n, SCORE_BYTES // (2 * n_e)))
+                picks = torch.cat([
+                    ops.index_topk(ops.index_scores(iq[r][i:i + rb].contiguous(), iw[r][i:i + rb].contiguous(),
+                                                    lc.index_keys, s.bt.expand(min(rb, s.n - i), -1), p[i:i + rb],
+                                                    n=n_e),
+                                   min(self.index_topk, n_e), n_valid=(p[i:i + rb] + 1) // 4).long()
+                    for i in range(0, s.n, rb)])
+                picks = ctx.trace(L + "indexer_topk", picks)
+                lists.append(ops.entry_ids(s.bt.expand(s.n, -1), picks, epb, 4))
+            else:
+                j = torch.arange(n_e, device=dev)[None, :].expand(s.n, -1)
+                vis = j < ((p + 1) // self.ratio)[:, None]
+                lists.append(ops.entry_ids(s.bt.expand(s.n, -1), torch.where(vis, j, -1), epb, self.ratio))
+        K = max(li.shape[1] for li in lists)
+        out = torch.full((ctx.pos.shape[0], K), -1, dtype=torch.long, device=dev)
+        for s, li in zip(ctx.segs, lists):
+            out[s.r0:s.r1, :li.shape[1]] = li
+        return out

@@ -1,0 +1,90 @@
+"""Torch twins of the layer ops on native weights: DeepSeek's official numerics, computed as
+``dsv4.reference`` computes them (``Numerics('official')``), one weight dequantised at a time.
+
+``linear`` computes every merged member on its own rows (the reference's GEMM shapes, so the same
+bits as the reference's ``Linear`` on a CPU); ``moe`` dequantises only the experts a batch routes
+to, in increasing expert id, as the reference's loop does.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats.fp4 import dequant_mxfp4, dequant_nvfp4
+from ..formats.fp8 import dequant_fp8_weight
+from ..reference.linear import Linear as RefLinear
+from ..reference.linear import dequant_activation_fp8
+from ..reference.moe import MoE as RefMoE
+from ..reference.moe import Expert
+from ..reference.numerics import OFFICIAL
+
+QBLOCK = 128
+
+
+def fp8_rows(w: torch.Tensor, s: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """fp32 values of rows [a, b) of an FP8 weight (a a multiple of 128)."""
+    return dequant_fp8_weight(w[a:b], s[a // QBLOCK:-(-b // QBLOCK)])
+
+
+def linear(lin, x: torch.Tensor) -> torch.Tensor:
+    if lin.kind == "fp8":
+        xq = dequant_activation_fp8(x.to(torch.bfloat16))
+        outs = [(xq @ fp8_rows(lin.weight, lin.scale, a, b).T).to(torch.bfloat16) for _, a, b in lin.spans()]
+    elif lin.kind == "bf16":
+        xf = x.to(torch.bfloat16).float()
+        outs = [(xf @ lin.weight[a:b].float().T).to(torch.bfloat16) for _, a, b in lin.spans()]
+    else:
+        xf = x.float()
+        outs = [xf @ lin.weight[a:b].float().T for _, a, b in lin.spans()]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def wo_a(g, o: torch.Tensor) -> torch.Tensor:
+    lin = g.lin
+    w = fp8_rows(lin.weight, lin.scale, 0, lin.out_features) if lin.kind == "fp8" else lin.weight.float()
+    return OFFICIAL.round(OFFICIAL.einsum("tgd,grd->tgr", o.float(), w.view(g.groups, g.rank, -1)))
+
+
+def _expert_weights(layer, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (w1, w3, w2) of routed expert e."""
+    I = layer.inter
+    if layer.fmt == "fp8":
+        w13 = dequant_fp8_weight(layer.w13[e], layer.w13_s[e])
+        w2 = dequant_fp8_weight(layer.w2[e], layer.w2_s[e])
+    elif layer.fmt == "mxfp4":
+        w13 = dequant_mxfp4(layer.w13[e], layer.w13_s[e])
+        w2 = dequant_mxfp4(layer.w2[e], layer.w2_s[e])
+    else:       # nvfp4: one global scale per (expert, tensor), spread over its rows at load
+        e4 = torch.float8_e4m3fn
+        w13 = torch.cat([dequant_nvfp4(layer.w13[e, r], layer.w13_s[e, r].view(e4), layer.w13_s2[e, r.start])
+                         for r in (slice(0, I), slice(I, 2 * I))])
+        w2 = dequant_nvfp4(layer.w2[e], layer.w2_s[e].view(e4), layer.w2_s2[e, 0])
+    return w13[:I], w13[I:], w2
+
+
+def _expert(w1, w3, w2, kind: str, limit: float) -> Expert:
+    return Expert(RefLinear(w1, kind, OFFICIAL), RefLinear(w2, kind, OFFICIAL), RefLinear(w3, kind, OFFICIAL),
+                  limit, OFFICIAL)
+
+
+def shared_expert(layer) -> Expert:
+    I = layer.inter
+    s13 = dequant_fp8_weight(layer.sh13, layer.sh13_s)
+    return _expert(s13[:I], s13[I:], dequant_fp8_weight(layer.sh2, layer.sh2_s), "fp8", layer.limit)
+
+
+def router(layer) -> RefMoE:
+    """The reference layer's routing over this layer's gate (no experts attached)."""
+    return RefMoE(layer.gate_w, layer.bias, layer.tid2eid, [], None, layer.topk, layer.route_scale, OFFICIAL)
+
+
+def moe(layer, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``reference.moe.MoE.__call__`` on the layer's stored experts."""
+    idx, w = router(layer).route(x, ids)
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    kind = "fp8" if layer.fmt == "fp8" else "fp4"
+    for e in torch.unique(idx).tolist():                 # increasing expert id, as the official loop
+        hit = idx == e
+        rows = hit.any(dim=1).nonzero().squeeze(1)
+        col = hit[rows].float().argmax(dim=1)            # a repeated hash id contributes once
+        y[rows] += _expert(*_expert_weights(layer, e), kind, layer.limit)(x[rows], w[rows, col]).float()
+    return OFFICIAL.round(y + shared_expert(layer)(x).float())
