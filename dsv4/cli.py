@@ -9,9 +9,8 @@ import time
 def _engine_kw(a: argparse.Namespace) -> dict:
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_model_len=a.max_model_len, kv_cache_memory=a.kv_cache_memory,
-                gpu_memory_utilization=a.gpu_memory_utilization, numerics=a.numerics, device=a.device,
-                attention_backend=a.attention_backend, cuda_graphs=not a.enforce_eager,
-                fused_hotpath=a.fused_hotpath, log=not a.quiet)
+                gpu_memory_utilization=a.gpu_memory_utilization, device=a.device,
+                cuda_graphs=not a.enforce_eager, log=not a.quiet)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -59,16 +58,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--numerics", choices=["official", "invariant"], default=None,
-                   help="reference numerics (default invariant: batch-invariant official math; "
-                        "official with --fused-hotpath)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--attention-backend", choices=["reference", "triton"], default=None,
-                   help="attention ops (default: triton on CUDA, reference on CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
-    p.add_argument("--fused-hotpath", action="store_true",
-                   help="every hot op in a Triton kernel: mHC, FP8/FP4 GEMMs, compressor, indexer, MoE, "
-                        "prefill included (needs the triton attention backend)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -101,13 +92,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     if a.max_waiting is not None and a.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=a.model, max_num_seqs=a.max_num_seqs,
-                                    max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                                    kv_cache_memory=a.kv_cache_memory,
-                                    gpu_memory_utilization=a.gpu_memory_utilization, numerics=a.numerics,
-                                    device=a.device, attention_backend=a.attention_backend,
-                                    cuda_graphs=not a.enforce_eager, fused_hotpath=a.fused_hotpath,
-                                    log=not a.quiet))
+    engine = LLMEngine(EngineConfig(model=a.model, **_engine_kw(a)))
     api_key = a.api_key or os.environ.get("DSV4_API_KEY") or None
     app = build_app(engine, served_model_name=a.served_model_name, api_key=api_key, max_waiting=a.max_waiting,
                     log=not a.quiet)

@@ -104,7 +104,7 @@ def run(args) -> int:
     else:
         from .checkpoint.loader import load_checkpoint
         from .models import resolve_model
-        from .server.tokenizer import load_tokenizer
+        from .tokenizer import load_tokenizer
         path = resolve_model(args.model)
         ck = load_checkpoint(path, progress=not args.quiet)
         cfg, tensors = ck.config, ck.tensors

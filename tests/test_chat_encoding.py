@@ -28,7 +28,7 @@ from dsv4.server.chat_encoding import (
     parse_completion,
     resolve_chat_options,
 )
-from dsv4.server.tokenizer import IncrementalDetokenizer, find_tokenizer_file, load_tokenizer
+from dsv4.tokenizer import IncrementalDetokenizer, find_tokenizer_file, load_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "chat")
 

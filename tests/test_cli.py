@@ -7,7 +7,7 @@ import torch
 
 from dsv4.checkpoint.loader import load_checkpoint
 from dsv4.reference.model import ReferenceModel
-from dsv4.server.tokenizer import load_tokenizer
+from dsv4.tokenizer import load_tokenizer
 
 
 def _run(args, env):

@@ -1,4 +1,13 @@
-"""Engine acceptance: batched/chunked/preempted generation equals the reference alone."""
+"""Engine acceptance: the production model served batched / chunked / preempted gives the greedy
+tokens and log-probs of the same model serving each request alone.
+
+The official numerics are not batch invariant (on a CPU the twins' elementwise kernels round a
+row's last ulp by where it sits in the batch; on a GPU the kernels pick tiles and splits by batch
+size), and the tiny random model amplifies an ulp into up to a logit. So a greedy step is held
+to the alone run's token wherever the alone run's top-1 leads its top-2 by ``MARGIN`` nats, and
+the chosen token's log-prob to within ``LP_TOL``; the first step where the runs part (allowed
+only below the margin) ends the comparison of that request. Closeness to the oracle is
+tests/test_model.py's."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +15,6 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.llm_engine import RequestRejected
-from dsv4.reference.model import ReferenceModel
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +26,8 @@ def llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(llm):
-    return llm.engine.model          # the same weights, run alone on in-memory state
+    """The same model serving one request at a time, each prompt in one chunk."""
+    return LLM(None, max_num_seqs=1, max_num_batched_tokens=1024, max_model_len=1024, log=False)
 
 
 def _prompt(n, seed):
@@ -26,41 +35,50 @@ def _prompt(n, seed):
     return torch.randint(3, 128000, (n,), generator=g).tolist()
 
 
-def _alone(ref: ReferenceModel, ids, n_out):
-    """Greedy continuation and the log-prob of each chosen token, one sequence on its own."""
-    st = ref.new_state()
-    lg = ref.forward([(torch.tensor(ids), st)])[0]
-    toks, lps = [], []
-    for _ in range(n_out):
-        t = int(lg.argmax())
-        toks.append(t)
-        lps.append(float(torch.log_softmax(lg.float(), -1)[t]))
-        lg = ref.forward([(torch.tensor([t]), st)])[0]
-    return toks, lps
+MARGIN = 2.0
+LP_TOL = 1.0
+
+
+def _alone(ref: LLM, ids, n_out):
+    """The greedy completion of the request on its own, with top-2 log-probs per step."""
+    return ref.generate([{"prompt_token_ids": list(ids)}],
+                        SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True, logprobs=2))[0].outputs[0]
+
+
+def _agree(c, alone) -> int:
+    """Check completion ``c`` against the alone run (module doc); the number of equal steps."""
+    for i, (a, b) in enumerate(zip(c.token_ids, alone.token_ids)):
+        top = sorted((v.logprob for v in alone.logprobs[i].values()), reverse=True)
+        margin = top[0] - top[1]
+        if a != b:
+            assert margin < MARGIN, f"step {i}: token {a} != {b} at a top-1 margin of {margin:.3f}"
+            return i
+        if c.logprobs is not None:
+            assert abs(c.logprobs[i][a].logprob - alone.logprobs[i][b].logprob) < LP_TOL, i
+    return len(c.token_ids)
 
 
 def _free(cache):
     return cache.num_free_blocks, cache.num_free_slots
 
 
-def test_eight_concurrent_greedy_requests_equal_the_reference_alone(llm, ref):
+def test_eight_concurrent_greedy_requests_match_the_model_alone(llm, ref):
     lens = [705, 730, 300, 130, 64, 17, 5, 3]           # two > 700 tokens: CSA top-k and HCA entries
     n_out = 6
     prompts = [{"prompt_token_ids": _prompt(n, i)} for i, n in enumerate(lens)]
     start = _free(llm.engine.cache)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True, logprobs=1))
     assert _free(llm.engine.cache) == start
+    equal = 0
     for p, o in zip(prompts, outs):
-        toks, lps = _alone(ref, p["prompt_token_ids"], n_out)
         c = o.outputs[0]
-        assert c.token_ids == toks
-        assert c.finish_reason == "length" and o.finished
-        got = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
-        assert got == pytest.approx(lps, abs=0)             # invariant numerics: same bits
+        equal += _agree(c, _alone(ref, p["prompt_token_ids"], n_out))
+        assert c.finish_reason == "length" and o.finished and len(c.token_ids) == n_out
         assert all(len(d) >= 1 for d in c.logprobs)
+    assert equal >= len(prompts) * n_out * 3 // 4         # parting runs are the exception
 
 
-def test_preemption_leaves_outputs_unchanged_and_frees_everything(tmp_path):
+def test_preemption_leaves_outputs_unchanged_and_frees_everything(tmp_path, ref):
     import os
     os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
     # 6 blocks of 256 tokens for 4 sequences that need 2 blocks each at the end: must preempt
@@ -73,7 +91,7 @@ def test_preemption_leaves_outputs_unchanged_and_frees_everything(tmp_path):
     assert eng.scheduler.num_preemptions > 0
     assert _free(eng.cache) == start
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == _alone(eng.model, p["prompt_token_ids"], 24)[0]
+        _agree(o.outputs[0], _alone(ref, p["prompt_token_ids"], 24))
 
 
 def test_abort_and_rejections_free_blocks_while_others_complete(llm, ref):
@@ -95,7 +113,7 @@ def test_abort_and_rejections_free_blocks_while_others_complete(llm, ref):
         for o in eng.step():
             done[o.request_id] = o
     assert done["drop"].outputs[0].finish_reason == "abort"
-    assert done["keep"].outputs[0].token_ids == _alone(ref, _prompt(40, 21), 5)[0]
+    _agree(done["keep"].outputs[0], _alone(ref, _prompt(40, 21), 5))
     assert "long" not in done and _free(eng.cache) == start
 
 
@@ -141,42 +159,35 @@ def test_text_prompts_n_samples_stop_strings(llm):
 
 def test_nan_logits_fail_the_request_not_token_zero(llm, monkeypatch):
     eng = llm.engine
-    orig = eng.runner.backend.forward
+    orig = eng.runner.forward
 
     def poisoned(chunks):
         out = orig(chunks)
         return [torch.full_like(o, float("nan")) for o in out]
-    monkeypatch.setattr(eng.runner.backend, "forward", poisoned)
+    monkeypatch.setattr(eng.runner, "forward", poisoned)
     start = _free(eng.cache)
     o = llm.generate([{"prompt_token_ids": _prompt(10, 1)}], SamplingParams(max_tokens=4))[0].outputs[0]
     assert o.finish_reason == "error" and "non-finite" in o.error and o.token_ids == []
     assert _free(eng.cache) == start
 
 
-def test_fast_decode_path_is_bit_identical_on_cpu(tmp_path):
-    """The tensorised decode step (what CUDA graphs capture) with the reference attention twin
-    writes and reads the same cache contents as the reference ops: same tokens, same log-probs."""
-    import os
-    os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
-    fast = LLM(None, max_num_seqs=3, max_num_batched_tokens=200, max_model_len=1024, log=False, fast_decode=True)
-    assert fast.engine.backend_name == "fast-decode/reference"
-    prompts = [{"prompt_token_ids": _prompt(n, 60 + n)} for n in (262, 9, 3)]   # crosses a 256-token block
-    start = _free(fast.engine.cache)
-    outs = fast.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0))
-    assert _free(fast.engine.cache) == start
-    for p, o in zip(prompts, outs):
-        toks, lps = _alone(fast.engine.model, p["prompt_token_ids"], 6)
-        c = o.outputs[0]
-        assert c.token_ids == toks
-        assert [c.logprobs[i][t].logprob for i, t in enumerate(toks)] == lps
+def test_engine_serves_the_native_weight_model_on_cpu(llm):
+    """The engine holds the production model (no reference object), on its checkpoint's native
+    formats, with the torch twins on a CPU; max_model_len follows the config, capped by the cache."""
+    from dsv4.model.deepseek_v4 import DeepseekV4
+    eng = llm.engine
+    assert isinstance(eng.model, DeepseekV4) and not eng.model.ops.kernels
+    assert eng.backend_name == "torch twins"
+    assert eng.model.layers[0].attn.wq_a_wkv.weight.dtype == torch.float8_e4m3fn
+    assert eng.model.layers[0].moe.w13.dtype == torch.uint8           # packed MXFP4 codes
+    assert eng.max_model_len == 1024
 
 
-def test_fused_hotpath_numerics(tmp_path, monkeypatch):
-    """fused_hotpath runs the kernels' rounding: numerics default to 'official' with it, and an
-    explicit 'invariant' (a batch-invariance promise the kernels cannot keep) is refused by name."""
+def test_default_max_model_len_is_the_config_limit_capped_by_the_kv_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
     from dsv4.engine.llm_engine import EngineConfig, LLMEngine
-    with pytest.raises(ValueError, match="fused_hotpath.*numerics='invariant'"):
-        LLMEngine(EngineConfig(fused_hotpath=True, numerics="invariant", log=False))
-    eng = LLMEngine(EngineConfig(log=False, max_num_seqs=2, kv_cache_memory="64MiB"))
-    assert eng.cfg.numerics == "invariant" and eng.model.num.name == "invariant"
+    eng = LLMEngine(EngineConfig(log=False, max_num_seqs=2, num_kv_blocks=40))
+    assert eng.max_model_len == min(eng.model_config.max_position_embeddings, 40 * 256)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLMEngine(EngineConfig(log=False, max_num_seqs=2, num_kv_blocks=4,
+                               max_model_len=eng.model_config.max_position_embeddings + 1))

@@ -210,7 +210,7 @@ def test_sinkhorn_in_the_model(tiny):
 
 def test_tiny_model_is_well_conditioned(tiny, monkeypatch):
     """Greedy continuation with clear top-1 margins; attention neither uniform nor one-hot."""
-    from dsv4.server.tokenizer import load_tokenizer
+    from dsv4.tokenizer import load_tokenizer
     cfg, tensors = tiny
     m = ReferenceModel(cfg, tensors, numerics="invariant")
     tok = load_tokenizer(None)

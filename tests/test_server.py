@@ -594,7 +594,7 @@ class FakeEngine:
     and incremental detokenizer. ``go`` unset: requests are admitted but make no progress."""
 
     def __init__(self, reply: str, max_running: int = 4):
-        from dsv4.server.tokenizer import load_tokenizer
+        from dsv4.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(None)
         self.model_config = SimpleNamespace(vocab_size=129280, eos_token_id=1, bos_token_id=0)
         self.max_model_len = 4096

@@ -4,12 +4,13 @@ from __future__ import annotations
 import re
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from ..formats.paging import BLOCK_TOKENS
 from .kv_cache import CacheConfig, KVCache
-from .runner import FastDecodeBackend, ModelRunner, ReferenceBackend
+from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
@@ -37,74 +38,70 @@ class EngineConfig:
     model: str | None = None                 # checkpoint dir; None = the embedded default tiny model
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    max_model_len: int | None = None         # None: 4096 (the reference's default window of use)
+    max_model_len: int | None = None         # None: the config's max_position_embeddings, capped by the KV cache
     kv_cache_memory: str | int | None = None  # bytes for the KV caches (CPU default 256MiB)
     gpu_memory_utilization: float = 0.9      # on CUDA when kv_cache_memory is not given
     num_kv_blocks: int | None = None         # override: exact number of 256-token KV blocks
-    numerics: str | None = None              # dsv4.reference.numerics; None: invariant (batch invariant),
-                                             # official with fused_hotpath (the kernels' rounding)
-    attention_backend: str | None = None     # reference | triton | None: triton on CUDA, else reference
-    fast_decode: bool | None = None          # tensorised decode step; None: on for CUDA
-    cuda_graphs: bool = True                 # capture the decode step per batch-size bucket (CUDA)
-    fused_hotpath: bool = False              # every hot op in a kernel (decode and prefill)
+    cuda_graphs: bool = True                 # capture the decode step per batch-size bucket (CUDA); False = eager
+    kernels: bool | None = None              # None: the op table's choice per device; False: torch twins
     device: str | None = None                # None: cuda if available else cpu
     log: bool = True
 
 
 class LLMEngine:
+    """Serves ``model.deepseek_v4.DeepseekV4``: the checkpoint's native weights streamed onto the
+    device, every op from the op table (kernels on a GPU, torch twins on a CPU)."""
+
     def __init__(self, cfg: EngineConfig | None = None, **kw):
         cfg = cfg or EngineConfig(**kw)
-        from ..checkpoint.loader import load_checkpoint
+        from ..checkpoint.loader import open_checkpoint
+        from ..model.deepseek_v4 import DeepseekV4
         from ..models import resolve_model
-        from ..reference.model import ReferenceModel
-        from ..server.tokenizer import load_tokenizer
+        from ..tokenizer import load_tokenizer
 
-        if cfg.numerics is None:
-            cfg = replace(cfg, numerics="official" if cfg.fused_hotpath else "invariant")
-        elif cfg.fused_hotpath and cfg.numerics != "official":
-            raise ValueError(f"fused_hotpath runs the kernels' own rounding (official numerics, not batch "
-                             f"invariant); numerics={cfg.numerics!r} cannot hold with it: pass numerics='official' "
-                             f"or leave it unset")
         self.cfg = cfg
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if cfg.max_model_len is not None and cfg.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {cfg.max_model_len}")
         path = resolve_model(cfg.model)
-        ck = load_checkpoint(path, progress=cfg.log)
-        tensors = {k: v.to(self.device) for k, v in ck.tensors.items()} if self.device.type != "cpu" else ck.tensors
-        self.model_config = mc = ck.config
+        reader = open_checkpoint(path)
+        self.model_config = mc = reader.config
         self.model_path = path
-        self.model = ReferenceModel(mc, tensors, numerics=cfg.numerics)
+        t0 = time.perf_counter()
+        from ..ops import Ops
+        self.model = DeepseekV4.from_checkpoint(reader, self.device, Ops(self.device, cfg.kernels), progress=cfg.log)
+        load_s = time.perf_counter() - t0
         self.tokenizer = load_tokenizer(path)
-        self.max_model_len = cfg.max_model_len or min(4096, mc.max_position_embeddings)
-        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1 or self.max_model_len < 2:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_model_len >= 2")
-        attn = cfg.attention_backend or ("triton" if self.device.type == "cuda" else "reference")
-        if attn not in ("reference", "triton"):
-            raise ValueError(f"attention_backend must be 'reference' or 'triton', got {attn!r}")
-        fast = cfg.fast_decode if cfg.fast_decode is not None else (self.device.type == "cuda" or attn == "triton")
-        if attn == "triton" and not fast:
-            raise ValueError("attention_backend 'triton' runs in the fast decode path (fast_decode=True)")
         budget = None if cfg.num_kv_blocks is not None else self._kv_budget()
-        # the fast decoder keeps one private scratch slot and block for padding rows
-        extra = 1 if fast else 0
-        self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + extra,
-                                             num_blocks=None if cfg.num_kv_blocks is None else cfg.num_kv_blocks + extra,
+        # the model keeps one private scratch slot and block for padding / non-completing rows
+        self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + 1,
+                                             num_blocks=None if cfg.num_kv_blocks is None else cfg.num_kv_blocks + 1,
                                              memory_bytes=budget, device=str(self.device)))
+        cap = (self.cache.num_blocks - 1) * BLOCK_TOKENS
+        limit = min(mc.max_position_embeddings, cap)
+        if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}")
+        self.max_model_len = cfg.max_model_len or limit
+        self.model.attach_cache(self.cache, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                                    self.max_model_len), self.cache)
-        if fast:
-            backend = FastDecodeBackend(self.model, self.cache, self.max_model_len, attn, cfg.cuda_graphs,
-                                        cfg.fused_hotpath)
-        else:
-            backend = ReferenceBackend(self.model)
-        self.backend_name = f"{'fast-decode' if fast else 'reference'}/{attn}" + ("+fused" if cfg.fused_hotpath else "")
-        self.runner = ModelRunner(backend, self.device)
+        self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs)
+        self.backend_name = f"{'kernels' if self.model.ops.kernels else 'torch twins'}" + \
+            ("+cuda-graphs" if self.runner.graphs is not None else "")
         self.sampler = Sampler(mc.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0}
         if cfg.log:
-            print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len}; "
-                  f"backend {self.backend_name}", file=sys.stderr)
+            gb = reader.total_bytes / 1e9
+            print(f"dsv4: loaded {path} ({reader.layout}, {gb:.2f} GB on disk) in {load_s:.1f} s; "
+                  f"{self.model.describe()}", file=sys.stderr)
+            print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len} (model "
+                  f"{mc.max_position_embeddings}, KV cache {cap} tokens); backend {self.backend_name}",
+                  file=sys.stderr)
 
     def _kv_budget(self) -> int:
         if self.cfg.kv_cache_memory is not None:

@@ -1,94 +1,69 @@
-"""Model runner: one forward for a mixed batch of prefill chunks and decode tokens.
+"""Model runner: one model step for a mixed batch of prefill chunks and decode tokens.
 
-The model is reached through a backend: today ``ReferenceBackend`` (the reference ops on CPU or
-GPU, reading and writing the paged quantised cache through the format codecs, so its numbers are
-the ones a fused kernel must reproduce). The GPU kernel backends plug in behind the same
-``forward(chunks) -> logits`` call.
+Prefill chunks (any chunk that is not a single token past position 0) run as one
+``PrefillContext`` forward; decode tokens as one ``DecodeContext`` forward, replayed from a CUDA
+graph per batch-size bucket where the model's ops allow it (``DeepseekV4.graph_safe``, not
+``enforce_eager``). The step's host-side inputs (positions, slots, block tables) are built once,
+as int64 tensors in pinned memory on a GPU, and copied without blocking.
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-from ..reference.model import ReferenceModel
+from ..model.deepseek_v4 import CudaGraphDecoder, DeepseekV4
 from .scheduler import ScheduledChunk
 
 
-class Backend(Protocol):
-    name: str
+class ModelRunner:
+    def __init__(self, model: DeepseekV4, max_num_seqs: int, cuda_graphs: bool = True):
+        self.model, self.device = model, model.device
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and model.graph_safe:
+            self.graphs = CudaGraphDecoder(model, max_num_seqs)
+        self.pin = self.device.type == "cuda"
+
+    def _host(self, rows: list[list[int]], width: int) -> torch.Tensor:
+        t = torch.full((len(rows), width), -1, dtype=torch.long, pin_memory=self.pin)
+        for r, row in enumerate(rows):
+            t[r, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+        return t.to(self.device, non_blocking=True)
 
     def forward(self, chunks: list[tuple[torch.Tensor, object]]) -> list[torch.Tensor]:
-        """Run each (token ids, sequence state) chunk; fp32 logits of each chunk's last token."""
-
-
-class ReferenceBackend:
-    name = "reference"
-
-    def __init__(self, model: ReferenceModel):
-        self.model = model
-
-    def forward(self, chunks):
-        return self.model.forward(chunks)
-
-
-class FastDecodeBackend:
-    """Decode tokens (1-token chunks of sequences past position 0) go through the tensorised
-    ``FastDecoder`` — CUDA-graph replays on a GPU — with attention by the Triton kernels
-    (``attention='triton'``) or the reference twin. Prefill chunks run the reference ops on the
-    same paged cache, or with ``fused`` the kernels (``FastPrefiller``). All write the same cache
-    layout, so they mix freely."""
-
-    def __init__(self, model: ReferenceModel, cache, max_model_len: int, attention: str = "triton",
-                 cuda_graphs: bool = True, fused: bool = False):
-        from ..model.decode import CudaGraphDecoder, FastDecoder
-        self.model, self.cache = model, cache
-        self.name = attention
-        self.decoder = FastDecoder(model, cache, max_model_len, attention, fused)
-        self.step = self.decoder.forward
-        self.prefill = self.model.forward
-        if fused:
-            from ..model.prefill import FastPrefiller
-            self.prefill = FastPrefiller(self.decoder).forward
-        if cuda_graphs and cache.device.type == "cuda":
-            self.step = CudaGraphDecoder(self.decoder).forward
-
-    def forward(self, chunks):
+        """Run each (token ids, sequence state) chunk; fp32 logits of each chunk's last token.
+        Advances every state's position."""
+        model = self.model
         dec = [i for i, (ids, st) in enumerate(chunks) if ids.numel() == 1 and st.pos > 0]
-        rest = [i for i in range(len(chunks)) if i not in set(dec)]
+        is_dec = set(dec)
+        rest = [i for i in range(len(chunks)) if i not in is_dec]
         out: list = [None] * len(chunks)
         if rest:
-            for i, lg in zip(rest, self.prefill([chunks[i] for i in rest])):
-                out[i] = lg
+            part = [chunks[i] for i in rest]
+            logits = model(model.prefill_context(part))
+            for j, (i, (ids, st)) in enumerate(zip(rest, part)):
+                out[i] = logits[j]
+                st.advance_to(st.pos + ids.numel())
         if dec:
-            dev = self.cache.device
             sts = [chunks[i][1] for i in dec]
-            tokens = torch.cat([chunks[i][0].view(1) for i in dec]).to(dev)
-            pos = torch.tensor([st.pos for st in sts], dtype=torch.long, device=dev)
-            slots = torch.tensor([st.slot for st in sts], dtype=torch.long, device=dev)
-            bt = torch.full((len(dec), self.decoder.max_blocks), -1, dtype=torch.long)
-            for r, st in enumerate(sts):
-                bt[r, :len(st.block_table)] = torch.tensor(st.block_table, dtype=torch.long)
-            logits = self.step(tokens, pos, slots, bt.to(dev))
+            tokens, pos, slots = self._host([[int(chunks[i][0]) for i in dec], [st.pos for st in sts],
+                                             [st.slot for st in sts]], len(dec))
+            bt = self._host([st.block_table for st in sts], model.max_blocks)
+            if self.graphs is not None:
+                logits = self.graphs(tokens, pos, slots, bt)
+            else:
+                logits = model(model.decode_context(tokens, pos, slots, bt))
             for r, (i, st) in enumerate(zip(dec, sts)):
                 out[i] = logits[r]
                 st.advance_to(st.pos + 1)
         return out
-
-
-class ModelRunner:
-    def __init__(self, backend: Backend, device: torch.device | str = "cpu"):
-        self.backend, self.device = backend, torch.device(device)
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
         """Advance every scheduled sequence by its chunk; [B, V] fp32 logits (one row per chunk)."""
         chunks = []
         for c in batch:
             s = c.seq
-            ids = torch.tensor(s.all_ids[s.num_computed:s.num_computed + c.num_tokens], dtype=torch.long,
-                               device=self.device)
-            chunks.append((ids, s.state))
-        logits = self.backend.forward(chunks)
+            chunks.append((torch.tensor(s.all_ids[s.num_computed:s.num_computed + c.num_tokens], dtype=torch.long),
+                           s.state))
+        logits = self.forward(chunks)
         for c in batch:
             c.seq.num_computed += c.num_tokens
         return torch.stack(logits)

@@ -253,7 +253,7 @@ class Attention(nn.Module):
             old = ring[s.slot, torch.arange(base, s.p0, device=dev) % R]
             w = old.shape[1] // 2
             j = torch.arange(first, last, device=dev)
-            cos, sin = comp.rope.cos_sin(j * m)
+            cos, sin = ctx.tables(comp.rope, j * m)
             ids, blk = block_entry_ids(s.bt, j[None, :], per_block, m)
             page_slots = torch.where(blk >= 0, ids, ctx.scratch_block * per_block)
             new = self.ops.compress_prefill(torch.cat([old[:, :w], k]), torch.cat([old[:, w:], sc]), base, first,

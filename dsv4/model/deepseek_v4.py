@@ -140,11 +140,13 @@ class PrefillContext:
     decode = False
     _rope: dict = field(default_factory=dict)
 
+    tables: object = None              # DeepseekV4.rope_rows
+
     def rope_rows(self, rope: Rope):
         """(cos, sin) fp32 [T, 32] of every row's position (once per rope and step)."""
         key = id(rope)
         if key not in self._rope:
-            self._rope[key] = rope.cos_sin(self.pos)
+            self._rope[key] = self.tables(rope, self.pos)
         return self._rope[key]
 
 
@@ -160,7 +162,8 @@ class DecodeContext:
     decode = True
 
 
-def prefill_context(chunks, max_blocks: int, scratch_block: int, device, all_logits: bool = False) -> PrefillContext:
+def prefill_context(chunks, max_blocks: int, scratch_block: int, device, tables, all_logits: bool = False
+                    ) -> PrefillContext:
     """chunks: [(token ids [n], state with .pos, .slot, .block_table)] -> the step's context."""
     ids, segs, r0 = [], [], 0
     for tok, st in chunks:
@@ -177,7 +180,7 @@ def prefill_context(chunks, max_blocks: int, scratch_block: int, device, all_log
     ids = torch.cat(ids).to(device=device, dtype=torch.long)
     pos = torch.cat([torch.arange(s.p0, s.end) for s in segs]).to(device)
     rows = torch.arange(r0) if all_logits else torch.tensor([s.r1 - 1 for s in segs])
-    return PrefillContext(ids, pos, segs, max_blocks, scratch_block, rows.to(device))
+    return PrefillContext(ids, pos, segs, max_blocks, scratch_block, rows.to(device), tables=tables)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +273,7 @@ class DeepseekV4(nn.Module):
                 uniq.setdefault(id(rope), (len(uniq), rope))
                 rope_keys.append((key, id(rope)))
                 rope_reqs.append((uniq[id(rope)][0], off))
+        self._table_of = {k: i for k, (i, _r) in uniq.items()}
         self._rope_tables = torch.empty(len(uniq), TABLE_NEG + max_model_len, 64, device=self.device)
         for i, rope in uniq.values():
             self._rope_tables[i] = rope_table(rope, max_model_len)
@@ -301,7 +305,15 @@ class DeepseekV4(nn.Module):
         return DecodeContext(tokens, pos, slots, bt, self.max_blocks)
 
     def prefill_context(self, chunks, all_logits: bool = False) -> PrefillContext:
-        return prefill_context(chunks, self.max_blocks, self.scratch_block, self.device, all_logits)
+        return prefill_context(chunks, self.max_blocks, self.scratch_block, self.device, self.rope_rows, all_logits)
+
+    def rope_rows(self, rope: Rope, positions: torch.Tensor):
+        """(cos, sin) fp32 [n, 32] of ``rope`` at ``positions`` from the tables the decode step reads:
+        prefill and decode rotate a position by the same bits (computing them per call would not
+        be: vectorised and scalar sin / cos differ in the last ulp)."""
+        from ..kernels.decode_meta import TABLE_NEG
+        rows = self._rope_tables[self._table_of[id(rope)], TABLE_NEG + positions]
+        return rows[:, :32].contiguous(), rows[:, 32:].contiguous()
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()

@@ -18,9 +18,9 @@ import torch
 
 # op name -> (kernel module, entry, twin module, entry); modules under dsv4.
 _TABLE = {
-    "hc_pre": ("kernels.mhc", "hc_pre", "kernels.mhc", "hc_pre_torch"),
+    "hc_pre": ("kernels.mhc", "hc_pre", "ops.twins", "hc_pre"),
     "hc_post": ("kernels.mhc", "hc_post", "kernels.mhc", "hc_post_torch"),
-    "hc_head": ("kernels.mhc", "hc_head", "kernels.mhc", "hc_head_torch"),
+    "hc_head": ("kernels.mhc", "hc_head", "ops.twins", "hc_head"),
     "rms_norm": ("kernels.norm", "rms_norm", "kernels.norm", "rms_norm_torch"),
     "kv_insert": ("kernels.kv_insert", "kv_insert", "kernels.kv_insert", "kv_insert_torch"),
     "entry_ids": ("kernels.paging", "entry_ids", "kernels.paging", "entry_ids_torch"),

@@ -1,9 +1,16 @@
 """Torch twins of the layer ops on native weights: DeepSeek's official numerics, computed as
 ``dsv4.reference`` computes them (``Numerics('official')``), one weight dequantised at a time.
 
-``linear`` computes every merged member on its own rows (the reference's GEMM shapes, so the same
-bits as the reference's ``Linear`` on a CPU); ``moe`` dequantises only the experts a batch routes
-to, in increasing expert id, as the reference's loop does.
+``linear`` computes every merged member on its own (the reference's GEMM shapes); ``moe``
+dequantises only the experts a batch routes to, in increasing expert id, as the reference's loop
+does.
+
+Batch invariance: a CPU BLAS picks its fp32 GEMM kernel by the row count M (at M = 1 a GEMV,
+small M their own tails), so a row's bits would depend on how many rows share the call. Every
+twin GEMM whose M is the number of tokens therefore runs on rows zero-padded to a multiple of 8
+(at least 8): a token's result is then the same alone, batched, chunked or decoded (checked for
+this machine's BLAS by ``tests/test_model.py``). The products and fp32 sums are still the
+official fp32 GEMM's; only the order BLAS sums in is pinned.
 """
 from __future__ import annotations
 
@@ -18,6 +25,27 @@ from ..reference.moe import Expert
 from ..reference.numerics import OFFICIAL
 
 QBLOCK = 128
+ROW_PAD = 8
+
+
+def padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, ...] zero-padded along dim 0 to a multiple of ROW_PAD (at least ROW_PAD)."""
+    M = x.shape[0]
+    P = max(ROW_PAD, -(-M // ROW_PAD) * ROW_PAD)
+    return x if P == M else torch.cat([x, x.new_zeros(P - M, *x.shape[1:])])
+
+
+def row_invariant(fn):
+    """``fn(x, *args)`` on x padded by ``padded_rows``; every tensor output sliced back to M rows."""
+    def run(x, *args, **kw):
+        M = x.shape[0]
+        out = fn(padded_rows(x), *args, **kw)
+        if isinstance(out, tuple):
+            return tuple(o[:M] for o in out)
+        return out[:M]
+    run.__name__ = run.__qualname__ = getattr(fn, "__name__", "twin")
+    run.__doc__ = fn.__doc__
+    return run
 
 
 def fp8_rows(w: torch.Tensor, s: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -26,6 +54,11 @@ def fp8_rows(w: torch.Tensor, s: torch.Tensor, a: int, b: int) -> torch.Tensor:
 
 
 def linear(lin, x: torch.Tensor) -> torch.Tensor:
+    lead, M = x.shape[:-1], x.reshape(-1, x.shape[-1]).shape[0]
+    return _linear(lin, padded_rows(x.reshape(M, -1)))[:M].reshape(*lead, -1)
+
+
+def _linear(lin, x: torch.Tensor) -> torch.Tensor:
     if lin.kind == "fp8":
         xq = dequant_activation_fp8(x.to(torch.bfloat16))
         outs = [(xq @ fp8_rows(lin.weight, lin.scale, a, b).T).to(torch.bfloat16) for _, a, b in lin.spans()]
@@ -39,9 +72,10 @@ def linear(lin, x: torch.Tensor) -> torch.Tensor:
 
 
 def wo_a(g, o: torch.Tensor) -> torch.Tensor:
-    lin = g.lin
+    lin, M = g.lin, o.shape[0]
     w = fp8_rows(lin.weight, lin.scale, 0, lin.out_features) if lin.kind == "fp8" else lin.weight.float()
-    return OFFICIAL.round(OFFICIAL.einsum("tgd,grd->tgr", o.float(), w.view(g.groups, g.rank, -1)))
+    z = OFFICIAL.einsum("tgd,grd->tgr", padded_rows(o.float()), w.view(g.groups, g.rank, -1))
+    return OFFICIAL.round(z[:M])
 
 
 def _expert_weights(layer, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,13 +112,32 @@ def router(layer) -> RefMoE:
 
 
 def moe(layer, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``reference.moe.MoE.__call__`` on the layer's stored experts."""
-    idx, w = router(layer).route(x, ids)
-    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    """``reference.moe.MoE.__call__`` on the layer's stored experts (GEMMs on padded rows)."""
+    M = x.shape[0]
+    idx, w = router(layer).route(padded_rows(x), padded_rows(ids))
+    idx, w = idx[:M], w[:M]
+    y = torch.zeros(M, x.shape[1], dtype=torch.float32, device=x.device)
     kind = "fp8" if layer.fmt == "fp8" else "fp4"
     for e in torch.unique(idx).tolist():                 # increasing expert id, as the official loop
         hit = idx == e
         rows = hit.any(dim=1).nonzero().squeeze(1)
         col = hit[rows].float().argmax(dim=1)            # a repeated hash id contributes once
-        y[rows] += _expert(*_expert_weights(layer, e), kind, layer.limit)(x[rows], w[rows, col]).float()
-    return OFFICIAL.round(y + shared_expert(layer)(x).float())
+        n = rows.numel()
+        ex = _expert(*_expert_weights(layer, e), kind, layer.limit)
+        y[rows] += ex(padded_rows(x[rows]), padded_rows(w[rows, col]))[:n].float()
+    return OFFICIAL.round(y + row_invariant(shared_expert(layer))(x).float())
+
+
+def _mhc():
+    from ..kernels import mhc
+    return mhc
+
+
+def hc_pre(x, *args, **kw):
+    """``kernels.mhc.hc_pre_torch`` on padded rows (its mix GEMM has M = tokens)."""
+    return row_invariant(_mhc().hc_pre_torch)(x, *args, **kw)
+
+
+def hc_head(x, *args, **kw):
+    """``kernels.mhc.hc_head_torch`` on padded rows."""
+    return row_invariant(_mhc().hc_head_torch)(x, *args, **kw)

@@ -280,7 +280,7 @@ async def run_benchmark(args) -> tuple[dict, list[RequestResult]]:
                                args.random_range_ratio, args.seed)
         tok = None
         if chat:
-            from .tokenizer import load_tokenizer
+            from ..tokenizer import load_tokenizer
             tok = load_tokenizer(None)
 
         def payload(ids: list[int], out_len: int) -> dict:

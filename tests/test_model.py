@@ -1,0 +1,117 @@
+"""The production model (``dsv4.model.deepseek_v4``) on a CPU: native weight storage, streaming
+load, the oracle's numbers, and the same tokens from every checkpoint layout."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4.checkpoint.tiny import make_tiny
+from dsv4.config import preset
+from dsv4.engine.kv_cache import CacheConfig, KVCache, PagedSequenceState
+from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.reference.model import ReferenceModel
+
+
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory):
+    """128 routed experts per layer and a small vocabulary: expert weights dominate the bytes."""
+    cfg = preset("tiny", n_routed_experts=128, vocab_size=2048)
+    return make_tiny(str(tmp_path_factory.mktemp("e128") / "ck"), cfg=cfg, shards=3)
+
+
+def _tensor_bytes(path):
+    from dsv4.checkpoint.loader import open_checkpoint
+    return open_checkpoint(path).total_bytes
+
+
+def test_weights_are_stored_as_the_checkpoint_stores_them(many_experts):
+    m = DeepseekV4.from_checkpoint(many_experts)
+    disk = _tensor_bytes(many_experts)
+    assert m.weight_bytes() <= 1.05 * disk, (m.weight_bytes(), disk)
+    # no tensor of the model is a dequantised (fp32 / fp64) copy of an FP8 / FP4 weight
+    for name, t in m.named_buffers():
+        if t.dtype in (torch.float32, torch.float64):
+            assert t.numel() <= m.cfg.vocab_size * m.cfg.hc_mult * m.cfg.hidden_size, name
+    moe = m.layers[2].moe
+    assert moe.w13.dtype == torch.uint8 and tuple(moe.w13.shape) == (128, 2 * 128, 128)
+
+
+def test_peak_host_memory_while_loading_is_the_model_plus_one_tensor(many_experts):
+    """RSS growth of a fresh process while it loads: the model's bytes plus at most about one
+    shard, never a second (dequantised) copy."""
+    code = f"""
+import resource, torch
+from dsv4.model.deepseek_v4 import DeepseekV4
+torch.zeros(1)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+m = DeepseekV4.from_checkpoint({many_experts!r})
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base, m.weight_bytes())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    grew, weights = int(out[0]), int(out[1])
+    shard = max(os.path.getsize(os.path.join(many_experts, f)) for f in os.listdir(many_experts)
+                if f.endswith(".safetensors"))
+    assert grew <= weights + shard + 64 * 2**20, (grew, weights, shard)
+
+
+def _paged(cfg, n_seqs=2, blocks=8):
+    cache = KVCache(cfg, CacheConfig(max_num_seqs=n_seqs + 1, num_blocks=blocks + 1))
+    return cache
+
+
+def test_prefill_and_decode_match_the_reference(tmp_path):
+    """The model on its twins against the oracle (official numerics) on the same checkpoint: a
+    300-token prefill, then teacher-forced decode steps."""
+    path = make_tiny(str(tmp_path / "tiny"))
+    m = DeepseekV4.from_checkpoint(path)
+    ref = ReferenceModel.from_pretrained(path, numerics="official")
+    cache = _paged(m.cfg)
+    m.attach_cache(cache, 1024)
+    st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2))
+    ids = torch.randint(3, 128000, (300,), generator=torch.Generator().manual_seed(0))
+    rst = ref.new_state()
+    lr = ref.forward([(ids, rst)])[0]
+    lf = m(m.prefill_context([(ids, st)]))[0]
+    st.advance_to(300)
+    cos = lambda a, b: float(a.double() @ b.double() / (a.double().norm() * b.double().norm()))
+    for step in range(3):
+        assert torch.isfinite(lf).all() and cos(lr, lf) > 0.9999 and int(lr.argmax()) == int(lf.argmax())
+        tok = int(lr.argmax())
+        lr = ref.forward([(torch.tensor([tok]), rst)])[0]
+        bt = torch.full((1, m.max_blocks), -1, dtype=torch.long)
+        bt[0, :len(st.block_table)] = torch.tensor(st.block_table)
+        lf = m(m.decode_context(torch.tensor([tok]), torch.tensor([st.pos]), torch.tensor([st.slot]), bt))[0]
+        st.advance_to(st.pos + 1)
+
+
+def test_load_names_missing_and_unexpected_tensors(tmp_path):
+    path = make_tiny(str(tmp_path / "tiny"))
+    m = DeepseekV4(preset("tiny"))
+    from dsv4.checkpoint.loader import open_checkpoint
+    r = open_checkpoint(path)
+    with pytest.raises(ValueError, match="not loaded, e.g. 'layers"):
+        m.load((n, t) for n, t in r.tensors() if not n.startswith(("mtp.", "layers.5.")))
+    with pytest.raises(ValueError, match="unexpected checkpoint tensor 'mtp.0"):
+        m.load(r.tensors())
+
+
+@pytest.mark.parametrize("layout", ["hf", "modelopt-nvfp4"])
+def test_every_layout_gives_the_official_layout_s_tokens(tmp_path, monkeypatch, layout):
+    """The three layouts map onto one set of layers: the engine gives the same greedy tokens."""
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path / "cache"))
+    from dsv4 import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": torch.randint(3, 128000, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+               for n in (200, 9)]
+    toks = {}
+    for lay in ("official", layout):
+        path = make_tiny(str(tmp_path / lay), layout=lay)
+        llm = LLM(path, max_num_seqs=2, max_model_len=512, kv_cache_memory="64MiB", log=False)
+        assert llm.engine.model.expert_format == ("nvfp4" if lay == "modelopt-nvfp4" else "mxfp4")
+        toks[lay] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert toks[layout] == toks["official"]
