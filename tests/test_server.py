@@ -56,7 +56,7 @@ def server(tmp_path_factory):
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsv4.cli", "serve", "--port", str(port), "--api-key", KEY,
-         "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN), "--numerics", "invariant",
+         "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
          "--disable-access-log", "--uvicorn-log-level", "warning"],
         cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -134,7 +134,7 @@ def test_serve_help_and_readme():
     assert r.returncode == 0, r.stderr
     for flag in ("--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--api-key", "--kv-cache-memory", "--gpu-memory-utilization",
-                 "--numerics", "--max-waiting", "--device"):
+                 "--enforce-eager", "--max-waiting", "--device"):
         assert flag in r.stdout, flag
     r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--help"], capture_output=True,
                        text=True, cwd=str(ROOT), timeout=60)
