@@ -1,4 +1,5 @@
-"""``dsv4`` command line: ``generate``, ``serve``, ``bench throughput``, ``bench serve``, ``make-tiny``."""
+"""``dsv4`` command line: ``generate``, ``serve``, ``bench throughput``, ``bench serve``, ``make-tiny``,
+``make-synthetic``."""
 from __future__ import annotations
 
 import argparse
@@ -73,6 +74,15 @@ def _cmd_make_tiny(a: argparse.Namespace) -> int:
     from .checkpoint.tiny import make_tiny
     path = make_tiny(a.dir, layout=a.layout, seed=a.seed, shards=a.shards, overwrite=a.overwrite)
     print(path)
+    return 0
+
+
+def _cmd_make_synthetic(a: argparse.Namespace) -> int:
+    from .checkpoint.synthetic import human_size, make_synthetic, synthetic_config
+    cfg = synthetic_config(a.preset, a.layers, a.experts)
+    r = make_synthetic(a.dir, cfg, layout=a.layout, seed=a.seed, device=a.device, max_shard_size=a.max_shard_size,
+                       overwrite=a.overwrite)
+    print(f"wrote {human_size(r.total_bytes)} ({r.shards} shard(s), {r.tensors} tensors) to {r.path}")
     return 0
 
 
@@ -162,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shards", type=int, default=1)
     t.add_argument("--overwrite", action="store_true")
     t.set_defaults(fn=_cmd_make_tiny)
+    s = sub.add_parser("make-synthetic", help="write a random checkpoint with the real Flash / Pro shapes and formats")
+    s.add_argument("dir")
+    s.add_argument("--preset", choices=["flash", "pro"], default="flash")
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--experts", type=int, default=None, help="routed experts (default: all of the preset)")
+    s.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default=None, help="where to generate: cpu or cuda (default: cuda if available)")
+    s.add_argument("--max-shard-size", default="5GB")
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(fn=_cmd_make_synthetic)
     return p
 
 

@@ -187,9 +187,7 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir:
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not overwrite and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise FileExistsError(f"{out_dir} exists and is not an empty directory (pass overwrite=True)")
+    out_dir = check_out_dir(out_dir, overwrite)
     fmt, wo_a, has_mtp = validate_canonical(tensors, cfg)
 
     if layout == "modelopt-nvfp4":
@@ -231,31 +229,50 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir:
         if shards > 1:
             total = sum(t.numel() * t.element_size() for t in disk.values())
             _write_json(os.path.join(tmp, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_json(os.path.join(tmp, "config.json"), out_cfg.to_hf())
-        _write_json(os.path.join(tmp, "generation_config.json"), {
-            "bos_token_id": out_cfg.bos_token_id, "eos_token_id": out_cfg.eos_token_id,
-            "do_sample": True, "temperature": 1.0, "top_p": 1.0})
-        if layout == "modelopt-nvfp4":
-            _write_json(os.path.join(tmp, HF_QUANT_CONFIG), hf_quant_config(out_cfg, has_mtp))
-        if tokenizer:
-            src = tokenizer_dir()
-            for f in TOKENIZER_FILES:
-                shutil.copyfile(os.path.join(src, f), os.path.join(tmp, f))
-        old = None
-        if os.path.exists(out_dir):
-            if os.path.isdir(out_dir) and not os.listdir(out_dir):
-                os.rmdir(out_dir)
-            else:
-                old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-                os.rmdir(old)
-                os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        write_side_files(tmp, out_cfg, layout, has_mtp, tokenizer)
+        publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def check_out_dir(out_dir, overwrite: bool) -> str:
+    """Absolute ``out_dir``; it must not exist or be empty unless ``overwrite``."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not overwrite and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise FileExistsError(f"{out_dir} exists and is not an empty directory (pass overwrite=True)")
+    return out_dir
+
+
+def write_side_files(dir_: str, out_cfg: ModelConfig, layout: str, has_mtp: bool, tokenizer: bool) -> None:
+    """config.json, generation_config.json, hf_quant_config.json (modelopt) and the tokenizer files."""
+    _write_json(os.path.join(dir_, "config.json"), out_cfg.to_hf())
+    _write_json(os.path.join(dir_, "generation_config.json"), {
+        "bos_token_id": out_cfg.bos_token_id, "eos_token_id": out_cfg.eos_token_id,
+        "do_sample": True, "temperature": 1.0, "top_p": 1.0})
+    if layout == "modelopt-nvfp4":
+        _write_json(os.path.join(dir_, HF_QUANT_CONFIG), hf_quant_config(out_cfg, has_mtp))
+    if tokenizer:
+        src = tokenizer_dir()
+        for f in TOKENIZER_FILES:
+            shutil.copyfile(os.path.join(src, f), os.path.join(dir_, f))
+
+
+def publish_dir(tmp: str, out_dir: str) -> None:
+    """Move the finished ``tmp`` (a sibling of ``out_dir``) to ``out_dir``, replacing what was there."""
+    parent = os.path.dirname(out_dir)
+    old = None
+    if os.path.exists(out_dir):
+        if os.path.isdir(out_dir) and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        else:
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rmdir(old)
+            os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
 
 
 def _write_json(path: str, obj) -> None:
