@@ -6,10 +6,6 @@ tests run it on V4-Flash decode shapes. Tolerance: ``kernel_helpers.check_gemm``
 + fp32 summation order) against the fp64 sum of the same exact products; the in-kernel activation
 quantisation is held to ``act_quant_fp8``'s bytes bit for bit (same output as the pre-quantised call).
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from kernel_helpers import check_gemm, need_gpu  # noqa: E402

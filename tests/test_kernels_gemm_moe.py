@@ -1,7 +1,7 @@
 """FP8 / FP4 GEMM and MoE kernels (dsv4/kernels/gemm.py, moe.py) against their torch twins.
 
-On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before
-triton is imported) at tiny shapes. With TRITON_INTERPRET=0 on a GPU machine the same tests run
+On a CPU machine the kernels run under the Triton interpreter (the conftest sets TRITON_INTERPRET=1
+when no CUDA device is present) at tiny shapes. On a GPU machine a plain ``pytest`` runs the same tests
 compiled on CUDA and the ``gpu``-marked tests add V4-Flash shapes. The AOT test compiles every
 kernel for sm_90 and sm_100 without a GPU.
 
@@ -12,10 +12,6 @@ the fp64-accumulated sum of the same (exact) products: |y - exact| <= 2^-8 |exac
 MoE layer to the reference within FP8-step tolerance (a one-ulp bf16 difference in a w1/w3 output
 can move h by one FP8 step).
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -594,7 +590,7 @@ def test_aot_compile_sm90_sm100():
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU: V4-Flash shapes (skipped without CUDA by the conftest; need TRITON_INTERPRET=0)
+# GPU: V4-Flash shapes (skipped without CUDA by the conftest)
 
 _need_gpu = need_gpu
 

@@ -1,14 +1,10 @@
 """Hot-path Triton kernels II (mHC, compressor decode update, indexer q/scores/top-k) against their twins.
 
-On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before
-triton is imported) at tiny shapes. On a GPU machine run with TRITON_INTERPRET=0: the same tests then
-run compiled on CUDA, and the ``gpu``-marked tests add the real V4 shapes. The AOT test compiles every
+On a CPU machine the kernels run under the Triton interpreter (the conftest sets TRITON_INTERPRET=1
+when no CUDA device is present) at tiny shapes. On a GPU machine a plain ``pytest`` runs the same tests
+compiled on CUDA, and the ``gpu``-marked tests add the real V4 shapes. The AOT test compiles every
 kernel for sm_90 and sm_100 without a GPU.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -751,7 +747,7 @@ def test_aot_compile_sm90_sm100():
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU: real shapes (skipped without CUDA by the conftest; need TRITON_INTERPRET=0)
+# GPU: real shapes (skipped without CUDA by the conftest)
 
 _need_gpu = need_gpu
 
