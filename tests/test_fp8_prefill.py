@@ -5,7 +5,7 @@ no CUDA device is present) at small shapes whose M, N, K are not multiples of th
 loads, TMA out-of-bounds zero fill, clipped TMA stores), with per-128-block scale spreads; there every
 variant must give the same bits as the torch twin (same per-128-block fp32 partials, same promotion
 order, one bf16 rounding). On a GPU machine (plain ``pytest``) the same tests run compiled (tolerance:
-the FP8 MMA's ~14-bit partial sums, as in test_kernels_gemm_moe.py) and the ``gpu``-marked tests add the V4 prefill shapes. The AOT
+the FP8 MMA's ~14-bit partial sums, as in test_gemm.py) and the ``gpu``-marked tests add the V4 prefill shapes. The AOT
 test compiles the variants for sm_90 / sm_100 without a GPU and checks the instructions they use.
 """
 import textwrap  # noqa: E402
