@@ -7,10 +7,6 @@ kernel for sm_90 (producer / consumer partitions, register reallocation, fp8 wgm
 kernel (same per-128-K wgmma partials, same promotion FFMAs in the same order, one bf16 rounding)
 and stay within the block-scaled GEMM tolerance of the exact sum.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 

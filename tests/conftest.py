@@ -5,9 +5,29 @@ import torch
 
 # Deterministic CPU numerics and a bounded thread count on the 2-core CI machines.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-# Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported.
+# Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported
+# (``triton.jit`` picks the interpreter when a kernel is defined). This is the one place that sets it:
+# on a GPU machine a plain ``pytest`` runs the kernels compiled. Offline (AOT) compiles run in a
+# subprocess with TRITON_INTERPRET=0 (kernel_helpers.run_aot_script), never by flipping it here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpret_unchanged():
+    """A test that changes TRITON_INTERPRET in this process would switch the kernels of every module
+    imported after it: restore it and fail that test."""
+    yield
+    now = os.environ.get("TRITON_INTERPRET")
+    if now != _TRITON_INTERPRET:
+        if _TRITON_INTERPRET is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = _TRITON_INTERPRET
+        pytest.fail(f"the test left TRITON_INTERPRET={now!r} (was {_TRITON_INTERPRET!r}); "
+                    "compile offline in a subprocess (kernel_helpers.run_aot_script)")
 
 
 def skip_or_fail_without_shared(what: str) -> None:

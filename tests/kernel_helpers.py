@@ -99,3 +99,38 @@ def check_gemm(y, xq, xs, W, twin=None, acc=2.0 ** -16):
         assert ((y - twin.cpu().double()).abs() <= 2 * bound).all()
     rel = ((y - ex).norm() / ex.norm()).item()
     assert rel < 4e-3, rel
+
+
+def max_rel_err(a, b):
+    """max |a - b| over max |b| (in fp64 on the CPU)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def random_angle_rope(n, gen, device):
+    """(cos, sin) [n, 32] of uniform random angles in [0, 1000)."""
+    ang = torch.rand(n, 32, generator=gen) * 1000
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+def random_position_rope(T, gen, device):
+    """(cos, sin) [T, 32] of V4's RoPE (theta 160000, 64 rotary dims) at random positions below 2^20."""
+    pos = torch.randint(0, 1 << 20, (T,), generator=gen).float()
+    freqs = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    ang = torch.outer(pos, freqs)
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+def fp4_weight(fmt, N, K, gen, spread=False):
+    """A random [N, K] weight in ``fmt`` ("mxfp4" | "nvfp4") -> (packed, scales, global scale or None,
+    the exact dequantised weight)."""
+    from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4
+    W = torch.randn(N, K, generator=gen) * 0.05
+    if spread:     # per-32 scales 2^16 apart inside a 128-block (the folded path's exact limit)
+        W[:, 32:64] *= 2.0 ** -12
+        W[:, 64:96] *= 2.0 ** -16
+    if fmt == "mxfp4":
+        wp, s = quant_mxfp4(W)
+        return wp, s, None, dequant_mxfp4(wp, s)
+    wp, s, s2 = quant_nvfp4(W)
+    return wp, s, s2, dequant_nvfp4(wp, s, s2)

@@ -1,28 +1,22 @@
-"""Triton attention kernels (dsv4/kernels) against their torch twins.
+"""Sparse attention kernels (dsv4/kernels/sparse_attention.py: decode and prefill over the paged FP8
+window and compressed caches) against the torch twin.
 
-On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before
-triton is imported) at tiny shapes. On a GPU machine run with TRITON_INTERPRET=0: the same tests then
-run compiled on CUDA, and the ``gpu``-marked tests add real shapes. The AOT test compiles every kernel
-for sm_90 and sm_100 without a GPU.
+On a CPU machine the kernels run under the Triton interpreter (the conftest sets TRITON_INTERPRET=1
+when no CUDA device is present) at tiny shapes. On a GPU machine a plain ``pytest`` runs the same tests
+compiled on CUDA, and the ``gpu``-marked tests add real shapes. The AOT test compiles every
+attention-path kernel (kv_insert, sparse attention + combine, inverse RoPE) for sm_90 and sm_100
+without a GPU.
 """
-import os
+import textwrap
+from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import textwrap  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-from kernel_helpers import kernel_device, need_gpu, run_aot_script  # noqa: E402
-import torch  # noqa: E402
+import pytest
+from kernel_helpers import kernel_device, need_gpu, run_aot_script
+import torch
 
 triton = pytest.importorskip("triton")
 
-from dsv4.formats.kv_entry import encode_kv_entries, page_bytes, write_kv_entries  # noqa: E402
-from dsv4.formats.kv_entry import page_views  # noqa: E402
-from dsv4.kernels import KERNELS, available_kernels, cuda_ok, interpreting, triton_available  # noqa: E402
-from dsv4.kernels.inverse_rope import inverse_rope, inverse_rope_torch  # noqa: E402
-from dsv4.kernels.kv_insert import kv_insert, kv_insert_torch  # noqa: E402
+from dsv4.formats.kv_entry import page_bytes, write_kv_entries  # noqa: E402
 from dsv4.kernels.sparse_attention import (sparse_attention_torch, sparse_decode,  # noqa: E402
                                            sparse_prefill)
 
@@ -30,96 +24,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 DEV = kernel_device()
 
-
-def _rope_tables(T, gen, device=DEV):
-    pos = torch.randint(0, 1 << 20, (T,), generator=gen).float()
-    freqs = 1.0 / (160000.0 ** (torch.arange(0, 64, 2).float() / 64))
-    ang = torch.outer(pos, freqs)
-    return ang.cos().to(device), ang.sin().to(device)
-
-
-def _ordered(x):
-    b = x.view(torch.int16).int()
-    return torch.where(b < 0, -(b & 0x7FFF), b)
-
-
-def _ulps(a, b):
-    """bf16 ulp distance (sign-aware, +0 == -0)."""
-    return (_ordered(a) - _ordered(b)).abs()
-
-
-# ------------------------------------------------------------------------------------------------
-# registry
-
-def test_registry():
-    assert triton_available()
-    assert set(available_kernels()) == set(KERNELS)
-    for info in KERNELS.values():
-        fn, twin = info.load()
-        assert callable(fn) and callable(twin)
-    if interpreting():
-        assert not cuda_ok()
-
-
-# ------------------------------------------------------------------------------------------------
-# fused q/kv prologue + insert
-
-def _check_insert(T, H, B, n_pages, slots, gen, device=DEV):
-    q = (torch.randn(T, H, 512, generator=gen) * torch.rand(T, H, 1, generator=gen) * 4).bfloat16()
-    kv = (torch.randn(T, 512, generator=gen) * 2).bfloat16()
-    kv[0, :64] = 0                                    # all-zero block: amax floor
-    kv[-1, 64:128] *= 1e-5                            # tiny block: small scale, subnormal fp8
-    kv[-1, 128] = 300.0                               # outlier
-    kv[-1, 192:256] *= 0.01                           # block max 7.0625 QDQs to 7.0: the stored
-    kv[-1, 200] = 7.0625                              # scale is that of the QDQ'd row (2^-6)
-    cos, sin = _rope_tables(T, gen, "cpu")
-    pages0 = torch.randint(0, 256, (n_pages, page_bytes(B)), dtype=torch.uint8, generator=gen)
-    slots = torch.tensor(slots, dtype=torch.int64)
-
-    pages_ref = pages0.clone()
-    q_ref, kv_ref = kv_insert_torch(q, kv, cos, sin, pages_ref, slots, B)
-
-    pages = pages0.to(device)
-    q_out, kv_out = kv_insert(q.to(device), kv.to(device), cos.to(device), sin.to(device), pages,
-                              slots.to(device), B)
-    q_out, kv_out, pages = q_out.cpu(), kv_out.cpu(), pages.cpu()
-
-    # kv: exactly the twin's row, and the bytes are encode_kv_entries of it; nothing else touched
-    assert torch.equal(kv_out.view(torch.int16), kv_ref.view(torch.int16))
-    assert torch.equal(pages, pages_ref)
-    data_v, scale_v = page_views(pages, B)
-    data, scales = encode_kv_entries(kv_ref)
-    for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            assert torch.equal(data_v[s // B, s % B], data[t])
-            assert torch.equal(scale_v[s // B, s % B], scales[t])
-
-    # q: the bf16 op chain with a correctly rounded rsqrt, bit-exact except where the order of the
-    # 512-term sum moves the bf16 mean (rare); vs the reference (whose CPU bf16 rsqrt is sometimes
-    # one ulp off) within 2 ulps (one ulp in the factor) in those heads alone
-    ms = q.square().mean(-1, keepdim=True) + 1e-6
-    r_cr = (1.0 / ms.float().sqrt()).bfloat16()
-    from dsv4.reference.rope import apply_rope
-    q_cr = apply_rope(q * r_cr, torch.complex(cos, sin))
-    off_cr = (q_out.view(torch.int16) != q_cr.view(torch.int16)).any(-1)
-    assert off_cr.sum() <= max(1, 0.005 * off_cr.numel()), f"{int(off_cr.sum())} heads differ"
-    assert _ulps(q_out[..., :448], q_ref[..., :448]).max() <= 2
-    d = (q_out.float() - q_ref.float()).abs()
-    assert (d[..., 448:] <= q_ref.float().abs().amax(-1, keepdim=True) * 2 ** -6).all()
-    r_ref = torch.rsqrt(ms)
-    assert ((d > 0).any(-1) <= ((r_ref != r_cr).squeeze(-1) | off_cr)).all()
-
-
-@pytest.mark.parametrize("H", [8, 64, 128])
-def test_kv_insert(H):
-    gen = torch.Generator().manual_seed(H)
-    T = 5 if H == 8 else 2
-    slots = [5, -1, 0, 13, 7][:T] if T == 5 else [9, -1]
-    _check_insert(T, H, 4, 4, slots, gen)
-
-
-# ------------------------------------------------------------------------------------------------
-# sparse attention
 
 class Caches:
     """Per-sequence window rings (128 slots) and compressed entries, each behind a shuffled page
@@ -276,24 +180,6 @@ def test_sparse_prefill():
 
 
 # ------------------------------------------------------------------------------------------------
-# inverse RoPE (+ FP8 act quant)
-
-@pytest.mark.parametrize("H", [8, 64])
-def test_inverse_rope(H):
-    gen = torch.Generator().manual_seed(H)
-    T = 3 if H == 8 else 1
-    o = (torch.randn(T, H, 512, generator=gen) * torch.rand(T, H, 1, generator=gen) * 3).bfloat16()
-    o[0, 0, :128] *= 1e-6
-    cos, sin = _rope_tables(T, gen, "cpu")
-    y = inverse_rope(o.to(DEV), cos.to(DEV), sin.to(DEV)).cpu()
-    assert torch.equal(y.view(torch.int16), inverse_rope_torch(o, cos, sin).view(torch.int16))
-    yq, ys = inverse_rope(o.to(DEV), cos.to(DEV), sin.to(DEV), fp8=True)
-    rq, rs = inverse_rope_torch(o, cos, sin, fp8=True)
-    assert torch.equal(yq.cpu().view(torch.uint8), rq.view(torch.uint8))
-    assert torch.equal(ys.cpu(), rs)
-
-
-# ------------------------------------------------------------------------------------------------
 # ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
 
 _AOT_SCRIPT = textwrap.dedent("""
@@ -336,7 +222,7 @@ def test_aot_compile_sm90_sm100():
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU: real shapes (skipped without CUDA by the conftest; need TRITON_INTERPRET=0)
+# GPU: real shapes (skipped without CUDA by the conftest)
 
 _need_gpu = need_gpu
 
@@ -372,29 +258,3 @@ def test_gpu_sparse_prefill_real_shapes():
     o = sparse_prefill(q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda(), cache.ep, 64, sinks.cuda())
     ref = sparse_attention_torch(q, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks)
     _compare(o, ref)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("H", [64, 128])
-def test_gpu_kv_insert_real_shapes(H):
-    _need_gpu()
-    gen = torch.Generator().manual_seed(H)
-    T, B = 512, 64
-    slots = torch.randperm(20 * B, generator=gen)[:T]
-    slots[::7] = -1
-    _check_insert(T, H, B, 20, slots.tolist(), gen, device="cuda")
-
-
-@pytest.mark.gpu
-def test_gpu_inverse_rope_real_shapes():
-    _need_gpu()
-    gen = torch.Generator().manual_seed(1)
-    T, H = 256, 128
-    o = (torch.randn(T, H, 512, generator=gen) * 2).bfloat16()
-    cos, sin = _rope_tables(T, gen, "cpu")
-    y = inverse_rope(o.cuda(), cos.cuda(), sin.cuda()).cpu()
-    assert torch.equal(y.view(torch.int16), inverse_rope_torch(o, cos, sin).view(torch.int16))
-    yq, ys = inverse_rope(o.cuda(), cos.cuda(), sin.cuda(), fp8=True)
-    rq, rs = inverse_rope_torch(o, cos, sin, fp8=True)
-    assert torch.equal(yq.cpu().view(torch.uint8), rq.view(torch.uint8))
-    assert torch.equal(ys.cpu(), rs)

@@ -1,17 +1,13 @@
 """Prefill FP8 GEMM variants (dsv4/kernels/fp8_prefill.py) against ``gemm.fp8_gemm_torch`` and ``gemm.fp8_gemm``.
 
-On a CPU machine the kernels run under the Triton interpreter (TRITON_INTERPRET=1) at small shapes whose
-M, N, K are not multiples of the tile (masked pointer loads, TMA out-of-bounds zero fill, clipped TMA
-stores), with per-128-block scale spreads; there every variant must give the same bits as the torch
-twin (same per-128-block fp32 partials, same promotion order, one bf16 rounding). With
-TRITON_INTERPRET=0 on a GPU the same tests run compiled (tolerance: the FP8 MMA's ~14-bit partial
-sums, as in test_kernels_gemm_moe.py) and the ``gpu``-marked tests add the V4 prefill shapes. The AOT
+On a CPU machine the kernels run under the Triton interpreter (the conftest sets TRITON_INTERPRET=1 when
+no CUDA device is present) at small shapes whose M, N, K are not multiples of the tile (masked pointer
+loads, TMA out-of-bounds zero fill, clipped TMA stores), with per-128-block scale spreads; there every
+variant must give the same bits as the torch twin (same per-128-block fp32 partials, same promotion
+order, one bf16 rounding). On a GPU machine (plain ``pytest``) the same tests run compiled (tolerance:
+the FP8 MMA's ~14-bit partial sums, as in test_gemm.py) and the ``gpu``-marked tests add the V4 prefill shapes. The AOT
 test compiles the variants for sm_90 / sm_100 without a GPU and checks the instructions they use.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -225,7 +221,7 @@ def test_aot_compile_sm90_sm100():
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU: V4 prefill shapes (skipped without CUDA by the conftest; need TRITON_INTERPRET=0)
+# GPU: V4 prefill shapes (skipped without CUDA by the conftest)
 
 PREFILL_SHAPES = [(4096, 4096), (4096, 8192), (32768, 1024), (6144, 7168), (7168, 16384), (65536, 1536)]
 

@@ -1,15 +1,11 @@
 """The tensor-core FP8 decode GEMM (dsv4/kernels/fp8_mma.py) against the exact block-scaled sum.
 
 Gluon kernels have no CPU interpreter: on a CPU machine these tests check the argument errors (and
-the AOT test of test_kernels_gemm_moe.py compiles the kernel for sm_90 / sm_100); the ``gpu``-marked
+the AOT test of test_gemm.py compiles the kernel for sm_90 / sm_100); the ``gpu``-marked
 tests run it on V4-Flash decode shapes. Tolerance: ``kernel_helpers.check_gemm`` (one bf16 rounding
 + fp32 summation order) against the fp64 sum of the same exact products; the in-kernel activation
 quantisation is held to ``act_quant_fp8``'s bytes bit for bit (same output as the pre-quantised call).
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from kernel_helpers import check_gemm, need_gpu  # noqa: E402

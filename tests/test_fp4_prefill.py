@@ -1,9 +1,9 @@
 """Prefill FP4 expert GEMM (dsv4/kernels/fp4_prefill.py) against the exact product sum, the torch twin
 and the existing ``gemm.fp4_launch`` (dequant path).
 
-CPU: the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below before triton is
-imported) at small shapes, with the portable (no inline PTX) decode. GPU (TRITON_INTERPRET=0): the same
-tests run compiled, and the ``gpu``-marked ones add the V4-Flash prefill dims. The AOT test compiles the
+CPU: the kernels run under the Triton interpreter (the conftest sets TRITON_INTERPRET=1 when no CUDA
+device is present) at small shapes, with the portable (no inline PTX) decode. GPU (plain ``pytest``): the
+same tests run compiled, and the ``gpu``-marked ones add the V4-Flash prefill dims. The AOT test compiles the
 kernel for sm_90 and sm_100 without a GPU and checks the Hopper loop runs on wgmma.
 
 Tolerances: the contract of ``kernel_helpers.check_gemm``: |y - exact| <= 2^-8
@@ -11,10 +11,6 @@ Tolerances: the contract of ``kernel_helpers.check_gemm``: |y - exact| <= 2^-8
 or the old kernel; SwiGLU: the e4m3 h within one FP8 step of the twin's (a one-ulp flip of a
 bf16-rounded w1/w3 output can move h by one step), the rest identical.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import textwrap  # noqa: E402
 from pathlib import Path  # noqa: E402
 

@@ -1,0 +1,234 @@
+"""Indexer kernels (dsv4/kernels/indexer.py: the q prologue, the index scores over the paged FP4 cache,
+top-k) against their torch twins.
+
+On a CPU machine the kernels run under the Triton interpreter (the conftest sets TRITON_INTERPRET=1
+when no CUDA device is present) at tiny shapes. On a GPU machine a plain ``pytest`` runs the same tests
+compiled on CUDA, and the ``gpu``-marked tests add the real V4 shapes.
+"""
+import pytest
+from kernel_helpers import kernel_device, max_rel_err as _rel, need_gpu, random_angle_rope as _rope
+import torch
+
+triton = pytest.importorskip("triton")
+
+from dsv4.formats.index_key import write_index_entries  # noqa: E402
+from dsv4.kernels.indexer import (index_q_prologue, index_q_prologue_torch, index_scores,  # noqa: E402
+                                  index_scores_torch, index_topk, index_topk_torch)
+
+DEV = kernel_device()
+
+
+# ------------------------------------------------------------------------------------------------
+# indexer
+
+@pytest.mark.parametrize("T,H", [(2, 64), (3, 8)])
+def test_index_q_prologue(T, H):
+    gen = torch.Generator().manual_seed(T * H)
+    q = (torch.randn(T, H, 128, generator=gen) * torch.rand(T, H, 1, generator=gen) * 4).bfloat16()
+    q[0, 0, :32] = 0                                                  # an all-zero FP4 block
+    cos, sin = _rope(T, gen, "cpu")
+    ref = index_q_prologue_torch(q, cos, sin)
+    first = None
+    for hpp in (16, 64):
+        for load_h in (True, False):       # Hadamard operand read from a tensor or built in the kernel: same bits
+            out = index_q_prologue(q.to(DEV), cos.to(DEV), sin.to(DEV), heads_per_program=hpp, load_h=load_h).cpu()
+            assert (out.float() != ref.float()).float().mean() < 2e-3
+            assert _rel(out, ref) < 0.2
+            first = out if first is None else first
+            assert torch.equal(out, first), (hpp, load_h)
+
+
+def _index_cache(n_blocks, gen, device=DEV):
+    n = n_blocks * 64
+    keys = (torch.randn(n, 1, 128, generator=gen) * torch.rand(n, 1, 1, generator=gen)).bfloat16().to(device)
+    ones, zeros = torch.ones(n, 32, device=device), torch.zeros(n, 32, device=device)
+    keys = index_q_prologue_torch(keys, ones, zeros)[:, 0]            # FP4-QDQ'd, as the cache holds
+    pages = torch.randint(0, 256, (n_blocks, 64 * 68), dtype=torch.uint8, generator=gen).to(device)
+    write_index_entries(pages, torch.arange(n, device=device), keys)
+    return pages
+
+
+def _score_inputs(B, H, gen, device=DEV):
+    q = (torch.randn(B, H, 128, generator=gen)).bfloat16()
+    q = index_q_prologue_torch(q, torch.ones(B, 32), torch.zeros(B, 32))
+    w = (torch.randn(B, H, generator=gen) * 0.1).bfloat16()
+    return q.to(device), w.to(device)
+
+
+def _check_scores(sc, ref):
+    sc, ref = sc.float().cpu(), ref.float().cpu()
+    assert torch.equal(torch.isinf(sc), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    diff = (sc[fin] - ref[fin]).abs()
+    assert (diff > 0).float().mean() < 2e-3
+    assert (diff <= 2 ** -6 * ref[fin].abs().clamp(min=1e-3)).all()
+
+
+def test_index_scores():
+    gen = torch.Generator().manual_seed(5)
+    H = 16
+    pages = _index_cache(6, gen)
+    # row 0: two full pages + a partial one (block -1 past it); row 1: nothing visible yet (pos 2);
+    # row 2: pages in shuffled order, visible count inside the second page
+    bt = torch.tensor([[3, 1, 0, -1], [2, -1, -1, -1], [5, 4, -1, -1]], dtype=torch.int32).to(DEV)
+    pos = torch.tensor([700, 2, 300]).to(DEV)
+    q, w = _score_inputs(3, H, gen)
+    sc = index_scores(q, w, pages, bt, pos)
+    ref = index_scores_torch(q, w, pages, bt, pos)
+    assert sc.shape == (3, 256)
+    _check_scores(sc, ref)
+    assert torch.isinf(sc[1]).all()
+    sc2 = index_scores(q, w, pages, bt, pos, n=200, pages_per_program=2, direct=True)
+    _check_scores(sc2, ref[:, :200])
+
+
+_TOPK_PATHS = {"auto": {}, "chunked": dict(single_max=0), "chunked+rank": dict(single_max=0, sort_max=0)}
+
+
+@pytest.mark.parametrize("path", list(_TOPK_PATHS))
+@pytest.mark.parametrize("B,N,k,tie_every", [(3, 1000, 50, 3), (2, 300, 400, 2), (2, 5000, 64, 1)])
+def test_index_topk(B, N, k, tie_every, path):
+    """Every path (one-program rows, chunked passes with the in-kernel sort or the rank launch)
+    equals the stable descending sort, ties and masking included."""
+    gen = torch.Generator().manual_seed(N + k)
+    s = torch.randn(B, N, generator=gen).bfloat16()
+    s[0, ::tie_every] = 0.5                                          # many ties (all equal for 1)
+    s[:, 7] = -0.0                                                   # -0.0 ranks as +0.0
+    s[-1, 11] = float("-inf")                                        # a -inf entry inside the valid range
+    s[-1, 12] = 0.0
+    nv = torch.tensor([N, N // 3, 0][:B], dtype=torch.int32)         # full, partial, all masked
+    if B == 2:
+        nv[1] = 13 if N < k else N // 3
+    out = index_topk(s.to(DEV), k, nv.to(DEV), **_TOPK_PATHS[path]).cpu()
+    ref = index_topk_torch(s, k, nv)
+    assert torch.equal(out, ref)
+
+
+def test_index_topk_many_rows_sort_in_kernel():
+    """>= 32 rows sort more than 512 picks inside the last pass (no rank launch): 1024-wide codes."""
+    gen = torch.Generator().manual_seed(9)
+    s = torch.randn(32, 1500, generator=gen).bfloat16()
+    s[3, ::2] = 0.25                                                 # ties across the threshold
+    nv = torch.randint(500, 1501, (32,), generator=gen).int()
+    out = index_topk(s.to(DEV), 600, nv.to(DEV), single_max=0).cpu()
+    assert torch.equal(out, index_topk_torch(s, 600, nv))
+
+
+def test_index_topk_no_valid_and_small_k():
+    gen = torch.Generator().manual_seed(6)
+    s = torch.randn(2, 777, generator=gen).bfloat16()
+    out = index_topk(s.to(DEV), 1).cpu()
+    assert torch.equal(out, index_topk_torch(s, 1))
+    out = index_topk(s.to(DEV), 20, torch.zeros(2, dtype=torch.int32, device=DEV)).cpu()
+    assert (out == -1).all()
+    out = index_topk(s.to(DEV), 40, chunks=7).cpu()
+    assert torch.equal(out, index_topk_torch(s, 40))
+
+
+def test_index_topk_workspace_reset():
+    """The chunked passes keep their counters, row fields and histogram in the shared arrival-counter
+    buffer: the last pass leaves it zeroed, so back-to-back calls (other data, other row counts, with
+    and without n_valid, both sort paths) stay exact with no memset launch."""
+    from dsv4.kernels.counters import arrival_counters
+    from dsv4.kernels.indexer import _TOPK_WS
+    gen = torch.Generator().manual_seed(11)
+    for B, N, k, sort_max in ((3, 3000, 100, 512), (1, 9000, 700, 512), (2, 5000, 600, 0), (3, 3000, 100, 512)):
+        s = torch.randn(B, N, generator=gen).bfloat16()
+        s[0, ::5] = 1.0                                              # ties across the threshold
+        nv = torch.randint(N // 2, N + 1, (B,), generator=gen).int()
+        for n_valid in (nv, None):
+            out = index_topk(s.to(DEV), k, None if n_valid is None else n_valid.to(DEV), single_max=0,
+                             sort_max=sort_max).cpu()
+            assert torch.equal(out, index_topk_torch(s, k, n_valid))
+            ws = arrival_counters(DEV, B * _TOPK_WS)[:B * _TOPK_WS]
+            assert not ws.any(), "index_topk left its workspace dirty"
+
+
+def test_index_scores_topk_match_fast_decoder_rule():
+    """scores + top-k == the reference path of FastDecoder._indexer (stable sort, -1 past visible)."""
+    gen = torch.Generator().manual_seed(8)
+    pages = _index_cache(4, gen)
+    bt = torch.tensor([[2, 0, 3], [1, -1, -1]], dtype=torch.int32).to(DEV)
+    pos = torch.tensor([600, 9]).to(DEV)
+    q, w = _score_inputs(2, 16, gen)
+    sc = index_scores(q, w, pages, bt, pos)
+    vis = ((pos + 1) // 4).to(torch.int32)
+    idx = index_topk(sc, 64, vis).cpu()
+    ref_sc = index_scores_torch(q, w, pages, bt, pos).cpu()
+    ref = ref_sc.sort(dim=-1, descending=True, stable=True).indices[:, :64]
+    ref = ref.masked_fill(ref >= vis.cpu().long()[:, None], -1)
+    if torch.equal(sc.cpu().float(), ref_sc.float()):
+        assert torch.equal(idx.long(), ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: real shapes (skipped without CUDA by the conftest)
+
+_need_gpu = need_gpu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4, 200])
+def test_gpu_q_prologue_cuda_graph(T):
+    """index_q_prologue captured in a CUDA graph before its cached Hadamard operand exists (the kernel
+    then builds the operand itself) and after: replays on new inputs equal eager calls bit for bit."""
+    _need_gpu()
+    import dsv4.kernels.indexer as ixm
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(T, 64, 128, generator=gen).bfloat16().cuda()
+    cos, sin = (t.cuda() for t in _rope(T, gen, "cpu"))
+    for cached in (False, True):
+        if not cached:
+            ixm._HMAT.clear()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):                 # warm-up: compiles both kernel variants
+            index_q_prologue(q, cos, sin, load_h=False)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = index_q_prologue(q, cos, sin)
+        assert bool(ixm._HMAT) == cached           # no operand tensor made inside the capture
+        for _ in range(2):
+            q.copy_(torch.randn(T, 64, 128, generator=gen).bfloat16().cuda())
+            g.replay()
+            assert torch.equal(out, index_q_prologue(q, cos, sin))     # eager: the loaded operand
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_real_shapes():
+    _need_gpu()
+    gen = torch.Generator().manual_seed(11)
+    T, H = 64, 64
+    q = (torch.randn(T, H, 128, generator=gen) * 3).bfloat16()
+    cos, sin = _rope(T, gen, "cpu")
+    out = index_q_prologue(q.cuda(), cos.cuda(), sin.cuda()).cpu()
+    ref = index_q_prologue_torch(q, cos, sin)
+    assert (out.float() != ref.float()).float().mean() < 2e-3
+    # scores over 256K candidates (1M context) for 2 rows, one of them shorter
+    n_blocks = 4096
+    pages = _index_cache(n_blocks, gen, device="cuda")
+    bt = torch.stack([torch.randperm(n_blocks, generator=gen) for _ in range(2)]).int().cuda()
+    pos = torch.tensor([4 * 262144 - 1, 123457]).cuda()
+    q, w = _score_inputs(2, H, gen, device="cuda")
+    sc = index_scores(q, w, pages, bt, pos)
+    ref = index_scores_torch(q, w, pages, bt, pos)
+    _check_scores(sc, ref)
+    # top-k 512 / 2048 over 256K candidates, batch 1 and 2
+    vis = ((pos + 1) // 4).int()
+    for k in (512, 2048):
+        idx = index_topk(sc, k, vis)
+        assert torch.equal(idx.cpu(), index_topk_torch(sc.cpu(), k, vis.cpu()))
+        idx1 = index_topk(sc[:1], k)
+        assert torch.equal(idx1.cpu(), index_topk_torch(sc[:1].cpu(), k))
+    # heavy ties: quantised scores (few distinct values)
+    s = (torch.randint(-3, 4, (4, 262144), generator=gen).float() * 0.25).bfloat16().cuda()
+    idx = index_topk(s, 1024)
+    assert torch.equal(idx.cpu(), index_topk_torch(s.cpu(), 1024))
+    for n, k in ((4096, 512), (2048, 2048), (4096, 1024)):             # one-program rows, incl. ties
+        for sc_ in (s[:, :n].contiguous(), sc[:, :n].contiguous()):
+            assert torch.equal(index_topk(sc_, k).cpu(), index_topk_torch(sc_.cpu(), k))
+    # 64 rows: picks above 512 sorted inside the last pass (uint32 codes), not by the rank launch
+    s64 = torch.randn(64, 65536, generator=gen).bfloat16().cuda()
+    for k in (1024, 2048):
+        assert torch.equal(index_topk(s64, k).cpu(), index_topk_torch(s64.cpu(), k))

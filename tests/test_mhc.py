@@ -1,0 +1,330 @@
+"""mHC kernels (dsv4/kernels/mhc.py: hc_pre, hc_post, hc_head) against their torch twins.
+
+On a CPU machine the kernels run under the Triton interpreter (the conftest sets TRITON_INTERPRET=1
+when no CUDA device is present) at tiny shapes. On a GPU machine a plain ``pytest`` runs the same tests
+compiled on CUDA, and the ``gpu``-marked tests add the real V4 shapes. The AOT test compiles every
+hot-path kernel (mHC, compressor, indexer, RMSNorm, compressed-cache entry ids) for sm_90 and sm_100
+without a GPU.
+"""
+import textwrap
+from pathlib import Path
+
+import pytest
+from kernel_helpers import kernel_device, max_rel_err as _rel, need_gpu, run_aot_script
+import torch
+
+triton = pytest.importorskip("triton")
+
+from dsv4.kernels.mhc import hc_head, hc_head_torch, hc_post, hc_post_torch, hc_pre, hc_pre_torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+DEV = kernel_device()
+
+
+def _ordered(x):
+    b = x.view(torch.int16).int()
+    return torch.where(b < 0, -(b & 0x7FFF), b)
+
+
+def _ulps(a, b):
+    """bf16 ulp distance (sign-aware, +0 == -0)."""
+    return (_ordered(a.cpu()) - _ordered(b.cpu())).abs()
+
+
+def _close_bf16(out, ref, mag, noise=2 ** -20):
+    """bf16 results within 1 ulp, or within fp32 rounding noise of the terms summed (``mag``: the
+    sum of their magnitudes) where the sum cancels; the 1-ulp flips must be rare."""
+    out, ref, mag = out.cpu(), ref.cpu(), mag.cpu()
+    u = _ulps(out, ref)
+    ok = (u <= 1) | ((out.float() - ref.float()).abs() <= noise * mag)
+    assert ok.all(), f"{int((~ok).sum())} values off by more than 1 ulp / fp32 noise"
+    assert int((u > 0).sum()) <= max(2, 1e-3 * u.numel())
+
+
+# ------------------------------------------------------------------------------------------------
+# mHC
+
+def _hc_inputs(T, D, gen, nmix=24, device=DEV):
+    x = (torch.randn(T, 4, D, generator=gen) * torch.rand(T, 4, 1, generator=gen) * 3).bfloat16()
+    fn = torch.randn(nmix, 4 * D, generator=gen) * (4 * D) ** -0.5 * 2
+    base = torch.randn(nmix, generator=gen) * 0.5
+    scale = torch.rand(3 if nmix == 24 else 1, generator=gen) + 0.5
+    return [t.to(device) for t in (x, fn, base, scale)]
+
+
+def _check_hc_pre(T, D, gen, device=DEV, noise=2 ** -20, **kw):
+    x, fn, base, scale = _hc_inputs(T, D, gen, device=device)
+    y, post, comb = hc_pre(x, fn, base, scale, **kw)
+    yr, pr, cr = hc_pre_torch(x, fn, base, scale)
+    assert _rel(post, pr) < 1e-5 and _rel(comb, cr) < 1e-5
+    assert torch.isfinite(comb).all()
+    # Sinkhorn: columns sum to 1 (the last normalisation), as in the reference
+    assert (comb.sum(-2) - 1).abs().max() < 1e-4
+    _close_bf16(y, yr, x.float().abs().sum(1), noise)
+
+
+@pytest.mark.parametrize("T,D", [(3, 256), (20, 192)])
+def test_hc_pre(T, D):
+    _check_hc_pre(T, D, torch.Generator().manual_seed(T))
+
+
+def test_hc_pre_split_configs():
+    gen = torch.Generator().manual_seed(9)
+    _check_hc_pre(2, 128, gen, config={"splits": 1})
+    _check_hc_pre(2, 128, gen, config={"splits": 3, "block_d": 64})
+
+
+def _check_hc_post(T, D, gen, device=DEV):
+    res = (torch.randn(T, 4, D, generator=gen) * 2).bfloat16().to(device)
+    y = torch.randn(T, D, generator=gen).bfloat16().to(device)
+    post = (torch.rand(T, 4, generator=gen) * 2).to(device)
+    comb = torch.rand(T, 4, 4, generator=gen).to(device)
+    comb = comb / comb.sum(-2, keepdim=True)
+    out = hc_post(y, res, post, comb)
+    ref = hc_post_torch(y, res, post, comb)
+    _close_bf16(out, ref, 2 * y.float().abs()[:, None] + res.float().abs().sum(1, keepdim=True))
+
+
+def test_hc_post():
+    _check_hc_post(3, 320, torch.Generator().manual_seed(1))
+
+
+def _check_hc_head(T, D, gen, device=DEV, noise=2 ** -20, **kw):
+    x, fn, base, scale = _hc_inputs(T, D, gen, nmix=4, device=device)
+    y = hc_head(x, fn, base, scale, **kw)
+    yr = hc_head_torch(x, fn, base, scale)
+    _close_bf16(y, yr, x.float().abs().sum(1), noise)
+
+
+def test_hc_head():
+    _check_hc_head(4, 256, torch.Generator().manual_seed(2))
+
+
+_HC_IMPL_CONFIGS = {
+    "v1": [{"splits": 3}],
+    # fused: one launch, last-arriver tail; token blocks of 1 / 4 / 8 (T = 7, 37 not multiples), 1-4 splits
+    "fused": [{"block_t": 1, "splits": 4}, {"block_t": 4, "splits": 3, "block_d": 32},
+              {"block_t": 8, "splits": 1, "block_k": 16}],
+    # tiled: mix GEMM over 16/32-token blocks, per-token finish (4 / default tokens a block), streaming
+    # apply (reversed or not)
+    "tiled": [{"splits": 3, "apply_block_d": 64, "tokens_block": 4}, {"splits": 1, "reverse": False, "block_t": 32}],
+}
+
+
+@pytest.mark.parametrize("impl", list(_HC_IMPL_CONFIGS))
+def test_hc_impls(impl):
+    """Each hc_pre / hc_head path (config impl) against the twins at several T and configs."""
+    gen = torch.Generator().manual_seed(11)
+    for T, D in ((1, 64), (7, 128), (37, 64)):
+        for cfg in _HC_IMPL_CONFIGS[impl]:
+            _check_hc_pre(T, D, gen, config=dict(cfg, impl=impl))
+            _check_hc_head(T, D, gen, config=dict(cfg, impl=impl))
+
+
+def test_hc_default_paths():
+    """The default choice (hc_pre: fused up to FUSED_MAX_T tokens, tiled above; hc_head: v1), both
+    sides of the threshold."""
+    from dsv4.kernels import mhc
+    gen = torch.Generator().manual_seed(12)
+    for T in (mhc.FUSED_MAX_T, mhc.FUSED_MAX_T + 1):
+        _check_hc_pre(T, 64, gen)
+        _check_hc_head(T, 64, gen)
+    with pytest.raises(ValueError, match="impl"):
+        hc_pre(*_hc_inputs(1, 64, gen), config={"impl": "nope"})
+
+
+def test_hc_fused_counters_reset():
+    """The fused path's last arrivers reset the shared arrival counters: a second call (no memset in
+    between) gives the same bits."""
+    from dsv4.kernels import mhc
+    gen = torch.Generator().manual_seed(13)
+    x, fn, base, scale = _hc_inputs(5, 64, gen)
+    cfg = {"impl": "fused", "block_t": 2, "splits": 3}
+    first = hc_pre(x, fn, base, scale, config=cfg)
+    assert int(mhc._counters(x.device, 1).abs().sum()) == 0
+    second = hc_pre(x, fn, base, scale, config=cfg)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    h1 = hc_head(x, fn[:4].contiguous(), base[:4].contiguous(), scale[:1].contiguous(), config=cfg)
+    h2 = hc_head(x, fn[:4].contiguous(), base[:4].contiguous(), scale[:1].contiguous(), config=cfg)
+    assert torch.equal(h1, h2) and int(mhc._counters(x.device, 1).abs().sum()) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "0"
+    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+    import triton.language as tl
+    from kernel_helpers import aot_compile
+    from dsv4.kernels import mhc, compressor as cp, indexer as ix, norm as nm, paging as pg
+
+    P = lambda t: "*" + t
+    F = P("fp32")
+    PREF = dict(RK=F, RS=F, POOLED=F, NORMW=F, COS=F, SIN_=F, OUT=P("bf16"), PAGES=P("u8"), PSLOTS=P("i64"),
+                CNT=P("i32"), eps="fp32")
+    cases = [
+        (mhc._hc_mix_partial, dict(X=P("bf16"), FN=F, PART=F, SQ=F),
+         dict(NMIX=24, NP=32, BT=16, BK=64, MODE=0), 4, False),
+        (mhc._hc_mix_partial, dict(X=P("bf16"), FN=P("bf16"), PART=F, SQ=F),
+         dict(NMIX=24, NP=32, BT=16, BK=64, MODE=1), 4, True),
+        (mhc._hc_mix_partial, dict(X=P("bf16"), FN=F, PART=F, SQ=F),
+         dict(NMIX=4, NP=16, BT=64, BK=64, MODE=0), 4, False),
+        (mhc._hc_finish, dict(X=P("bf16"), PART=F, SQ=F, BASE=F, SCALE=F, Y=P("bf16"), POST=F, COMB=F,
+                              inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+         dict(NP=32, SP=64, BD=512, HEAD=False), 4, False),
+        (mhc._hc_post_kernel, dict(Yin=P("bf16"), RES=P("bf16"), POST=F, COMB=F, OUT=P("bf16")), dict(BD=1024), 4, False),
+        (mhc._hc_mix_tile, dict(X=P("bf16"), W=P("bf16"), PART=F),
+         dict(NMIX=24, NP=32, BT=128, BK=64, MODE=1), 8, True),
+        (mhc._hc_mix_tile, dict(X=P("bf16"), W=P("bf16"), PART=F),
+         dict(NMIX=4, NP=16, BT=64, BK=64, MODE=1), 4, True),
+        (mhc._hc_mix_tile, dict(X=P("bf16"), W=F, PART=F),
+         dict(NMIX=24, NP=32, BT=128, BK=64, MODE=0), 8, False),
+        (mhc._hc_tokens, dict(PART=F, BASE=F, SCALE=F, PRE=F, POST=F, COMB=F, inv_k="fp32", rms_eps="fp32",
+                               hc_eps="fp32"), dict(NMIX=24, NP=32, SP=8, BT=16, HEAD=False), 4, False),
+        (mhc._hc_tokens, dict(PART=F, BASE=F, SCALE=F, PRE=F, POST=F, COMB=F, inv_k="fp32", rms_eps="fp32",
+                               hc_eps="fp32"), dict(NMIX=4, NP=16, SP=64, BT=4, HEAD=True), 4, False),
+        (mhc._hc_apply, dict(X=P("bf16"), PRE=F, Y=P("bf16")), dict(BD=2048, REVERSE=True), 4, False),
+        (mhc._hc_fused, dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F,
+                             COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+         dict(NMIX=24, NP=32, SP=128, BT=1, BK=128, BD=2048, HEAD=False), 4, False),
+        (mhc._hc_fused, dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F,
+                             COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+         dict(NMIX=24, NP=32, SP=128, BT=4, BK=64, BD=2048, HEAD=False), 8, False),
+        (mhc._hc_fused, dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F,
+                             COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+         dict(NMIX=4, NP=8, SP=128, BT=2, BK=128, BD=2048, HEAD=True), 4, False),
+        (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
+         dict(M=4, C=512, OVERLAP=True, HAS_APE=True, CB=512, FAST=True), 4, False),
+        (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
+         dict(M=128, C=512, OVERLAP=False, HAS_APE=False, CB=32, FAST=True), 4, False),
+        (cp._comp_post, dict(POOLED=F, NORMW=F, COS=F, SIN_=F, POS=P("i64"), OUT=P("bf16"), COMPLETE=P("i8"),
+                             PAGES=P("u8"), PSLOTS=P("i64"), eps="fp32"),
+         dict(M=128, C=512, INDEXER=False, WRITE=True, FAST=True), 4, False),
+        (cp._comp_fused, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F, NORMW=F,
+                              COS=F, COSIN_=F, OUT=P("bf16"), COMPLETE=P("i8"), PAGES=P("u8"), PSLOTS=P("i64"),
+                              eps="fp32"),
+         dict(M=4, C=512, OVERLAP=True, HAS_APE=False, INDEXER=False, WRITE=True, STORE_POOLED=False,
+              FAST=True), 8, False),
+        (cp._comp_fused, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F, NORMW=F,
+                              COS=F, COSIN_=F, OUT=P("bf16"), COMPLETE=P("i8"), PAGES=P("u8"), PSLOTS=P("i64"),
+                              eps="fp32"),
+         dict(M=4, C=128, OVERLAP=True, HAS_APE=True, INDEXER=True, WRITE=True, STORE_POOLED=True,
+              FAST=True), 8, False),
+        (cp._comp_post, dict(POOLED=F, NORMW=F, COS=F, SIN_=F, POS=P("i64"), OUT=P("bf16"), COMPLETE=P("i8"),
+                             PAGES=P("u8"), PSLOTS=P("i64"), eps="fp32"),
+         dict(M=4, C=128, INDEXER=True, WRITE=True, FAST=True), 4, False),
+        (cp._pref_pool, PREF, dict(M=4, C=512, OVERLAP=True, CB=512, POST=True, INDEXER=False, WRITE=True,
+                                   STORE_POOLED=False, FAST=True), 8, False),
+        (cp._pref_pool, PREF, dict(M=4, C=128, OVERLAP=True, CB=128, POST=True, INDEXER=True, WRITE=True,
+                                   STORE_POOLED=True, FAST=True), 4, False),
+        (cp._pref_pool, PREF, dict(M=128, C=512, OVERLAP=False, CB=32, POST=True, INDEXER=False, WRITE=True,
+                                   STORE_POOLED=True, FAST=True), 4, False),
+        (cp._pref_pool, PREF, dict(M=4, C=128, OVERLAP=True, CB=32, POST=True, INDEXER=True, WRITE=True,
+                                   STORE_POOLED=True, FAST=True), 4, False),
+        (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16"), HMAT=P("bf16")),
+         dict(HB=16, INTERP=False, LOAD_H=False), 4, True),
+        (ix._index_q_kernel, dict(Q=P("bf16"), COS=F, SIN=F, OUT=P("bf16"), HMAT=P("bf16")),
+         dict(HB=64, INTERP=False, LOAD_H=True), 8, True),
+        (ix._index_scores_kernel, dict(Q=P("bf16"), W=P("bf16"), PAGES=P("u8"), BT=P("i32"), POS=P("i64"),
+                                       OUT=P("bf16")), dict(TPP=2, HP=64, INTERP=False), 4, True),
+        (ix._index_scores_kernel, dict(Q=P("bf16"), W=P("bf16"), PAGES=P("u8"), BT=P("i64"), POS=P("i64"),
+                                       OUT=P("bf16")), dict(TPP=1, HP=64, INTERP=False, DIRECT=False), 8, True),
+        (ix._topk_pass1, dict(SC=P("i16"), NV=P("i32"), WS=P("i32")), dict(WSTRIDE=264, TILE=2048, HAS_NV=True),
+         8, False),
+        (ix._topk_pass2, dict(SC=P("i16"), NV=P("i32"), WS=P("i32"), H2=P("i32"), BASE=P("i32")),
+         dict(WSTRIDE=264, G=32, TILE=2048, HAS_NV=False), 8, False),
+        (ix._topk_pass3, dict(SC=P("i16"), NV=P("i32"), WS=P("i32"), BASE=P("i32"), BUF=P("i64"), OUT=P("i32")),
+         dict(WSTRIDE=264, KP=512, TILE=2048, SORT=True, HAS_NV=True), 8, False),
+        (ix._topk_rank, dict(BUF=P("i64"), NV=P("i32"), OUT=P("i32")), dict(KP=2048, RB=16, HAS_NV=True), 8, False),
+        (ix._topk_single, dict(SC=P("i16"), NV=P("i32"), BUF=P("i64"), OUT=P("i32")),
+         dict(KP=2048, TILE=4096, HAS_NV=True), 8, False),
+        (nm._rms_norm_kernel, dict(X=P("bf16"), W=F, Y=P("bf16"), eps="fp32"), dict(BD=8192, INTERP=False), 8, False),
+        (pg._entry_ids_kernel, dict(BT=P("i64"), E=P("i32"), OUT=P("i32")), dict(BLOCK=1024), 4, False),
+    ]
+    for cap in (90, 100):
+        for fn, types, const, warps, want_mma in cases:
+            _ptx, mma = aot_compile(fn, types, const, cap, warps)
+            if want_mma:
+                assert mma, f"{fn.__name__} should use tensor-core MMAs"
+""")
+
+
+def test_aot_compile_sm90_sm100():
+    """Compile every hot-path kernel for GPUTarget('cuda', 90, 32) and ('cuda', 100, 32) here."""
+    run_aot_script(_AOT_SCRIPT, REPO, timeout=600, TRITON_DEFAULT_FP_FUSION="1")
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: real shapes (skipped without CUDA by the conftest)
+
+_need_gpu = need_gpu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,T", [(4096, 1), (4096, 128), (7168, 64), (4096, 2048)])
+def test_gpu_mhc_real_shapes(D, T):
+    """Default (bf16x3 tensor-core) mode: post/comb within 1e-5, outputs within 1 ulp or 1e-5 of the
+    summed magnitudes (cancelling sums)."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(D + T)
+    _check_hc_pre(T, D, gen, device="cuda", noise=1e-5)
+    _check_hc_post(T, D, gen, device="cuda")
+    _check_hc_head(T, D, gen, device="cuda", noise=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,T", [(4096, 256), (4096, 2048)])
+def test_gpu_hc_ieee_mode(D, T):
+    """The fp32 FMA mode: the reference's fp32 accuracy (2^-20 of the summed magnitudes)."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(T)
+    _check_hc_pre(T, D, gen, device="cuda", config={"mode": "ieee"})
+    _check_hc_head(T, D, gen, device="cuda", config={"mode": "ieee"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [4096, 7168])
+def test_gpu_mhc_paths(D):
+    """Each hc_pre / hc_head path in both modes at the real widths: fused at T 1 / 5 / 16 (token blocks
+    of 1 and 2; ragged), tiled at T 17 / 300 (ragged token blocks), v1. The fused path and the ieee
+    mode: fp32 FMA products, 2^-20 of the summed magnitudes; bf16x3 tiled: 1e-5."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(D)
+    for impl, Ts in (("fused", (1, 5, 16)), ("tiled", (17, 300)), ("v1", (5,))):
+        for mode in ("bf16x3", "ieee"):
+            noise = 1e-5 if mode == "bf16x3" and impl != "fused" else 2 ** -20
+            for T in Ts:
+                cfg = {"impl": impl, "mode": mode}
+                _check_hc_pre(T, D, gen, device="cuda", noise=noise, config=cfg)
+                _check_hc_head(T, D, gen, device="cuda", noise=noise, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,impl", [(4, "fused"), (300, "tiled"), (64, "tiled")])
+def test_gpu_mhc_cuda_graph(T, impl):
+    """hc_pre (fused: the counters the last arrivers reset inside the graph; tiled) and the default
+    hc_head captured in a CUDA graph: replays on new inputs equal eager calls bit for bit."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(T)
+    x, fn, base, scale = _hc_inputs(T, 4096, gen, device="cuda")
+    fh, bh, sh = fn[:4].contiguous(), base[:4].contiguous(), scale[:1].contiguous()
+    cfg = {"impl": impl}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                     # warm-up: compiles, the bf16x3 split, the counters
+        hc_pre(x, fn, base, scale, config=cfg)
+        hc_head(x, fh, bh, sh)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = hc_pre(x, fn, base, scale, config=cfg) + (hc_head(x, fh, bh, sh),)
+    for _ in range(3):
+        x.copy_(_hc_inputs(T, 4096, gen, device="cuda")[0])
+        g.replay()
+        ref = hc_pre(x, fn, base, scale, config=cfg) + (hc_head(x, fh, bh, sh),)
+        for a, b in zip(out, ref):
+            assert torch.equal(a, b)

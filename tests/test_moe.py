@@ -1,0 +1,289 @@
+"""MoE kernels (dsv4/kernels/moe.py: routing, the pair sort, combine, the expert layer) against the
+reference MoE.
+
+On a CPU machine the kernels run under the Triton interpreter (the conftest sets TRITON_INTERPRET=1
+when no CUDA device is present) at tiny shapes. On a GPU machine a plain ``pytest`` runs the same tests
+compiled on CUDA and the ``gpu``-marked tests add V4-Flash shapes.
+
+Tolerances (documented in the modules): routing is bit-exact; the MoE layer matches the reference
+within FP8-step tolerance (a one-ulp bf16 difference in a w1/w3 output can move h by one FP8 step).
+"""
+import pytest
+from kernel_helpers import kernel_device, need_gpu
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4  # noqa: E402
+from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
+from dsv4.kernels import gemm as G  # noqa: E402
+from dsv4.kernels import moe as Mo  # noqa: E402
+from dsv4.reference.linear import Linear  # noqa: E402
+from dsv4.reference.moe import Expert, MoE  # noqa: E402
+from dsv4.reference.numerics import OFFICIAL  # noqa: E402
+
+DEV = kernel_device()
+
+
+def _mx(w):
+    q, s = quant_mxfp4(w)
+    return dequant_mxfp4(q, s)
+
+
+def _f8(w):
+    q, s = quant_fp8_weight(w)
+    return dequant_fp8_weight(q, s)
+
+
+def _ref_moe(E, d, I, k, gen, hash_layer, vocab=64, shared=True, dup_row=None):
+    lin = lambda o, i, f, fmt: Linear(f(torch.randn(o, i, generator=gen) * 0.06), fmt, OFFICIAL)
+    experts = [Expert(lin(I, d, _mx, "fp4"), lin(d, I, _mx, "fp4"), lin(I, d, _mx, "fp4"), 10.0, OFFICIAL)
+               for _ in range(E)]
+    sh = Expert(lin(I, d, _f8, "fp8"), lin(d, I, _f8, "fp8"), lin(I, d, _f8, "fp8"), 10.0, OFFICIAL) if shared else None
+    gate = torch.randn(E, d, generator=gen) * 0.1
+    bias = None if hash_layer else torch.randn(E, generator=gen) * 0.05
+    tid = None
+    if hash_layer:
+        tid = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(vocab)])
+        if dup_row is not None:
+            tid[dup_row, 1] = tid[dup_row, 0]          # a repeated expert id in one row
+    return MoE(gate, bias, tid, experts, sh, k, 1.5, OFFICIAL)
+
+
+def _check_moe(y, yr):
+    y, yr = y.cpu().float(), yr.float()
+    assert torch.isfinite(y).all()
+    rel = ((y - yr).norm() / yr.norm()).item()
+    assert rel < 2e-2, rel
+    assert ((y - yr).abs() <= 0.05 * yr.abs().amax(-1, keepdim=True) + 1e-6).all()
+
+
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_route_exact(hash_layer):
+    gen = torch.Generator().manual_seed(3 + hash_layer)
+    ref = _ref_moe(8, 256, 128, 3, gen, hash_layer, dup_row=5, shared=False)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = (torch.randn(13, 256, generator=gen)).bfloat16()
+    ids = torch.randint(0, 64, (13,), generator=gen)
+    ids[2] = 5
+    i0, w0 = ref.route(x, ids)
+    i1, w1 = Mo.route(x.to(DEV), ids.to(DEV), w)
+    i1, w1 = i1.cpu(), w1.cpu()
+    if DEV == "cpu":   # same logits: the same ids in the same slot order, weights within ulps
+        assert torch.equal(i1, i0)
+        torch.testing.assert_close(w1, w0, rtol=4e-7, atol=0)
+    else:              # scores from another device's GEMM: compare as sets, weights to ~ulps
+        assert torch.equal(i1.sort(-1).values, i0.sort(-1).values)
+        o1, o0 = i1.argsort(-1), i0.argsort(-1)
+        torch.testing.assert_close(w1.gather(1, o1), w0.gather(1, o0), rtol=1e-5, atol=1e-6)
+    # the router's quantised x (the expert GEMMs' operand from the same launch): act_quant_fp8's bytes
+    x = x * torch.logspace(-3, 1, 256).bfloat16()          # blocks of very different scales
+    i2, w2, e2, xq, xs = Mo._route(x.to(DEV), ids.to(DEV), w, quant=True)
+    i3, w3, e3, nq, ns = Mo._route(x.to(DEV), ids.to(DEV), w)
+    q0, s0 = G.act_quant_fp8(x.to(DEV))
+    assert nq is None and ns is None
+    assert torch.equal(xq, q0.view(torch.uint8)) and torch.equal(xs, s0)
+    assert torch.equal(i2, i3) and torch.equal(w2, w3) and torch.equal(e2, e3)
+
+
+@triton.jit
+def _sqrt_softplus_probe(Z, Y, N, B: tl.constexpr):
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    tl.store(Y + i, Mo._sqrt_softplus(tl.load(Z + i, mask=i < N)), mask=i < N)
+
+
+def test_sqrt_softplus_matches_torch():
+    """The routing kernel's sqrt(softplus(z)) against torch's over the fp32 range that matters (tails,
+    the 20 threshold, zero)."""
+    z = torch.cat([torch.linspace(-90, 40, 4001), torch.tensor([0.0, -0.0, 20.0, 20.000002, 19.999998, -1e-8,
+                                                                 1e-8, -20.0, -88.0])]).float()
+    y = torch.empty_like(z).to(DEV)
+    _sqrt_softplus_probe[(triton.cdiv(z.numel(), 1024),)](z.to(DEV), y, z.numel(), B=1024)
+    ref = torch.sqrt(torch.nn.functional.softplus(z))
+    # a few ulps (the GPU's exp / log are the approximate ex2 / lg2 forms); below z = -87.3 exp() is
+    # subnormal and keeps fewer bits (19 at z = -90: the H200 measured 3.4e-6 there)
+    normal = z >= -87.3
+    torch.testing.assert_close(y.cpu()[normal], ref[normal], rtol=2e-6, atol=0)
+    torch.testing.assert_close(y.cpu()[~normal], ref[~normal], rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize("P,E", [(1, 8), (6, 256), (100, 8), (384, 256), (1000, 64), (1500, 8)])
+def test_sort_pairs_stable(P, E):
+    """sort_pairs (the one-launch counting sort up to SORT_COUNTING_MAX pairs, torch.sort above) =
+    a stable sort by expert id with the sentinel E last; offs / tcum / inv consistent."""
+    gen = torch.Generator().manual_seed(P)
+    ef = torch.randint(0, E + 1, (P,), generator=gen, dtype=torch.int32)
+    ef[: P // 3] = ef[0]                          # long runs of one expert
+    perm, offs, tcum, inv = Mo.sort_pairs(ef.to(DEV), E, 8)
+    ref = torch.sort(ef.long(), stable=True).indices
+    assert torch.equal(perm.cpu(), ref)
+    assert torch.equal(inv.cpu().long()[ref], torch.arange(P))
+    cnt = torch.bincount(ef.long(), minlength=E + 1)
+    assert torch.equal(offs.cpu(), torch.cat([torch.zeros(1, dtype=torch.long), cnt.cumsum(0)[:E]]))
+    assert torch.equal(tcum.cpu(), torch.cat([torch.zeros(1, dtype=torch.long), ((cnt[:E] + 7) // 8).cumsum(0)]))
+
+
+@pytest.mark.parametrize("S", [2, 5])
+def test_combine_sums_split_partials(S):
+    """The MoE combine on the w2 GEMM's unsummed fp32 split partials (the decode path's one launch
+    fewer) equals the combine on their ``sum_splits`` bf16 rows bit for bit, masked pairs included."""
+    from dsv4.kernels.gemv import sum_splits
+    gen = torch.Generator().manual_seed(S)
+    T, k, E, d = 5, 3, 8, 96
+    eflat = torch.randint(0, E, (T * k,), generator=gen)
+    eflat[4] = E                                   # a masked slot (sentinel expert: no row)
+    perm, offs, tcum, inv = Mo.sort_pairs(eflat.int().to(DEV), E, 1)
+    part = (torch.randn(S, T * k, d, generator=gen) * 3).to(DEV)
+    sh = torch.randn(T, d, generator=gen).bfloat16().to(DEV)
+    y_split = torch.empty(T, d, dtype=torch.bfloat16, device=DEV)
+    y_summed = torch.empty_like(y_split)
+    Mo._combine(part, inv, offs, sh, y_split, k)
+    Mo._combine(sum_splits(part), inv, offs, sh, y_summed, k)
+    assert torch.equal(y_split.view(torch.int16), y_summed.view(torch.int16))
+    # ... and differs from a combine that skipped a split (the partials are really read)
+    Mo._combine(part[:-1].contiguous(), inv, offs, sh, y_split, k)
+    assert not torch.equal(y_split, y_summed)
+
+
+@pytest.mark.parametrize("hash_layer,T,path,bm", [(False, 9, "dequant", None), (True, 7, "dequant", None),
+                                                  (False, 9, "gemv", 2), (True, 7, "gemv", 4), (False, 1, "gemv", 1),
+                                                  (True, 2, None, None), (False, 12, None, None),
+                                                  (False, 30, "prefill", None), (True, 9, "prefill", None)])
+def test_moe_forward(hash_layer, T, path, bm):
+    """Every expert-GEMM path: the MMA kernels, the prefill kernel (fp4_prefill.py: one K=128 dot per
+    block, split-K-order operands) and the decode GEMV (1/2/4-row tiles); the shared expert on the
+    split-K MMA partials (<= 64 tokens); the default picks the GEMV at <= 2 rows per expert."""
+    gen = torch.Generator().manual_seed(20 + T)
+    ref = _ref_moe(8, 256, 128, 2, gen, hash_layer, dup_row=4)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = (torch.randn(T, 256, generator=gen) * 1.5).bfloat16()
+    ids = torch.randint(0, 64, (T,), generator=gen)
+    ids[0] = 4
+    y, parts = Mo.moe_forward(x.to(DEV), ids.to(DEV), w, path=path, config=None if bm is None else {"BM": bm},
+                              return_parts=True)
+    yr = ref(x, ids)
+    _check_moe(y, yr)
+    # the default takes the decode kernels up to GEMV_ROWS_PER_EXPERT rows per active expert (T x 2
+    # pairs, 8 experts), MMA_GEMV_ROWS_PER_EXPERT where the tensor-core one runs (sm_89+)
+    P = T * 2
+    from dsv4.kernels import fp4_mma
+    gemv_max = Mo.MMA_GEMV_ROWS_PER_EXPERT if fp4_mma.available(torch.device(DEV)) else Mo.GEMV_ROWS_PER_EXPERT
+    assert parts["path"] == (path or ("gemv" if P / min(8, P) <= gemv_max else G.fp4_path("mxfp4", DEV)))
+    # pairs sorted by expert: offsets are the cumulative counts (duplicates dropped)
+    idx = parts["idx"].cpu()
+    first = torch.ones_like(idx, dtype=torch.bool)
+    first[:, 1] = idx[:, 1] != idx[:, 0]
+    counts = torch.bincount(idx[first], minlength=8)
+    assert torch.equal(parts["offs"].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+
+
+def _nv_expert(I, d, gen):
+    """A ModelOpt-style expert: w1/w3 share one global scale, w2 has its own (exact dequantised values)."""
+    a, b, c = (torch.randn(I, d, generator=gen) * 0.06, torch.randn(I, d, generator=gen) * 0.05,
+               torch.randn(d, I, generator=gen) * 0.06)
+    g = torch.maximum(a.abs().amax(), b.abs().amax()) / (6 * 448)
+    deq = [dequant_nvfp4(*quant_nvfp4(a, g)), dequant_nvfp4(*quant_nvfp4(b, g)), dequant_nvfp4(*quant_nvfp4(c))]
+    return Expert(Linear(deq[0], "fp4", OFFICIAL), Linear(deq[2], "fp4", OFFICIAL), Linear(deq[1], "fp4", OFFICIAL),
+                  10.0, OFFICIAL)
+
+
+def test_moe_weights_pick_the_checkpoint_fp4_format():
+    """The fused path packs experts in the FP4 format that holds them exactly: MXFP4 for official
+    checkpoints, NVFP4 for ModelOpt ones (w1/w3 sharing a global scale); neither is a named error."""
+    gen = torch.Generator().manual_seed(11)
+    ref = _ref_moe(4, 256, 128, 2, gen, False)
+    assert Mo.MoEWeights.from_reference_exact(ref).fmt == "mxfp4"
+    ref.experts = [_nv_expert(128, 256, gen) for _ in range(4)]
+    w = Mo.MoEWeights.from_reference_exact(ref, layer=3)
+    assert w.fmt == "nvfp4"
+    back = w.to_reference()
+    for e0, e1 in zip(ref.experts, back.experts):
+        for n in ("w1", "w2", "w3"):
+            assert torch.equal(getattr(e0, n).weight, getattr(e1, n).weight)
+    x = (torch.randn(5, 256, generator=gen) * 1.5).bfloat16()
+    _check_moe(Mo.moe_forward(x.to(DEV), None, w.to(DEV)), ref(x, None))
+    ref.experts[1].w2.weight = ref.experts[1].w2.weight * 1.001          # no longer on either grid
+    with pytest.raises(ValueError, match="layer 3: routed experts fit neither FP4 kernel format"):
+        Mo.MoEWeights.from_reference_exact(ref, layer=3)
+
+
+def test_moe_empty_experts_and_unrouted_tokens():
+    gen = torch.Generator().manual_seed(5)
+    ref = _ref_moe(8, 256, 128, 2, gen, False)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    # one token: six of the eight experts get none
+    x = torch.randn(1, 256, generator=gen).bfloat16()
+    _check_moe(Mo.moe_forward(x.to(DEV), None, w), ref(x, None))
+    # explicit routing with masked slots (-1): token 1 goes to no routed expert (shared only)
+    x = torch.randn(3, 256, generator=gen).bfloat16()
+    idx = torch.tensor([[1, 6], [-1, -1], [3, -1]])
+    rw = torch.tensor([[0.7, 0.8], [0.0, 0.0], [1.5, 0.0]])
+    y = Mo.moe_forward(x.to(DEV), None, w, routing=(idx.to(DEV), rw.to(DEV))).cpu()
+    yr = ref.shared(x).float()
+    for t in range(3):
+        for j in range(2):
+            e = int(idx[t, j])
+            if e >= 0:
+                yr[t] += ref.experts[e](x[t:t + 1], rw[t, j:j + 1])[0].float()
+    _check_moe(y, yr.bfloat16())
+    # no tokens
+    assert Mo.moe_forward(x[:0].to(DEV), None, w).shape == (0, 256)
+
+
+def test_moe_nvfp4_packed():
+    gen = torch.Generator().manual_seed(9)
+    E, d, I, k = 4, 256, 128, 2
+    pk = {n: [] for n in ("w1", "s1", "g1", "w3", "s3", "g3", "w2", "s2", "g2")}
+    for _ in range(E):
+        for a, (o, i) in (("1", (I, d)), ("3", (I, d)), ("2", (d, I))):
+            q, s, g = quant_nvfp4(torch.randn(o, i, generator=gen) * 0.06)
+            pk["w" + a].append(q)
+            pk["s" + a].append(s)
+            pk["g" + a].append(g)
+    st = {n: torch.stack(v) for n, v in pk.items()}
+    sh = tuple(quant_fp8_weight(torch.randn(o, i, generator=gen) * 0.06) for o, i in ((I, d), (I, d), (d, I)))
+    w = Mo.MoEWeights.from_packed(torch.randn(E, d, generator=gen) * 0.1, torch.zeros(E), None, k, 1.5, 10.0,
+                                  "nvfp4", st["w1"], st["s1"], st["w3"], st["s3"], st["w2"], st["s2"],
+                                  w1_s2=st["g1"], w3_s2=st["g3"], w2_s2=st["g2"], shared=sh)
+    ref = w.to_reference()
+    x = torch.randn(6, d, generator=gen).bfloat16()
+    _check_moe(Mo.moe_forward(x.to(DEV), None, w.to(DEV)), ref(x, None))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: V4-Flash dims (skipped without CUDA by the conftest)
+
+_need_gpu = need_gpu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hash_layer,T", [(False, 64), (True, 16), (False, 200), (False, 2)])
+def test_gpu_moe_flash_dims(hash_layer, T):
+    """V4-Flash dims (d 4096, inter 2048, top-6) with 8 experts (CPU reference time): 1.5 rows per
+    expert take the decode path (tensor-core kernel and CUDA-core GEMV), 12 rows the tensor-core
+    decode kernel on sm_89+ (else the MMA kernels; both run), 48 the prefill kernel's 64-row tiles,
+    150 its 128-row tiles."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(T)
+    ref = _ref_moe(8, 4096, 2048, 6, gen, hash_layer, vocab=256, dup_row=3)
+    w = Mo.MoEWeights.from_reference(ref).to("cuda")
+    x = torch.randn(T, 4096, generator=gen).bfloat16()
+    ids = torch.randint(0, 256, (T,), generator=gen)
+    ids[0] = 3
+    y, parts = Mo.moe_forward(x.cuda(), ids.cuda(), w, return_parts=True)
+    _check_moe(y, ref(x, ids))
+    rows = T * 6 / 8
+    from dsv4.kernels import fp4_mma
+    gemv_max = Mo.MMA_GEMV_ROWS_PER_EXPERT if fp4_mma.available("cuda") else Mo.GEMV_ROWS_PER_EXPERT
+    assert parts["path"] == ("gemv" if rows <= gemv_max else
+                             "prefill" if rows > Mo.PREFILL_ROWS_PER_EXPERT else "dequant")
+    if parts["path"] == "gemv":
+        assert parts["kernel"] == ("mma" if fp4_mma.available("cuda") else "cuda-core")
+        y2, parts2 = Mo.moe_forward(x.cuda(), ids.cuda(), w, config={"kernel": "cuda-core"}, return_parts=True)
+        assert parts2["kernel"] == "cuda-core"
+        _check_moe(y2, ref(x, ids))
+    if Mo.GEMV_ROWS_PER_EXPERT < rows <= Mo.PREFILL_ROWS_PER_EXPERT:   # the MMA kernels' own range
+        y3, parts3 = Mo.moe_forward(x.cuda(), ids.cuda(), w, path="dequant", return_parts=True)
+        assert parts3["path"] == "dequant"
+        _check_moe(y3, ref(x, ids))
