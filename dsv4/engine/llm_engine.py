@@ -79,7 +79,8 @@ class LLMEngine:
         self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + 1,
                                              num_blocks=None if cfg.num_kv_blocks is None else cfg.num_kv_blocks + 1,
                                              memory_bytes=budget, device=str(self.device)))
-        cap = (self.cache.num_blocks - 1) * BLOCK_TOKENS
+        self.seq_blocks = self.cache.num_blocks - 1      # blocks sequences can hold (one is the model's scratch)
+        cap = self.seq_blocks * BLOCK_TOKENS
         limit = min(mc.max_position_embeddings, cap)
         if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings="
@@ -125,10 +126,10 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise RequestRejected(f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
                                   f"(prompt + at least 1 generated token must fit)")
-        if self.cache.blocks_needed(n + 1) > self.cache.num_blocks:
+        if self.cache.blocks_needed(n + 1) > self.seq_blocks:
             raise RequestRejected(f"the prompt has {n} tokens and cannot fit the KV cache even alone "
-                                  f"({self.cache.capacity_tokens} tokens); raise kv_cache_memory")
-        limit = min(self.max_model_len, self.cache.capacity_tokens) - n
+                                  f"({self.seq_blocks * BLOCK_TOKENS} tokens); raise kv_cache_memory")
+        limit = min(self.max_model_len, self.seq_blocks * BLOCK_TOKENS) - n
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         now = time.monotonic() if arrival is None else arrival
         seqs = [Sequence(request_id, i, ids, params, max_tokens, self.model_config.eos_token_id,
