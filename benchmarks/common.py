@@ -47,7 +47,7 @@ def flush_mode() -> str:
     a 256 MB zero fill, then a 256 MB read, so L2 holds clean lines, as after Nsight Compute's cache
     invalidation) or ``write`` (the fill alone, sessions 1-8: its last ~50 MB stay dirty in L2 and
     the timed kernel also pays their write-back, up to ~10 us of HBM time that is not its own;
-    BENCHMARKS.md session 9 has both)."""
+    docs/benchmarks-2026-11-30.md, session 9, has both)."""
     mode = os.environ.get("DSV4_BENCH_FLUSH", "read")
     if mode not in ("write", "read"):
         raise ValueError(f"DSV4_BENCH_FLUSH must be 'write' or 'read', got {mode!r}")

@@ -3,7 +3,7 @@
 V4-Pro shapes, next to plain PyTorch and the rooflines measured in the same run.
 
     PYTHONPATH=. python benchmarks/gemm_moe.py --out DIR        # full run; writes DIR/gemm_moe.md
-    PYTHONPATH=. python benchmarks/gemm_moe.py --md BENCHMARKS.md   # ... and appends it there
+    PYTHONPATH=. python benchmarks/gemm_moe.py --md docs/benchmarks-DATE.md   # ... and appends it to a dated log note
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/gemm_moe.py --smoke   # CPU: code paths only
 
 Sections:

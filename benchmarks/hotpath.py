@@ -12,7 +12,7 @@ once); floor = max(bytes / copy rate, FLOPs / bf16 matmul rate); '% of floor' = 
 CUDA-graph replays with the L2 flushed (``common.flush_mode``) before every call, flush time subtracted, so
 launch gaps inside a graph count but host overhead does not; the PyTorch twin is timed the same way
 (eager do_bench where it cannot be captured). The markdown table is printed last and written to
-``--out``; append it to BENCHMARKS.md by hand.
+``--out``; add it to a dated ``docs/benchmarks-<date>.md`` note and update BENCHMARKS.md's current table by hand.
 """
 from __future__ import annotations
 

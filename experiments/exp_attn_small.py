@@ -5,7 +5,7 @@
 Per case (V4-Flash 64 / V4-Pro 128 heads; window only, CSA window + 512 picks, HCA window + 64
 entries at ctx 8192): us per call (CUDA-graph replays, L2 flushed), the max difference to the
 default's output (d), the relative error against the torch twin (e) and the split count (s).
-Session 12: ~15 us whatever the config at 1-16 rows (BENCHMARKS.md)."""
+Session 12: ~15 us whatever the config at 1-16 rows (docs/benchmarks-2026-12-01.md)."""
 import os
 import sys
 

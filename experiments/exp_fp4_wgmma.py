@@ -4,7 +4,7 @@ the weights placed as e4m3 in registers, against ``kernels/fp4_mma.py`` (f16 ``m
     PYTHONPATH=. python experiments/exp_fp4_wgmma.py --static    # no GPU: sm_90 compile, SASS counts
     PYTHONPATH=. python experiments/exp_fp4_wgmma.py             # H200: correctness + time vs fp4_mma
 
-Why: ``fp4_mma`` is bound by ALU issue (Nsight Compute, BENCHMARKS.md session 8: ~220 SASS
+Why: ``fp4_mma`` is bound by ALU issue (Nsight Compute, session 8 in docs/benchmarks-2026-11-30.md: ~220 SASS
 instructions per 128-K block and warp, 48 of them e4m3 -> f16 conversions and 32 f16 multiplies
 applying the group scales), and at batch 64 the routed experts are ~73% of a V4-Flash decode step
 (session 12). wgmma takes e4m3 A operands from registers (an offline sm_90 compile with Triton 3.6
@@ -31,7 +31,7 @@ instructions per 128-K block and thread (64 weight values per thread, as in fp4_
 logic / integer instructions per block; fp4_mma's ~220 hold 34 LOP3 + 10 shifts + 12 PRMT, ~28 integer
 ops, and the 48 e4m3 -> f16 conversions and 32 HMUL2 that this loop has no need of.
 
-H200 (session 13, BENCHMARKS.md): 1.5-2.7x slower than fp4_mma on every case (Flash w1|w3, 32
+H200 (session 13, docs/benchmarks-2026-12-01.md): 1.5-2.7x slower than fp4_mma on every case (Flash w1|w3, 32
 experts x 1 row: 223 vs 107 us), relative error 3e-4 against the GEMV (fp4_mma: 1e-5; the fp8
 accumulation inside a k32 step is not exact). The activation staging (byte loads into shared memory,
 a barrier per group) costs about a third; with staging skipped (timing only, wrong values) the main

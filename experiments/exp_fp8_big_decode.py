@@ -11,7 +11,7 @@ For each linear and row count: the default tile and a sweep over BN, warps, stag
 (rel err < 5e-3) and timed with ``benchmarks.common.graph_time`` (CUDA graph, L2 flushed). % copy =
 (weight + scale + activation + output bytes) / time / copy bandwidth.
 
-H200 (session 13, BENCHMARKS.md): the Flash defaults were already the fastest tiles (wq_b 14.7 us, wo_b
+H200 (session 13, docs/benchmarks-2026-12-01.md): the Flash defaults were already the fastest tiles (wq_b 14.7 us, wo_b
 14.0 at one row); on Pro 128 columns won at one row (wq_b 36.4 -> 29.1 us, wo_b 50.7 -> 40.1), hence
 ``gemm._fp8_config``'s rule (N > 4096 and K >= 1536 -> 128 columns at <= 16 rows); ``--rule`` then timed
 every Pro linear it changes: better or equal except the indexer's wq_b (8192 x 1536: 9.0 -> 9.2 us).

@@ -12,7 +12,7 @@ The pair's floor is the sum of both. Times: ``benchmarks.common.graph_time`` (CU
 before every call). Checked first: out equal to hc_post's bit for bit, hc_pre's outputs on the
 partials within 1e-5 (post / comb, relative) of hc_pre's own.
 
-H200 (session 13, BENCHMARKS.md): with the mix done, hc_pre reaches 72-94% of copy at T = 4096 / 8192
+H200 (session 13, docs/benchmarks-2026-12-01.md): with the mix done, hc_pre reaches 72-94% of copy at T = 4096 / 8192
 (55 vs 102 us at d 4096, T 4096), but hc_post_mix runs at 32-48% of its floor (best: 149 us against
 hc_post's 75 at d 4096, T 4096, 4 warps, ptxas ~254 registers: the code below), so the pair is
 1.13-1.57x slower than the separate kernels. At 8 warps the kernel holds ~170 registers (one CTA per

@@ -20,7 +20,7 @@ Why a hand-written kernel: Triton keeps each K block's wgmma synchronous with it
   synchronised with each other, so one's promotion FFMAs overlap the other's wgmma, and the
   producer runs ahead across tile boundaries (the next tile's loads during this tile's epilogue).
 
-H200 (BENCHMARKS.md session 11): level with the Triton kernel where N >> K (wq_b: 0-3 points of peak
+H200 (session 11, docs/benchmarks-2026-12-01.md): level with the Triton kernel where N >> K (wq_b: 0-3 points of peak
 ahead), 2-12 points behind at K >= 7168; Nsight Compute puts 42% of its stalls on the named barriers
 Gluon emits around each ``mbarrier.arrive`` / ``mbarrier.wait`` of the K loop. So ``fp8_gemm`` does not
 route here, and the kernel lives in ``experiments/`` (formerly ``dsv4/kernels/fp8_ws.py``; its test is
@@ -201,7 +201,7 @@ if GLUON:
 
 
 # 5 stages of 32 KB, groups of 12 row blocks (~square with 132 tiles in flight): the best or level in
-# the H200 runs of BENCHMARKS.md session 11. GRID 0: one CTA per SM.
+# the H200 runs of session 11 (docs/benchmarks-2026-12-01.md). GRID 0: one CTA per SM.
 DEFAULT_CONFIG = {"BN": 128, "STAGES": 5, "GROUP_M": 12, "AHEAD": False, "CONSUMER_REGS": 232,
                   "PRODUCER_REGS": 40, "maxnreg": 168, "GRID": 0}
 
