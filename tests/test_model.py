@@ -115,3 +115,98 @@ def test_every_layout_gives_the_official_layout_s_tokens(tmp_path, monkeypatch, 
         assert llm.engine.model.expert_format == ("nvfp4" if lay == "modelopt-nvfp4" else "mxfp4")
         toks[lay] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert toks[layout] == toks["official"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the golden outputs of DeepSeek's official inference code, through the production model
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(os.path.dirname(REPO), "shared")
+GOLDEN = os.path.join(SHARED, "golden", "official-tiny-seed1.json")
+OFFICIAL_TOOL = os.path.join(SHARED, "tools", "make_tiny_official.py")
+
+
+@pytest.fixture(scope="module")
+def official_seed1(tmp_path_factory):
+    from conftest import skip_or_fail_without_shared
+    if not (os.path.exists(OFFICIAL_TOOL) and os.path.exists(GOLDEN)):
+        skip_or_fail_without_shared("../shared/tools/make_tiny_official.py or the golden file")
+    out = tmp_path_factory.mktemp("official-seed1")
+    subprocess.run([sys.executable, OFFICIAL_TOOL, str(out), "--seed", "1"], check=True, stdout=subprocess.DEVNULL)
+    with open(GOLDEN) as fh:
+        return str(out), json.load(fh)
+
+
+def _golden_step(lg, step, dlps):
+    """Check one step's logits against the official step (test_reference's tolerances); True
+    where the official top-1 margin is clear (>= 0.5) and the argmax was checked."""
+    ids = [t for t, _ in step["top20"]]
+    vals = [v for _, v in step["top20"]]
+    dlps.append(abs((lg[ids[0]] - torch.logsumexp(lg, 0)).item() - (vals[0] - step["logsumexp"])))
+    assert len(set(lg.topk(20).indices.tolist()) & set(ids)) >= 15, step["start_pos"]
+    if vals[0] - vals[1] >= 0.5:
+        assert int(lg.argmax()) == step["argmax"], (step["kind"], step["start_pos"])
+        return True
+    return False
+
+
+def test_model_matches_official_golden(official_seed1):
+    """Official call pattern (prefill at 0, then 1-token teacher-forced decodes) on the model's
+    own paged cache: the tolerances test_reference holds the oracle to."""
+    path, golden = official_seed1
+    m = DeepseekV4.from_checkpoint(path)
+    cache = _paged(m.cfg, n_seqs=len(golden["cases"]), blocks=4 * len(golden["cases"]))
+    m.attach_cache(cache, 1024)
+    dlps, checked = [], 0
+    for case in golden["cases"]:
+        st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(4))
+        tok = None
+        for step in case["steps"]:
+            assert st.pos == step["start_pos"]
+            if step["kind"] == "prefill":
+                lg = m(m.prefill_context([(torch.tensor(case["prompt_ids"]), st)]))[0]
+                st.advance_to(len(case["prompt_ids"]))
+            else:
+                bt = torch.full((1, m.max_blocks), -1, dtype=torch.long)
+                bt[0, :len(st.block_table)] = torch.tensor(st.block_table)
+                lg = m(m.decode_context(torch.tensor([tok]), torch.tensor([st.pos]), torch.tensor([st.slot]), bt))[0]
+                st.advance_to(st.pos + 1)
+            checked += _golden_step(lg, step, dlps)
+            tok = step["argmax"]
+    assert checked >= 10
+    assert max(dlps) <= 0.8 and sum(dlps) / len(dlps) <= 0.25, dlps
+
+
+def test_engine_matches_official_golden(official_seed1, monkeypatch, tmp_path):
+    """The golden cases served by the engine, all requests in one batch: a request starts at each
+    step after one whose official top-1 margin is below 0.5 (its prompt is the case's prompt plus
+    the official greedy tokens so far, as the official run was teacher-forced) and decodes
+    greedily up to the next such step. Every token at a clear margin is the official one, and the
+    chosen tokens' log-probs stay within the golden tolerances."""
+    from dsv4 import LLM, SamplingParams
+    path, golden = official_seed1
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+    llm = LLM(path, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=1024, kv_cache_memory="64MiB",
+              log=False)
+    reqs = []                                     # (prompt ids, the official steps it covers)
+    for case in golden["cases"]:
+        steps, k = case["steps"], 0
+        while k < len(steps):
+            j = k
+            while j < len(steps) - 1 and steps[j]["top20"][0][1] - steps[j]["top20"][1][1] >= 0.5:
+                j += 1
+            reqs.append((case["prompt_ids"] + case["greedy_ids"][:k], steps[k:j + 1]))
+            k = j + 1
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
+                        [SamplingParams(temperature=0, max_tokens=len(st), ignore_eos=True, logprobs=1)
+                         for _, st in reqs])
+    checked, dlps = 0, []
+    for (prompt, steps), o in zip(reqs, outs):
+        c = o.outputs[0]
+        for i, step in enumerate(steps):
+            vals = [v for _, v in step["top20"]]
+            if vals[0] - vals[1] >= 0.5:
+                assert c.token_ids[i] == step["argmax"], (len(prompt), i)
+                dlps.append(abs(c.logprobs[i][c.token_ids[i]].logprob - (vals[0] - step["logsumexp"])))
+                checked += 1
+    assert checked >= 10
+    assert max(dlps) <= 0.8 and sum(dlps) / len(dlps) <= 0.25, dlps
