@@ -34,9 +34,9 @@ from dsv4.formats.index_key import write_index_keys  # noqa: E402
 from dsv4.formats.kv_entry import write_entries  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  # noqa: E402
 from dsv4.kernels.moe import MoEWeights  # noqa: E402
-from dsv4.model.decode import FastDecoder  # noqa: E402
+from dsv4.tools.fast_decode import FastDecoder  # noqa: E402
 from dsv4.reference.model import ReferenceModel  # noqa: E402
-from dsv4.validate import synthetic_config  # noqa: E402
+from dsv4.tools.validate import synthetic_config  # noqa: E402
 
 
 def log(*a):

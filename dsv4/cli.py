@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _serve_args(sv)
     sv.set_defaults(fn=_cmd_serve)
-    from .validate import add_parser as add_validate
+    from .tools.validate import add_parser as add_validate
     add_validate(sub)
     t = sub.add_parser("make-tiny", help="write the deterministic tiny V4 checkpoint")
     t.add_argument("dir")

@@ -99,7 +99,7 @@ def test_fused_step_on_decode_meta_equals_the_pytorch_index_path(monkeypatch):
     """Two fused decode steps (a CSA and an HCA window complete on the way) with the one-launch
     per-step values and with the decoder's PyTorch formulas computing them per layer: equal logits
     and equal cache bytes."""
-    from dsv4.model.decode import FastDecoder
+    from dsv4.tools.fast_decode import FastDecoder
     cfg = preset("tiny")
     model = ReferenceModel(cfg, {k: v.to(DEV) for k, v in build_tiny_tensors(cfg, 0).items()})
     caches = [kv_cache.KVCache(cfg, kv_cache.CacheConfig(max_num_seqs=3, num_blocks=6, device=DEV)) for _ in range(2)]

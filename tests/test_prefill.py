@@ -1,4 +1,4 @@
-"""Fused prefill (``dsv4.model.prefill.FastPrefiller``) against the reference model on the same
+"""Fused prefill (``dsv4.tools.fast_prefill.FastPrefiller``) against the reference model on the same
 paged cache layout: logits and every cache structure it writes (window ring, compressed entries,
 indexer keys, compressor rings). CPU: Triton interpreter at the tiny model."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 from dsv4.checkpoint.tiny import build_tiny_tensors  # noqa: E402
 from dsv4.config import preset  # noqa: E402
 from dsv4.engine.kv_cache import CacheConfig, KVCache, PagedSequenceState  # noqa: E402
-from dsv4.model.decode import FastDecoder  # noqa: E402
-from dsv4.model.prefill import FastPrefiller  # noqa: E402
+from dsv4.tools.fast_decode import FastDecoder  # noqa: E402
+from dsv4.tools.fast_prefill import FastPrefiller  # noqa: E402
 from dsv4.reference.model import ReferenceModel  # noqa: E402
 
 MAX_LEN = 512
@@ -126,6 +126,6 @@ def test_fused_prefill_rejects_short_block_table(model):
 def test_fused_prefill_scores_in_row_blocks(model, monkeypatch):
     """Indexer scores of a long chunk are computed in row blocks (bounded memory): same picks,
     logits and caches as one block."""
-    import dsv4.model.prefill as P
+    import dsv4.tools.fast_prefill as P
     monkeypatch.setattr(P, "SCORE_BYTES", 2 * 40 * 7)          # blocks of 7 rows at 40 entries
     _compare_prefill(model, (170,), [[(0, 170)]], twins=True, seed=9)

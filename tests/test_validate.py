@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from dsv4 import validate
+from dsv4.tools import validate
 
 
 def _args(tmp_path, *extra, prompt_len=140):

@@ -384,7 +384,7 @@ def _hadamard_operand(device, dtype) -> torch.Tensor | None:
     if key not in _HMAT:
         if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        from ..reference.hadamard import hadamard_matrix
+        from ..formats.hadamard import hadamard_matrix
         _HMAT[key] = hadamard_matrix(HEAD_DIM).to(device=device, dtype=dtype).contiguous()
     return _HMAT[key]
 

@@ -49,7 +49,7 @@ GEMV path 21% (Flash) / 30% (Pro) of the weight-bytes floor at batch 1, 26% / 33
 
 Weights: ``MoEWeights`` holds the stacked packed experts ``w13 [E, 2I, d/2]`` (w1 rows then w3 rows
 of each expert), ``w2 [E, d, I/2]``, their scales, and the FP8 shared expert. Built once from the
-reference object (``MoEWeights.from_reference``: the reference keeps dequantised fp32 weights; they
+reference object (``MoEWeights.from_reference``; ``ops.twins.reference_moe`` builds the twin back: the reference keeps dequantised fp32 weights; they
 are re-quantised to MXFP4, which is lossless for MXFP4-born weights and checked) or from packed
 checkpoint tensors (``MoEWeights.from_packed``, MXFP4 or NVFP4).
 """
@@ -355,42 +355,6 @@ class MoEWeights:
                    w2=_u8(w2).contiguous(), w2_s=_u8(w2_s).contiguous(),
                    w2_s2=None if fmt == "mxfp4" else rows(w2_s2, d).contiguous(),
                    sh13=sh13, sh13_s=sh13_s, sh2=sh2, sh2_s=sh2_s)
-
-    def to_reference(self, num=None):
-        """The twin: a ``reference.moe.MoE`` over the dequantised tensors (CPU)."""
-        from ..formats.fp4 import dequant_mxfp4, dequant_nvfp4
-        from ..formats.fp8 import dequant_fp8_weight
-        from ..reference.linear import Linear
-        from ..reference.moe import MoE, Expert
-        from ..reference.numerics import OFFICIAL
-        num = num or OFFICIAL
-        I = self.inter
-        cpu = self.to("cpu")
-
-        def deq(w, s, s2):
-            if self.fmt == "mxfp4":
-                return dequant_mxfp4(w, s)
-            # per-row global scales: dequantise row blocks sharing one value
-            out = torch.empty(w.shape[0], w.shape[1] * 2)
-            for v in torch.unique(s2):
-                r = (s2 == v).nonzero().squeeze(1)
-                out[r] = dequant_nvfp4(w[r], s[r].view(torch.float8_e4m3fn), v.reshape(()))
-            return out
-
-        experts = []
-        for e in range(self.n_experts):
-            w13 = deq(cpu.w13[e], cpu.w13_s[e], None if cpu.w13_s2 is None else cpu.w13_s2[e])
-            w2 = deq(cpu.w2[e], cpu.w2_s[e], None if cpu.w2_s2 is None else cpu.w2_s2[e])
-            experts.append(Expert(Linear(w13[:I], "fp4", num), Linear(w2, "fp4", num),
-                                  Linear(w13[I:], "fp4", num), self.limit, num))
-        shared = None
-        if cpu.sh13 is not None:
-            s13 = dequant_fp8_weight(cpu.sh13.view(torch.float8_e4m3fn), cpu.sh13_s)
-            s2 = dequant_fp8_weight(cpu.sh2.view(torch.float8_e4m3fn), cpu.sh2_s)
-            Is = s13.shape[0] // 2
-            shared = Expert(Linear(s13[:Is], "fp8", num), Linear(s2, "fp8", num), Linear(s13[Is:], "fp8", num),
-                            self.limit, num)
-        return MoE(cpu.gate_w, cpu.bias, cpu.tid2eid, experts, shared, self.topk, self.route_scale, num)
 
 
 def _e8m0_f32(s: torch.Tensor) -> torch.Tensor:

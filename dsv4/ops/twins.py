@@ -141,3 +141,36 @@ def hc_pre(x, *args, **kw):
 def hc_head(x, *args, **kw):
     """``kernels.mhc.hc_head_torch`` on padded rows."""
     return row_invariant(_mhc().hc_head_torch)(x, *args, **kw)
+
+
+def reference_moe(mw, num=None):
+    """The twin of a ``kernels.moe.MoEWeights``: a ``reference.moe.MoE`` over its dequantised tensors (CPU)."""
+    Linear, MoE = RefLinear, RefMoE
+    num = num or OFFICIAL
+    I = mw.inter
+    cpu = mw.to("cpu")
+
+    def deq(w, s, s2):
+        if mw.fmt == "mxfp4":
+            return dequant_mxfp4(w, s)
+        # per-row global scales: dequantise row blocks sharing one value
+        out = torch.empty(w.shape[0], w.shape[1] * 2)
+        for v in torch.unique(s2):
+            r = (s2 == v).nonzero().squeeze(1)
+            out[r] = dequant_nvfp4(w[r], s[r].view(torch.float8_e4m3fn), v.reshape(()))
+        return out
+
+    experts = []
+    for e in range(mw.n_experts):
+        w13 = deq(cpu.w13[e], cpu.w13_s[e], None if cpu.w13_s2 is None else cpu.w13_s2[e])
+        w2 = deq(cpu.w2[e], cpu.w2_s[e], None if cpu.w2_s2 is None else cpu.w2_s2[e])
+        experts.append(Expert(Linear(w13[:I], "fp4", num), Linear(w2, "fp4", num),
+                              Linear(w13[I:], "fp4", num), mw.limit, num))
+    shared = None
+    if cpu.sh13 is not None:
+        s13 = dequant_fp8_weight(cpu.sh13.view(torch.float8_e4m3fn), cpu.sh13_s)
+        s2 = dequant_fp8_weight(cpu.sh2.view(torch.float8_e4m3fn), cpu.sh2_s)
+        Is = s13.shape[0] // 2
+        shared = Expert(Linear(s13[:Is], "fp8", num), Linear(s2, "fp8", num), Linear(s13[Is:], "fp8", num),
+                        mw.limit, num)
+    return MoE(cpu.gate_w, cpu.bias, cpu.tid2eid, experts, shared, mw.topk, mw.route_scale, num)

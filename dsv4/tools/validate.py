@@ -26,7 +26,7 @@ THRESH_TOPK = 0.98
 
 
 def synthetic_config(name: str, layers: int, experts: int):
-    from .config import preset
+    from ..config import preset
     base = preset(name)
     ratios = tuple(base.compress_ratios[:layers]) + (0,)
     return base.replace(num_hidden_layers=layers, compress_ratios=ratios,
@@ -72,8 +72,8 @@ def _compare_prefill(model, fast_dec, cache, ids, logits, agg, dev):
     the kernels' torch twins (same orchestration; its logits must match the reference model's:
     row ``prefill.orchestration``) and with the kernels, each module on the twin run's inputs
     (forced, as for decode), rows ``prefill.L<i>.<module>``."""
-    from .engine.kv_cache import PagedSequenceState
-    from .model.prefill import FastPrefiller
+    from ..engine.kv_cache import PagedSequenceState
+    from .fast_prefill import FastPrefiller
     tok = torch.tensor(ids, device=dev)
     runs = []
     for twins in (True, False):
@@ -89,22 +89,22 @@ def _compare_prefill(model, fast_dec, cache, ids, logits, agg, dev):
 
 
 def run(args) -> int:
-    from .engine.kv_cache import CacheConfig, KVCache, PagedSequenceState
-    from .model.decode import FastDecoder
-    from .reference.model import ReferenceModel
+    from ..engine.kv_cache import CacheConfig, KVCache, PagedSequenceState
+    from .fast_decode import FastDecoder
+    from ..reference.model import ReferenceModel
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
     if args.synthetic:
-        from .checkpoint.tiny import build_tiny_tensors
+        from ..checkpoint.tiny import build_tiny_tensors
         cfg = synthetic_config(args.synthetic, args.layers, args.experts)
         tensors = build_tiny_tensors(cfg, args.seed, threads=os.cpu_count() or 1)
         tok = None
         where = f"synthetic {args.synthetic}, {args.layers} layers, {cfg.n_routed_experts} experts"
     else:
-        from .checkpoint.loader import load_checkpoint
-        from .models import resolve_model
-        from .tokenizer import load_tokenizer
+        from ..checkpoint.loader import load_checkpoint
+        from ..models import resolve_model
+        from ..tokenizer import load_tokenizer
         path = resolve_model(args.model)
         ck = load_checkpoint(path, progress=not args.quiet)
         cfg, tensors = ck.config, ck.tensors
