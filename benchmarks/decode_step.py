@@ -1,12 +1,11 @@
-"""One fused decode step of a synthetic V4 model (real layer shapes, random weights in the real
-formats) at batch 1 and 64, with the time of every layer and of the head.
+"""One decode step of the production model (``DeepseekV4``) on a synthetic V4 checkpoint (real
+layer shapes and formats, ``dsv4.checkpoint.synthetic``, generated straight into device memory) at
+the given batch sizes, with the time of every layer and of the head.
 
-    PYTHONPATH=. python benchmarks/decode_step.py --model flash --layers 4 --batch 1,64 --ctx 8192
+    PYTHONPATH=. python benchmarks/decode_step.py --model flash --layers 4 --experts 8 --batch 1,64 --ctx 8192
+    PYTHONPATH=. python benchmarks/decode_step.py --model flash --layers 4 --batch 1,16,64   # all 256 experts
 
-The reference (which the fast decoder shares weights with) holds experts in fp32, so it is built
-with 8 experts; the fused step's MoE then gets the preset's full expert count (256 / 384) as
-random packed MXFP4 weights (``MoEWeights``), so the MoE time is the real one. The caches hold
-``ctx`` positions of valid random FP8 / MXFP4 / fp32 contents for every sequence.
+The caches hold ``ctx`` positions of valid random FP8 / MXFP4 / fp32 contents for every sequence.
 
 Times are CUDA-graph replays (``do_bench`` medians) with the L2 flushed before every call. A layer's
 time excludes the per-step index / RoPE rows (``kernels/decode_meta.py``, one launch per step, which the
@@ -27,40 +26,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import graph_time, roofline  # noqa: E402
-from dsv4.checkpoint.tiny import build_tiny_tensors  # noqa: E402
-from dsv4.config import preset  # noqa: E402
+from dsv4.checkpoint.synthetic import iter_synthetic_tensors, synthetic_config  # noqa: E402
 from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
 from dsv4.formats.index_key import write_index_keys  # noqa: E402
 from dsv4.formats.kv_entry import write_entries  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  # noqa: E402
-from dsv4.kernels.moe import MoEWeights  # noqa: E402
-from dsv4.tools.fast_decode import FastDecoder  # noqa: E402
-from dsv4.reference.model import ReferenceModel  # noqa: E402
-from dsv4.tools.validate import synthetic_config  # noqa: E402
+from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
 
 
 def log(*a):
     print(*a, flush=True)
-
-
-def real_moe(cfg_real, layer, dev, gen):
-    E, d, I, k = cfg_real.n_routed_experts, cfg_real.hidden_size, cfg_real.moe_intermediate_size, \
-        cfg_real.num_experts_per_tok
-    r8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device=dev, generator=gen)  # noqa: E731
-    sc = lambda *s: torch.randint(118, 124, s, dtype=torch.uint8, device=dev, generator=gen)  # noqa: E731
-    from dsv4.formats.fp8 import quant_fp8_weight
-    sh13, sh13s = quant_fp8_weight(torch.randn(2 * I, d, device=dev, generator=gen) * 0.02)
-    sh2, sh2s = quant_fp8_weight(torch.randn(d, I, device=dev, generator=gen) * 0.02)
-    hash_layer = layer < cfg_real.num_hash_layers
-    return MoEWeights(
-        gate_w=torch.randn(E, d, device=dev, generator=gen) * 0.02,
-        bias=None if hash_layer else torch.randn(E, device=dev, generator=gen) * 0.01,
-        tid2eid=torch.randint(0, E, (cfg_real.vocab_size, k), dtype=torch.int32, device=dev, generator=gen)
-        if hash_layer else None,
-        topk=k, route_scale=cfg_real.routed_scaling_factor, limit=cfg_real.swiglu_limit, fmt="mxfp4",
-        w13=r8(E, 2 * I, d // 2), w13_s=sc(E, 2 * I, d // 32), w13_s2=None,
-        w2=r8(E, d, I // 2), w2_s=sc(E, d, I // 32), w2_s2=None,
-        sh13=sh13, sh13_s=sh13s.float(), sh2=sh2, sh2_s=sh2s.float())
 
 
 def fill_caches(cache, dev, gen, n_blocks):
@@ -86,20 +61,21 @@ def fill_caches(cache, dev, gen, n_blocks):
             lc.index_state.normal_(generator=gen)
 
 
-def layer_bytes(tensors, cfg_real, i, B, ctx, ratio):
-    pre = f"layers.{i}."
-    dense = sum(v.numel() * v.element_size() for k, v in tensors.items()
-                if k.startswith(pre) and ".experts." not in k)
-    E, d, I, k = cfg_real.n_routed_experts, cfg_real.hidden_size, cfg_real.moe_intermediate_size, \
-        cfg_real.num_experts_per_tok
-    per_expert = 3 * d * I // 2 + 3 * d * I // 32
+def layer_bytes(model, cfg, i, B, ctx, ratio):
+    """Bytes a decode step of layer i must read: its stored weights (routed experts: the expected
+    number a batch of B hits under uniform routing) and the cache entries attention reads."""
+    blk = model.layers[i]
+    moe = blk.moe
+    experts = sum(t.numel() * t.element_size() for t in (moe.w13, moe.w13_s, moe.w2, moe.w2_s))
+    dense = sum(t.numel() * t.element_size() for t in blk.buffers()) - experts
+    E, k = moe.n_experts, moe.topk
     hit = E * (1 - (1 - k / E) ** B)
     kv = B * WINDOW * 584
     if ratio == 4:
-        kv += B * (min(cfg_real.index_topk, ctx // 4) * 584 + (ctx // 4) * 68)
+        kv += B * (min(cfg.index_topk, ctx // 4) * 584 + (ctx // 4) * 68)
     elif ratio:
         kv += B * (ctx // ratio) * 584
-    return dense + hit * per_expert + kv
+    return dense + hit * experts / E + kv
 
 
 def kernel_profile(fn, reps=5, top=25):
@@ -123,8 +99,9 @@ def kernel_profile(fn, reps=5, top=25):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="flash", choices=["flash", "pro", "tiny"], help="tiny: CPU smoke run")
+    ap.add_argument("--model", default="flash", choices=["flash", "pro"])
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=None, help="routed experts (default: the preset's 256 / 384)")
     ap.add_argument("--batch", default="1,64")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--out", default=None, help="append the markdown section to this file")
@@ -137,18 +114,17 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(0)
     batches = [int(b) for b in args.batch.split(",")]
     Bmax = max(batches)
-    cfg_real = preset(args.model)
-    cfg = synthetic_config(args.model, args.layers, 8)
-    tensors = {k: v.to(dev) for k, v in build_tiny_tensors(cfg, 0, threads=os.cpu_count() or 1).items()}
-    model = ReferenceModel(cfg, tensors)
+    cfg = synthetic_config(args.model, args.layers, args.experts)
+    model = DeepseekV4(cfg, "mxfp4", "fp8", dev)
+    model.load((n, t) for n, t in iter_synthetic_tensors(cfg, 0, dev) if not n.startswith("mtp."))
     per_seq = -(-(args.ctx + 1) // BLOCK_TOKENS)
     cache = KVCache(cfg, CacheConfig(max_num_seqs=Bmax + 1, num_blocks=Bmax * per_seq + 1, device=str(dev)))
-    dec = FastDecoder(model, cache, per_seq * BLOCK_TOKENS, "triton", fused=True)
-    dec.moe_weights = [real_moe(cfg_real, i, dev, gen) for i in range(args.layers)]
+    model.attach_cache(cache, per_seq * BLOCK_TOKENS)
     fill_caches(cache, dev, gen, Bmax * per_seq + 1)
+    log(f"{model.describe()}")
     copy_bw, _ = roofline(dev, dev.type != "cuda")
     log(f"roofline: copy {copy_bw / 1e12:.2f} TB/s; {args.model} {args.layers} layers, ratios "
-        f"{cfg.compress_ratios[:args.layers]}, {cfg_real.n_routed_experts} experts, ctx {args.ctx}")
+        f"{cfg.compress_ratios[:args.layers]}, {cfg.n_routed_experts} experts, ctx {args.ctx}")
     slots = [cache.allocate_slot() for _ in range(Bmax)]
     tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
     rows, profiles = [], []
@@ -156,41 +132,40 @@ def main():
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(slots[:B], device=dev)
-        bt = torch.full((B, dec.max_blocks), -1, dtype=torch.long)
+        bt = torch.full((B, model.max_blocks), -1, dtype=torch.long)
         for r in range(B):
             bt[r, :per_seq] = torch.tensor(tables[r])
         bt = bt.to(dev)
         with torch.no_grad():
-            h0 = model.num.round(torch.nn.functional.embedding(tokens, model.embed)).unsqueeze(1).repeat(
-                1, cfg.hc_mult, 1)
-            step = graph_time(lambda: dec.forward(tokens, pos, sl, bt))
-            dec._memo = dec._step_memo(pos, sl, bt)     # the step's per-step values, computed once per step
-            per_layer = [graph_time(lambda i=i: dec.fused_layer(i, h0, tokens, pos, sl, bt))
-                         for i in range(args.layers)]
-            head = graph_time(lambda: dec.fused_head(h0))
+            h0 = torch.nn.functional.embedding(tokens, model.embed).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
+            step = graph_time(lambda: model(model.decode_context(tokens, pos, sl, bt)))
+            ctx = model.decode_context(tokens, pos, sl, bt)
+            ctx.meta = model._meta(ctx)                 # the step's per-step values, computed once per step
+            per_layer = [graph_time(lambda i=i: model.layers[i](h0, ctx)) for i in range(args.layers)]
+            head = graph_time(lambda: model.head_logits(h0, ctx))
         if args.profile_layer is not None and dev.type == "cuda":
             profiles.append((B, f"layer {args.profile_layer}",
-                             kernel_profile(lambda: dec.fused_layer(args.profile_layer, h0, tokens, pos, sl, bt))))
-        dec._memo = None
+                             kernel_profile(lambda: model.layers[args.profile_layer](h0, ctx))))
         if args.profile_step and dev.type == "cuda":
-            profiles.append((B, "the whole step", kernel_profile(lambda: dec.forward(tokens, pos, sl, bt), top=60)))
+            profiles.append((B, "the whole step",
+                             kernel_profile(lambda: model(model.decode_context(tokens, pos, sl, bt)), top=60)))
         for i, t in enumerate(per_layer):
             r = cfg.compress_ratios[i]
-            nb = layer_bytes(tensors, cfg_real, i, B, args.ctx, r)
+            nb = layer_bytes(model, cfg, i, B, args.ctx, r)
             rows.append((B, f"layer {i} ({'CSA' if r == 4 else 'HCA' if r else 'window'}"
-                            f"{', hash' if i < cfg_real.num_hash_layers else ''})", t * 1e3, nb))
-        hb = cfg_real.vocab_size * cfg.hidden_size * 2
+                            f"{', hash' if i < cfg.num_hash_layers else ''})", t * 1e3, nb))
+        hb = cfg.vocab_size * cfg.hidden_size * 2
         rows.append((B, "hc_head + norm + head", head * 1e3, hb))
         rows.append((B, "full step", step * 1e3, sum(x[3] for x in rows if x[0] == B and x[1] != "full step")))
         for x in rows[-(args.layers + 2):]:
             log(f"B={x[0]:3d} {x[1]:28s} {x[2]:9.1f} us  floor {x[3] / copy_bw * 1e6:8.1f} us "
                 f"({x[3] / copy_bw * 1e6 / x[2] * 100:4.0f}%)")
-    md = [f"## Fused decode step, synthetic {args.model} ({args.layers} layers), {datetime.date.today()}, "
+    md = [f"## Decode step (DeepseekV4), synthetic {args.model} ({args.layers} layers), {datetime.date.today()}, "
           f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU smoke run'}", "",
           f"Command: `PYTHONPATH=. python benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
-          f"--batch {args.batch} --ctx {args.ctx}`; torch {torch.__version__}. Copy bandwidth measured in the "
+          f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}`; torch {torch.__version__}. Copy bandwidth measured in the "
           f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
-          f"{cfg_real.n_routed_experts} routed experts (MXFP4). Times: CUDA-graph replays, L2 flushed before each call.", "",
+          f"{cfg.n_routed_experts} routed experts (MXFP4); weights {model.weight_bytes() / 2**30:.2f} GiB. Times: CUDA-graph replays, L2 flushed before each call.", "",
           "| batch | part | us | floor us (bytes / copy BW) | % of floor |", "|---|---|---|---|---|"]
     for B, name, us, nb in rows:
         fl = nb / copy_bw * 1e6
