@@ -37,10 +37,6 @@ class Rope:
         angles = torch.outer(positions.to(torch.float32), self.freqs)
         return torch.polar(torch.ones_like(angles), angles)
 
-    def cos_sin(self, positions: torch.Tensor):
-        f = self(positions)
-        return f.real.float().contiguous(), f.imag.float().contiguous()
-
 
 class Compressor(nn.Module):
     """Softmax-pooling KV compressor (spec §5); wkv / wgate live in the attention's merged
