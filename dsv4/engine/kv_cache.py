@@ -185,6 +185,7 @@ class KVCache:
             self.layers.append(lc)
         # free lists: stacks, lowest id handed out first
         self._free_blocks = list(range(nb - 1, -1, -1))
+        self.reserved_blocks = 0
         self._block_used = [False] * nb
         self._free_slots = list(range(S - 1, -1, -1))
         self._slot_used = [False] * S
@@ -225,8 +226,15 @@ class KVCache:
         return 0 <= n_blocks <= len(self._free_blocks)
 
     def usage(self) -> float:
-        """Fraction of the KV blocks in use."""
-        return (self.num_blocks - len(self._free_blocks)) / self.num_blocks
+        """Fraction of the sequences' KV blocks in use (reserved blocks not counted)."""
+        usable = self.num_blocks - self.reserved_blocks
+        return (usable - len(self._free_blocks)) / max(1, usable)
+
+    def reserve_block(self) -> int:
+        """A block taken out of the sequences' pool for good (a model's scratch writes)."""
+        b = self.allocate_blocks(1)[0]
+        self.reserved_blocks += 1
+        return b
 
     def allocate_slot(self) -> int:
         if not self._free_slots:

@@ -5,6 +5,11 @@ Prefill chunks (any chunk that is not a single token past position 0) run as one
 graph per batch-size bucket where the model's ops allow it (``DeepseekV4.graph_safe``, not
 ``enforce_eager``). The step's host-side inputs (positions, slots, block tables) are built once,
 as int64 tensors in pinned memory on a GPU, and copied without blocking.
+
+On the torch twins (CPU) each sequence's chunk runs as its own forward: the twins' vectorised
+elementwise ops (rsqrt, exp, ...) round a value's last ulp by where it sits in the batch tensor,
+so a request's tokens would otherwise depend on what it is batched with (n > 1 greedy samples
+would differ). Run alone, a request's numbers depend only on its own chunks.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class ModelRunner:
         if cuda_graphs and self.device.type == "cuda" and model.graph_safe:
             self.graphs = CudaGraphDecoder(model, max_num_seqs)
         self.pin = self.device.type == "cuda"
+        self.per_sequence = not model.ops.kernels
 
     def _host(self, rows: list[list[int]], width: int) -> torch.Tensor:
         t = torch.full((len(rows), width), -1, dtype=torch.long, pin_memory=self.pin)
@@ -36,22 +42,23 @@ class ModelRunner:
         is_dec = set(dec)
         rest = [i for i in range(len(chunks)) if i not in is_dec]
         out: list = [None] * len(chunks)
-        if rest:
-            part = [chunks[i] for i in rest]
+        groups = [[i] for i in rest] if self.per_sequence else ([rest] if rest else [])
+        for g in groups:
+            part = [chunks[i] for i in g]
             logits = model(model.prefill_context(part))
-            for j, (i, (ids, st)) in enumerate(zip(rest, part)):
+            for j, (i, (ids, st)) in enumerate(zip(g, part)):
                 out[i] = logits[j]
                 st.advance_to(st.pos + ids.numel())
-        if dec:
-            sts = [chunks[i][1] for i in dec]
-            tokens, pos, slots = self._host([[int(chunks[i][0]) for i in dec], [st.pos for st in sts],
-                                             [st.slot for st in sts]], len(dec))
+        for rows in ([[i] for i in dec] if self.per_sequence else ([dec] if dec else [])):
+            sts = [chunks[i][1] for i in rows]
+            tokens, pos, slots = self._host([[int(chunks[i][0]) for i in rows], [st.pos for st in sts],
+                                             [st.slot for st in sts]], len(rows))
             bt = self._host([st.block_table for st in sts], model.max_blocks)
             if self.graphs is not None:
                 logits = self.graphs(tokens, pos, slots, bt)
             else:
                 logits = model(model.decode_context(tokens, pos, slots, bt))
-            for r, (i, st) in enumerate(zip(dec, sts)):
+            for r, (i, st) in enumerate(zip(rows, sts)):
                 out[i] = logits[r]
                 st.advance_to(st.pos + 1)
         return out

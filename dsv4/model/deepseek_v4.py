@@ -254,7 +254,7 @@ class DeepseekV4(nn.Module):
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // BLOCK_TOKENS)
         self.scratch_slot = cache.allocate_slot()
-        self.scratch_block = cache.allocate_blocks(1)[0]
+        self.scratch_block = cache.reserve_block()
         self._plan_meta(max_model_len)
 
     def _plan_meta(self, max_model_len):
