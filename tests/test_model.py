@@ -210,3 +210,20 @@ def test_engine_matches_official_golden(official_seed1, monkeypatch, tmp_path):
                 checked += 1
     assert checked >= 10
     assert max(dlps) <= 0.8 and sum(dlps) / len(dlps) <= 0.25, dlps
+
+
+def test_prompt_longer_than_8192_tokens_runs_through_chunked_prefill(tmp_path, monkeypatch):
+    """An 8,300-token prompt is prefilled by the engine in 2,048-token chunks and decodes: finite
+    log-probs, every block given back (nothing caps the context at 4096)."""
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+    from dsv4 import LLM, SamplingParams
+    llm = LLM(None, max_num_seqs=2, max_num_batched_tokens=2048, max_model_len=8448, kv_cache_memory="128MiB",
+              log=False)
+    eng = llm.engine
+    ids = torch.randint(3, 128000, (8300,), generator=torch.Generator().manual_seed(0)).tolist()
+    start = (eng.cache.num_free_blocks, eng.cache.num_free_slots)
+    c = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                               logprobs=2))[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 2 and eng.stats["steps"] == 6   # 5 chunks + 1
+    assert all(-30 < v.logprob <= 0 for d in c.logprobs for v in d.values())
+    assert (eng.cache.num_free_blocks, eng.cache.num_free_slots) == start
