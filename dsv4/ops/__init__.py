@@ -5,8 +5,8 @@
 ``dsv4.kernels`` (the kernels route by size inside, e.g. decode vs prefill GEMM tiles); elsewhere
 (CPU; GPUs before sm_89, where the kernels' e4m3 types do not compile) every op is its torch twin
 (``dsv4.ops.twins`` and the ``*_torch`` functions beside the kernels), which computes DeepSeek's
-official rounding on the same native weights and cache bytes. ``Ops.describe()`` says which path
-each op took; ``Ops.graph_safe`` says whether a decode step can be captured in a CUDA graph (the
+official rounding on the same native weights and cache bytes. ``Ops.describe()`` says which side
+the table took; ``Ops.graph_safe`` says whether a decode step can be captured in a CUDA graph (the
 twins synchronise with the host).
 
 Numerics: GPU = the kernels' (official quantisation steps, fp32 accumulation in kernel order);
@@ -72,14 +72,8 @@ class Ops:
         auto, why = kernel_path(self.device)
         self.kernels = auto if kernels is None else kernels
         self.reason = why if kernels is None else ("forced: Triton kernels" if kernels else "forced: torch twins")
-        self.paths: dict[str, str] = {}
         for name, (kmod, kfn, tmod, tfn) in _TABLE.items():
-            if self.kernels:
-                setattr(self, name, _import(kmod, kfn))
-                self.paths[name] = "kernel"
-            else:
-                setattr(self, name, _import(tmod, tfn))
-                self.paths[name] = "torch"
+            setattr(self, name, _import(kmod, kfn) if self.kernels else _import(tmod, tfn))
         self.graph_safe = self.kernels and self.device.type == "cuda"
 
     def describe(self) -> str:
