@@ -255,6 +255,18 @@ def test_sizes_from_memory_budget():
         KVCache(cfg, CacheConfig(max_num_seqs=0, num_blocks=1))
 
 
+def test_window_only_model_sizes_blocks_without_dividing_by_zero():
+    """Only sliding-window layers (the first two of Flash): a block holds no bytes, so the budget
+    pays for slots alone and every slot can reach the full model length."""
+    cfg = preset("tiny", num_hidden_layers=2, compress_ratios=(0, 0, 0))
+    slot = KVCache(cfg, CacheConfig(max_num_seqs=1, num_blocks=1)).bytes_per_slot
+    cache = KVCache(cfg, CacheConfig(max_num_seqs=2, memory_bytes=2 * slot))
+    assert cache.bytes_per_block == 0
+    assert cache.num_blocks == 2 * -(-cfg.max_position_embeddings // BLOCK_TOKENS)
+    with pytest.raises(ValueError, match="memory_bytes"):
+        KVCache(cfg, CacheConfig(max_num_seqs=2, memory_bytes=2 * slot - 1))
+
+
 def test_allocation_accounting():
     cache = KVCache(preset("tiny"), CacheConfig(max_num_seqs=2, num_blocks=4))
     assert blocks_needed(0) == 0 and blocks_needed(1) == 1 and blocks_needed(256) == 1 and blocks_needed(257) == 2

@@ -154,6 +154,12 @@ class KVCache:
             if mem is not None and slot_total + nb * self.bytes_per_block > mem:
                 raise ValueError(f"num_blocks={nb} and max_num_seqs={S} need "
                                  f"{slot_total + nb * self.bytes_per_block} bytes, more than memory_bytes={mem}")
+        elif mem is not None and self.bytes_per_block == 0:
+            # no compressed layer: blocks hold no bytes, so every slot can reach the full length
+            if mem < slot_total:
+                raise ValueError(f"memory_bytes={mem} is too small: max_num_seqs={S} slots take {slot_total} "
+                                 f"bytes ({self.bytes_per_slot} each); raise memory_bytes or lower max_num_seqs")
+            nb = S * -(-model_cfg.max_position_embeddings // BLOCK_TOKENS)
         elif mem is not None:
             if mem < slot_total + self.bytes_per_block:
                 raise ValueError(
