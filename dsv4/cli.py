@@ -11,7 +11,8 @@ def _engine_kw(a: argparse.Namespace) -> dict:
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_model_len=a.max_model_len, kv_cache_memory=a.kv_cache_memory,
                 gpu_memory_utilization=a.gpu_memory_utilization, device=a.device,
-                cuda_graphs=not a.enforce_eager, log=not a.quiet)
+                cuda_graphs=not a.enforce_eager, log=not a.quiet, synthetic=a.synthetic,
+                synthetic_layers=a.layers, synthetic_experts=a.experts, synthetic_seed=a.synthetic_seed)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -61,6 +62,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
+    p.add_argument("--synthetic", choices=["flash", "pro"], default=None,
+                   help="serve random weights at the preset's real shapes, generated on the device (no checkpoint)")
+    p.add_argument("--layers", type=int, default=4, help="layers of a --synthetic model")
+    p.add_argument("--experts", type=int, default=None, help="routed experts of a --synthetic model (default: all)")
+    p.add_argument("--synthetic-seed", type=int, default=0)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

@@ -253,3 +253,31 @@ def test_reference_model_has_clear_greedy_margins():
     margins = torch.tensor(margins)
     assert margins.median() >= 1.0, margins
     assert (margins >= 0.5).float().mean() >= 0.75, margins
+
+
+# --------------------------------------------------------------------------------- serving
+def test_engine_serves_the_generator_in_memory_as_from_disk(cfg, official, monkeypatch, capsys):
+    """``--synthetic``: the generator's tensors go straight into the model; the engine then gives
+    the greedy tokens of the same checkpoint written by make-synthetic and served from disk."""
+    from dsv4.engine.llm_engine import LLMEngine
+    from dsv4.engine.sampling_params import SamplingParams
+    monkeypatch.setattr(syn, "synthetic_config", lambda preset, layers, experts: cfg)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def greedy(**kw):
+        eng = LLMEngine(kv_cache_memory="32MiB", max_model_len=512, **kw)
+        eng.add_request("r", {"prompt_token_ids": [0] + list(range(100, 140))}, sp)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    return eng, list(o.outputs[0].token_ids)
+    eng, mem = greedy(synthetic="flash", synthetic_layers=4, synthetic_experts=4)
+    assert "loaded synthetic flash (4 layers, 4 experts, seed 0)" in capsys.readouterr().err
+    assert eng.model.weight_bytes() <= 1.05 * official.total_bytes
+    _, disk = greedy(model=official.path)
+    assert mem == disk and len(mem) == 6
+    with pytest.raises(ValueError, match="not both"):
+        LLMEngine(model=official.path, synthetic="flash")
+    rc = cli.main(["generate", "1 2 3", "--synthetic", "flash", "--layers", "4", "--max-tokens", "3", "-q",
+                   "--kv-cache-memory", "32MiB", "--max-model-len", "256"])
+    assert rc == 0 and capsys.readouterr().out.strip()

@@ -46,17 +46,25 @@ class EngineConfig:
     kernels: bool | None = None              # None: the op table's choice per device; False: torch twins
     device: str | None = None                # None: cuda if available else cpu
     log: bool = True
+    # random weights at real shapes instead of a checkpoint (``dsv4 serve --synthetic flash``):
+    # ``checkpoint.synthetic``'s generator writes them straight into the model on its device
+    synthetic: str | None = None             # 'flash' | 'pro'
+    synthetic_layers: int = 4
+    synthetic_experts: int | None = None     # None: all of the preset's routed experts
+    synthetic_seed: int = 0
 
 
 class LLMEngine:
     """Serves ``model.deepseek_v4.DeepseekV4``: the checkpoint's native weights streamed onto the
     device, every op from the op table (kernels on a GPU, torch twins on a CPU)."""
 
-    def __init__(self, cfg: EngineConfig | None = None, **kw):
+    def __init__(self, cfg: EngineConfig | None = None, *, prebuilt=None, **kw):
+        """``prebuilt``: a loaded ``DeepseekV4`` to serve as it is (``dsv4 validate`` passes the model
+        it has just compared with the reference); otherwise the model comes from ``cfg.model`` (a
+        checkpoint directory, streamed in) or ``cfg.synthetic``."""
         cfg = cfg or EngineConfig(**kw)
-        from ..checkpoint.loader import open_checkpoint
         from ..model.deepseek_v4 import DeepseekV4
-        from ..models import resolve_model
+        from ..ops import Ops
         from ..tokenizer import load_tokenizer
 
         self.cfg = cfg
@@ -65,14 +73,37 @@ class LLMEngine:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if cfg.max_model_len is not None and cfg.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {cfg.max_model_len}")
-        path = resolve_model(cfg.model)
-        reader = open_checkpoint(path)
-        self.model_config = mc = reader.config
-        self.model_path = path
+        if cfg.synthetic is not None and cfg.model is not None:
+            raise ValueError("give either a checkpoint directory or --synthetic, not both")
         t0 = time.perf_counter()
-        from ..ops import Ops
-        self.model = DeepseekV4.from_checkpoint(reader, self.device, Ops(self.device, cfg.kernels), progress=cfg.log)
+        disk_bytes, source = None, None
+        if prebuilt is not None:
+            if prebuilt.device != self.device:
+                raise ValueError(f"the prebuilt model is on {prebuilt.device}, the engine on {self.device}")
+            self.model, path, source = prebuilt, cfg.model, "a prebuilt model"
+        elif cfg.synthetic is not None:
+            from ..checkpoint.schema import expert_format_of_config
+            from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
+            mc = synthetic_config(cfg.synthetic, cfg.synthetic_layers, cfg.synthetic_experts)
+            self.model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", self.device, Ops(self.device, cfg.kernels))
+            self.model.load((n, t) for n, t in iter_synthetic_tensors(mc, cfg.synthetic_seed, self.device)
+                            if not n.startswith("mtp."))
+            path = None
+            source = (f"synthetic {cfg.synthetic} ({mc.num_hidden_layers} layers, {mc.n_routed_experts} experts, "
+                      f"seed {cfg.synthetic_seed})")
+        else:
+            from ..checkpoint.loader import open_checkpoint
+            from ..models import resolve_model
+            path = resolve_model(cfg.model)
+            reader = open_checkpoint(path)
+            self.model = DeepseekV4.from_checkpoint(reader, self.device, Ops(self.device, cfg.kernels),
+                                                    progress=cfg.log)
+            disk_bytes = reader.total_bytes
+            source = f"{path} ({reader.layout}, {disk_bytes / 1e9:.2f} GB on disk)"
+        self.model_config = mc = self.model.cfg
+        self.model_path = path if path is not None else source
         load_s = time.perf_counter() - t0
+        weights_mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.tokenizer = load_tokenizer(path)
         budget = None if cfg.num_kv_blocks is not None else self._kv_budget()
         # the model keeps one private scratch slot and block for padding / non-completing rows
@@ -97,9 +128,11 @@ class LLMEngine:
         self.prompts: dict[str, str | None] = {}
         self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0}
         if cfg.log:
-            gb = reader.total_bytes / 1e9
-            print(f"dsv4: loaded {path} ({reader.layout}, {gb:.2f} GB on disk) in {load_s:.1f} s; "
-                  f"{self.model.describe()}", file=sys.stderr)
+            wb = self.model.weight_bytes()
+            extra = f"; weights / checkpoint bytes {wb / disk_bytes:.3f}" if disk_bytes else ""
+            if self.device.type == "cuda":
+                extra += f"; device memory in use after load {weights_mem / 2**30:.2f} GiB"
+            print(f"dsv4: loaded {source} in {load_s:.1f} s; {self.model.describe()}{extra}", file=sys.stderr)
             print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len} (model "
                   f"{mc.max_position_embeddings}, KV cache {cap} tokens); backend {self.backend_name}",
                   file=sys.stderr)
@@ -142,7 +175,12 @@ class LLMEngine:
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, [self.model_config.bos_token_id] + self.tokenizer.encode(prompt)
+            ids = [self.model_config.bos_token_id] + self.tokenizer.encode(prompt)
+            V = self.model_config.vocab_size
+            if max(ids) >= V:
+                raise RequestRejected(f"the prompt encodes to token id {max(ids)}, outside the model's vocabulary "
+                                      f"of {V} (tokenizer and model do not match)")
+            return prompt, ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise RequestRejected("a dict prompt needs 'prompt_token_ids'")

@@ -98,7 +98,10 @@ def _encoding_error_param(msg: str) -> str | None:
 
 
 def _default_name(engine) -> str:
-    model = getattr(getattr(engine, "cfg", None), "model", None)
+    cfg = getattr(engine, "cfg", None)
+    if getattr(cfg, "synthetic", None):
+        return f"dsv4-synthetic-{cfg.synthetic}"
+    model = getattr(cfg, "model", None)
     if model is None:
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(str(model))) or DEFAULT_MODEL_NAME
