@@ -144,8 +144,8 @@ def test_index_topk_workspace_reset():
             assert not ws.any(), "index_topk left its workspace dirty"
 
 
-def test_index_scores_topk_match_fast_decoder_rule():
-    """scores + top-k == the reference path of FastDecoder._indexer (stable sort, -1 past visible)."""
+def test_index_scores_topk_match_the_reference_rule():
+    """scores + top-k == ``reference.indexer.Indexer.select``'s rule (stable sort, -1 past visible)."""
     gen = torch.Generator().manual_seed(8)
     pages = _index_cache(4, gen)
     bt = torch.tensor([[2, 0, 3], [1, -1, -1]], dtype=torch.int32).to(DEV)

@@ -89,6 +89,65 @@ def test_prefill_and_decode_match_the_reference(tmp_path):
         st.advance_to(st.pos + 1)
 
 
+def test_batched_uneven_chunks_match_the_reference(tmp_path, monkeypatch):
+    """Two prompts prefilled together in uneven chunks (chunk ends inside compressor windows, one
+    sequence's chunk beside the other's), indexer scores in row blocks of 7 rows (the bound a long
+    chunk at a long context uses), then a batched decode step, against the oracle run on the same
+    chunks. Tolerances, not bits: neither side is batch invariant (a CPU GEMM's rounding depends on
+    the batch's row count, and the FP8 activation steps turn a moved ulp into a moved FP8 step),
+    which moves the tiny model's logits to cos ~0.997; a misplaced segment offset or window row
+    does far more. Tokens must agree wherever the oracle's top-1 margin is clear."""
+    import dsv4.layers.attention as A
+    monkeypatch.setattr(A, "SCORE_BYTES", 2 * 40 * 7)
+    path = make_tiny(str(tmp_path / "tiny"))
+    m = DeepseekV4.from_checkpoint(path)
+    ref = ReferenceModel.from_pretrained(path, numerics="official")
+    cache = _paged(m.cfg)
+    m.attach_cache(cache, 1024)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128000, (n,), generator=g) for n in (170, 300)]
+    sts = [PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2)) for _ in prompts]
+    rsts = [ref.new_state() for _ in prompts]
+    done = [0, 0]
+    cos = lambda a, b: float(a.double() @ b.double() / (a.double().norm() * b.double().norm()))
+    for plan in ([(0, 101), (1, 37)], [(0, 69), (1, 200)], [(1, 63)]):
+        chunks = []
+        for i, n in plan:
+            chunks.append((i, prompts[i][done[i]:done[i] + n]))
+            done[i] += n
+        lr = ref.forward([(ids, rsts[i]) for i, ids in chunks])
+        lf = m(m.prefill_context([(ids, sts[i]) for i, ids in chunks]))
+        for (i, ids), a, b in zip(chunks, lr, lf):
+            sts[i].advance_to(sts[i].pos + ids.numel())
+            assert torch.isfinite(b).all() and cos(a, b) > 0.99, (plan, i, cos(a, b))
+            assert _margin(a) < 1.0 or int(a.argmax()) == int(b.argmax())
+    toks = [int(a.argmax()) for a in ref.forward([(torch.tensor([5]), r) for r in rsts])]
+    bt = torch.full((2, m.max_blocks), -1, dtype=torch.long)
+    for r, st in enumerate(sts):
+        st.advance_to(st.pos + 1)
+        bt[r, :2] = torch.tensor(st.block_table)
+    # decode rows at positions 170 and 300 (the token 5 was fed above to both models' states)
+    lr = ref.forward([(torch.tensor([t]), r) for t, r in zip(toks, rsts)])
+    lf = m(m.decode_context(torch.tensor(toks), torch.tensor([st.pos for st in sts]),
+                            torch.tensor([st.slot for st in sts]), bt))
+    for a, b in zip(lr, lf):
+        assert cos(a, b) > 0.99 and (_margin(a) < 1.0 or int(a.argmax()) == int(b.argmax()))
+
+
+def _margin(logits):
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def test_prefill_rejects_a_block_table_too_short(tmp_path):
+    m = DeepseekV4(preset("tiny"))
+    cache = _paged(m.cfg)
+    m.attach_cache(cache, 1024)
+    st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(1))
+    with pytest.raises(ValueError, match="block table too short for 300 tokens"):
+        m.prefill_context([(torch.arange(3, 303), st)])
+
+
 def test_load_names_missing_and_unexpected_tensors(tmp_path):
     path = make_tiny(str(tmp_path / "tiny"))
     m = DeepseekV4(preset("tiny"))

@@ -1,4 +1,5 @@
-"""``dsv4 validate``: module-by-module comparison of the fast decode path with the reference."""
+"""``dsv4 validate``: the production model against the reference module by module, and through the
+engine; a bug in any part of the production model is named by its module."""
 import argparse
 import os
 
@@ -8,43 +9,97 @@ import torch
 from dsv4.tools import validate
 
 
-def _args(tmp_path, *extra, prompt_len=140):
+def _args(tmp_path, *extra, prompt_len=140, steps=2):
     os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
     p = argparse.ArgumentParser()
     validate.add_parser(p.add_subparsers())
-    return p.parse_args(["validate", "--prompt-len", str(prompt_len), "--steps", "2", "-q", *extra])
+    return p.parse_args(["validate", "--prompt-len", str(prompt_len), "--steps", str(steps), "-q", *extra])
 
 
-def test_validate_passes_on_a_correct_fast_path(tmp_path, capsys):
-    assert validate.run(_args(tmp_path, "--attention", "reference")) == 0
+def _flagged(out: str) -> list[str]:
+    return [line.split()[0] for line in out.splitlines() if "<-- diverged" in line]
+
+
+def test_validate_passes_on_the_production_model(tmp_path, capsys):
+    # prompt 142: decode steps at positions 142, 143 complete a CSA window (L2, L4: ratio 4)
+    assert validate.run(_args(tmp_path, prompt_len=142)) == 0
     out = capsys.readouterr().out
-    assert "RESULT: OK" in out and "L2.indexer_topk" in out and "L3.compressor" in out
-    assert "first token EOS: False" in out
+    for row in ("prefill.L2.q", "prefill.L2.indexer_topk", "prefill.L2.indexer_compressor", "prefill.L3.compressor",
+                "prefill.L5.moe", "prefill.logits", "L2.indexer_topk", "L2.compressor", "L3.sparse_attn",
+                "L1.hc_post", "logits"):
+        assert f"\n{row} " in out, row
+    assert "first token EOS: False" in out and "NaN/inf logits: 0" in out
+    assert "engine (batch of 4): greedy tokens = the reference's on 3/3 steps" in out
+    assert "engine (alone): greedy tokens = the reference's on 3/3 steps" in out
+    assert "RESULT: OK" in out and not _flagged(out)
 
 
-def test_validate_names_the_broken_module(tmp_path, capsys, monkeypatch):
-    """A kernel that silently returns garbage (the original bug) is caught and named."""
-    pytest.importorskip("triton")
-    from dsv4.kernels import sparse_attention as sa
+def _no_inverse_rope(self, o, cos, sin, trace):
+    T = o.shape[0]
+    z = self.wo_a(o.view(T, self.G, -1))
+    return trace(f"L{self.layer_id}.attn", self.ops.linear(self.wo_b, z.flatten(1)))
 
-    def broken(q, *a, **k):
-        return torch.zeros_like(q)
-    monkeypatch.setattr(sa, "sparse_decode", broken)
-    assert validate.run(_args(tmp_path, "--attention", "triton", "--steps", "1")) == 1
+
+def _inject(monkeypatch, bug):
+    from dsv4.layers.attention import Attention
+    from dsv4.layers.moe import MoE
+    if bug == "attn":          # the output projection forgets the inverse RoPE
+        monkeypatch.setattr(Attention, "_output", _no_inverse_rope)
+    elif bug == "moe":         # the shared expert is dropped
+        fwd = MoE.forward
+
+        def no_shared(self, x, ids):
+            keep = self.sh2.clone()
+            self.sh2.zero_()
+            try:
+                return fwd(self, x, ids)
+            finally:
+                self.sh2.copy_(keep)
+        monkeypatch.setattr(MoE, "forward", no_shared)
+    else:                      # an attention op that silently returns zeros (the original failure)
+        from dsv4.kernels import sparse_attention as sa
+        monkeypatch.setattr(sa, "sparse_attention_torch", lambda q, *a, **k: torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("bug", ["attn", "moe", "sparse_attn"])
+def test_validate_names_the_broken_module(tmp_path, capsys, monkeypatch, bug):
+    """A bug injected into the production model (not the reference) is caught and only its module
+    is blamed: the modules after it run on the reference's values."""
+    _inject(monkeypatch, bug)
+    assert validate.run(_args(tmp_path, "--no-engine", steps=1)) == 1
     out = capsys.readouterr().out
     assert "RESULT: DIVERGED" in out
-    bad = [line.split()[0] for line in out.splitlines() if "<-- diverged" in line]
-    assert bad and all(name.endswith(".sparse_attn") for name in bad)   # nothing else is blamed
+    bad = _flagged(out)
+    assert bad and all(name.endswith("." + bug) for name in bad), bad
+    assert any(name.startswith("prefill.") for name in bad) and any(name.startswith("L") for name in bad)
 
 
-def test_validate_fused_hot_path_kernels(tmp_path, capsys):
-    """The Triton mHC, compressor, indexer and MoE kernels inside the decode step, module by module
-    against the reference, and the fused prefill's logits and cache contents (interpreter on CPU:
-    a short prompt; the GPU run uses long ones)."""
-    pytest.importorskip("triton")
-    assert validate.run(_args(tmp_path, "--attention", "triton", "--fused", "--steps", "1", prompt_len=27)) == 0
+def test_validate_engine_run_catches_a_batching_bug(tmp_path, capsys, monkeypatch):
+    """A runner that hands a batch's logits to the wrong sequences: every module passes, the
+    batched engine run fails and the alone run does not."""
+    from dsv4.engine.runner import ModelRunner
+    run = ModelRunner.run
+    monkeypatch.setattr(ModelRunner, "run", lambda self, batch: run(self, batch).flip(0))
+    assert validate.run(_args(tmp_path, steps=3)) == 1
     out = capsys.readouterr().out
-    assert "RESULT: OK" in out and "L2.indexer_topk          top-k overlap 1.0000" in out
-    for row in ("prefill.orchestration", "prefill.logits", "prefill.L2.sparse_attn", "prefill.L2.compressor",
-                "prefill.L2.indexer_compressor", "prefill.L2.indexer_topk", "prefill.L3.moe"):
-        assert row in out
+    assert "engine (batch of 4): token 0 is" in out and "engine (alone): greedy tokens = the reference's" in out
+    assert _flagged(out) == ["engine"] and "RESULT: DIVERGED" in out
+
+
+@pytest.mark.gpu
+def test_gpu_validate_synthetic_flash(tmp_path, capsys):
+    """Real Flash shapes (its first 4 layers: two window-only, a CSA and an HCA layer), the kernels
+    and CUDA graphs against the reference."""
+    assert validate.run(_args(tmp_path, "--synthetic", "flash", "--layers", "4", "--experts", "8",
+                              prompt_len=600, steps=3)) == 0
+    out = capsys.readouterr().out
+    assert "RESULT: OK" in out and "cuda-graphs" in out
+
+
+@pytest.mark.gpu
+def test_gpu_validate_names_a_broken_kernel(tmp_path, capsys, monkeypatch):
+    from dsv4.kernels import sparse_attention as sa
+    monkeypatch.setattr(sa, "sparse_decode", lambda q, *a, **k: torch.zeros_like(q))
+    assert validate.run(_args(tmp_path, "--no-engine", steps=1)) == 1
+    bad = _flagged(capsys.readouterr().out)
+    assert bad and all(name.endswith(".sparse_attn") and not name.startswith("prefill.") for name in bad), bad

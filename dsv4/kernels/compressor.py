@@ -1,7 +1,8 @@
 """KV-compressor decode and prefill-chunk updates + pooling + post-processing (spec §5), beside their torch twins.
 
-``compress_decode`` replaces ``FastDecoder._compress`` + ``Compressor.postprocess`` for a batch of
-decode tokens (one token per sequence), for the main compressor (c = 512, 584-byte FP8 entries)
+``compress_decode`` is the decode step's compressor update (the reference's ``Compressor.update``
++ ``Compressor.postprocess``) for a batch of decode tokens (one token per sequence), for the main
+compressor (c = 512, 584-byte FP8 entries)
 and the indexer's (c = 128, Hadamard + FP4, MXFP4 keys), CSA (ratio 4, overlapping windows) and
 HCA (ratio 128):
 
@@ -32,7 +33,7 @@ c``): ``_comp_pool`` grid (B, c / CB) writes its channels of the ring row and po
 through an L2-resident workspace). The choice per variant is the faster one measured on the H200. The current token's own row comes from registers, never read back. Non-completing
 tokens only write their ring row (and a zero entry).
 
-Numerics vs the twin (``compress_decode_torch`` = ``FastDecoder._compress`` +
+Numerics vs the twin (``compress_decode_torch`` = the reference's pooling +
 ``Compressor.postprocess`` with official numerics): the pooled fp32 vector agrees to fp32 rounding
 (softmax/sum order, exp ulps); with the same pooled vector the post-processing is bit-exact except
 where the 512-term square sum or the Hadamard's summation order moves a bf16 rounding (rare), and a
@@ -593,7 +594,7 @@ def _write_pages_torch(pages, slots, entries, page_size, indexer):
 
 def compress_decode_torch(state, slots, pos, k, s, norm_w, cos, sin, *, ratio, indexer=False, ape=None,
                           eps=1e-6, pages=None, page_slots=None, page_size=64, return_pooled=False, **_):
-    """``FastDecoder._compress`` + ``Compressor.postprocess`` (official numerics) with the same API."""
+    """The reference's window pooling + ``Compressor.postprocess`` (official numerics) with the same API."""
     from ..reference.compressor import Compressor
     from ..reference.numerics import OFFICIAL
     c, coff = _check(state, slots, pos, k, s, cos, sin, ratio, indexer)

@@ -455,7 +455,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_ta
 
 
 def index_scores_torch(q, w, pages, block_table, pos, n=None, out_dtype=torch.bfloat16, **_):
-    """The scoring part of ``FastDecoder._indexer`` (official numerics)."""
+    """The scoring part of ``reference.indexer.Indexer.select`` on the paged cache (official numerics)."""
     from ..formats.index_key import read_index_keys
     from ..reference.numerics import OFFICIAL as num
     B = q.shape[0]

@@ -89,9 +89,10 @@ class Block(nn.Module):
 
 class _Trace:
     """Trace points for ``dsv4 validate``: record each named value; continue with a forced one
-    where given (module-by-module comparison on identical inputs)."""
+    where given (module-by-module comparison on identical inputs). ``force`` is a dict
+    {name: value} or a callable ``(name, own value) -> value or None`` (None: keep the own)."""
     trace: dict | None = None
-    force: dict | None = None
+    force: object = None
 
     @property
     def trace_on(self) -> bool:
@@ -100,8 +101,10 @@ class _Trace:
     def __call__(self, name, t):
         if self.trace is not None:
             self.trace[name] = t.detach().clone()
-        if self.force is not None and name in self.force:
-            return self.force[name].to(t.dtype)
+        if self.force is not None:
+            f = self.force(name, t) if callable(self.force) else self.force.get(name)
+            if f is not None:
+                return f.to(t.dtype)
         return t
 
 

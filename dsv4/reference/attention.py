@@ -66,6 +66,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
 
 
 class Attention:
+    # ``dsv4 validate``'s record-only trace: {name: value} of this call when a dict is set
+    # (``ReferenceModel.trace``); never read back, so the reference's math is the same with it on
+    trace: dict | None = None
+
     def __init__(self, cfg, layer_id: int, lin: dict[str, Linear], t: dict[str, torch.Tensor],
                  rope: RopeTable, compressor: Compressor | None, indexer: Indexer | None, num: Numerics):
         self.cfg, self.layer_id, self.num = cfg, layer_id, num
@@ -98,6 +102,7 @@ class Attention:
         if self.compressor is not None:
             ck, cs = self.compressor.project(x, positions)
         o = torch.empty(T, self.H, self.D, dtype=num.act_dtype, device=x.device)
+        rec = {"indexer_topk": [], "compressor": [], "indexer_compressor": []} if self.trace is not None else None
         for sg in segs:
             r = slice(sg.start, sg.end)
             n, st = sg.end - sg.start, sg.layer
@@ -116,9 +121,16 @@ class Attention:
             widx = torch.where(wpos <= pos[:, None], wpos - (sg.p0 - w_prev), -1)
             parts, extra = [widx], []
             if self.indexer is not None:
+                n_before = st.indexer.num_entries
                 picks = self.indexer.select(iq[r], iw[r], st.indexer, ik[r], isc[r], pos, end_pos)
+                if rec is not None:
+                    rec["indexer_topk"].append(picks)
+                    rec["indexer_compressor"].append(st.indexer.entries()[n_before:])
             if self.compressor is not None:
+                n_before = st.compressor.num_entries
                 entries = self.compressor.update(st.compressor, ck[r], cs[r], end_pos)
+                if rec is not None:
+                    rec["compressor"].append(entries[n_before:])
                 base = kv_ext.shape[0]
                 if self.ratio == 4:
                     parts.append(torch.where(picks >= 0, picks + base, -1))
@@ -132,9 +144,28 @@ class Attention:
             kv_all = torch.cat([kv_ext, *extra])
             o[r] = sparse_attention(q[r], kv_all, idx, self.sink, self.scale, num)
             st.write_window(kv[r][-self.win:], end_pos)
+        if rec is not None:
+            self._record(q, kv, o, rec)
         # 6. inverse RoPE on the output, 7. grouped output projection
         o = apply_rope(o, freqs, inverse=True)
         og = o.view(T, self.G, -1).float()
         wo_a = self.wo_a.weight.view(self.G, -1, og.shape[-1])
         z = num.round(num.einsum("tgd,grd->tgr", og, wo_a))
-        return self.wo_b(z.flatten(1))
+        out = self.wo_b(z.flatten(1))
+        if self.trace is not None:
+            self.trace[f"L{self.layer_id}.attn"] = out.clone()
+        return out
+
+    def _record(self, q, kv, o, rec) -> None:
+        """q (normed, rotated), kv (as the cache stores it), the sparse attention output, and per
+        segment the indexer picks ([n, k] entry ids, -1 padded to the batch's widest) and the
+        entries each compressor completed."""
+        L, t = f"L{self.layer_id}.", self.trace
+        t[L + "q"], t[L + "kv"], t[L + "sparse_attn"] = q.clone(), kv.clone(), o.clone()
+        if rec["indexer_topk"]:
+            k = max(p.shape[1] for p in rec["indexer_topk"])
+            t[L + "indexer_topk"] = torch.cat([torch.nn.functional.pad(p, (0, k - p.shape[1]), value=-1)
+                                               for p in rec["indexer_topk"]])
+        for name in ("compressor", "indexer_compressor"):
+            if rec[name]:
+                t[L + name] = torch.cat(rec[name]).clone()

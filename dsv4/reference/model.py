@@ -74,13 +74,18 @@ class Block:
         return LayerState(cfg.sliding_window, cfg.head_dim, dt, device, comp, idx)
 
     def __call__(self, x, positions, segs, ids):
-        eps = self.cfg.rms_norm_eps
+        eps, t, L = self.cfg.rms_norm_eps, self.attn.trace, f"L{self.layer_id}."
         a, post, comb = self.hc_attn.pre(x)
+        if t is not None:
+            t[L + "hc_pre"] = a.clone()
         a = self.attn(rms_norm(a, self.attn_norm, eps, self.num), positions, segs)
         x = self.hc_attn.post(a, x, post, comb)
         f, post, comb = self.hc_ffn.pre(x)
         f = self.moe(rms_norm(f, self.ffn_norm, eps, self.num), ids)
-        return self.hc_ffn.post(f, x, post, comb)
+        out = self.hc_ffn.post(f, x, post, comb)
+        if t is not None:
+            t[L + "moe"], t[L + "hc_post"] = f.clone(), out.clone()
+        return out
 
 
 class MTPBlock:
@@ -116,6 +121,22 @@ class ReferenceModel:
         self.norm = tensors["norm.weight"].float()
         self.head = Linear(tensors["head.weight"], "fp32", num)
         self.mtp = MTPBlock(cfg, tensors, num, ropes) if "mtp.0.e_proj.weight" in tensors else None
+        self._trace = None
+
+    @property
+    def trace(self) -> dict | None:
+        """``dsv4 validate``'s record-only trace of the next forward: set a dict and every main
+        layer writes its module values into it (``L<i>.hc_pre``, ``.q``, ``.kv``, ``.indexer_topk``,
+        ``.compressor``, ``.indexer_compressor``, ``.sparse_attn``, ``.attn``, ``.moe``,
+        ``.hc_post``; ``logits`` of the rows returned), the names the production model's trace
+        points use. Recording copies values and changes no computation."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, d: dict | None) -> None:
+        self._trace = d
+        for b in self.layers:
+            b.attn.trace = d
 
     @classmethod
     def from_pretrained(cls, path: str, numerics: str = "official", progress: bool = False) -> "ReferenceModel":
@@ -161,6 +182,8 @@ class ReferenceModel:
             if keep_hidden:
                 st.last_hidden = h[s:e]
             out.append(self.head(y[s:e] if all_logits else y[e - 1]).float())
+        if self._trace is not None:
+            self._trace["logits"] = torch.cat([o.reshape(-1, o.shape[-1]) for o in out])
         return out
 
     @torch.no_grad()

@@ -1,20 +1,31 @@
-"""``dsv4 validate``: run the fast decode path and the reference side by side, module by module.
+"""``dsv4 validate``: the production model against the reference, module by module, then the engine.
 
-For every decode step both paths get the same cache state and the same token (the reference's
-greedy choice), and the fast path runs each module on the reference's inputs; per layer and module (q/kv prologue, compressor entries, indexer top-k, sparse
-attention, attention output, mHC, MoE) and for the logits it reports cosine similarity and max
-error, the indexer top-k overlap, logit statistics, and whether the first token is EOS or any
-logit is NaN/inf: the checks that find a silently broken kernel (empty answers, immediate EOS,
-NaN sampled as token 0) in minutes.
+Two models over the same weights and nothing else in common: the production model
+(``model.deepseek_v4.DeepseekV4``: native weights, the op table's kernels on a GPU or twins on a
+CPU, the paged cache) and the oracle (``reference.model.ReferenceModel``: fp32-dequantised
+weights, DeepSeek's official math, in-memory state). Both record their module values under the
+same names (``L<i>.hc_pre``, ``.q``, ``.kv``, ``.compressor``, ``.indexer_compressor``,
+``.indexer_topk``, ``.sparse_attn``, ``.attn``, ``.moe``, ``.hc_post``, ``logits``).
 
-``--synthetic flash|pro --layers N`` builds real-shaped layers (hidden size, heads, ranks, indexer,
-compress ratios of the preset) with random weights in the real formats, for GPUs that cannot
-hold a checkpoint. The reference holds experts dequantised in fp32, so synthetic models keep
-``--experts`` routed experts (default 16) instead of 256/384; every other shape is real.
+1. Teacher-forced, module by module: the prompt's prefill and then ``--steps`` decode steps, each
+   run by the reference first; the production model then runs every module on the reference's
+   inputs (each forced value is the reference's output of the module before), so each row of the
+   report measures one module alone: cosine similarity and max error (min / max over the calls),
+   non-finite values, the indexer's top-k overlap. The decode tokens are the reference's greedy
+   choices.
+2. Through the engine (``--engine-batch`` sequences; scheduler, chunked prefill, CUDA graphs on a
+   GPU, the sampler): the validated prompt batched with others and alone, greedy. Its tokens are
+   compared with the reference's greedy tokens up to the first difference, which fails unless
+   the reference's top-1 margin there is below ``--margin`` (at a near-tie either answer is
+   right, and the contexts part); no sequence may start with EOS or have a non-finite
+   log-probability (the silent failures: empty answers, NaN sampled as token 0).
+
+``--synthetic flash|pro --layers N`` generates real-shaped weights (``checkpoint.synthetic``) in
+device memory instead of reading a checkpoint. The reference holds every weight in fp32, so a
+synthetic model keeps ``--experts`` routed experts (default 16) instead of 256 / 384.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import defaultdict
@@ -23,15 +34,6 @@ import torch
 
 THRESH_COS = 0.995
 THRESH_TOPK = 0.98
-
-
-def synthetic_config(name: str, layers: int, experts: int):
-    from ..config import preset
-    base = preset(name)
-    ratios = tuple(base.compress_ratios[:layers]) + (0,)
-    return base.replace(num_hidden_layers=layers, compress_ratios=ratios,
-                        n_routed_experts=experts, num_experts_per_tok=min(base.num_experts_per_tok, experts),
-                        num_hash_layers=min(base.num_hash_layers, layers))
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,115 +54,204 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return sum(vals) / len(vals) if vals else 1.0
 
 
-def compare(ref: dict, fast: dict) -> dict:
+def compare(ref: dict, prod: dict) -> dict:
+    """Per name in both traces: {'topk_overlap'} for indexer picks, else {'cos', 'max_err',
+    'nonfinite'}. A reference value with no elements (no compressor entry completed in this call)
+    is skipped; the production model then records zero rows of the same width."""
     out = {}
     for k, r in ref.items():
-        f = fast.get(k)
-        if f is None:
+        f = prod.get(k)
+        if f is None or r.numel() == 0:
             continue
         if k.endswith("indexer_topk"):
             out[k] = {"topk_overlap": _overlap(r, f)}
             continue
         rf, ff = r.float(), f.float()
-        out[k] = {"cos": _cos(rf, ff), "max_err": float((rf - ff).abs().max()) if rf.numel() else 0.0,
+        if rf.numel() != ff.numel():
+            raise RuntimeError(f"validate: {k}: the reference recorded shape {tuple(r.shape)}, the production "
+                               f"model {tuple(f.shape)}")
+        rf = rf.reshape(ff.shape)
+        out[k] = {"cos": _cos(rf, ff), "max_err": float((rf - ff).abs().max()),
                   "nonfinite": int((~torch.isfinite(ff)).sum())}
     return out
 
 
-def _compare_prefill(model, fast_dec, cache, ids, logits, agg, dev):
-    """The prompt through the fused prefill twice more, into two more sequences of the cache: with
-    the kernels' torch twins (same orchestration; its logits must match the reference model's:
-    row ``prefill.orchestration``) and with the kernels, each module on the twin run's inputs
-    (forced, as for decode), rows ``prefill.L<i>.<module>``."""
-    from ..engine.kv_cache import PagedSequenceState
-    from .fast_prefill import FastPrefiller
-    tok = torch.tensor(ids, device=dev)
-    runs = []
-    for twins in (True, False):
-        st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(cache.blocks_needed(len(ids))))
-        fp = FastPrefiller(fast_dec, twins=twins)
-        fp.trace, fp.force = {}, (runs[0][1] if runs else None)
-        lg = fp.forward([(tok, st)])[0]
-        runs.append((lg, fp.trace))
-        st.release()
-    agg["prefill.orchestration"].append(compare({"x": logits}, {"x": runs[0][0]})["x"])
-    for k, v in compare(runs[0][1], runs[1][1]).items():
-        agg["prefill." + k].append(v)
+class Forcer:
+    """The production model's ``trace.force``: each traced value replaced by the reference's (its
+    shape; indexer picks -1 padded or cut to the production's width)."""
+
+    def __init__(self, ref: dict):
+        self.ref = ref
+
+    def __call__(self, name: str, t: torch.Tensor):
+        r = self.ref.get(name)
+        if r is None:
+            return None
+        if name.endswith("indexer_topk"):
+            out = torch.full_like(t, -1)
+            k = min(t.shape[1], r.shape[1])
+            out[:, :k] = r[:, :k].to(t.device, t.dtype)
+            return out
+        if r.numel() != t.numel():
+            return None
+        return r.reshape(t.shape).to(t.device)
 
 
-def run(args) -> int:
-    from ..engine.kv_cache import CacheConfig, KVCache, PagedSequenceState
-    from .fast_decode import FastDecoder
+def _margin(logits: torch.Tensor) -> float:
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def load_models(args, dev):
+    """(config, production model, reference model, tokenizer path or None, description)."""
+    from ..model.deepseek_v4 import DeepseekV4
+    from ..ops import Ops
     from ..reference.model import ReferenceModel
-
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    t0 = time.perf_counter()
     if args.synthetic:
-        from ..checkpoint.tiny import build_tiny_tensors
+        from ..checkpoint.schema import expert_format_of_config
+        from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
         cfg = synthetic_config(args.synthetic, args.layers, args.experts)
-        tensors = build_tiny_tensors(cfg, args.seed, threads=os.cpu_count() or 1)
-        tok = None
+        tensors = {n: t for n, t in iter_synthetic_tensors(cfg, args.seed, dev) if not n.startswith("mtp.")}
+        efmt, wfmt, path = expert_format_of_config(cfg), "fp8", None
         where = f"synthetic {args.synthetic}, {args.layers} layers, {cfg.n_routed_experts} experts"
     else:
         from ..checkpoint.loader import load_checkpoint
         from ..models import resolve_model
-        from ..tokenizer import load_tokenizer
         path = resolve_model(args.model)
         ck = load_checkpoint(path, progress=not args.quiet)
-        cfg, tensors = ck.config, ck.tensors
-        tok = load_tokenizer(path)
+        cfg, efmt, wfmt = ck.config, ck.expert_format, ck.wo_a_format
+        tensors = {n: t.to(dev) for n, t in ck.tensors.items() if not n.startswith("mtp.")}
         where = path
-    tensors = {k: v.to(dev) for k, v in tensors.items()}
-    model = ReferenceModel(cfg, tensors, numerics=args.numerics)
-    max_len = max(256, -(-(args.prompt_len + args.steps + 1) // 256) * 256)
-    # slots: the two decoders' scratch, the sequence, and (--fused) one for the fused prefill runs
-    cache = KVCache(cfg, CacheConfig(max_num_seqs=4, num_blocks=max_len // 256 * 2 + 2, device=str(dev)))
-    fast_attn = args.attention or ("triton" if dev.type == "cuda" else "reference")
-    ref_dec = FastDecoder(model, cache, max_len, "reference")
-    fast_dec = FastDecoder(model, cache, max_len, fast_attn, fused=args.fused)
-    print(f"dsv4 validate: {where} on {dev}; fast path = tensorised decode with {fast_attn} attention"
-          f"{' + fused mHC/compressor/indexer/MoE kernels' if args.fused else ''}; "
-          f"numerics {args.numerics}; loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    prod = DeepseekV4(cfg, efmt, wfmt, dev, Ops(dev, None if args.kernels else False))
+    prod.load(tensors.items())
+    ref = ReferenceModel(cfg, tensors, numerics=args.numerics)
+    return cfg, prod, ref, path, where
 
-    if tok is not None and args.prompt:
-        ids = [cfg.bos_token_id] + tok.encode(args.prompt)
-    else:
-        g = torch.Generator().manual_seed(args.seed)
-        ids = [cfg.bos_token_id] + torch.randint(3, min(cfg.vocab_size, 128000), (args.prompt_len - 1,), generator=g).tolist()
-    slot = cache.allocate_slot()
-    table = cache.allocate_blocks(cache.blocks_needed(len(ids) + args.steps))
-    st = PagedSequenceState(cache, slot, table)
-    logits = model.forward([(torch.tensor(ids, device=dev), st)])[0]
-    agg = defaultdict(list)
-    if args.fused:
-        _compare_prefill(model, fast_dec, cache, ids, logits, agg, dev)
-    bt = torch.full((1, ref_dec.max_blocks), -1, dtype=torch.long)
-    bt[0, :len(table)] = torch.tensor(table)
-    bt = bt.to(dev)
-    first_eos = first_nan = False
-    argmax_agree = 0
-    for step in range(args.steps):
-        token = int(logits.argmax())
-        pos = st.pos
-        args_ = (torch.tensor([token], device=dev), torch.tensor([pos], device=dev),
-                 torch.tensor([slot], device=dev), bt)
-        # reference first; the fast path then runs every module on the reference's inputs (its
-        # own values are recorded, the reference's are carried downstream), so each row of the
-        # report measures one module alone. The fast path rewrites the same cache rows with the
-        # forced values, i.e. the reference's.
-        ref_dec.trace, ref_dec.force = {}, None
-        lr = ref_dec.forward(*args_)
-        fast_dec.trace, fast_dec.force = {}, (ref_dec.trace if not args.free_running else None)
-        lf = fast_dec.forward(*args_)
+
+def _prompt(args, cfg, path, seed_offset=0, length=None):
+    if args.prompt and not seed_offset:
+        from ..tokenizer import load_tokenizer
+        return [cfg.bos_token_id] + load_tokenizer(path).encode(args.prompt)
+    g = torch.Generator().manual_seed(args.seed + 1000 * seed_offset)
+    n = length or args.prompt_len
+    return [cfg.bos_token_id] + torch.randint(3, min(cfg.vocab_size, 128000), (n - 1,), generator=g).tolist()
+
+
+def teacher_forced(args, cfg, prod, ref, ids, dev, agg) -> tuple[list[int], list[float], dict]:
+    """Module rows into ``agg``; returns the reference's greedy tokens after the prompt, their top-1
+    margins and the production model's own checks."""
+    from ..engine.kv_cache import CacheConfig, KVCache, PagedSequenceState
+    max_len = len(ids) + args.steps + 1
+    cache = KVCache(cfg, CacheConfig(max_num_seqs=2, num_blocks=-(-max_len // 256) + 1, device=str(dev)))
+    prod.attach_cache(cache, max_len)
+    st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(cache.blocks_needed(max_len)))
+    rst = ref.new_state()
+    force = (lambda tr: None) if args.free_running else Forcer
+    checks = {"nonfinite": 0, "argmax_agree": 0, "first_eos": False}
+
+    tok = torch.tensor(ids, device=dev)
+    ref.trace = rtr = {}
+    lr = ref.forward([(tok, rst)])[0]
+    ctx = prod.prefill_context([(tok, st)])
+    ptr = {}
+    ctx.trace.trace, ctx.trace.force = ptr, force(rtr)
+    lp = prod(ctx)[0]
+    st.advance_to(len(ids))
+    for k, v in compare(rtr, ptr).items():
+        agg["prefill." + k].append(v)
+    checks["first_eos"] = int(lp.argmax()) == cfg.eos_token_id
+    greedy, margins = [int(lr.argmax())], [_margin(lr)]
+    checks["argmax_agree"] += int(lp.argmax()) == greedy[0]
+    checks["nonfinite"] += int((~torch.isfinite(lp)).sum())
+    for _ in range(args.steps):
+        token, pos = greedy[-1], st.pos
+        ref.trace = rtr = {}
+        lr = ref.forward([(torch.tensor([token], device=dev), rst)])[0]
+        bt = torch.full((1, prod.max_blocks), -1, dtype=torch.long)
+        bt[0, :len(st.block_table)] = torch.tensor(st.block_table)
+        ctx = prod.decode_context(torch.tensor([token], device=dev), torch.tensor([pos], device=dev),
+                                  torch.tensor([st.slot], device=dev), bt.to(dev))
+        ptr = {}
+        ctx.trace.trace, ctx.trace.force = ptr, force(rtr)
+        lp = prod(ctx)[0]
         st.advance_to(pos + 1)
-        if step == 0:
-            first_eos = int(lf[0].argmax()) == cfg.eos_token_id
-        first_nan |= not bool(torch.isfinite(lf).all())
-        argmax_agree += int(lf[0].argmax() == lr[0].argmax())
-        for k, v in compare(ref_dec.trace, fast_dec.trace).items():
+        for k, v in compare(rtr, ptr).items():
             agg[k].append(v)
-        logits = lr[0]
-    fast_dec.trace = ref_dec.trace = fast_dec.force = None
+        greedy.append(int(lr.argmax()))
+        margins.append(_margin(lr))
+        checks["argmax_agree"] += int(lp.argmax()) == greedy[-1]
+        checks["nonfinite"] += int((~torch.isfinite(lp)).sum())
+    ref.trace = None
+    st.release()
+    return greedy, margins, checks
+
+
+def through_engine(args, cfg, prod, path, ids, greedy, margins, dev) -> tuple[bool, list[str]]:
+    """The validated prompt batched with ``--engine-batch - 1`` others, then alone, through the
+    engine; (ok, report lines)."""
+    from ..engine.llm_engine import EngineConfig, LLMEngine
+    from ..engine.sampling_params import SamplingParams
+    B = max(1, args.engine_batch)
+    prompts = [ids] + [_prompt(args, cfg, path, i, max(2, len(ids) * (i + 1) // B + 3 * i)) for i in range(1, B)]
+    n_new = args.steps + 1
+    max_len = max(len(p) for p in prompts) + n_new + 1
+    eng = LLMEngine(EngineConfig(model=path, max_num_seqs=B, max_num_batched_tokens=args.chunk,
+                                 max_model_len=max_len, num_kv_blocks=B * -(-max_len // 256),
+                                 device=str(dev), cuda_graphs=not args.enforce_eager, log=False), prebuilt=prod)
+    sp = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True, logprobs=0)
+
+    def run(batch, tag):
+        for i, p in enumerate(batch):
+            eng.add_request(f"{tag}{i}", {"prompt_token_ids": p}, sp)
+        outs = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0]
+        return [outs[f"{tag}{i}"] for i in range(len(batch))]
+
+    lines, ok = [], True
+    batched = run(prompts, "batch-")
+    alone = run([ids], "alone-")[0]
+    for name, out in ((f"batch of {B}", batched[0]), ("alone", alone)):
+        toks = list(out.token_ids)
+        # equal tokens keep the contexts equal; the first different one ends the comparison, and
+        # is a failure unless the reference's top-1 margin there is below --margin (a near-tie)
+        same, bad = 0, None
+        for s, (t, g, m) in enumerate(zip(toks, greedy, margins)):
+            if t != g:
+                bad = s
+                break
+            same += 1
+        if bad is not None and margins[bad] >= args.margin:
+            ok = False
+            lines.append(f"engine ({name}): token {bad} is {toks[bad]}, the reference's greedy token is "
+                         f"{greedy[bad]} (top-1 margin {margins[bad]:.3f} >= {args.margin})  <-- diverged")
+        else:
+            tie = "" if bad is None else f", then a near-tie (margin {margins[bad]:.3f}) ends the comparison"
+            lines.append(f"engine ({name}): greedy tokens = the reference's on {same}/{len(toks)} steps{tie}")
+    for i, out in enumerate(batched + [alone]):
+        lps = [next(iter(d.values())).logprob for d in (out.logprobs or [])]
+        first_eos = bool(out.token_ids) and out.token_ids[0] == cfg.eos_token_id
+        nonfinite = sum(1 for v in lps if not torch.isfinite(torch.tensor(v)))
+        if first_eos or nonfinite or out.error:
+            ok = False
+            lines.append(f"engine sequence {i}: first token EOS {first_eos}, non-finite log-probs {nonfinite}, "
+                         f"error {out.error!r}  <-- diverged")
+    lines.append(f"engine: {len(batched) + 1} sequences ({eng.backend_name}); first token EOS / non-finite "
+                 f"log-probs: {'none' if ok else 'see above'}")
+    return ok, lines
+
+
+def run(args) -> int:
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.perf_counter()
+    cfg, prod, ref, path, where = load_models(args, dev)
+    print(f"dsv4 validate: {where} on {dev}; production model: {prod.ops.describe()}; reference numerics "
+          f"{args.numerics}; loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    ids = _prompt(args, cfg, path)
+    agg = defaultdict(list)
+    greedy, margins, checks = teacher_forced(args, cfg, prod, ref, ids, dev, agg)
 
     rows, worst_cos, worst_topk = [], 1.0, 1.0
     for k, vals in agg.items():
@@ -175,20 +266,26 @@ def run(args) -> int:
             worst_cos = min(worst_cos, c)
             rows.append((k, f"cos {c:.6f}  max_err {e:.4g}" + (f"  NONFINITE {nf}" if nf else ""),
                          c < THRESH_COS or nf > 0))
-    print(f"{'module':<24} {'min over ' + str(args.steps) + ' steps':<40} flag")
+    print(f"{'module':<28} {'prefill / min over ' + str(args.steps) + ' steps':<40} flag")
     for k, txt, bad in rows:
-        print(f"{k:<24} {txt:<40} {'<-- diverged' if bad else ''}")
-    lr = logits.float()
-    print(f"logits: mean {lr.mean():.3f} std {lr.std():.3f} max {lr.max():.3f}; "
-          f"greedy agreement {argmax_agree}/{args.steps}; first token EOS: {first_eos}; NaN/inf: {first_nan}")
-    ok = worst_cos >= THRESH_COS and worst_topk >= THRESH_TOPK and not first_nan and not first_eos
+        print(f"{k:<28} {txt:<40} {'<-- diverged' if bad else ''}")
+    ok = (worst_cos >= THRESH_COS and worst_topk >= THRESH_TOPK and not checks["nonfinite"]
+          and not checks["first_eos"] and not any(bad for *_x, bad in rows))
+    print(f"teacher-forced: greedy agreement {checks['argmax_agree']}/{args.steps + 1}; first token EOS: "
+          f"{checks['first_eos']}; NaN/inf logits: {checks['nonfinite']}")
+    if not args.no_engine:
+        eok, lines = through_engine(args, cfg, prod, path, ids, greedy, margins, dev)
+        for line in lines:
+            print(line)
+        ok = ok and eok
     print(f"RESULT: {'OK' if ok else 'DIVERGED'} (worst module cos {worst_cos:.6f} >= {THRESH_COS}, "
           f"worst top-k overlap {worst_topk:.4f} >= {THRESH_TOPK})")
     return 0 if ok else 1
 
 
 def add_parser(sub) -> None:
-    v = sub.add_parser("validate", help="fast path vs reference, per layer and module")
+    v = sub.add_parser("validate", help="the production model vs the reference, per layer and module, and "
+                                        "through the engine")
     v.add_argument("model", nargs="?", default=None, help="checkpoint dir (default: the embedded tiny model)")
     v.add_argument("--synthetic", choices=["flash", "pro"], default=None)
     v.add_argument("--layers", type=int, default=4)
@@ -196,13 +293,19 @@ def add_parser(sub) -> None:
     v.add_argument("--prompt", default=None)
     v.add_argument("--prompt-len", type=int, default=300, help="random prompt length when no --prompt")
     v.add_argument("--steps", type=int, default=8)
-    v.add_argument("--attention", choices=["reference", "triton"], default=None)
-    v.add_argument("--fused", action="store_true",
-                   help="also the Triton mHC, compressor, indexer and MoE kernels (needs --attention triton)")
-    v.add_argument("--numerics", choices=["official", "invariant"], default="official")
+    v.add_argument("--no-kernels", dest="kernels", action="store_false",
+                   help="the production model on its torch twins even on a GPU")
+    v.add_argument("--numerics", choices=["official", "invariant"], default="official",
+                   help="the reference's numerics")
     v.add_argument("--device", default=None)
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--free-running", action="store_true",
-                   help="let the fast path carry its own values downstream (errors then accumulate)")
+                   help="let the production model carry its own values downstream (errors then accumulate)")
+    v.add_argument("--no-engine", action="store_true", help="skip the run through the engine")
+    v.add_argument("--engine-batch", type=int, default=4, help="sequences in the engine's batch")
+    v.add_argument("--chunk", type=int, default=512, help="the engine's max_num_batched_tokens (prefill chunk)")
+    v.add_argument("--margin", type=float, default=0.5,
+                   help="engine tokens must equal the reference's greedy ones while its top-1 margin is >= this")
+    v.add_argument("--enforce-eager", action="store_true", help="the engine without CUDA graphs")
     v.add_argument("-q", "--quiet", action="store_true")
     v.set_defaults(fn=run)
