@@ -130,7 +130,7 @@ def test_gpu_fp8_mma_cuda_graph_and_linear_route():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 5, 12])
+@pytest.mark.parametrize("M", [1, 5, 12, 64, 128])       # up to WO_A_MAX_ROWS: the decode buckets
 def test_gpu_fp8_mma_grouped_bf16_wo_a(M):
     """V4-Flash wo_a: the grouped einsum "tgd,grd->tgr" (8 groups of 1024 rows, d 4096) with bf16
     activations and the FP8 weight dequantised in the kernel, against the fp64 einsum of the exact

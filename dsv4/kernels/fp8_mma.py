@@ -59,9 +59,10 @@ BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mm
 # (19.3 / 20.3 us against 15.3 / 17.9: no cross-iteration pipelining, the Triton tile has 3 stages)
 MAX_ROWS = 4
 MAX_WEIGHT = 8 * 1024 * 1024
-# the decode step's grouped wo_a (act="bf16") up to this many rows: H200 (experiments/exp_bf16_decode.py)
-# 15.4 / 16.4 / 21.2 us at 1 / 4 / 16 rows against 24.5-24.8 for the bf16 einsum; 48.0 vs 27.2 at 64
-WO_A_MAX_ROWS = 16
+# the grouped wo_a (act="bf16") up to this many rows. The model stores wo_a in FP8 only, so the
+# alternative is dequantising the weight to bf16 per call and one batched GEMM: ~300 us on the H200 at
+# Flash shapes, against 48 us for fp8_mma at 64 rows (experiments/exp_wo_a_rows.py)
+WO_A_MAX_ROWS = 128
 
 
 if GLUON:
