@@ -34,6 +34,16 @@ def test_validate_passes_on_the_production_model(tmp_path, capsys):
     assert "RESULT: OK" in out and not _flagged(out)
 
 
+def test_short_prompt_attention_blocks_are_the_official_ones(tmp_path, capsys):
+    """A first chunk shorter than the window (101 tokens) lists min(n, 128) window entries, as the
+    official prefill does: the CSA layers' attention then sums the same 64-entry softmax blocks as
+    the reference, to the bit (a 128-wide list with -1 padding moves bf16 probabilities)."""
+    assert validate.run(_args(tmp_path, "--no-engine", prompt_len=101, steps=1)) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("prefill.")}
+    for name in ("prefill.L2.sparse_attn", "prefill.L4.sparse_attn", "prefill.L0.sparse_attn"):
+        assert "max_err 0 " in rows[name], rows[name]
+
+
 def _no_inverse_rope(self, o, cos, sin, trace):
     T = o.shape[0]
     z = self.wo_a(o.view(T, self.G, -1))

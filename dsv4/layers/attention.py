@@ -217,8 +217,12 @@ class Attention(nn.Module):
         q, kv = ops.kv_insert(q, kv, cos, sin, scratch, chunk_ids, WINDOW_PAGE, self.eps)
         q = trace(L + "q", q)
         trace(L + "kv", kv)
-        # window lists: positions max(0, p-127) .. p (the reference layout), -1 beyond p
-        wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + torch.arange(WINDOW, device=dev)
+        # window lists: positions max(0, p-127) .. p, -1 beyond p. Width 128, except a batch of first
+        # chunks shorter than the window: their longest chunk's length (the official prefill's
+        # min(s, 128)). The attention's 64-entry softmax blocks run over [window | compressed], so the
+        # width decides which entries share a block, i.e. the bf16 rounding of the probabilities.
+        W = WINDOW if any(s.p0 > 0 or s.n >= WINDOW for s in segs) else max(s.n for s in segs)
+        wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + torch.arange(W, device=dev)
         widx = torch.where(wpos <= pos[:, None], seg_base[:, None] + wpos, -1)
         extra_idx = None
         if self.ratio:
