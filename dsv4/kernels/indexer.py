@@ -464,9 +464,14 @@ def index_scores_torch(q, w, pages, block_table, pos, n=None, out_dtype=torch.bf
     j = torch.arange(n, device=q.device)[None, :].expand(B, -1)
     blk = block_table.long().gather(1, (j // INDEX_PAGE).clamp(max=n_bt - 1))
     ids = torch.where(blk >= 0, blk * INDEX_PAGE + j % INDEX_PAGE, -1)
-    keys = read_index_keys(pages, ids)                                   # [B, n, 128] bf16
     r = num.round
-    sc = r(num.einsum("bhd,btd->bht", q.float(), keys.float()))
+    if B > 1 and (block_table.stride(0) == 0 or bool((block_table == block_table[:1]).all())):
+        # one sequence's rows (a prefill chunk): its keys once, the reference's "nhd,td->nht"
+        keys = read_index_keys(pages, ids[0])                            # [n, 128] bf16
+        sc = r(num.einsum("bhd,td->bht", q.float(), keys.float()))
+    else:
+        keys = read_index_keys(pages, ids)                               # [B, n, 128] bf16
+        sc = r(num.einsum("bhd,btd->bht", q.float(), keys.float()))
     sc = r(sc.relu() * w.bfloat16().unsqueeze(-1))
     sc = r(sc.float().sum(dim=1))
     visible = ((pos.long() + 1) // 4)[:, None]

@@ -412,7 +412,9 @@ def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pa
             continue
         T, K = idx.shape
         if check:
-            rows = read_kv_entries(pages, idx.reshape(-1).long(), psz).view(T, K, HEAD_DIM)
+            # each distinct entry decoded once (prefill rows share most of their lists), then gathered
+            uniq, inv = torch.unique(idx.reshape(-1).long(), return_inverse=True)
+            rows = read_kv_entries(pages, uniq, psz)[inv].view(T, K, HEAD_DIM)
         else:
             data_v, scale_v = page_views(pages, psz)
             s = idx.reshape(-1).long().clamp(min=0)
