@@ -10,7 +10,7 @@ import pathlib
 PKG = pathlib.Path(__file__).resolve().parents[1] / "dsv4"
 
 # a module may import modules of its own or a lower rank
-RANK = {"config": 0, "formats": 0, "kernels": 1, "checkpoint": 1, "tokenizer": 1, "ops": 2, "layers": 3,
+RANK = {"config": 0, "formats": 0, "parallel": 0, "kernels": 1, "checkpoint": 1, "tokenizer": 1, "ops": 2, "layers": 3,
         "model": 4, "engine": 5, "models": 5, "server": 6}
 NOT_SERVING = {"reference", "tools", "cli", "__init__", "__main__"}    # the oracle, tools, entry points
 TWIN_MODULES = {"dsv4.ops.twins"}

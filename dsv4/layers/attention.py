@@ -20,7 +20,8 @@ from torch import nn
 from ..formats.kv_entry import page_bytes, page_views
 from ..formats.paging import INDEX_PAGE, WINDOW, WINDOW_PAGE
 from ..kernels.paging import block_entry_ids
-from .linear import Bf16Linear, Fp8Linear, GroupedFp8, _copy
+from ..parallel import SINGLE
+from .linear import Bf16Linear, Fp8Linear, GroupedFp8, _copy, _copy_part
 
 SCORE_BYTES = 256 << 20          # bound of one block of indexer scores during a prefill chunk
 
@@ -64,22 +65,35 @@ def _copy_entries(dst, dst_ids, src, src_ids, page_size):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_id: int, ops, ropes: dict[int, Rope], wo_a_fmt: str, device=None):
+    """Tensor parallelism (``group``, official layout): the q heads are split over the ranks
+    (``wq_b`` column-parallel, the head norm, sparse attention, sinks and inverse RoPE on the local
+    heads, ``wo_a`` the local heads' groups, ``wo_b`` row-parallel, its bf16 output all-reduced);
+    the shared KV head, ``wq_a`` / ``wkv``, the compressors, the indexer (all its heads: its top-k
+    must be the same on every rank) and the caches are replicated."""
+
+    def __init__(self, cfg, layer_id: int, ops, ropes: dict[int, Rope], wo_a_fmt: str, device=None, group=None):
         super().__init__()
-        self.layer_id, self.ops = layer_id, ops
+        self.layer_id, self.ops, self.group = layer_id, ops, group or SINGLE
+        world = self.group.world
         self.ratio = cfg.layer_ratio(layer_id)
-        self.H, self.D, self.G = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
+        H, G = cfg.num_attention_heads, cfg.o_groups
+        if H % world or G % world:
+            raise ValueError(f"tensor parallel size {world} must divide the {H} attention heads and {G} output "
+                             f"groups")
+        self.H, self.D, self.G = H // world, cfg.head_dim, G // world          # local heads and groups
         self.q_lora, self.eps, self.scale = cfg.q_lora_rank, cfg.rms_norm_eps, cfg.head_dim ** -0.5
         d, a = cfg.hidden_size, f"layers.{layer_id}.attn."
         self.prefix = a
+        col, row = self.group.split("col"), self.group.split("row")
         self.wq_a_wkv = Fp8Linear(d, [(a + "wq_a", cfg.q_lora_rank), (a + "wkv", cfg.head_dim)], ops, device)
-        self.wq_b = Fp8Linear(cfg.q_lora_rank, [(a + "wq_b", self.H * self.D)], ops, device)
-        self.wo_a = GroupedFp8(a + "wo_a", self.G, cfg.o_lora_rank, self.H * self.D // self.G, ops, wo_a_fmt, device)
-        self.wo_b = Fp8Linear(self.G * cfg.o_lora_rank, [(a + "wo_b", d)], ops, device)
+        self.wq_b = Fp8Linear(cfg.q_lora_rank, [(a + "wq_b", H * self.D)], ops, device, col)
+        self.wo_a = GroupedFp8(a + "wo_a", G, cfg.o_lora_rank, H * self.D // G, ops, wo_a_fmt, device, col)
+        self.wo_b = Fp8Linear(G * cfg.o_lora_rank, [(a + "wo_b", d)], ops, device, row)
         f32 = dict(dtype=torch.float32, device=device)
         self.register_buffer("q_norm", torch.empty(cfg.q_lora_rank, **f32))
         self.register_buffer("kv_norm", torch.empty(cfg.head_dim, **f32))
         self.register_buffer("sink", torch.empty(self.H, **f32))
+        self._heads = (self.group.rank * self.H, (self.group.rank + 1) * self.H)
         self.rope = ropes[self.ratio]
         self.compressor = self.index_comp = self.index_wq_b = self.proj = None
         if self.ratio:
@@ -107,7 +121,7 @@ class Attention(nn.Module):
                 out.update(m.loaders())
         out[a + "q_norm.weight"] = _copy(self.q_norm, a + "q_norm.weight")
         out[a + "kv_norm.weight"] = _copy(self.kv_norm, a + "kv_norm.weight")
-        out[a + "attn_sink"] = _copy(self.sink, a + "attn_sink")
+        out[a + "attn_sink"] = _copy_part(self.sink, a + "attn_sink", (self.H * self.group.world,), self._heads)
         if self.compressor is not None:
             out.update(self.compressor.loaders(a + "compressor."))
         if self.index_comp is not None:
@@ -142,7 +156,7 @@ class Attention(nn.Module):
         T = o.shape[0]
         og = self.ops.inverse_rope(o, cos, sin).view(T, self.G, -1)
         z = self.wo_a(og)
-        return trace(f"L{self.layer_id}.attn", self.ops.linear(self.wo_b, z.flatten(1)))
+        return trace(f"L{self.layer_id}.attn", self.group.all_reduce(self.ops.linear(self.wo_b, z.flatten(1))))
 
     def _index_queries(self, qr, cos, sin):
         T = qr.shape[0]

@@ -10,6 +10,12 @@ A linear may merge several checkpoint linears that read the same input (``member
 output sizes, concatenated along N), loaded part by part into one tensor: one GEMM on a GPU; the
 CPU twin still computes each member on its own rows, so its bits are the reference's.
 
+``split`` (``dsv4.parallel.Split``, None for one rank): the rank holds only its slice, cut as the
+official ColumnParallel / RowParallel linears cut: ``"col"`` keeps 1/world of every member's output
+rows (``members`` and ``spans`` are then the local ones), ``"row"`` 1/world of the input columns
+(the output is a partial sum; the layer that owns the linear all-reduces it). The loaders take the
+checkpoint's whole tensor, check its full shape and copy the rank's slice.
+
 ``forward`` goes through the op table (``dsv4.ops``): the FP8 / bf16 GEMM kernels on a GPU, their
 torch twins on a CPU. Weight loading is per parameter: ``loaders(prefix_of)`` maps each canonical
 checkpoint tensor name to a function that copies that tensor into its slice (a rank that holds a
@@ -38,15 +44,57 @@ def _copy(dst: torch.Tensor, what: str) -> Loader:
     return load
 
 
+def _copy_part(dst: torch.Tensor, what: str, full: tuple, rows=None, cols=None) -> Loader:
+    """Loader of a slice: the checkpoint tensor must have the ``full`` shape; its ``rows`` / ``cols``
+    ([start, stop) or None = all) go into ``dst``."""
+    def load(t: torch.Tensor) -> None:
+        if tuple(t.shape) != tuple(full):
+            raise ValueError(f"{what}: expected shape {tuple(full)}, got {tuple(t.shape)}")
+        if rows is not None:
+            t = t[rows[0]:rows[1]]
+        if cols is not None:
+            t = t[:, cols[0]:cols[1]]
+        _copy(dst, what)(t)
+    return load
+
+
 class _Linear(nn.Module):
     kind = ""
+    align = 1                  # a split must fall on multiples of this (FP8: the 128x128 scale blocks)
 
-    def __init__(self, in_features: int, members: list[tuple[str, int]], ops):
+    def __init__(self, in_features: int, members: list[tuple[str, int]], ops, split=None):
         super().__init__()
+        self.split = split
+        self.full_in = in_features
+        self.full_members = [(n, int(o)) for n, o in members]
+        self.cols = None
+        if split is not None and split.kind == "row":
+            self.cols = split.part(in_features, f"{members[0][0]} input columns", self.align)
+            in_features = self.cols[1] - self.cols[0]
+        self.row_parts = None
+        if split is not None and split.kind == "col":
+            self.row_parts = [split.part(o, f"{n} output rows", self.align) for n, o in self.full_members]
+            members = [(n, b - a) for (n, _), (a, b) in zip(self.full_members, self.row_parts)]
         self.in_features = in_features
         self.members = [(n, int(o)) for n, o in members]
         self.out_features = sum(o for _, o in self.members)
         self.ops = ops
+
+    def _loads(self, dst_of):
+        """{name: loader} per member; ``dst_of(local first row, local last row)`` -> (weight rows,
+        scale rows or None) of this rank's storage; each loader reads its part of the checkpoint
+        tensor."""
+        out = {}
+        for i, (n, a, b) in enumerate(self.spans()):
+            o_full = self.full_members[i][1]
+            rows = None if self.row_parts is None else self.row_parts[i]
+            w, sc = dst_of(a, b)
+            out[n + ".weight"] = _copy_part(w, n + ".weight", (o_full, self.full_in), rows, self.cols)
+            if sc is not None:
+                blk = lambda r: None if r is None else (r[0] // QBLOCK, -(-r[1] // QBLOCK))
+                out[n + ".scale"] = _copy_part(sc, n + ".scale", (-(-o_full // QBLOCK), self.full_in // QBLOCK),
+                                               blk(rows), blk(self.cols))
+        return out
 
     def spans(self):
         """(member name, first output row, last output row + 1)."""
@@ -61,9 +109,11 @@ class _Linear(nn.Module):
 
 class Fp8Linear(_Linear):
     kind = "fp8"
+    align = QBLOCK
 
-    def __init__(self, in_features: int, members: list[tuple[str, int]], ops, device=None):
-        super().__init__(in_features, members, ops)
+    def __init__(self, in_features: int, members: list[tuple[str, int]], ops, device=None, split=None):
+        super().__init__(in_features, members, ops, split)
+        in_features = self.in_features
         if in_features % QBLOCK:
             raise ValueError(f"FP8 linear {members[0][0]}: in_features={in_features} is not a multiple of 128")
         for n, o in self.members[:-1]:
@@ -75,16 +125,13 @@ class Fp8Linear(_Linear):
                                                   device=device))
 
     def loaders(self) -> dict[str, Loader]:
-        out = {}
-        for n, a, b in self.spans():
-            out[n + ".weight"] = _copy(self.weight[a:b], n + ".weight")
-            out[n + ".scale"] = _copy(self.scale[a // QBLOCK:-(-b // QBLOCK)], n + ".scale")
-        return out
+        return self._loads(lambda a, b: (self.weight[a:b], self.scale[a // QBLOCK:-(-b // QBLOCK)]))
 
 
 class Bf16Linear(_Linear):
-    def __init__(self, in_features: int, members: list[tuple[str, int]], ops, kind: str, device=None):
-        super().__init__(in_features, members, ops)
+    def __init__(self, in_features: int, members: list[tuple[str, int]], ops, kind: str, device=None, split=None):
+        super().__init__(in_features, members, ops, split)
+        in_features = self.in_features
         if kind not in ("fp32", "bf16"):
             raise ValueError(f"Bf16Linear kind must be 'fp32' or 'bf16', got {kind!r}")
         self.kind = kind
@@ -92,7 +139,7 @@ class Bf16Linear(_Linear):
                                                    device=device))
 
     def loaders(self) -> dict[str, Loader]:
-        return {n + ".weight": _copy(self.weight[a:b], n + ".weight") for n, a, b in self.spans()}
+        return self._loads(lambda a, b: (self.weight[a:b], None))
 
 
 class GroupedFp8(nn.Module):
@@ -100,11 +147,16 @@ class GroupedFp8(nn.Module):
     or bf16 (convert.py form); ``forward(o [T, G, D_g]) -> [T, G, R]`` bf16, the official bf16
     einsum (``ops.wo_a``)."""
 
-    def __init__(self, name: str, groups: int, rank: int, in_per_group: int, ops, fmt: str, device=None):
+    def __init__(self, name: str, groups: int, rank: int, in_per_group: int, ops, fmt: str, device=None,
+                 split=None):
+        """``split`` ('col'): this rank keeps groups [r*G/world, (r+1)*G/world), the groups of its heads."""
         super().__init__()
-        self.groups, self.rank, self.ops, self.fmt = groups, rank, ops, fmt
-        self.lin = (Fp8Linear(in_per_group, [(name, groups * rank)], ops, device) if fmt == "fp8" else
-                    Bf16Linear(in_per_group, [(name, groups * rank)], ops, "bf16", device))
+        if split is not None and groups % split.world:
+            raise ValueError(f"{name}: {groups} groups cannot be split over {split.world} ranks")
+        self.groups = groups // (split.world if split is not None else 1)
+        self.rank, self.ops, self.fmt = rank, ops, fmt
+        self.lin = (Fp8Linear(in_per_group, [(name, groups * rank)], ops, device, split) if fmt == "fp8" else
+                    Bf16Linear(in_per_group, [(name, groups * rank)], ops, "bf16", device, split))
 
     def loaders(self) -> dict[str, Loader]:
         return self.lin.loaders()

@@ -11,7 +11,12 @@ Routed experts, per ``fmt``:
 * ``fp8``: e4m3 ``w13`` [E, 2I, d], fp32 128x128 block scales ``w13_s`` [E, 2I/128, d/128], ...
 
 The shared expert is FP8: ``sh13`` e4m3 [2I_s, d] (w1 rows, then w3), ``sh2`` [d, I_s], fp32 block
-scales. The gate is fp32 [E, d] (bf16 on disk, widened once: the router's GEMM is fp32), its bias
+scales.
+
+Expert parallelism (``group`` of N ranks): rank r holds routed experts [r*E/N, (r+1)*E/N) (their
+tensors of the other experts are read and dropped), ``expert0`` is its first; the router, the hash
+table and the shared expert are replicated. Each rank sums its experts' outputs, the sums are
+all-reduced (fp32), then the shared expert is added (the official MoE's order). The gate is fp32 [E, d] (bf16 on disk, widened once: the router's GEMM is fp32), its bias
 fp32, hash layers' ``tid2eid`` int32. Every expert tensor is written in place as it is read, so
 the layer holds one copy of the experts and nothing else of their size.
 """
@@ -20,29 +25,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel import SINGLE
 from .linear import QBLOCK, Loader, _copy
 
 EXPERT_FORMATS = ("mxfp4", "nvfp4", "fp8")
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, layer_id: int, fmt: str, hash_layer: bool, ops, device=None):
+    def __init__(self, cfg, layer_id: int, fmt: str, hash_layer: bool, ops, device=None, group=None):
         super().__init__()
         if fmt not in EXPERT_FORMATS:
             raise ValueError(f"expert format must be one of {EXPERT_FORMATS}, got {fmt!r}")
+        self.group = group or SINGLE
         E, I, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        if E % self.group.world:
+            raise ValueError(f"expert parallel size {self.group.world} must divide the {E} routed experts")
+        self.n_total = E
+        E //= self.group.world                        # local experts
+        self.expert0 = self.group.rank * E
         self.fmt, self.ops, self.layer_id = fmt, ops, layer_id
         self.topk, self.route_scale, self.limit = cfg.num_experts_per_tok, float(cfg.routed_scaling_factor), \
             float(cfg.swiglu_limit)
         self.n_experts, self.inter, self.dim = E, I, d
         u8, f32 = torch.uint8, torch.float32
         buf = lambda n, *shape, dtype=u8: self.register_buffer(n, torch.empty(*shape, dtype=dtype, device=device))
-        buf("gate_w", E, d, dtype=f32)
+        buf("gate_w", self.n_total, d, dtype=f32)
         if hash_layer:
             buf("tid2eid", cfg.vocab_size, self.topk, dtype=torch.int32)
             self.register_buffer("bias", None)
         else:
-            buf("bias", E, dtype=f32)
+            buf("bias", self.n_total, dtype=f32)
             self.register_buffer("tid2eid", None)
         if fmt == "fp8":
             e4 = torch.float8_e4m3fn
@@ -79,15 +91,22 @@ class MoE(nn.Module):
             out[prefix + "gate.bias"] = _copy(self.bias, prefix + "gate.bias")
         fp8 = self.fmt == "fp8"
         rows13 = lambda w: slice(0, I) if w == "w1" else slice(I, 2 * I)
-        for e in range(self.n_experts):
+        for e in range(self.n_total):
+            if not self.expert0 <= e < self.expert0 + self.n_experts:       # another rank's expert
+                for w in ("w1", "w3", "w2"):
+                    for part in (("weight", "weight_scale", "weight_scale_2", "input_scale")
+                                 if self.fmt == "nvfp4" else ("weight", "scale")):
+                        out[f"{prefix}experts.{e}.{w}.{part}"] = _unused
+                continue
+            le = e - self.expert0
             for w in ("w1", "w3", "w2"):
                 n = f"{prefix}experts.{e}.{w}."
                 if w == "w2":
-                    codes, sc, s2 = self.w2[e], self.w2_s[e], None if self.w2_s2 is None else self.w2_s2[e]
+                    codes, sc, s2 = self.w2[le], self.w2_s[le], None if self.w2_s2 is None else self.w2_s2[le]
                 else:
                     r = rows13(w)
-                    codes, s2 = self.w13[e, r], None if self.w13_s2 is None else self.w13_s2[e, r]
-                    sc = self.w13_s[e, r.start // QBLOCK:r.stop // QBLOCK] if fp8 else self.w13_s[e, r]
+                    codes, s2 = self.w13[le, r], None if self.w13_s2 is None else self.w13_s2[le, r]
+                    sc = self.w13_s[le, r.start // QBLOCK:r.stop // QBLOCK] if fp8 else self.w13_s[le, r]
                 out[n + "weight"] = _copy(codes, n + "weight")
                 if self.fmt == "nvfp4":
                     out[n + "weight_scale"] = _raw(sc, n + "weight_scale")

@@ -27,6 +27,7 @@ from ..layers.attention import Attention, Rope
 from ..layers.linear import Bf16Linear, _copy, weight_bytes
 from ..layers.moe import MoE
 from ..ops import Ops
+from ..parallel import SINGLE, Group
 
 
 class HyperConnection(nn.Module):
@@ -47,7 +48,8 @@ class HyperConnection(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ops, ropes, expert_fmt: str, wo_a_fmt: str, device=None):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ops, ropes, expert_fmt: str, wo_a_fmt: str, device=None,
+                 group=None):
         super().__init__()
         self.layer_id, self.ops, self.eps = layer_id, ops, cfg.rms_norm_eps
         hc = cfg.hc_mult
@@ -56,8 +58,8 @@ class Block(nn.Module):
         f32 = dict(dtype=torch.float32, device=device)
         self.register_buffer("attn_norm", torch.empty(cfg.hidden_size, **f32))
         self.register_buffer("ffn_norm", torch.empty(cfg.hidden_size, **f32))
-        self.attn = Attention(cfg, layer_id, ops, ropes, wo_a_fmt, device)
-        self.moe = MoE(cfg, layer_id, expert_fmt, cfg.is_hash_layer(layer_id), ops, device)
+        self.attn = Attention(cfg, layer_id, ops, ropes, wo_a_fmt, device, group)
+        self.moe = MoE(cfg, layer_id, expert_fmt, cfg.is_hash_layer(layer_id), ops, device, group)
 
     def loaders(self):
         p = f"layers.{self.layer_id}."
@@ -188,20 +190,30 @@ def prefill_context(chunks, max_blocks: int, scratch_block: int, device, tables,
 
 # ---------------------------------------------------------------------------------------------
 class DeepseekV4(nn.Module):
+    """``group`` (``dsv4.parallel.Group``, default one rank): tensor parallelism over its ranks, the
+    official layout (``layers.attention.Attention``, ``layers.moe.MoE``): q heads and routed experts
+    split, the head column-parallel over the vocabulary with its logits all-gathered; the embedding,
+    mHC, norms, KV head, compressors, indexer and caches replicated. Every rank runs the same
+    forward on the same inputs. So far on the torch twins only."""
+
     def __init__(self, cfg: ModelConfig, expert_format: str = "mxfp4", wo_a_format: str = "fp8",
-                 device="cpu", ops: Ops | None = None):
+                 device="cpu", ops: Ops | None = None, group: Group | None = None):
         super().__init__()
         self.cfg, self.device = cfg, torch.device(device)
         self.ops = ops or Ops(self.device)
+        self.group = group or SINGLE
+        if self.group.world > 1 and self.ops.kernels:
+            raise ValueError("tensor parallelism runs on the torch twins only so far: pass Ops(device, kernels=False)")
         self.expert_format, self.wo_a_format = expert_format, wo_a_format
         self.ropes = {r: Rope(rope_frequencies(cfg, r).to(self.device)) for r in sorted(set(cfg.compress_ratios))}
         self.register_buffer("embed", torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16,
                                                   device=self.device))
-        self.layers = nn.ModuleList(Block(cfg, i, self.ops, self.ropes, expert_format, wo_a_format, self.device)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, self.ops, self.ropes, expert_format, wo_a_format, self.device,
+                                          self.group) for i in range(cfg.num_hidden_layers))
         self.hc_head = HyperConnection(cfg, cfg.hc_mult, self.device)
         self.register_buffer("norm", torch.empty(cfg.hidden_size, dtype=torch.float32, device=self.device))
-        self.head = Bf16Linear(cfg.hidden_size, [("head", cfg.vocab_size)], self.ops, "fp32", self.device)
+        self.head = Bf16Linear(cfg.hidden_size, [("head", cfg.vocab_size)], self.ops, "fp32", self.device,
+                               self.group.split("col"))
         # FP8 routed experts have no GPU kernel: their twin synchronises with the host
         self.graph_safe = self.ops.graph_safe and expert_format != "fp8"
         self.cache = None
@@ -216,12 +228,13 @@ class DeepseekV4(nn.Module):
         return out
 
     @classmethod
-    def from_checkpoint(cls, path_or_reader, device="cpu", ops: Ops | None = None, progress: bool = False):
+    def from_checkpoint(cls, path_or_reader, device="cpu", ops: Ops | None = None, progress: bool = False,
+                        group: Group | None = None):
         """Validate a checkpoint directory, allocate the model on ``device`` and stream the weights
         in (host memory: one checkpoint tensor at a time on top of the model itself on CPU)."""
         from ..checkpoint.loader import open_checkpoint
         r = open_checkpoint(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
-        model = cls(r.config, r.expert_format, r.wo_a_format, device, ops)
+        model = cls(r.config, r.expert_format, r.wo_a_format, device, ops, group)
         model.load(r.tensors(progress=progress, skip=lambda n: n.startswith("mtp.")))
         return model
 
@@ -335,7 +348,7 @@ class DeepseekV4(nn.Module):
         ops, hh = self.ops, self.hc_head
         y = ops.rms_norm(ops.hc_head(h, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), self.norm,
                          self.cfg.rms_norm_eps)
-        return ctx.trace("logits", ops.linear(self.head, y).float())
+        return ctx.trace("logits", self.group.all_gather(ops.linear(self.head, y).float(), dim=-1))
 
     def describe(self) -> str:
         gib = 2.0 ** 30

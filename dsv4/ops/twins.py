@@ -118,13 +118,17 @@ def moe(layer, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     idx, w = idx[:M], w[:M]
     y = torch.zeros(M, x.shape[1], dtype=torch.float32, device=x.device)
     kind = "fp8" if layer.fmt == "fp8" else "fp4"
+    e0, e1 = layer.expert0, layer.expert0 + layer.n_experts    # this rank's experts (all of them on one)
     for e in torch.unique(idx).tolist():                 # increasing expert id, as the official loop
+        if not e0 <= e < e1:
+            continue
         hit = idx == e
         rows = hit.any(dim=1).nonzero().squeeze(1)
         col = hit[rows].float().argmax(dim=1)            # a repeated hash id contributes once
         n = rows.numel()
-        ex = _expert(*_expert_weights(layer, e), kind, layer.limit)
+        ex = _expert(*_expert_weights(layer, e - e0), kind, layer.limit)
         y[rows] += ex(padded_rows(x[rows]), padded_rows(w[rows, col]))[:n].float()
+    y = layer.group.all_reduce(y)                        # expert parallelism: every rank's experts
     return OFFICIAL.round(y + row_invariant(shared_expert(layer))(x).float())
 
 

@@ -1,0 +1,232 @@
+"""Tensor-parallel linears (``dsv4.parallel.Split``): a rank loads its slice of the checkpoint
+tensor, column slices concatenate to the whole layer's output and row slices sum to it (over
+gloo, two processes), and a cut off the FP8 128-blocks is refused with the tensor's name.
+
+Tolerances, not bits, against the unsplit layer: a CPU GEMM's summation order depends on its
+shape, and row-parallel sums bf16 partials (the official RowParallelLinear all-reduces its bf16
+output)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.formats.fp8 import quant_fp8_weight
+from dsv4.layers.linear import Bf16Linear, Fp8Linear
+from dsv4.ops import Ops
+from dsv4.parallel import SINGLE, Group, Split
+
+OPS = Ops("cpu")
+
+
+def _fp8(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return quant_fp8_weight(torch.randn(n, k, generator=g) * 0.05)
+
+
+def _load(lin, tensors):
+    ld = lin.loaders()
+    assert sorted(ld) == sorted(tensors)
+    for name, t in tensors.items():
+        ld[name](t)
+    return lin
+
+
+def _fp8_tensors():
+    (wa, sa), (wb, sb) = _fp8(256, 384, 0), _fp8(384, 384, 1)
+    return {"a.weight": wa, "a.scale": sa, "b.weight": wb, "b.scale": sb}
+
+
+def test_column_slices_concatenate_to_the_whole_output():
+    t = _fp8_tensors()
+    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with pytest.raises(ValueError, match="b output rows: 384 cannot be split into 2 equal parts of a multiple of 128"):
+        Fp8Linear(384, [("a", 256), ("b", 384)], OPS, split=Split("col", 0, 2))
+    t2 = {"a.weight": t["a.weight"], "a.scale": t["a.scale"]}
+    whole = OPS.linear(_load(Fp8Linear(384, [("a", 256)], OPS), t2), x).float()
+    ranks = [_load(Fp8Linear(384, [("a", 256)], OPS, split=Split("col", r, 2)), t2) for r in range(2)]
+    assert ranks[0].out_features == 128 and ranks[0].weight.shape == (128, 384) and ranks[0].scale.shape == (1, 3)
+    assert torch.equal(ranks[1].weight.view(torch.uint8), t2["a.weight"][128:].view(torch.uint8))
+    got = torch.cat([OPS.linear(lin, x) for lin in ranks], dim=1).float()
+    assert torch.allclose(got, whole, rtol=2 ** -8, atol=0)
+
+
+def test_bf16_merged_members_split_member_by_member():
+    g = torch.Generator().manual_seed(3)
+    t = {"p.weight": torch.randn(6, 64, generator=g).bfloat16(), "q.weight": torch.randn(4, 64, generator=g).bfloat16()}
+    x = torch.randn(3, 64, generator=g)
+    whole = OPS.linear(_load(Bf16Linear(64, [("p", 6), ("q", 4)], OPS, "fp32"), t), x)
+    ranks = [_load(Bf16Linear(64, [("p", 6), ("q", 4)], OPS, "fp32", split=Split("col", r, 2)), t) for r in range(2)]
+    outs = [OPS.linear(lin, x) for lin in ranks]
+    # local layout per rank: [its p rows | its q rows]
+    got = torch.cat([outs[0][:, :3], outs[1][:, :3], outs[0][:, 3:], outs[1][:, 3:]], dim=1)
+    assert torch.allclose(got, whole, rtol=1e-6, atol=1e-6 * float(whole.abs().max()))
+
+
+def test_row_slices_sum_to_the_whole_output_and_misaligned_cuts_are_refused():
+    w, s = _fp8(256, 512, 4)
+    t = {"o.weight": w, "o.scale": s}
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
+    whole = OPS.linear(_load(Fp8Linear(512, [("o", 256)], OPS), t), x).float()
+    ranks = [_load(Fp8Linear(512, [("o", 256)], OPS, split=Split("row", r, 2)), t) for r in range(2)]
+    assert ranks[1].weight.shape == (256, 256) and ranks[1].scale.shape == (2, 2)
+    parts = [OPS.linear(lin, x[:, 256 * r:256 * (r + 1)]).float() for r, lin in enumerate(ranks)]
+    total = parts[0] + parts[1]
+    # each bf16 rounding is within half an ulp (2^-9 relative) of its value
+    bound = 2.0 ** -8 * (parts[0].abs() + parts[1].abs() + whole.abs())
+    assert ((total - whole).abs() <= bound).all()
+    with pytest.raises(ValueError, match="o input columns: 384 cannot be split into 2 equal parts of a multiple of 128"):
+        Fp8Linear(384, [("o", 256)], OPS, split=Split("row", 1, 2))
+    with pytest.raises(ValueError, match=r"o.weight: expected shape \(256, 512\), got \(256, 256\)"):
+        ranks[0].loaders()["o.weight"](w[:, :256])
+
+
+def test_split_and_group_arguments():
+    assert SINGLE.world == 1 and SINGLE.split("col") is None
+    x = torch.ones(3)
+    assert SINGLE.all_reduce(x) is x and SINGLE.all_gather(x) is x
+    with pytest.raises(ValueError, match="kind"):
+        Split("diag", 0, 2)
+    with pytest.raises(ValueError, match="rank 2"):
+        Split("col", 2, 2)
+
+
+def _row_worker(rank, world, port, w, s, x, q):
+    import os
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        grp = Group(dist.group.WORLD)
+        lin = Fp8Linear(512, [("o", 256)], Ops("cpu"), split=grp.split("row"))
+        lin.loaders()["o.weight"](w)
+        lin.loaders()["o.scale"](s)
+        a, b = lin.cols
+        y = grp.all_reduce(Ops("cpu").linear(lin, x[:, a:b]).float())
+        g = grp.all_gather(y[:, :2], dim=1)
+        q.put((rank, y, g))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_row_parallel_over_gloo_all_reduces_to_the_sum_of_the_slices():
+    import socket
+    import torch.multiprocessing as mp
+    w, s = _fp8(256, 512, 6)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7)).bfloat16()
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_row_worker, args=(r, 2, port, w, s, x, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, (y, g)) for r, y, g in (q.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    t = {"o.weight": w, "o.scale": s}
+    parts = [OPS.linear(_load(Fp8Linear(512, [("o", 256)], OPS, split=Split("row", r, 2)), t),
+                        x[:, 256 * r:256 * (r + 1)]).float() for r in range(2)]
+    assert torch.equal(got[0][0], parts[0] + parts[1]) and torch.equal(got[0][0], got[1][0])
+    assert torch.equal(got[0][1], torch.cat([got[0][0][:, :2], got[1][0][:, :2]], dim=1))
+
+
+# ------------------------------------------------------------------ the model over ranks
+class _Rank(Group):
+    """A rank of a ``world``-rank group without a process group (construction and loading only)."""
+
+    def __init__(self, rank, world):
+        self.pg, self.rank, self.world = None, rank, world
+
+
+def _part_bytes(m):
+    keys = {"experts": (".moe.w13", ".moe.w2"), "q/o": (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b."), "head": (".head.",)}
+    out = dict.fromkeys(keys, 0)
+    for name, t in m.named_buffers():
+        for k, pats in keys.items():
+            if any(p in "." + name for p in pats):
+                out[k] += t.nbytes
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from dsv4.checkpoint.tiny import make_tiny
+    return make_tiny(str(tmp_path_factory.mktemp("tp") / "tiny"))
+
+
+def test_each_rank_holds_its_share_of_the_split_weights(tiny):
+    from dsv4.model.deepseek_v4 import DeepseekV4
+    twins = Ops("cpu", kernels=False)
+    whole = _part_bytes(DeepseekV4.from_checkpoint(tiny, ops=twins))
+    for r in range(2):
+        m = DeepseekV4.from_checkpoint(tiny, ops=twins, group=_Rank(r, 2))
+        assert _part_bytes(m) == {k: v // 2 for k, v in whole.items()}
+        assert m.layers[2].moe.expert0 == 4 * r and m.layers[2].attn.H == 4
+    with pytest.raises(ValueError, match="tensor parallel size 4 must divide the 8 attention heads and 2 output groups"):
+        DeepseekV4.from_checkpoint(tiny, ops=twins, group=_Rank(0, 4))
+    with pytest.raises(ValueError, match="twins only"):
+        DeepseekV4.from_checkpoint(tiny, ops=Ops("cpu", kernels=True), group=_Rank(0, 2))
+
+
+def _run_model(path, ids, tokens, group=None):
+    """Prefill ``ids`` then decode ``tokens`` (teacher-forced): the logits [1 + len(tokens), V]."""
+    from dsv4.engine.kv_cache import CacheConfig, KVCache, PagedSequenceState
+    from dsv4.model.deepseek_v4 import DeepseekV4
+    m = DeepseekV4.from_checkpoint(path, ops=Ops("cpu", kernels=False), group=group)
+    cache = KVCache(m.cfg, CacheConfig(max_num_seqs=2, num_blocks=4))
+    m.attach_cache(cache, 1024)
+    st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2))
+    out = [m(m.prefill_context([(ids, st)]))[0]]
+    st.advance_to(ids.numel())
+    for tok in tokens:
+        bt = torch.full((1, m.max_blocks), -1, dtype=torch.long)
+        bt[0, :2] = torch.tensor(st.block_table)
+        out.append(m(m.decode_context(torch.tensor([tok]), torch.tensor([st.pos]), torch.tensor([st.slot]), bt))[0])
+        st.advance_to(st.pos + 1)
+    return torch.stack(out)
+
+
+def _tp_worker(rank, world, port, path, ids, tokens, q):
+    import os
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        q.put((rank, _run_model(path, ids, tokens, Group(dist.group.WORLD))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_give_the_one_rank_logits_and_tokens(tiny):
+    """World size 2 over gloo against world size 1: logits within tolerance (the split sums round
+    in another order: bf16 partials of wo_b, fp32 expert sums across ranks), the greedy token
+    wherever the top-1 margin is clear, and the same logits on both ranks."""
+    import socket
+    import torch.multiprocessing as mp
+    ids = torch.randint(3, 128000, (150,), generator=torch.Generator().manual_seed(11))
+    one = _run_model(tiny, ids, [])
+    tokens = []
+    for _ in range(3):                                  # the one-rank greedy continuation
+        tokens.append(int(one[-1].argmax()))
+        one = _run_model(tiny, ids, tokens)
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, tiny, ids, tokens, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert torch.equal(got[0], got[1])
+    two = got[0]
+    for a, b in zip(one, two):
+        cos = float(a.double() @ b.double() / (a.double().norm() * b.double().norm()))
+        top = a.topk(2).values
+        assert torch.isfinite(b).all() and cos > 0.999, cos          # measured 0.9996-0.9999
+        assert float(top[0] - top[1]) < 1.0 or int(a.argmax()) == int(b.argmax())
