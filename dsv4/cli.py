@@ -12,7 +12,8 @@ def _engine_kw(a: argparse.Namespace) -> dict:
                 max_model_len=a.max_model_len, kv_cache_memory=a.kv_cache_memory,
                 gpu_memory_utilization=a.gpu_memory_utilization, device=a.device,
                 cuda_graphs=not a.enforce_eager, log=not a.quiet, synthetic=a.synthetic,
-                synthetic_layers=a.layers, synthetic_experts=a.experts, synthetic_seed=a.synthetic_seed)
+                synthetic_layers=a.layers, synthetic_experts=a.experts, synthetic_seed=a.synthetic_seed,
+                tensor_parallel_size=a.tensor_parallel_size)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -67,6 +68,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4, help="layers of a --synthetic model")
     p.add_argument("--experts", type=int, default=None, help="routed experts of a --synthetic model (default: all)")
     p.add_argument("--synthetic-seed", type=int, default=0)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks, one process each (GPU i for rank i; torch twins so far)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

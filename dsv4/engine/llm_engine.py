@@ -1,6 +1,7 @@
 """The engine: requests in, vLLM-shaped ``RequestOutput`` out, one ``step()`` at a time."""
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -52,6 +53,7 @@ class EngineConfig:
     synthetic_layers: int = 4
     synthetic_experts: int | None = None     # None: all of the preset's routed experts
     synthetic_seed: int = 0
+    tensor_parallel_size: int = 1            # ranks, one process each (engine.tp_workers); > 1: torch twins so far
 
 
 class LLMEngine:
@@ -77,6 +79,24 @@ class LLMEngine:
             raise ValueError("give either a checkpoint directory or --synthetic, not both")
         t0 = time.perf_counter()
         disk_bytes, source = None, None
+        tp = cfg.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        self.workers, group, kernels = None, None, cfg.kernels
+        if tp > 1:
+            if prebuilt is not None:
+                raise ValueError("a prebuilt model cannot be split over tensor-parallel ranks")
+            from ..models import resolve_model
+            from .tp_workers import TPWorkers
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda:0")
+            kernels = False
+            spec = dict(path=None if cfg.synthetic else resolve_model(cfg.model), synthetic=cfg.synthetic,
+                        synthetic_layers=cfg.synthetic_layers, synthetic_experts=cfg.synthetic_experts,
+                        synthetic_seed=cfg.synthetic_seed, kernels=False)
+            self._check_split(spec, tp)
+            self.workers = TPWorkers(tp, self.device.type, spec)
+            group = self.workers.group
         if prebuilt is not None:
             if prebuilt.device != self.device:
                 raise ValueError(f"the prebuilt model is on {prebuilt.device}, the engine on {self.device}")
@@ -85,7 +105,8 @@ class LLMEngine:
             from ..checkpoint.schema import expert_format_of_config
             from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
             mc = synthetic_config(cfg.synthetic, cfg.synthetic_layers, cfg.synthetic_experts)
-            self.model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", self.device, Ops(self.device, cfg.kernels))
+            self.model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", self.device, Ops(self.device, kernels),
+                                    group)
             self.model.load((n, t) for n, t in iter_synthetic_tensors(mc, cfg.synthetic_seed, self.device)
                             if not n.startswith("mtp."))
             path = None
@@ -96,8 +117,8 @@ class LLMEngine:
             from ..models import resolve_model
             path = resolve_model(cfg.model)
             reader = open_checkpoint(path)
-            self.model = DeepseekV4.from_checkpoint(reader, self.device, Ops(self.device, cfg.kernels),
-                                                    progress=cfg.log)
+            self.model = DeepseekV4.from_checkpoint(reader, self.device, Ops(self.device, kernels),
+                                                    progress=cfg.log, group=group)
             disk_bytes = reader.total_bytes
             source = f"{path} ({reader.layout}, {disk_bytes / 1e9:.2f} GB on disk)"
         self.model_config = mc = self.model.cfg
@@ -120,9 +141,12 @@ class LLMEngine:
         self.model.attach_cache(self.cache, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                                    self.max_model_len), self.cache)
-        self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs)
+        if self.workers is not None:
+            self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs)
+        self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs,
+                                  None if self.workers is None else self.workers.broadcast_step)
         self.backend_name = f"{'kernels' if self.model.ops.kernels else 'torch twins'}" + \
-            ("+cuda-graphs" if self.runner.graphs is not None else "")
+            ("+cuda-graphs" if self.runner.graphs is not None else "") + (f", tensor parallel {tp}" if tp > 1 else "")
         self.sampler = Sampler(mc.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
@@ -133,9 +157,32 @@ class LLMEngine:
             if self.device.type == "cuda":
                 extra += f"; device memory in use after load {weights_mem / 2**30:.2f} GiB"
             print(f"dsv4: loaded {source} in {load_s:.1f} s; {self.model.describe()}{extra}", file=sys.stderr)
+            if self.workers is not None:
+                print(f"dsv4: tensor parallel {tp}: rank 0 pid {os.getpid()}, " +
+                      ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self.workers.procs, start=1)),
+                      file=sys.stderr)
             print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len} (model "
                   f"{mc.max_position_embeddings}, KV cache {cap} tokens); backend {self.backend_name}",
                   file=sys.stderr)
+
+    @staticmethod
+    def _check_split(spec: dict, tp: int) -> None:
+        """Refuse, before any process starts, a rank count the model's shapes cannot split."""
+        if spec["synthetic"]:
+            from ..checkpoint.synthetic import synthetic_config
+            mc = synthetic_config(spec["synthetic"], spec["synthetic_layers"], spec["synthetic_experts"])
+        else:
+            from ..checkpoint.loader import open_checkpoint
+            mc = open_checkpoint(spec["path"]).config
+        for what, n in (("attention heads", mc.num_attention_heads), ("output groups", mc.o_groups),
+                        ("routed experts", mc.n_routed_experts)):
+            if n % tp:
+                raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {n} {what}")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one rank)."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def _kv_budget(self) -> int:
         if self.cfg.kv_cache_memory is not None:

@@ -20,8 +20,11 @@ from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, max_num_seqs: int, cuda_graphs: bool = True):
+    def __init__(self, model: DeepseekV4, max_num_seqs: int, cuda_graphs: bool = True, broadcast=None):
+        """``broadcast(chunks)``: called with each step's chunks before they run (tensor
+        parallelism: rank 0 sends them to the workers, ``engine.tp_workers``)."""
         self.model, self.device = model, model.device
+        self.broadcast = broadcast
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and model.graph_safe:
             self.graphs = CudaGraphDecoder(model, max_num_seqs)
@@ -38,6 +41,8 @@ class ModelRunner:
         """Run each (token ids, sequence state) chunk; fp32 logits of each chunk's last token.
         Advances every state's position."""
         model = self.model
+        if self.broadcast is not None:
+            self.broadcast(chunks)
         dec = [i for i, (ids, st) in enumerate(chunks) if ids.numel() == 1 and st.pos > 0]
         is_dec = set(dec)
         rest = [i for i in range(len(chunks)) if i not in is_dec]

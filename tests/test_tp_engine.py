@@ -1,0 +1,105 @@
+"""Tensor parallelism through the engine on CPU (gloo, the tiny model): the engine starts its own
+worker processes; world size 2 gives world size 1's greedy tokens wherever the top-1 margin is
+clear, ``generate`` and ``serve`` work with ``--tensor-parallel-size 2``, a killed worker stops the
+server with a message naming its rank, and rank counts the model cannot split are refused before
+anything starts."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dsv4 import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["The capital of France is", "1, 2, 3,", "def main():"]
+
+
+def _run(tp):
+    llm = LLM(None, tensor_parallel_size=tp, max_model_len=512, kv_cache_memory="64MiB", log=False)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+        return [o.outputs[0] for o in llm.generate(PROMPTS, sp)]
+    finally:
+        llm.engine.close()
+
+
+def test_two_ranks_give_one_rank_s_greedy_tokens(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+    one, two = _run(1), _run(2)
+    compared = 0
+    for a, b in zip(one, two):
+        for s, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            lps = sorted((v.logprob for v in a.logprobs[s].values()), reverse=True)
+            if ta != tb:
+                assert lps[0] - lps[1] < 1.0, (s, ta, tb, lps)      # only a near-tie may differ
+                break
+            compared += 1
+            # the chosen token's log-prob within 0.3 (split sums round in another order)
+            assert abs(a.logprobs[s][ta].logprob - b.logprobs[s][tb].logprob) < 0.3
+    assert compared >= 12
+
+
+def test_rank_counts_the_model_cannot_split_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 8 attention heads"):
+        LLM(None, tensor_parallel_size=3, log=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's 2 output groups"):
+        LLM(None, tensor_parallel_size=4, log=False)
+    with pytest.raises(ValueError, match="positive integer"):
+        LLM(None, tensor_parallel_size=0, log=False)
+
+
+def test_generate_cli_with_two_ranks(tmp_path):
+    env = dict(os.environ, DSV4_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "generate", "Hello", "--max-tokens", "4", "-tp", "2",
+                        "--max-model-len", "256", "--kv-cache-memory", "64MiB"], cwd=str(ROOT), env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() and "tensor parallel 2" in r.stderr
+
+
+def test_serve_with_two_ranks_and_a_killed_worker_stops_it(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, DSV4_CACHE_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "serve", "--port", str(port), "-tp", "2",
+                                 "--max-model-len", "256", "--kv-cache-memory", "64MiB", "--disable-access-log",
+                                 "--uvicorn-log-level", "warning"], cwd=str(ROOT), env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
+            while True:
+                assert proc.poll() is None, log_path.read_text()
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.3)
+            r = httpx.post(base + "/v1/completions", json={"model": "dsv4-tiny", "prompt": "Hello", "max_tokens": 4,
+                                                            "temperature": 0}, timeout=120)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+            pid = int(re.search(r"rank 1 pid (\d+)", log_path.read_text()).group(1))
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            assert time.monotonic() - t0 < 30 and proc.returncode != 0
+            assert f"tensor-parallel worker rank 1 (pid {pid}) exited" in log_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
