@@ -164,6 +164,16 @@ def test_each_rank_holds_its_share_of_the_split_weights(tiny):
         m = DeepseekV4.from_checkpoint(tiny, ops=twins, group=_Rank(r, 2))
         assert _part_bytes(m) == {k: v // 2 for k, v in whole.items()}
         assert m.layers[2].moe.expert0 == 4 * r and m.layers[2].attn.H == 4
+        # the other rank's experts are never read from disk
+        seen = []
+        orig = DeepseekV4.load
+        DeepseekV4.load = lambda self, tensors: orig(self, (seen.append(n) or (n, t) for n, t in tensors))
+        try:
+            DeepseekV4.from_checkpoint(tiny, ops=twins, group=_Rank(r, 2))
+        finally:
+            DeepseekV4.load = orig
+        experts = {int(n.split(".")[4]) for n in seen if ".ffn.experts." in n}
+        assert experts == set(range(4 * r, 4 * r + 4))
     with pytest.raises(ValueError, match="tensor parallel size 4 must divide the 8 attention heads and 2 output groups"):
         DeepseekV4.from_checkpoint(tiny, ops=twins, group=_Rank(0, 4))
     with pytest.raises(ValueError, match="twins only"):

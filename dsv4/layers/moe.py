@@ -13,8 +13,8 @@ Routed experts, per ``fmt``:
 The shared expert is FP8: ``sh13`` e4m3 [2I_s, d] (w1 rows, then w3), ``sh2`` [d, I_s], fp32 block
 scales.
 
-Expert parallelism (``group`` of N ranks): rank r holds routed experts [r*E/N, (r+1)*E/N) (their
-tensors of the other experts are read and dropped), ``expert0`` is its first; the router, the hash
+Expert parallelism (``group`` of N ranks): rank r holds routed experts [r*E/N, (r+1)*E/N) (the
+other experts' tensors have the ``foreign`` loader: left unread on disk), ``expert0`` is its first; the router, the hash
 table and the shared expert are replicated. Each rank sums its experts' outputs, the sums are
 all-reduced (fp32), then the shared expert is added (the official MoE's order). The gate is fp32 [E, d] (bf16 on disk, widened once: the router's GEMM is fp32), its bias
 fp32, hash layers' ``tid2eid`` int32. Every expert tensor is written in place as it is read, so
@@ -96,7 +96,7 @@ class MoE(nn.Module):
                 for w in ("w1", "w3", "w2"):
                     for part in (("weight", "weight_scale", "weight_scale_2", "input_scale")
                                  if self.fmt == "nvfp4" else ("weight", "scale")):
-                        out[f"{prefix}experts.{e}.{w}.{part}"] = _unused
+                        out[f"{prefix}experts.{e}.{w}.{part}"] = foreign
                 continue
             le = e - self.expert0
             for w in ("w1", "w3", "w2"):
@@ -145,6 +145,11 @@ def _fill(dst: torch.Tensor, what: str) -> Loader:
             raise ValueError(f"{what}: expected a scalar, got shape {tuple(t.shape)}")
         dst.fill_(float(t.float()))
     return load
+
+
+def foreign(t: torch.Tensor) -> None:
+    """Another rank's tensor (expert parallelism): not read from disk when the reader can skip it
+    (``DeepseekV4.from_checkpoint``), dropped when it comes anyway."""
 
 
 def _unused(t: torch.Tensor) -> None:

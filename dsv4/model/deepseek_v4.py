@@ -235,8 +235,14 @@ class DeepseekV4(nn.Module):
         from ..checkpoint.loader import open_checkpoint
         r = open_checkpoint(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
         model = cls(r.config, r.expert_format, r.wo_a_format, device, ops, group)
-        model.load(r.tensors(progress=progress, skip=lambda n: n.startswith("mtp.")))
+        other = model.foreign_names()               # other ranks' experts: never read
+        model.load(r.tensors(progress=progress, skip=lambda n: n.startswith("mtp.") or n in other))
         return model
+
+    def foreign_names(self) -> set[str]:
+        """Checkpoint tensors that belong to other ranks (expert parallelism); empty on one rank."""
+        from ..layers.moe import foreign
+        return {n for n, fn in self.loaders().items() if fn is foreign}
 
     @torch.no_grad()
     def load(self, tensors) -> None:
@@ -252,7 +258,8 @@ class DeepseekV4(nn.Module):
                 raise ValueError(f"checkpoint tensor '{name}' given twice")
             fn(t)
             seen.add(name)
-        missing = [n for n in loaders if n not in seen]
+        from ..layers.moe import foreign
+        missing = [n for n, fn in loaders.items() if n not in seen and fn is not foreign]
         if missing:
             raise ValueError(f"{len(missing)} model tensor(s) were not loaded, e.g. '{missing[0]}'")
 
