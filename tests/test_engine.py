@@ -191,3 +191,26 @@ def test_default_max_model_len_is_the_config_limit_capped_by_the_kv_cache(tmp_pa
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLMEngine(EngineConfig(log=False, max_num_seqs=2, num_kv_blocks=4,
                                max_model_len=eng.model_config.max_position_embeddings + 1))
+
+
+def test_prompt_logprobs_are_the_reference_s_in_any_chunking(tmp_path, monkeypatch):
+    """``prompt_logprobs``: every prompt token's logprob given the ones before it (None for the
+    first), the same whatever the prefill chunks, equal to the oracle's log-softmax over all
+    positions; ``max_tokens=0`` scores without generating."""
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+    from dsv4.models import resolve_model
+    from dsv4.reference.model import ReferenceModel
+    ids = [0] + torch.randint(3, 128000, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = ReferenceModel.from_pretrained(resolve_model(None))
+    lp = torch.log_softmax(ref.forward([(torch.tensor(ids), ref.new_state())], all_logits=True)[0], -1)
+    for chunk in (512, 64):
+        llm = LLM(None, max_num_batched_tokens=chunk, max_model_len=1024, kv_cache_memory="64MiB", log=False)
+        o = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+        assert o.outputs[0].token_ids == [] and o.outputs[0].finish_reason == "length"
+        pl = o.prompt_logprobs
+        assert len(pl) == len(ids) and pl[0] is None
+        for i in range(1, len(ids)):
+            d = pl[i]
+            assert abs(d[ids[i]].logprob - float(lp[i - 1, ids[i]])) < 1e-4
+            top = lp[i - 1].topk(2)
+            assert [t for t, v in d.items() if v.rank in (1, 2) and t in top.indices.tolist()]

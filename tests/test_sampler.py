@@ -285,7 +285,7 @@ BAD = [
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
     (dict(logprobs=-1), "logprobs"),
     (dict(logprobs=21), "logprobs"),
-    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
     (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(stop_token_ids=[1, "x"]), "stop_token_ids"),

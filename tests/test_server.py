@@ -819,3 +819,39 @@ def test_sampling_param_mapping_unit():
     from dsv4.server.app import _default_name
     assert _default_name(SimpleNamespace(cfg=SimpleNamespace(model=None))) == "dsv4-tiny"
     assert _default_name(SimpleNamespace(cfg=SimpleNamespace(model="/ckpts/DeepSeek-V4-Flash/"))) == "DeepSeek-V4-Flash"
+
+
+def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, tmp_path, monkeypatch):
+    """lm-eval's loglikelihood request (token-id prompts, echo, logprobs 1, max_tokens 1) and the
+    scoring-only form (max_tokens 0): one logprob per prompt token, null for the first, and the
+    summed continuation logprob equals the engine's own prompt scoring."""
+    from dsv4 import LLM
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(server.tmp / "cache"))
+    ctx = [0] + list(range(1000, 1040))
+    cont = [2000, 2001, 2002]
+    r = httpx.post(server.base + "/v1/completions", headers=_h(), timeout=120, json={
+        "model": MODEL, "prompt": [ctx + cont, ctx], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
+        "seed": 1234})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"]
+    lp = ch[0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and all(len(t) >= 1 for t in lp["top_logprobs"][1:])
+    got = sum(lp["token_logprobs"][len(ctx):-1])                  # lm-eval's slice
+    llm = LLM(None, max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", log=False)
+    o = llm.generate([{"prompt_token_ids": ctx + cont}], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    want = sum(o.prompt_logprobs[len(ctx) + j][cont[j]].logprob for j in range(len(cont)))
+    assert abs(got - want) < 1e-3, (got, want)
+    assert len(ch[1]["logprobs"]["token_logprobs"]) == len(ctx) + 1
+    r = httpx.post(server.base + "/v1/completions", headers=_h(), timeout=120, json={
+        "model": MODEL, "prompt": ctx + cont, "max_tokens": 0, "logprobs": 0, "echo": True, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+    assert len(c["logprobs"]["token_logprobs"]) == len(ctx) + len(cont)
+    assert abs(sum(c["logprobs"]["token_logprobs"][len(ctx):]) - want) < 1e-3
+    pl = c["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(ctx) + len(cont) and str(cont[0]) in pl[len(ctx)]
+    r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})
+    assert r.status_code == 400 and "completions only" in r.text

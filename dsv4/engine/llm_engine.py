@@ -258,6 +258,12 @@ class LLMEngine:
         if batch:
             logits = self.runner.run(batch)
             rows = [i for i, c in enumerate(batch) if c.samples]
+            for i in [i for i in rows if batch[i].seq.max_tokens == 0]:     # scoring only: no token
+                s = batch[i].seq
+                if not s.is_finished:
+                    s.finish_reason = "length"
+                    self.scheduler.finish(s)
+            rows = [i for i in rows if batch[i].seq.max_tokens > 0]
             if rows:
                 seqs = [batch[i].seq for i in rows]
                 out = self.sampler(logits[rows], [s.params for s in seqs], [s.prompt_ids for s in seqs],
@@ -304,5 +310,7 @@ class LLMEngine:
     def _output(self, rid: str) -> RequestOutput:
         seqs = self.requests[rid]
         finished = all(s.is_finished for s in seqs)
+        pl = seqs[0].prompt_logprobs
         return RequestOutput(rid, self.prompts[rid], list(seqs[0].prompt_ids), [s.to_output() for s in seqs],
-                             finished, {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time})
+                             finished, {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time},
+                             None if pl is None else list(pl))

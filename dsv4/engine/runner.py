@@ -37,20 +37,34 @@ class ModelRunner:
             t[r, :len(row)] = torch.as_tensor(row, dtype=torch.long)
         return t.to(self.device, non_blocking=True)
 
-    def forward(self, chunks: list[tuple[torch.Tensor, object]]) -> list[torch.Tensor]:
+    def forward(self, chunks: list[tuple[torch.Tensor, object]], scores: dict | None = None) -> list[torch.Tensor]:
         """Run each (token ids, sequence state) chunk; fp32 logits of each chunk's last token.
-        Advances every state's position."""
+        Advances every state's position. ``scores`` {chunk index: (next-token ids of its first
+        rows, k)}: those rows are scored (``PrefillContext.score``); the results land in
+        ``self.scored`` {chunk index: (logprob, rank, top-k logprobs, top-k ids)}."""
         model = self.model
+        scores = scores or {}
+        self.scored = {}
         if self.broadcast is not None:
-            self.broadcast(chunks)
-        dec = [i for i, (ids, st) in enumerate(chunks) if ids.numel() == 1 and st.pos > 0]
+            self.broadcast(chunks, scores)
+        dec = [i for i, (ids, st) in enumerate(chunks) if ids.numel() == 1 and st.pos > 0 and i not in scores]
         is_dec = set(dec)
         rest = [i for i in range(len(chunks)) if i not in is_dec]
         out: list = [None] * len(chunks)
         groups = [[i] for i in rest] if self.per_sequence else ([rest] if rest else [])
         for g in groups:
             part = [chunks[i] for i in g]
-            logits = model(model.prefill_context(part))
+            ctx = model.prefill_context(part)
+            asked, r0 = [], 0
+            for i in g:
+                if i in scores:
+                    nxt, k = scores[i]
+                    ctx.score.append((torch.arange(r0, r0 + len(nxt), device=model.device),
+                                      torch.as_tensor(nxt, dtype=torch.long), k))
+                    asked.append(i)
+                r0 += chunks[i][0].numel()
+            logits = model(ctx)
+            self.scored.update(zip(asked, ctx.scored))
             for j, (i, (ids, st)) in enumerate(zip(g, part)):
                 out[i] = logits[j]
                 st.advance_to(st.pos + ids.numel())
@@ -70,12 +84,17 @@ class ModelRunner:
 
     def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
         """Advance every scheduled sequence by its chunk; [B, V] fp32 logits (one row per chunk)."""
-        chunks = []
-        for c in batch:
+        chunks, scores = [], {}
+        for i, c in enumerate(batch):
             s = c.seq
-            chunks.append((torch.tensor(s.all_ids[s.num_computed:s.num_computed + c.num_tokens], dtype=torch.long),
-                           s.state))
-        logits = self.forward(chunks)
+            p0 = s.num_computed
+            chunks.append((torch.tensor(s.all_ids[p0:p0 + c.num_tokens], dtype=torch.long), s.state))
+            nxt = s.prompt_targets(p0, c.num_tokens)
+            if nxt:
+                scores[i] = (nxt, s.params.prompt_logprobs)
+        logits = self.forward(chunks, scores)
+        for i, res in self.scored.items():
+            batch[i].seq.add_prompt_logprobs(batch[i].seq.num_computed, res)
         for c in batch:
             c.seq.num_computed += c.num_tokens
         return torch.stack(logits)

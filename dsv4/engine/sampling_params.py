@@ -19,11 +19,12 @@ field                             default    accepted values
 ``stop``                          None       str | list[str] | None, no empty strings
                                              (stored as a list, ``[]`` when None)
 ``stop_token_ids``                None       list[int] of ids >= 0 (stored as a list)
-``max_tokens``                    16         int >= 1, or None = up to the model length
+``max_tokens``                    16         int >= 0 (0: score the prompt only), or None = up to the
+                                             model length
 ``min_tokens``                    0          int >= 0, <= max_tokens
 ``ignore_eos``                    False      bool
 ``logprobs``                      None       int in [0, 20] or None
-``prompt_logprobs``               None       int >= 0 or None (stored, may be unsupported)
+``prompt_logprobs``               None       int >= 0 or None: the prompt tokens' logprobs + top k
 ``skip_special_tokens``           True       bool
 ``include_stop_str_in_output``    False      bool
 ================================  =========  ============================================
@@ -146,8 +147,8 @@ class SamplingParams:
                                  f"got element {t!r}")
 
         # lengths
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be an int >= 0 or None, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

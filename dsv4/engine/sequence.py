@@ -49,6 +49,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, Any] = field(default_factory=dict)
+    prompt_logprobs: list | None = None      # [None, {token id: Logprob}, ...] when asked for
 
 
 _seq_ids = itertools.count()
@@ -77,6 +78,9 @@ class Sequence:
         self.detok = detokenizer
         self.text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        # vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob given
+        # the ones before it (plus the top ``params.prompt_logprobs``)
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -84,6 +88,21 @@ class Sequence:
         self.arrival = arrival
         self.first_token_time: float | None = None
         self.num_preemptions = 0
+
+    def prompt_targets(self, p0: int, n: int) -> list[int]:
+        """The prompt tokens that rows p0 .. p0+n-1 predict and that are not scored yet (a chunk
+        recomputed after preemption is scored once)."""
+        if self.prompt_logprobs is None or p0 + 1 != len(self.prompt_logprobs):
+            return []
+        return self.prompt_ids[p0 + 1:min(p0 + n + 1, len(self.prompt_ids))]
+
+    def add_prompt_logprobs(self, p0: int, res) -> None:
+        tl, rank, top_v, top_i = (x.tolist() for x in res)
+        for j, (lp, rk) in enumerate(zip(tl, rank)):
+            tok = self.prompt_ids[p0 + 1 + j]
+            d = {a: Logprob(v, r + 1) for r, (a, v) in enumerate(zip(top_i[j], top_v[j]))}
+            d[tok] = Logprob(lp, rk)
+            self.prompt_logprobs.append(d)
 
     @property
     def all_ids(self) -> list[int]:

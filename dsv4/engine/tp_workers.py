@@ -95,7 +95,9 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
         dist.broadcast_object_list(msg, src=0, group=ctrl)
         if msg[0] is None:
             break
-        runner.forward([(torch.tensor(ids, dtype=torch.long), StepState(pos, slot, bt)) for ids, pos, slot, bt in msg[0]])
+        chunks, scores = msg[0]
+        runner.forward([(torch.tensor(ids, dtype=torch.long), StepState(pos, slot, bt)) for ids, pos, slot, bt in chunks],
+                       scores)
     dist.destroy_process_group()
 
 
@@ -150,10 +152,10 @@ class TPWorkers:
         import torch.distributed as dist
         dist.broadcast_object_list([(num_blocks, max_num_seqs, max_model_len, graphs)], src=0, group=self.ctrl)
 
-    def broadcast_step(self, chunks) -> None:
-        """Send the step's chunks to every worker (before rank 0 runs them)."""
+    def broadcast_step(self, chunks, scores=None) -> None:
+        """Send the step's chunks (and the rows to score) to every worker (before rank 0 runs them)."""
         import torch.distributed as dist
-        msg = [[(ids.tolist(), st.pos, st.slot, list(st.block_table)) for ids, st in chunks]]
+        msg = [([(ids.tolist(), st.pos, st.slot, list(st.block_table)) for ids, st in chunks], scores or {})]
         dist.broadcast_object_list(msg, src=0, group=self.ctrl)
 
     def stop(self) -> None:

@@ -144,6 +144,10 @@ class PrefillContext:
     trace: _Trace = field(default_factory=_Trace)
     decode = False
     _rope: dict = field(default_factory=dict)
+    # prompt scoring (prompt logprobs): [(rows, next-token ids, k)]; the forward fills ``scored``
+    # with (logprob of the next token [n], its rank [n], top-k logprobs [n, k], their ids [n, k])
+    score: list = field(default_factory=list)
+    scored: list = field(default_factory=list)
 
     tables: object = None              # DeepseekV4.rope_rows
 
@@ -189,6 +193,9 @@ def prefill_context(chunks, max_blocks: int, scratch_block: int, device, tables,
 
 
 # ---------------------------------------------------------------------------------------------
+SCORE_ROWS = 256          # prompt scoring: head rows per block ([256, 129280] fp32 = 132 MB)
+
+
 class DeepseekV4(nn.Module):
     """``group`` (``dsv4.parallel.Group``, default one rank): tensor parallelism over its ranks, the
     official layout (``layers.attention.Attention``, ``layers.moe.MoE``): q heads and routed experts
@@ -348,8 +355,22 @@ class DeepseekV4(nn.Module):
         for blk in self.layers:
             h = blk(h, ctx)
         if not ctx.decode:
+            ctx.scored = [self._score(h, rows, nxt, k, ctx) for rows, nxt, k in ctx.score]
             h = h[ctx.logit_rows].contiguous()
         return self.head_logits(h, ctx)
+
+    def _score(self, h, rows, nxt, k, ctx, block: int = SCORE_ROWS):
+        """Log-probabilities of ``nxt`` after ``rows`` of a prefill and the top ``k``: the head in
+        blocks of ``block`` rows, so a long chunk never holds its [T, vocab] fp32 logits."""
+        parts = []
+        for i in range(0, rows.numel(), block):
+            lp = torch.log_softmax(self.head_logits(h[rows[i:i + block]].contiguous(), ctx), dim=-1)
+            t = nxt[i:i + block].to(lp.device)
+            tl = lp.gather(1, t[:, None]).squeeze(1)
+            rank = (lp > tl[:, None]).sum(1) + 1
+            top = lp.topk(k, dim=-1) if k else None
+            parts.append((tl, rank, top.values if top else lp[:, :0], top.indices if top else t[:, None][:, :0]))
+        return tuple(torch.cat([p[j] for p in parts]).cpu() for j in range(4))
 
     def head_logits(self, h, ctx) -> torch.Tensor:
         ops, hh = self.ops, self.hc_head

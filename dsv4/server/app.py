@@ -351,12 +351,19 @@ class OpenAIServer:
             return Response(status_code=499)
         choices = []
         for k, out in enumerate(outs):
+            head = None
+            if echo and ps.params.logprobs is not None and out.prompt_logprobs is not None:
+                head = P.prompt_completion_logprobs(ids[k], out.prompt_logprobs, ps.params.logprobs, self.tt)
             for o in out.outputs:
                 lp = P.completion_logprobs(o.token_ids, o.logprobs, self.tt, len(echo_text[k])) \
                     if o.logprobs is not None else None
+                if head is not None:
+                    lp = P.merge_completion_logprobs(head, lp or {"tokens": [], "token_logprobs": [],
+                                                                  "top_logprobs": [], "text_offset": []})
                 choices.append({"index": k * n + o.index, "text": echo_text[k] + o.text, "logprobs": lp,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                                "prompt_logprobs": None})
+                                "prompt_logprobs": P.vllm_prompt_logprobs(out.prompt_logprobs)
+                                if body.get("prompt_logprobs") is not None else None})
         use = P.usage(ptoks, sum(len(o.token_ids) for out in outs for o in out.outputs))
         return JSONResponse(P.completion_response(h, choices, use))
 

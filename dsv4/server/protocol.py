@@ -196,9 +196,15 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> Pa
         lp = body.get("logprobs")
         if lp is not None:
             kw["logprobs"] = lp
+            if body.get("echo") is True and _is_int(lp) and not isinstance(lp, bool):
+                kw["prompt_logprobs"] = lp          # OpenAI: echo + logprobs scores the prompt too
     pl = body.get("prompt_logprobs")
     if pl is not None:
-        raise bad_request("prompt_logprobs is not supported", "prompt_logprobs")
+        if kind == "chat":
+            raise bad_request("prompt_logprobs is supported on /v1/completions only", "prompt_logprobs")
+        if not _is_int(pl) or not 0 <= pl <= MAX_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}], got {pl!r}", "prompt_logprobs")
+        kw["prompt_logprobs"] = max(pl, kw.get("prompt_logprobs") or 0)
     lb = body.get("logit_bias")
     if lb is not None and not (isinstance(lb, dict) and not lb):
         raise bad_request("logit_bias is not supported", "logit_bias")
@@ -394,6 +400,33 @@ def completion_logprobs(token_ids: list[int], lps: list[dict], tt: TokenText, of
         offsets.append(pos)
         pos += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_completion_logprobs(prompt_ids: list[int], plps: list, k: int, tt: TokenText) -> dict:
+    """The echoed prompt's part of the legacy logprobs: every prompt token, its logprob given the
+    ones before it (null for the first, as OpenAI and vLLM give it) and the top ``k``."""
+    tokens, token_lps, tops, offsets, pos = [], [], [], [], 0
+    for tid, d in zip(prompt_ids, plps):
+        s = tt(tid)
+        tokens.append(s)
+        offsets.append(pos)
+        pos += len(s)
+        if d is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_finite(d[tid].logprob))
+        best = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:max(k, 1)]
+        tops.append({tt(a): _finite(v.logprob) for a, v in best})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(plps: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` field: [null, {token id: {logprob, rank, decoded_token}}, ...]."""
+    if plps is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": _finite(v.logprob), "rank": v.rank, "decoded_token": None}
+                                    for t, v in d.items()} for d in plps]
 
 
 def merge_completion_logprobs(a: dict | None, b: dict) -> dict:
