@@ -20,6 +20,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from .engine.llm import LLM
     from .engine.sampling_params import SamplingParams
 
+    if a.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     t0 = time.perf_counter()
     llm = LLM(a.model, **_engine_kw(a))
     if not a.quiet:
@@ -113,8 +115,9 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=a.model, **_engine_kw(a)))
     api_key = a.api_key or os.environ.get("DSV4_API_KEY") or None
+    from .engine.llm_engine import parse_bytes
     app = build_app(engine, served_model_name=a.served_model_name, api_key=api_key, max_waiting=a.max_waiting,
-                    log=not a.quiet)
+                    log=not a.quiet, max_request_bytes=parse_bytes(a.max_request_bytes))
     name = app.state.server.name
     if not a.quiet:
         print(f"dsv4: loaded {engine.model_path} in {time.perf_counter() - t0:.1f}s; serving {name!r} on "
@@ -140,6 +143,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (also env DSV4_API_KEY)")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="when this many requests wait for the engine, new ones get 503 (default: unbounded)")
+    p.add_argument("--max-request-bytes", default="8MiB",
+                   help="larger request bodies get 413 before they are read in full (default 8MiB)")
     _engine_flags(p)
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])

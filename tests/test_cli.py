@@ -36,7 +36,7 @@ def test_generate_errors_are_clear(tmp_path):
     r = _run(["generate", "--model", str(tmp_path / "nope"), "hi"], dict(os.environ))
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = _run(["generate", "--max-tokens", "0", "hi"], dict(os.environ, DSV4_CACHE_DIR=str(tmp_path / "c")))
-    assert r.returncode == 2 and "max_tokens" in r.stderr
+    assert r.returncode == 2 and "--max-tokens must be >= 1" in r.stderr
 
 
 def test_make_tiny_layouts(tmp_path):

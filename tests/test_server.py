@@ -155,11 +155,11 @@ def test_models_health_tokenize(server, client):
     assert [m.id for m in models.data] == [MODEL]
     raw = httpx.get(server.base + "/v1/models", headers=_h()).json()
     assert raw["object"] == "list" and raw["data"][0]["root"] and raw["data"][0]["max_model_len"] == MAX_MODEL_LEN
-    t = httpx.post(server.base + "/tokenize", json={"prompt": "Hello world"}).json()
+    t = httpx.post(server.base + "/tokenize", headers=_h(), json={"prompt": "Hello world"}).json()
     assert t["tokens"][0] == 0 and t["count"] == len(t["tokens"]) and t["max_model_len"] == MAX_MODEL_LEN
-    d = httpx.post(server.base + "/detokenize", json={"tokens": t["tokens"][1:]}).json()
+    d = httpx.post(server.base + "/detokenize", headers=_h(), json={"tokens": t["tokens"][1:]}).json()
     assert d == {"prompt": "Hello world"}
-    t = httpx.post(server.base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}],
+    t = httpx.post(server.base + "/tokenize", headers=_h(), json={"messages": [{"role": "user", "content": "Hi"}],
                                                     "return_token_strs": True}).json()
     assert t["tokens"] == [0, 128803, t["tokens"][2], 128804, 128822]       # BOS User Hi Assistant </think>
     assert t["token_strs"][1] == "<｜User｜>"
@@ -189,8 +189,8 @@ def test_chat_and_completions_streamed_and_not(server, client):
     c0 = chat.choices[0]
     assert c0.message.role == "assistant" and isinstance(c0.message.content, str) and c0.message.content
     assert c0.finish_reason in ("length", "stop")
-    n_chat = httpx.post(server.base + "/tokenize", json={"messages": msgs}).json()["count"]
-    n_cmpl = httpx.post(server.base + "/tokenize", json={"prompt": "The capital of France is"}).json()["count"]
+    n_chat = httpx.post(server.base + "/tokenize", headers=_h(), json={"messages": msgs}).json()["count"]
+    n_cmpl = httpx.post(server.base + "/tokenize", headers=_h(), json={"prompt": "The capital of France is"}).json()["count"]
     assert chat.usage.prompt_tokens == n_chat and 1 <= chat.usage.completion_tokens <= 6
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
     assert cmpl.object == "text_completion" and cmpl.choices[0].text and cmpl.usage.prompt_tokens == n_cmpl
@@ -270,7 +270,7 @@ def test_n_stop_logprobs_seed(server, client):
 
 def test_thinking_and_tool_messages_on_the_real_server(server, client):
     # thinking mode: the prompt opens <think>; everything generated before </think> is reasoning
-    t = httpx.post(server.base + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}],
+    t = httpx.post(server.base + "/tokenize", headers=_h(), json={"messages": [{"role": "user", "content": "Hi"}],
                                                     "chat_template_kwargs": {"thinking": True}}).json()
     assert t["tokens"][-1] == 128821                                     # <think>
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -297,8 +297,8 @@ def test_thinking_and_tool_messages_on_the_real_server(server, client):
     assert isinstance(effort.choices[0].message.model_extra["reasoning_content"], str)   # top-level effort
     assert tool.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # the tool round trip is encoded: tools section, the DSML call, the result in the next user turn
-    t = httpx.post(server.base + "/tokenize", json={"messages": msgs, "tools": tools}).json()
-    prompt = httpx.post(server.base + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"]
+    t = httpx.post(server.base + "/tokenize", headers=_h(), json={"messages": msgs, "tools": tools}).json()
+    prompt = httpx.post(server.base + "/detokenize", headers=_h(), json={"tokens": t["tokens"]}).json()["prompt"]
     assert "## Tools" in prompt and '"name": "get_weather"' in prompt
     assert '<｜DSML｜invoke name="get_weather">' in prompt
     assert '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>' in prompt
@@ -855,3 +855,57 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, tmp_path
     r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})
     assert r.status_code == 400 and "completions only" in r.text
+
+
+def test_longest_token_constant_matches_the_vocabulary():
+    from dsv4.server.app import MAX_TOKEN_CHARS
+    from dsv4.tokenizer import load_tokenizer
+    tok = load_tokenizer(None)
+    assert max(len(tok.decode([i])) for i in range(129280)) == MAX_TOKEN_CHARS
+
+
+def test_bad_and_huge_input_gets_4xx_and_never_stalls_health(server):
+    base = server.base
+    ok = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    cases = [
+        ('{"model": "%s", "prompt": "\\ud800 x", "max_tokens": 1}' % MODEL, 400, "surrogate"),
+        ('{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % MODEL, 400, "surrogate"),
+        ("[" * 50000 + "]" * 50000, 400, "nested too deeply"),
+        (json.dumps({**ok, "seed": 2 ** 70}), 400, "seed must fit in 64 bits"),
+    ]
+    for raw, status, text in cases:
+        path = "/v1/chat/completions" if "messages" in raw else "/v1/completions"
+        r = httpx.post(base + path, content=raw, headers={**_h(), "Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == status and text in r.text, (raw[:60], r.status_code, r.text[:300])
+        assert r.json()["error"]["type"] == "BadRequestError" or r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(base + "/tokenize", content='{"prompt": "\\ud800"}', headers={**_h(), "Content-Type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.text
+    # the tokenizer routes need the key like every /v1 route
+    assert httpx.post(base + "/tokenize", json={"prompt": "hi"}).status_code == 401
+    assert httpx.post(base + "/detokenize", json={"tokens": [1]}).status_code == 401
+    r = httpx.post(base + "/v1/embeddings", json={"model": MODEL, "input": "hi"}, headers=_h())
+    assert r.status_code == 404 and "not supported" in r.json()["error"]["message"]
+    # huge input while /health is polled: a 10 MB body (413 before reading) and a 7 MB prompt (refused before
+    # tokenising: more characters than the model length can hold)
+    lat, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            t0 = time.monotonic()
+            assert httpx.get(base + "/health", timeout=5).status_code == 200
+            lat.append(time.monotonic() - t0)
+            time.sleep(0.05)
+    th = threading.Thread(target=poll)
+    th.start()
+    try:
+        r = httpx.post(base + "/v1/completions", content=b'{"prompt": "' + b"a" * (10 << 20) + b'"}',
+                       headers={**_h(), "Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 413 and "--max-request-bytes" in r.text
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/completions", json={**ok, "prompt": "ab " * ((7 << 20) // 3)}, headers=_h(),
+                       timeout=60)
+        assert r.status_code == 400 and "maximum context length" in r.text and time.monotonic() - t0 < 5
+    finally:
+        stop.set()
+        th.join()
+    assert lat and max(lat) < 0.5, max(lat)

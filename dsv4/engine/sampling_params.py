@@ -117,6 +117,8 @@ class SamplingParams:
         # seed
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not -(2 ** 63) <= self.seed < 2 ** 64:
+            raise ValueError(f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}")
 
         # stop strings -> list[str]
         if self.stop is None:

@@ -72,7 +72,7 @@ class Sequence:
         self.slot: int | None = None
         self.block_table: list[int] = []
         self.state = None                       # the cache-backed model state while RUNNING
-        seed = params.seed if params.seed is None else params.seed + index
+        seed = params.seed if params.seed is None else (params.seed + index) % 2 ** 64   # sample i: seed + i
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.stop = StopChecker(params, eos_token_id, max_tokens)
         self.detok = detokenizer

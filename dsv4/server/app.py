@@ -97,6 +97,21 @@ def _encoding_error_param(msg: str) -> str | None:
     return head if head in ("messages", "tools", "chat_template_kwargs", "reasoning_effort") else None
 
 
+MAX_REQUEST_BYTES = 8 << 20     # default request-body limit (--max-request-bytes)
+MAX_TOKEN_CHARS = 128           # the longest token of the V4 vocabulary, in characters (tests/test_server.py)
+
+
+def _text_chars(value) -> int:
+    """Characters of every string inside a JSON value (messages, their parts, tool calls)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
 def _default_name(engine) -> str:
     cfg = getattr(engine, "cfg", None)
     if getattr(cfg, "synthetic", None):
@@ -133,6 +148,15 @@ class OpenAIServer:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise P.APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                              P.AUTHENTICATION, None, "invalid_api_key")
+
+    def precheck_chars(self, n_chars: int, param: str) -> None:
+        """Refuse, before tokenising, text that cannot fit: no V4 token is longer than
+        ``MAX_TOKEN_CHARS`` characters, so more than that many per position of the model length is
+        certainly too long (a 10 MB prompt is refused in microseconds, not after seconds of BPE)."""
+        if n_chars > MAX_TOKEN_CHARS * self.max_model_len:
+            raise P.bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                                f"prompt has {n_chars} characters, more than {MAX_TOKEN_CHARS} per token.", param,
+                                "context_length_exceeded")
 
     def check_capacity(self) -> None:
         if not self.aeng.alive:
@@ -208,6 +232,7 @@ class OpenAIServer:
         so = P.stream_options(body, stream)
         opts = P.chat_options(body)
         ps = P.sampling_params(body, "chat", None)
+        self.precheck_chars(_text_chars(opts.messages), "messages")
         try:
             thinking = resolve_chat_options(opts.template_kwargs)[0]
             ids = await asyncio.to_thread(apply_chat_template, self.tokenizer, opts.messages, opts.tools,
@@ -322,6 +347,9 @@ class OpenAIServer:
             raise P.bad_request("suffix is not supported", "suffix")
         echo = P.opt_bool(body, "echo", False)
         prompts = P.completion_prompts(body, self.vocab_size)
+        for p in prompts:
+            if isinstance(p, str):
+                self.precheck_chars(len(p), "prompt")
         ps = P.sampling_params(body, "completion", 16)
         add_special = P.opt_bool(body, "add_special_tokens", True)
 
@@ -479,7 +507,8 @@ def _error(status: int, message: str, type: str, param=None, code=None) -> JSONR
 
 
 def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_model_name: str | None = None,
-              api_key: str | None = None, max_waiting: int | None = None, log: bool = True) -> FastAPI:
+              api_key: str | None = None, max_waiting: int | None = None, log: bool = True,
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app. ``engine_or_config``: an ``LLMEngine`` (or any object with its interface),
     an ``EngineConfig`` (the engine is built now), or None (the default model, default config).
     The engine thread starts with the app (lifespan) or on the first request."""
@@ -489,7 +518,10 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
         engine = engine_or_config
     if max_waiting is not None and max_waiting < 1:
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     srv = OpenAIServer(engine, served_model_name, api_key, max_waiting, log=log)
+    srv.max_request_bytes = int(max_request_bytes)
 
     from contextlib import asynccontextmanager
 
@@ -523,11 +555,25 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
         return _error(500, f"internal server error: {type(e).__name__}: {e}", P.SERVER_ERROR)
 
     async def _json(request: Request) -> dict:
+        """The JSON body: refused with 413 past ``max_request_bytes`` (by Content-Length before
+        reading, else while reading), parsed off the event loop."""
+        limit = srv.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise P.APIError(413, f"the request body has {int(declared)} bytes, more than the server's limit of "
+                                  f"{limit} (--max-request-bytes)", P.INVALID_REQUEST, None, "request_too_large")
+        chunks, size = [], 0
         try:
-            raw = await request.body()
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise P.APIError(413, f"the request body is larger than the server's limit of {limit} bytes "
+                                          f"(--max-request-bytes)", P.INVALID_REQUEST, None, "request_too_large")
+                chunks.append(chunk)
         except ClientDisconnect:
             raise P.bad_request("the client disconnected while sending the body") from None
-        return P.parse_json_body(raw)
+        raw = b"".join(chunks)
+        return await asyncio.to_thread(P.parse_json_body, raw) if len(raw) > 65536 else P.parse_json_body(raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -565,10 +611,20 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
+        srv.auth(request)
         return await srv.tokenize(await _json(request))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
+        srv.auth(request)
         return srv.detokenize(await _json(request))
+
+    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def unsupported(rest: str, request: Request):
+        if rest in ("chat/completions", "completions", "models"):
+            raise P.APIError(405, f"{request.method} is not allowed on /v1/{rest}", P.INVALID_REQUEST)
+        srv.auth(request)
+        raise P.APIError(404, f"/v1/{rest} is not supported by this server; it serves /v1/chat/completions, "
+                              f"/v1/completions and /v1/models", P.NOT_FOUND, None, "unsupported_route")
 
     return app

@@ -83,8 +83,17 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:       # a lone UTF-16 surrogate ("\ud800") parses but is no text: refuse it here, by name
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request("the request body contains a lone UTF-16 surrogate (e.g. \\ud800), which is not "
+                          "valid Unicode text") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
     return body
 
 
@@ -176,6 +185,9 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> Pa
         mt_name, mt = "max_completion_tokens", body["max_completion_tokens"]
     given = mt is not None
     kw["max_tokens"] = mt if given else default_max_tokens
+    if mt == 0 and not isinstance(mt, bool) and not (kind == "completion" and body.get("echo") is True):
+        raise bad_request(f"{mt_name} must be >= 1 (0 only with echo, to score the prompt without generating)",
+                          mt_name)
     top_logprobs = None
     if kind == "chat":
         lp = body.get("logprobs")
