@@ -58,18 +58,18 @@ def _cmd_bench_throughput(a: argparse.Namespace) -> int:
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     """Engine settings shared by generate, bench throughput and serve."""
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=16, help='most sequences in a batch (default 16)')
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help='token budget of one step; prefill chunks are cut to it (default 512)')
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's max_position_embeddings, capped by the KV cache)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help='share of the GPU memory free after loading that the KV cache takes (default 0.9)')
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
     p.add_argument("--synthetic", choices=["flash", "pro"], default=None,
                    help="serve random weights at the preset's real shapes, generated on the device (no checkpoint)")
     p.add_argument("--layers", type=int, default=4, help="layers of a --synthetic model")
     p.add_argument("--experts", type=int, default=None, help="routed experts of a --synthetic model (default: all)")
-    p.add_argument("--synthetic-seed", type=int, default=0)
+    p.add_argument("--synthetic-seed", type=int, default=0, help='seed of the --synthetic weights')
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks, one process each (GPU i for rank i; torch twins so far)")
 
@@ -77,7 +77,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
     _engine_flags(p)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help='sampling seed (default: random)')
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or timing on stderr")
 
 
@@ -136,7 +136,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help='port (default 8000)')
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: dsv4-tiny, or the checkpoint dir's name)")
     p.add_argument("--api-key", default=None,
@@ -147,7 +147,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get 413 before they are read in full (default 8MiB)")
     _engine_flags(p)
     p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level (default info)")
     p.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
     p.add_argument("-q", "--quiet", action="store_true", help="no engine progress on stderr")
 
@@ -156,18 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="continue a prompt (text on stdout; greedy by default)")
-    g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("prompt", help='the text to continue')
+    g.add_argument("--max-tokens", type=int, default=32, help='tokens to generate (default 32)')
+    g.add_argument("--temperature", type=float, default=0.0, help='sampling temperature; 0 = greedy (default)')
+    g.add_argument("--top-p", type=float, default=1.0, help='nucleus sampling mass (default 1: off)')
     _engine_args(g)
     g.set_defaults(fn=_cmd_generate)
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bt = b.add_parser("throughput", help="offline throughput on random prompts")
-    bt.add_argument("--num-prompts", type=int, default=32)
-    bt.add_argument("--input-len", type=int, default=128)
-    bt.add_argument("--output-len", type=int, default=32)
-    bt.add_argument("--output-json", default=None)
+    bt.add_argument("--num-prompts", type=int, default=32, help='random prompts (default 32)')
+    bt.add_argument("--input-len", type=int, default=128, help='tokens per prompt (default 128)')
+    bt.add_argument("--output-len", type=int, default=32, help='tokens generated per prompt (default 32)')
+    bt.add_argument("--output-json", default=None, help='also write the results to this JSON file')
     _engine_args(bt)
     bt.set_defaults(fn=_cmd_bench_throughput)
     bs = b.add_parser("serve", help="online benchmark of a running server (like `vllm bench serve`)")
@@ -180,22 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     from .tools.validate import add_parser as add_validate
     add_validate(sub)
     t = sub.add_parser("make-tiny", help="write the deterministic tiny V4 checkpoint")
-    t.add_argument("dir")
-    t.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--shards", type=int, default=1)
-    t.add_argument("--overwrite", action="store_true")
+    t.add_argument("dir", help='output directory (must not exist or be empty, unless --overwrite)')
+    t.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official", help='checkpoint layout to write (default official)')
+    t.add_argument("--seed", type=int, default=0, help='weight seed (default 0)')
+    t.add_argument("--shards", type=int, default=1, help='safetensors files to split the weights into (default 1)')
+    t.add_argument("--overwrite", action="store_true", help='replace the contents of a non-empty directory')
     t.set_defaults(fn=_cmd_make_tiny)
     s = sub.add_parser("make-synthetic", help="write a random checkpoint with the real Flash / Pro shapes and formats")
-    s.add_argument("dir")
-    s.add_argument("--preset", choices=["flash", "pro"], default="flash")
-    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("dir", help='output directory (must not exist or be empty, unless --overwrite)')
+    s.add_argument("--preset", choices=["flash", "pro"], default="flash", help='real shapes of V4-Flash or V4-Pro (default flash)')
+    s.add_argument("--layers", type=int, default=4, help="the preset's first N layers (default 4)")
     s.add_argument("--experts", type=int, default=None, help="routed experts (default: all of the preset)")
-    s.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official", help='checkpoint layout to write (default official)')
+    s.add_argument("--seed", type=int, default=0, help='weight seed (default 0)')
     s.add_argument("--device", default=None, help="where to generate: cpu or cuda (default: cuda if available)")
-    s.add_argument("--max-shard-size", default="5GB")
-    s.add_argument("--overwrite", action="store_true")
+    s.add_argument("--max-shard-size", default="5GB", help='largest safetensors file (default 5GB)')
+    s.add_argument("--overwrite", action="store_true", help='replace the contents of a non-empty directory')
     s.set_defaults(fn=_cmd_make_synthetic)
     return p
 

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dsv4.checkpoint.loader import load_checkpoint
@@ -14,6 +15,7 @@ def _run(args, env):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_on_the_default_model(tmp_path):
     env = dict(os.environ, DSV4_CACHE_DIR=str(tmp_path / "cache"))
     r = _run(["generate", "--max-tokens", "8", "The capital of France is"], env)
@@ -48,3 +50,23 @@ def test_make_tiny_layouts(tmp_path):
         assert ck.layout == layout and (d / "tokenizer.json").exists()
     r = _run(["make-tiny", str(tmp_path / "official")], dict(os.environ))
     assert r.returncode == 2 and "exists" in r.stderr
+
+
+def test_make_tiny_into_a_non_empty_dir_names_the_flag(tmp_path):
+    (tmp_path / "x").write_text("keep")
+    r = _run(["make-tiny", str(tmp_path)], dict(os.environ))
+    assert r.returncode == 2 and "--overwrite" in r.stderr and (tmp_path / "x").read_text() == "keep"
+
+
+def test_every_flag_has_help():
+    import argparse
+    from dsv4.cli import build_parser
+
+    def missing(p, path):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    yield from missing(sp, path + [name])
+            elif not isinstance(a, argparse._HelpAction) and not a.help:
+                yield f"{' '.join(path)} {'/'.join(a.option_strings) or a.dest}"
+    assert not list(missing(build_parser(), ["dsv4"]))

@@ -104,6 +104,7 @@ def test_index_topk(B, N, k, tie_every, path):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.slow
 def test_index_topk_many_rows_sort_in_kernel():
     """>= 32 rows sort more than 512 picks inside the last pass (no rank launch): 1024-wide codes."""
     gen = torch.Generator().manual_seed(9)

@@ -271,6 +271,7 @@ def test_engine_matches_official_golden(official_seed1, monkeypatch, tmp_path):
     assert max(dlps) <= 0.8 and sum(dlps) / len(dlps) <= 0.25, dlps
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_8192_tokens_runs_through_chunked_prefill(tmp_path, monkeypatch):
     """An 8,300-token prompt is prefilled by the engine in 2,048-token chunks and decodes: finite
     log-probs, every block given back (nothing caps the context at 4096)."""

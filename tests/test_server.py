@@ -450,6 +450,7 @@ def test_bad_inputs_table(server):
 # ============================================================================ concurrency + disconnects
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_with_disconnects(server):
     prompts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def main():"]
     rng = random.Random(20260731)

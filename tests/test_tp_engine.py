@@ -31,6 +31,7 @@ def _run(tp):
         llm.engine.close()
 
 
+@pytest.mark.slow
 def test_two_ranks_give_one_rank_s_greedy_tokens(tmp_path, monkeypatch):
     monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
     one, two = _run(1), _run(2)
@@ -57,6 +58,7 @@ def test_rank_counts_the_model_cannot_split_are_refused(tmp_path, monkeypatch):
         LLM(None, tensor_parallel_size=0, log=False)
 
 
+@pytest.mark.slow
 def test_generate_cli_with_two_ranks(tmp_path):
     env = dict(os.environ, DSV4_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "dsv4.cli", "generate", "Hello", "--max-tokens", "4", "-tp", "2",
@@ -66,6 +68,7 @@ def test_generate_cli_with_two_ranks(tmp_path):
     assert r.stdout.strip() and "tensor parallel 2" in r.stderr
 
 
+@pytest.mark.slow
 def test_serve_with_two_ranks_and_a_killed_worker_stops_it(tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")

@@ -241,7 +241,8 @@ def check_out_dir(out_dir, overwrite: bool) -> str:
     """Absolute ``out_dir``; it must not exist or be empty unless ``overwrite``."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and not overwrite and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise FileExistsError(f"{out_dir} exists and is not an empty directory (pass overwrite=True)")
+        raise FileExistsError(f"{out_dir} exists and is not an empty directory (replace it with --overwrite, or "
+                              f"overwrite=True from Python)")
     return out_dir
 
 

@@ -287,18 +287,18 @@ def add_parser(sub) -> None:
     v = sub.add_parser("validate", help="the production model vs the reference, per layer and module, and "
                                         "through the engine")
     v.add_argument("model", nargs="?", default=None, help="checkpoint dir (default: the embedded tiny model)")
-    v.add_argument("--synthetic", choices=["flash", "pro"], default=None)
-    v.add_argument("--layers", type=int, default=4)
+    v.add_argument("--synthetic", choices=["flash", "pro"], default=None, help="random weights at the preset's real shapes instead of a checkpoint")
+    v.add_argument("--layers", type=int, default=4, help='layers of a --synthetic model (default 4)')
     v.add_argument("--experts", type=int, default=16, help="routed experts of a synthetic model")
-    v.add_argument("--prompt", default=None)
+    v.add_argument("--prompt", default=None, help='prompt text (default: random token ids)')
     v.add_argument("--prompt-len", type=int, default=300, help="random prompt length when no --prompt")
-    v.add_argument("--steps", type=int, default=8)
+    v.add_argument("--steps", type=int, default=8, help='decode steps to compare after the prefill (default 8)')
     v.add_argument("--no-kernels", dest="kernels", action="store_false",
                    help="the production model on its torch twins even on a GPU")
     v.add_argument("--numerics", choices=["official", "invariant"], default="official",
                    help="the reference's numerics")
-    v.add_argument("--device", default=None)
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--device", default=None, help='cpu or cuda (default: cuda if available)')
+    v.add_argument("--seed", type=int, default=0, help='seed of the random prompt and synthetic weights (default 0)')
     v.add_argument("--free-running", action="store_true",
                    help="let the production model carry its own values downstream (errors then accumulate)")
     v.add_argument("--no-engine", action="store_true", help="skip the run through the engine")
@@ -307,5 +307,5 @@ def add_parser(sub) -> None:
     v.add_argument("--margin", type=float, default=0.5,
                    help="engine tokens must equal the reference's greedy ones while its top-1 margin is >= this")
     v.add_argument("--enforce-eager", action="store_true", help="the engine without CUDA graphs")
-    v.add_argument("-q", "--quiet", action="store_true")
+    v.add_argument("-q", "--quiet", action="store_true", help='no load progress on stderr')
     v.set_defaults(fn=run)
