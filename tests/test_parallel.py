@@ -103,28 +103,35 @@ def _row_worker(rank, world, port, w, s, x, q):
         a, b = lin.cols
         y = grp.all_reduce(Ops("cpu").linear(lin, x[:, a:b]).float())
         g = grp.all_gather(y[:, :2], dim=1)
-        q.put((rank, y, g))
+        q.put((rank, (y, g)))
     finally:
         dist.destroy_process_group()
 
 
-def test_row_parallel_over_gloo_all_reduces_to_the_sum_of_the_slices():
+def _spawn(target, args, world=2, timeout=300):
+    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes; {rank: what
+    each put on the queue}."""
     import socket
     import torch.multiprocessing as mp
-    w, s = _fp8(256, 512, 6)
-    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7)).bfloat16()
     with socket.socket() as so:
         so.bind(("127.0.0.1", 0))
         port = so.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_row_worker, args=(r, 2, port, w, s, x, q)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict((r, (y, g)) for r, y, g in (q.get(timeout=120) for _ in procs))
+    got = dict(q.get(timeout=timeout) for _ in procs)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    return got
+
+
+def test_row_parallel_over_gloo_all_reduces_to_the_sum_of_the_slices():
+    w, s = _fp8(256, 512, 6)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7)).bfloat16()
+    got = _spawn(_row_worker, (w, s, x))
     t = {"o.weight": w, "o.scale": s}
     parts = [OPS.linear(_load(Fp8Linear(512, [("o", 256)], OPS, split=Split("row", r, 2)), t),
                         x[:, 256 * r:256 * (r + 1)]).float() for r in range(2)]
@@ -213,26 +220,13 @@ def test_two_ranks_give_the_one_rank_logits_and_tokens(tiny):
     """World size 2 over gloo against world size 1: logits within tolerance (the split sums round
     in another order: bf16 partials of wo_b, fp32 expert sums across ranks), the greedy token
     wherever the top-1 margin is clear, and the same logits on both ranks."""
-    import socket
-    import torch.multiprocessing as mp
     ids = torch.randint(3, 128000, (150,), generator=torch.Generator().manual_seed(11))
     one = _run_model(tiny, ids, [])
     tokens = []
     for _ in range(3):                                  # the one-rank greedy continuation
         tokens.append(int(one[-1].argmax()))
         one = _run_model(tiny, ids, tokens)
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        port = so.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, tiny, ids, tokens, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = _spawn(_tp_worker, (tiny, ids, tokens))
     assert torch.equal(got[0], got[1])
     two = got[0]
     for a, b in zip(one, two):
