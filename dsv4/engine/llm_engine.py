@@ -82,18 +82,19 @@ class LLMEngine:
         tp = cfg.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        self.workers, group, kernels = None, None, cfg.kernels
+        from ..models import resolve_model
+        from .tp_workers import build_model
+        self.workers, group = None, None
+        kernels = False if tp > 1 else cfg.kernels
+        spec = dict(path=None if cfg.synthetic or prebuilt is not None else resolve_model(cfg.model),
+                    synthetic=cfg.synthetic, synthetic_layers=cfg.synthetic_layers,
+                    synthetic_experts=cfg.synthetic_experts, synthetic_seed=cfg.synthetic_seed, kernels=kernels)
         if tp > 1:
             if prebuilt is not None:
                 raise ValueError("a prebuilt model cannot be split over tensor-parallel ranks")
-            from ..models import resolve_model
             from .tp_workers import TPWorkers
             if self.device.type == "cuda":
                 self.device = torch.device("cuda:0")
-            kernels = False
-            spec = dict(path=None if cfg.synthetic else resolve_model(cfg.model), synthetic=cfg.synthetic,
-                        synthetic_layers=cfg.synthetic_layers, synthetic_experts=cfg.synthetic_experts,
-                        synthetic_seed=cfg.synthetic_seed, kernels=False)
             self._check_split(spec, tp)
             self.workers = TPWorkers(tp, self.device.type, spec)
             group = self.workers.group
@@ -102,20 +103,13 @@ class LLMEngine:
                 raise ValueError(f"the prebuilt model is on {prebuilt.device}, the engine on {self.device}")
             self.model, path, source = prebuilt, cfg.model, "a prebuilt model"
         elif cfg.synthetic is not None:
-            from ..checkpoint.schema import expert_format_of_config
-            from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
-            mc = synthetic_config(cfg.synthetic, cfg.synthetic_layers, cfg.synthetic_experts)
-            self.model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", self.device, Ops(self.device, kernels),
-                                    group)
-            self.model.load((n, t) for n, t in iter_synthetic_tensors(mc, cfg.synthetic_seed, self.device)
-                            if not n.startswith("mtp."))
-            path = None
+            self.model = build_model(spec, self.device, Ops(self.device, kernels), group)
+            mc, path = self.model.cfg, None
             source = (f"synthetic {cfg.synthetic} ({mc.num_hidden_layers} layers, {mc.n_routed_experts} experts, "
                       f"seed {cfg.synthetic_seed})")
         else:
             from ..checkpoint.loader import open_checkpoint
-            from ..models import resolve_model
-            path = resolve_model(cfg.model)
+            path = spec["path"]
             reader = open_checkpoint(path)
             self.model = DeepseekV4.from_checkpoint(reader, self.device, Ops(self.device, kernels),
                                                     progress=cfg.log, group=group)
