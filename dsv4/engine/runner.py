@@ -21,7 +21,7 @@ from .scheduler import ScheduledChunk
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4, max_num_seqs: int, cuda_graphs: bool = True, broadcast=None):
-        """``broadcast(chunks)``: called with each step's chunks before they run (tensor
+        """``broadcast(chunks, scores)``: called with each step's chunks before they run (tensor
         parallelism: rank 0 sends them to the workers, ``engine.tp_workers``)."""
         self.model, self.device = model, model.device
         self.broadcast = broadcast
