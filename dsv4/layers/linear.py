@@ -64,7 +64,6 @@ class _Linear(nn.Module):
 
     def __init__(self, in_features: int, members: list[tuple[str, int]], ops, split=None):
         super().__init__()
-        self.split = split
         self.full_in = in_features
         self.full_members = [(n, int(o)) for n, o in members]
         self.cols = None
