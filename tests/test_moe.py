@@ -137,14 +137,17 @@ def test_combine_sums_split_partials(S):
     perm, offs, tcum, inv = Mo.sort_pairs(eflat.int().to(DEV), E, 1)
     part = (torch.randn(S, T * k, d, generator=gen) * 3).to(DEV)
     sh = torch.randn(T, d, generator=gen).bfloat16().to(DEV)
-    y_split = torch.empty(T, d, dtype=torch.bfloat16, device=DEV)
-    y_summed = torch.empty_like(y_split)
-    Mo._combine(part, inv, offs, sh, y_split, k)
-    Mo._combine(sum_splits(part), inv, offs, sh, y_summed, k)
+    y_split = Mo._combine(part, inv, offs, sh, k)
+    y_summed = Mo._combine(sum_splits(part), inv, offs, sh, k)
+    assert y_split.dtype == torch.bfloat16
     assert torch.equal(y_split.view(torch.int16), y_summed.view(torch.int16))
     # ... and differs from a combine that skipped a split (the partials are really read)
-    Mo._combine(part[:-1].contiguous(), inv, offs, sh, y_split, k)
-    assert not torch.equal(y_split, y_summed)
+    assert not torch.equal(Mo._combine(part[:-1].contiguous(), inv, offs, sh, k), y_summed)
+    # the partial (expert-parallel) combine: the fp32 sum without the shared expert, which rounds
+    # to the fused combine's bits once the shared output is added
+    y32, sh_out = Mo._combine(part, inv, offs, sh, k, partial=True)
+    assert y32.dtype == torch.float32 and sh_out is sh
+    assert torch.equal((y32 + sh.float()).bfloat16().view(torch.int16), y_split.view(torch.int16))
 
 
 @pytest.mark.parametrize("hash_layer,T,path,bm", [(False, 9, "dequant", None), (True, 7, "dequant", None),
@@ -177,6 +180,40 @@ def test_moe_forward(hash_layer, T, path, bm):
     first[:, 1] = idx[:, 1] != idx[:, 0]
     counts = torch.bincount(idx[first], minlength=8)
     assert torch.equal(parts["offs"].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+
+
+def _rank_slice(w, e0, n):
+    """Experts [e0, e0 + n) of ``w`` as one expert-parallel rank holds them (router whole)."""
+    from dataclasses import replace
+    cut = lambda t: None if t is None else t[e0:e0 + n]
+    return replace(w, w13=cut(w.w13), w13_s=cut(w.w13_s), w13_s2=cut(w.w13_s2), w2=cut(w.w2), w2_s=cut(w.w2_s),
+                   w2_s2=cut(w.w2_s2), expert0=e0)
+
+
+@pytest.mark.parametrize("hash_layer,T,path", [(True, 7, "dequant"), (False, 30, "prefill"), (False, 3, None)])
+def test_moe_expert_parallel_ranks(hash_layer, T, path):
+    """Expert parallelism: a rank holding experts [4r, 4r + 4) of 8 routes over all 8 and returns,
+    bit for bit, the fp32 partial of a one-rank call whose routing keeps only its experts (the
+    other ranks' picks sort to the sentinel); the ranks' partials summed plus the shared expert are
+    the layer's output."""
+    gen = torch.Generator().manual_seed(40 + T)
+    ref = _ref_moe(8, 256, 128, 2, gen, hash_layer, dup_row=4)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = (torch.randn(T, 256, generator=gen) * 1.5).bfloat16().to(DEV)
+    ids = torch.randint(0, 64, (T,), generator=gen).to(DEV)
+    ids[0] = 4
+    idx, rw = Mo.route(x, ids, w)
+    total, shared = 0, None
+    for r in range(2):
+        wr = _rank_slice(w, 4 * r, 4)
+        assert (wr.n_experts, wr.n_routed) == (4, 8)
+        y, sh = Mo.moe_forward(x, ids, wr, path=path, partial=True)
+        mine = torch.where((idx >= 4 * r) & (idx < 4 * r + 4), idx, torch.full_like(idx, -1))
+        y1, sh1 = Mo.moe_forward(x, None, w, path=path, routing=(mine, rw), partial=True)
+        assert y.dtype == torch.float32 and torch.equal(y, y1) and torch.equal(sh, sh1)
+        assert (mine >= 0).any() and y.abs().sum() > 0
+        total, shared = total + y, sh
+    _check_moe((total + shared.float()).bfloat16(), ref(x.cpu(), ids.cpu()))
 
 
 def _nv_expert(I, d, gen):

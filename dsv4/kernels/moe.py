@@ -83,13 +83,15 @@ if triton_available():
         return tl.sqrt_rn(sp)
 
     @triton.jit
-    def _route_kernel(LOGIT, BIAS, TID2EID, IDS, IDX, W, EFLAT, X, Q, SQ, E, stride_s, route_scale, nb,
+    def _route_kernel(LOGIT, BIAS, TID2EID, IDS, IDX, W, EFLAT, X, Q, SQ, E, E0, EL, stride_s, route_scale, nb,
                       stride_x, stride_q, stride_sq, KTOP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                       HASH: tl.constexpr, QUANT: tl.constexpr, QB: tl.constexpr, INTERP: tl.constexpr):
         """One token: scores sqrt(softplus(logits)) of all E experts, the top-k of score + bias (ties ->
         lower id) or the token's tid2eid row, the picked scores normalised (w / sum(w) * route_scale,
         a repeated hash id counted in the sum as the twin's gather does) and the sort keys (a repeated
-        id contributes once: later copies get the sentinel E). QUANT: also the token's 1x128 FP8
+        id contributes once: later copies get the sentinel). Sort keys are local expert ids: experts
+        [E0, E0 + EL) of this rank map to 0..EL-1, every other pick (another rank's expert, a repeat)
+        to the sentinel EL (one rank: E0 = 0, EL = E). QUANT: also the token's 1x128 FP8
         quantisation (``gemm._act_quant_kernel``'s bytes and scales: the expert GEMMs' operand, one
         launch fewer)."""
         t = tl.program_id(0).to(tl.int64)
@@ -116,7 +118,8 @@ if triton_available():
         dup = tl.sum(((idx[None, :] == idx[:, None]) & (jk[None, :] < jk[:, None])).to(tl.int32), axis=1) > 0
         tl.store(IDX + t * KTOP + jk, idx.to(tl.int64), mask=km)
         tl.store(W + t * KTOP + jk, w, mask=km)
-        tl.store(EFLAT + t * KTOP + jk, tl.where(dup | (idx < 0), E, idx), mask=km)
+        loc = idx - E0
+        tl.store(EFLAT + t * KTOP + jk, tl.where(dup | (idx < 0) | (loc < 0) | (loc >= EL), EL, loc), mask=km)
         if QUANT:
             for b0 in range(0, nb, QB):                # [QB, 128] tiles, as _act_quant_kernel's
                 _quant_blocks(X, Q, SQ, t, b0, nb, stride_x, stride_q, stride_sq, QB, INTERP)
@@ -187,10 +190,11 @@ if triton_available():
     @triton.jit
     def _moe_combine(OUT, INV, OFFS, SH, Y, d, E, S, stride_s, stride_o, stride_sh, stride_y,
                      KTOP: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, HAS_SHARED: tl.constexpr,
-                     SPLIT: tl.constexpr, INTERP: tl.constexpr):
+                     SPLIT: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr):
         """Y[t] = sum of token t's expert rows of OUT in increasing sorted position (+ SH[t]), fp32, one
         bf16 rounding. SPLIT: OUT holds the w2 GEMM's fp32 split-K partials [S, pairs, d]; each row is
-        their sum in split order rounded to bf16 (``gemm._splitk_sum``'s bits, without its launch)."""
+        their sum in split order rounded to bf16 (``gemm._splitk_sum``'s bits, without its launch).
+        F32: Y is fp32 and keeps the unrounded sum (expert parallelism: a rank's partial sum)."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         cm = cols < d
@@ -214,9 +218,12 @@ if triton_available():
                 y += tl.load(orow, mask=cm & pv, other=0.0).to(tl.float32)
         if HAS_SHARED:
             y += tl.load(SH + t * stride_sh + cols, mask=cm, other=0.0).to(tl.float32)
-        if INTERP:
-            y = _rne_bf16(y)
-        tl.store(Y + t * stride_y + cols, y.to(tl.bfloat16), mask=cm)
+        if F32:
+            tl.store(Y + t * stride_y + cols, y, mask=cm)
+        else:
+            if INTERP:
+                y = _rne_bf16(y)
+            tl.store(Y + t * stride_y + cols, y.to(tl.bfloat16), mask=cm)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -243,10 +250,17 @@ class MoEWeights:
     sh13_s: torch.Tensor | None          # fp32 [2I_s/128, d/128]
     sh2: torch.Tensor | None             # e4m3 [d, I_s]
     sh2_s: torch.Tensor | None
+    expert0: int = 0                     # expert parallelism: w13 / w2 hold experts [expert0, expert0 + E)
 
     @property
     def n_experts(self) -> int:
+        """Experts held here (the local ones under expert parallelism)."""
         return self.w13.shape[0]
+
+    @property
+    def n_routed(self) -> int:
+        """Experts the router picks from (all ranks' together)."""
+        return self.gate_w.shape[0]
 
     @property
     def dim(self) -> int:
@@ -376,7 +390,7 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
     ``act_quant_fp8`` (e4m3 bytes uint8 [T, d], fp32 scales [T, d/128]) from the same launch, else
     (..., None, None)."""
     T, d = x.shape
-    k, E = w.topk, w.n_experts
+    k, E = w.topk, w.n_routed
     dev = x.device
     logits = x.float() @ w.gate_w.T                                       # the twin's fp32 GEMM
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
@@ -397,7 +411,7 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
         _route_kernel[(T,)](
             logits, w.bias if w.bias is not None else logits, w.tid2eid if hash_layer else idx,
             ids if hash_layer else idx, idx, weights, eflat, x if quant else logits, xq if quant else idx,
-            xs if quant else logits, E, logits.stride(0), float(w.route_scale), d // QBLOCK,
+            xs if quant else logits, E, w.expert0, w.n_experts, logits.stride(0), float(w.route_scale), d // QBLOCK,
             x.stride(0) if quant else 0, xq.stride(0) if quant else 0, xs.stride(0) if quant else 0,
             KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, QUANT=quant,
             QB=min(8, triton.next_power_of_2(max(1, d // QBLOCK))), INTERP=interpreting(), **kw)
@@ -435,22 +449,33 @@ def sort_pairs(eflat: torch.Tensor, n_experts: int, bm: int):
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: str | None = None,
-                config: dict | None = None, routing: tuple | None = None, return_parts: bool = False):
+                config: dict | None = None, routing: tuple | None = None, return_parts: bool = False,
+                partial: bool = False):
     """bf16 [T, d] = ``MoE.__call__(x, ids)`` (module doc). ``routing=(idx [T, k], weights [T, k])``
-    skips the router (ids < 0 = no expert for that slot)."""
+    skips the router (ids < 0 = no expert for that slot; global expert ids).
+
+    ``partial`` (expert parallelism: ``w`` holds experts [expert0, expert0 + n_experts) of
+    ``n_routed``): returns (fp32 [T, d] sum of this rank's routed-expert outputs, unrounded; bf16
+    [T, d] shared-expert output or None). The caller sums the first over the ranks, adds the second
+    and rounds once to bf16: the official MoE's order (``y`` all-reduced, then ``+ shared``), and
+    at one rank the bits of the fused combine."""
     if x.dim() != 2 or x.shape[1] != w.dim:
         raise ValueError(f"moe_forward: expected x [T, {w.dim}], got {tuple(x.shape)}")
     x = x.to(torch.bfloat16).contiguous()
     T, d = x.shape
     E, I, k = w.n_experts, w.inter, w.topk
     dev = x.device
-    y = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
     if T == 0:
-        return y
+        if partial:
+            return torch.zeros(0, d, dtype=torch.float32, device=dev), \
+                (None if w.sh13 is None else torch.empty(0, d, dtype=torch.bfloat16, device=dev))
+        return torch.empty(T, d, dtype=torch.bfloat16, device=dev)
     if routing is not None:
         k = routing[0].shape[1]
     P = T * k
-    rows_per_expert = P / max(1, min(E, P))     # the path needs the pair count only, not the routing
+    # the path needs the pair count only, not the routing: this rank's expected share of the pairs
+    P_local = P * E / w.n_routed
+    rows_per_expert = P_local / max(1, min(E, P_local))
     if path is None:
         from . import fp4_mma
         gemv_max = MMA_GEMV_ROWS_PER_EXPERT if fp4_mma.available(dev) else GEMV_ROWS_PER_EXPERT
@@ -465,9 +490,11 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         first = torch.ones_like(idx, dtype=torch.bool)
         for j in range(1, k):                                    # slots, not experts
             first[:, j] = (idx[:, :j] != idx[:, j:j + 1]).all(dim=1)
-        eflat = torch.where(first & (idx >= 0), idx, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
+        loc = idx - w.expert0
+        keep = first & (loc >= 0) & (loc < E)
+        eflat = torch.where(keep, loc, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
     if path == "gemv":
-        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs)
+        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs, partial)
     if path == "prefill":
         from .fp4_prefill import f16_operand_split, fp4_prefill_launch, prefill_config
         pcfg = {"13": dict(prefill_config(rows_per_expert, dev, swiglu=True), **(config or {})),
@@ -510,25 +537,29 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
                    **grouped)
     # shared expert (FP8)
     sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
-    _combine(out, inv, offs, sh, y, k)
+    y = _combine(out, inv, offs, sh, k, partial)
     if return_parts:
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
                        path=path)
     return y
 
 
-def _combine(out, inv, offs, sh, y, k):
-    """y [T, d] = sum over each token's pairs of the expert outputs ``out`` (+ shared expert ``sh``);
-    ``out``: bf16 rows [pairs, d], or the w2 GEMM's unsummed fp32 split partials [S, pairs, d]."""
-    T, d = y.shape
+def _combine(out, inv, offs, sh, k, partial=False):
+    """bf16 y [T, d] = sum over each token's pairs of the expert outputs ``out`` + shared expert
+    ``sh``, one rounding; ``out``: bf16 rows [pairs, d], or the w2 GEMM's unsummed fp32 split
+    partials [S, pairs, d]. ``partial``: (the fp32 sum without ``sh``, ``sh``) (``moe_forward``)."""
+    T, d = inv.numel() // k, out.shape[-1]
+    y = torch.empty(T, d, dtype=torch.float32 if partial else torch.bfloat16, device=out.device)
+    add = sh if sh is not None and not partial else None
     kw = {} if interpreting() else {"num_warps": 4}
     BD = min(1024, triton.next_power_of_2(d))
     split = out.dim() == 3
     _moe_combine[(T, triton.cdiv(d, BD))](
-        out, inv, offs, sh if sh is not None else y, y, d, offs.numel() - 1, out.shape[0] if split else 1,
-        out.stride(0) if split else 0, out.stride(-2), sh.stride(0) if sh is not None else 0, y.stride(0),
-        KTOP=k, KP=triton.next_power_of_2(k), BD=BD, HAS_SHARED=sh is not None, SPLIT=split,
+        out, inv, offs, add if add is not None else y, y, d, offs.numel() - 1, out.shape[0] if split else 1,
+        out.stride(0) if split else 0, out.stride(-2), add.stride(0) if add is not None else 0, y.stride(0),
+        KTOP=k, KP=triton.next_power_of_2(k), BD=BD, HAS_SHARED=add is not None, SPLIT=split, F32=partial,
         INTERP=interpreting(), **kw)
+    return (y, sh) if partial else y
 
 
 SHARED_SPLIT_MAX_ROWS = 64   # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to here
@@ -566,7 +597,7 @@ def _prefill_kernel_ok(dev, fmt: str) -> bool:
     return fmt == "mxfp4" and torch.device(dev).type == "cuda" and not interpreting() and capability(dev)[0] == 9
 
 
-def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None, xs=None):
+def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None, xs=None, partial=False):
     """Decode MoE: grouped w1|w3 (split-K fp32 partials), the SwiGLU + FP8 quantisation pass, grouped
     w2; the shared expert (``_shared_expert``); combine. On sm_89+ both expert GEMMs run on the
     tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
@@ -610,8 +641,7 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     else:
         out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, bm=bm, split_sum=False, **grouped)
     sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
-    y = torch.empty(T, d, dtype=torch.bfloat16, device=dev)
-    _combine(out, inv, offs, sh, y, k)
+    y = _combine(out, inv, offs, sh, k, partial)
     if return_parts:      # out: w2's rows, or its split partials [S, pairs, d] where K was split
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
                        path="gemv", kernel=kernel)

@@ -6,7 +6,9 @@ decode / prefill tiles by size); bf16-stored layers one bf16 tensor-core GEMM wi
 ``wo_a``: the official bf16 grouped einsum: at decode sizes the FP8 weight is read by ``fp8_mma``
 (bf16 activations, ``act="bf16"``), above that the weight is dequantised to bf16 for the call
 (exact: e4m3 x 2^k fits bf16) and one batched GEMM runs. ``moe``: ``kernels.moe.moe_forward`` on
-the layer's stacked experts (MXFP4 / NVFP4); FP8 experts have no kernel and run the twin.
+the layer's stacked experts (MXFP4 / NVFP4); FP8 experts have no kernel and run the twin. Under
+expert parallelism each rank's kernels return the fp32 sum of its experts, which is all-reduced
+before the shared expert is added and the sum rounded (the twin's and the official order).
 """
 from __future__ import annotations
 
@@ -57,14 +59,17 @@ def kernel_weights(layer) -> MoEWeights:
                        route_scale=layer.route_scale, limit=layer.limit, fmt=layer.fmt,
                        w13=layer.w13, w13_s=layer.w13_s, w13_s2=layer.w13_s2,
                        w2=layer.w2, w2_s=layer.w2_s, w2_s2=layer.w2_s2,
-                       sh13=layer.sh13, sh13_s=layer.sh13_s, sh2=layer.sh2, sh2_s=layer.sh2_s)
+                       sh13=layer.sh13, sh13_s=layer.sh13_s, sh2=layer.sh2, sh2_s=layer.sh2_s,
+                       expert0=layer.expert0)
         object.__setattr__(layer, "_kernel_weights", w)
     return w
 
 
 def moe(layer, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    if layer.group.world > 1:
-        raise NotImplementedError("expert parallelism runs on the torch twins only so far (kernels=False)")
     if layer.fmt == "fp8":
         return twins.moe(layer, x, ids)
-    return moe_forward(x, ids, kernel_weights(layer))
+    if not layer.group.active:
+        return moe_forward(x, ids, kernel_weights(layer))
+    y, sh = moe_forward(x, ids, kernel_weights(layer), partial=True)
+    y = layer.group.all_reduce(y)
+    return (y if sh is None else y + sh.float()).to(torch.bfloat16)
