@@ -109,13 +109,30 @@ def main():
                     help="also list the GPU kernels of this layer (torch.profiler, eager calls)")
     ap.add_argument("--profile-step", action="store_true",
                     help="also list the GPU kernels of one whole step (torch.profiler, eager call)")
+    ap.add_argument("--one-rank-collectives", action="store_true",
+                    help="run inside a one-rank process group (NCCL on GPUs) whose collectives run "
+                         "(parallel.Group(always=True)): the cost of the tensor-parallel calls themselves")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    group = None
+    if args.one_rank_collectives:
+        import socket
+
+        import torch.distributed as dist
+
+        from dsv4.parallel import Group
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            port = so.getsockname()[1]
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=0, world_size=1)
+        dist.all_reduce(torch.zeros(1, device=dev))
+        group = Group(dist.group.WORLD, always=True)
     gen = torch.Generator(device=dev).manual_seed(0)
     batches = [int(b) for b in args.batch.split(",")]
     Bmax = max(batches)
     cfg = synthetic_config(args.model, args.layers, args.experts)
-    model = DeepseekV4(cfg, "mxfp4", "fp8", dev)
+    model = DeepseekV4(cfg, "mxfp4", "fp8", dev, group=group)
     model.load((n, t) for n, t in iter_synthetic_tensors(cfg, 0, dev) if not n.startswith("mtp."))
     per_seq = -(-(args.ctx + 1) // BLOCK_TOKENS)
     cache = KVCache(cfg, CacheConfig(max_num_seqs=Bmax + 1, num_blocks=Bmax * per_seq + 1, device=str(dev)))
@@ -163,7 +180,8 @@ def main():
     md = [f"## Decode step (DeepseekV4), synthetic {args.model} ({args.layers} layers), {datetime.date.today()}, "
           f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU smoke run'}", "",
           f"Command: `PYTHONPATH=. python benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
-          f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}`; torch {torch.__version__}. Copy bandwidth measured in the "
+          f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}"
+          f"{' --one-rank-collectives' if group else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "
           f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
           f"{cfg.n_routed_experts} routed experts (MXFP4); weights {model.weight_bytes() / 2**30:.2f} GiB. Times: CUDA-graph replays, L2 flushed before each call.", "",
           "| batch | part | us | floor us (bytes / copy BW) | % of floor |", "|---|---|---|---|---|"]

@@ -8,7 +8,12 @@ all-reduces). FP8 weights carry 128x128 block scales, so every cut must fall on 
 a cut that does not is an error that names the tensor.
 
 ``Group`` wraps a ``torch.distributed`` process group (NCCL on GPUs, gloo on CPUs); ``SINGLE`` is
-the one-rank group, whose collectives return their input.
+the one-rank group, whose collectives return their input. A one-rank process group skips its
+collectives too (their result is their input), unless built with ``always=True``: then they run,
+so that one GPU can exercise the collective path (NCCL calls inside CUDA graphs, the layers'
+partial-sum forms) that N ranks take. ``set_default_group`` names the group a model gets when it is
+given none (``DeepseekV4``): the test suite runs under a one-rank NCCL / gloo group that way
+(``DSV4_TEST_PROCESS_GROUP``, tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -42,13 +47,18 @@ class Split:
 class Group:
     """The ranks one model is split over. ``pg`` None: one rank, no collectives."""
 
-    def __init__(self, pg=None):
+    def __init__(self, pg=None, always: bool = False):
         self.pg = pg
         if pg is None:
             self.rank, self.world = 0, 1
         else:
             import torch.distributed as dist
             self.rank, self.world = dist.get_rank(pg), dist.get_world_size(pg)
+        # whether the collectives run (module doc): N ranks, or one rank with ``always``
+        self.active = pg is not None and (self.world > 1 or always)
+
+    def __repr__(self) -> str:
+        return f"Group(rank={self.rank}, world={self.world}, active={self.active})"
 
     def split(self, kind: str) -> Split | None:
         """The ``Split`` of this rank, or None for one rank (layers then hold whole tensors)."""
@@ -56,14 +66,14 @@ class Group:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (the official RowParallelLinear's ``dist.all_reduce``)."""
-        if self.world > 1:
+        if self.active:
             import torch.distributed as dist
             dist.all_reduce(x, group=self.pg)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The ranks' ``x`` concatenated along ``dim``, in rank order."""
-        if self.world == 1:
+        if not self.active:
             return x
         import torch.distributed as dist
         parts = [torch.empty_like(x) for _ in range(self.world)]
@@ -72,5 +82,17 @@ class Group:
 
 
 SINGLE = Group()
+_default = SINGLE
 
-__all__ = ["Group", "SINGLE", "Split"]
+
+def set_default_group(group: Group | None) -> None:
+    """The group models get when built without one (None: back to ``SINGLE``)."""
+    global _default
+    _default = group or SINGLE
+
+
+def default_group() -> Group:
+    return _default
+
+
+__all__ = ["Group", "SINGLE", "Split", "default_group", "set_default_group"]

@@ -15,6 +15,34 @@ if not torch.cuda.is_available():
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 
 
+def _one_rank_process_group() -> None:
+    """``DSV4_TEST_PROCESS_GROUP=nccl`` (or ``gloo``): the whole session runs inside a one-rank
+    process group whose collectives run (``parallel.Group(always=True)``), the default group of
+    every model built without one: the tensor-parallel code path (NCCL calls inside the decode
+    CUDA graphs, the MoE's fp32 partial sums, the head's all-gather) under the unchanged suite."""
+    backend = os.environ.get("DSV4_TEST_PROCESS_GROUP")
+    if not backend:
+        return
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"DSV4_TEST_PROCESS_GROUP must be 'nccl' or 'gloo', got {backend!r}")
+    import socket
+
+    import torch.distributed as dist
+
+    from dsv4.parallel import Group, set_default_group
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.all_reduce(torch.zeros(1, device="cuda" if backend == "nccl" else "cpu"))   # the communicator, eagerly
+    set_default_group(Group(dist.group.WORLD, always=True))
+
+
+_one_rank_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _triton_interpret_unchanged():
     """A test that changes TRITON_INTERPRET in this process would switch the kernels of every module

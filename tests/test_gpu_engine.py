@@ -77,3 +77,44 @@ def test_decode_step_profile_has_no_unfused_hot_ops(tmp_path):
     n_mm = sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::matmul", "aten::addmm"))
     assert n_mm < n_exp, n_mm                    # no GEMM per expert
     assert any("moe" in n.lower() or "fp4" in n.lower() for n in names)
+
+
+@pytest.fixture
+def one_rank_nccl():
+    """A one-rank NCCL process group (the session's, under DSV4_TEST_PROCESS_GROUP=nccl, else its own)."""
+    import socket
+
+    import torch.distributed as dist
+    own = not dist.is_initialized()
+    if own:
+        with socket.socket() as so:
+            so.bind(("127.0.0.1", 0))
+            port = so.getsockname()[1]
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.all_reduce(torch.zeros(1, device="cuda"))
+    assert dist.get_backend() == "nccl" and dist.get_world_size() == 1
+    yield dist.group.WORLD
+    if own:
+        dist.destroy_process_group()
+
+
+def test_one_rank_nccl_collectives_in_cuda_graphs_change_no_bit(tmp_path, one_rank_nccl):
+    """The tensor-parallel forward at one rank with its collectives run (``Group(always=True)``:
+    the wo_b all-reduces, the MoE's fp32 expert partials all-reduced then the shared expert added,
+    the head's all-gather), NCCL calls captured in the decode CUDA graphs: every collective is the
+    identity at one rank and the partial MoE combine rounds to the fused one's bits, so tokens and
+    log-probs equal the run without a process group, bit for bit."""
+    from dsv4.parallel import Group, default_group, set_default_group
+    before = default_group()
+    try:
+        set_default_group(None)
+        _, base = _run(tmp_path)
+        set_default_group(Group(one_rank_nccl, always=True))
+        llm, tp = _run(tmp_path)
+        assert llm.engine.model.group.active and llm.engine.runner.graphs is not None
+    finally:
+        set_default_group(before)
+    for a, b in zip(tp, base):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.token_ids == y.token_ids
+        assert [sorted(d.items()) for d in x.logprobs] == [sorted(d.items()) for d in y.logprobs]

@@ -61,6 +61,9 @@ def init_group(rank: int, world: int, port: int, kind: str):
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world)
     ctrl = dist.new_group(backend="gloo")
+    # one collective now: NCCL builds its communicator at the first call, which must not be a
+    # call inside a CUDA-graph capture
+    dist.all_reduce(torch.zeros(1, device=_device(kind, rank)))
     return Group(dist.group.WORLD), ctrl
 
 

@@ -27,7 +27,7 @@ from ..layers.attention import Attention, Rope
 from ..layers.linear import Bf16Linear, _copy, weight_bytes
 from ..layers.moe import MoE
 from ..ops import Ops
-from ..parallel import SINGLE, Group
+from ..parallel import Group, default_group
 
 
 class HyperConnection(nn.Module):
@@ -197,20 +197,18 @@ SCORE_ROWS = 256          # prompt scoring: head rows per block ([256, 129280] f
 
 
 class DeepseekV4(nn.Module):
-    """``group`` (``dsv4.parallel.Group``, default one rank): tensor parallelism over its ranks, the
+    """``group`` (``dsv4.parallel.Group``, default ``parallel.default_group()``): tensor parallelism over its ranks, the
     official layout (``layers.attention.Attention``, ``layers.moe.MoE``): q heads and routed experts
     split, the head column-parallel over the vocabulary with its logits all-gathered; the embedding,
     mHC, norms, KV head, compressors, indexer and caches replicated. Every rank runs the same
-    forward on the same inputs. So far on the torch twins only."""
+    forward on the same inputs, on the kernels or on the twins (``ops``)."""
 
     def __init__(self, cfg: ModelConfig, expert_format: str = "mxfp4", wo_a_format: str = "fp8",
                  device="cpu", ops: Ops | None = None, group: Group | None = None):
         super().__init__()
         self.cfg, self.device = cfg, torch.device(device)
         self.ops = ops or Ops(self.device)
-        self.group = group or SINGLE
-        if self.group.world > 1 and self.ops.kernels:
-            raise ValueError("tensor parallelism runs on the torch twins only so far: pass Ops(device, kernels=False)")
+        self.group = group or default_group()
         self.expert_format, self.wo_a_format = expert_format, wo_a_format
         self.ropes = {r: Rope(rope_frequencies(cfg, r).to(self.device)) for r in sorted(set(cfg.compress_ratios))}
         self.register_buffer("embed", torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=torch.bfloat16,
@@ -243,8 +241,18 @@ class DeepseekV4(nn.Module):
         r = open_checkpoint(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
         model = cls(r.config, r.expert_format, r.wo_a_format, device, ops, group)
         other = model.foreign_names()               # other ranks' experts: never read
-        model.load(r.tensors(progress=progress, skip=lambda n: n.startswith("mtp.") or n in other))
+        parts = model.split_parts()                 # split linears: only this rank's slice is read
+        model.load(r.tensors(progress=progress, skip=lambda n: n.startswith("mtp.") or n in other, parts=parts),
+                   presliced=set(parts))
         return model
+
+    def split_parts(self) -> dict:
+        """{checkpoint tensor: (rows, cols)} of the tensors this rank holds a slice of (tensor
+        parallelism); empty on one rank."""
+        if self.group.world == 1:
+            return {}
+        return {n: fn.part for n, fn in self.loaders().items()
+                if getattr(fn, "part", None) is not None and fn.part != (None, None)}
 
     def foreign_names(self) -> set[str]:
         """Checkpoint tensors that belong to other ranks (expert parallelism); empty on one rank."""
@@ -252,9 +260,10 @@ class DeepseekV4(nn.Module):
         return {n for n, fn in self.loaders().items() if fn is foreign}
 
     @torch.no_grad()
-    def load(self, tensors) -> None:
+    def load(self, tensors, presliced=()) -> None:
         """Copy ``(canonical name, tensor)`` pairs into the model; every weight must come exactly
-        once (a missing, unexpected or repeated name is an error naming it)."""
+        once (a missing, unexpected or repeated name is an error naming it). Names in
+        ``presliced`` come as this rank's slice only (``split_parts``), the others whole."""
         loaders = self.loaders()
         seen = set()
         for name, t in tensors:
@@ -263,7 +272,7 @@ class DeepseekV4(nn.Module):
                 raise ValueError(f"unexpected checkpoint tensor '{name}' for this model")
             if name in seen:
                 raise ValueError(f"checkpoint tensor '{name}' given twice")
-            fn(t)
+            (fn.presliced if name in presliced else fn)(t)
             seen.add(name)
         from ..layers.moe import foreign
         missing = [n for n, fn in loaders.items() if n not in seen and fn is not foreign]
@@ -382,7 +391,9 @@ class DeepseekV4(nn.Module):
         gib = 2.0 ** 30
         return (f"model: {self.cfg.num_hidden_layers} layers, {self.cfg.n_routed_experts} experts "
                 f"({self.expert_format}), weights {self.weight_bytes() / gib:.2f} GiB on {self.device}; "
-                f"{self.ops.describe()}; decode CUDA graphs {'possible' if self.graph_safe else 'off'}")
+                f"{self.ops.describe()}; decode CUDA graphs {'possible' if self.graph_safe else 'off'}"
+                + (f"; rank {self.group.rank} of {self.group.world}"
+                   f"{'' if self.group.active else ' (collectives skipped)'}" if self.group.pg is not None else ""))
 
 
 class CudaGraphDecoder:
