@@ -103,14 +103,23 @@ def _row_worker(rank, world, port, w, s, x, q):
         a, b = lin.cols
         y = grp.all_reduce(Ops("cpu").linear(lin, x[:, a:b]).float())
         g = grp.all_gather(y[:, :2], dim=1)
-        q.put((rank, (y, g)))
+        q.put((rank, _ship((y, g))))
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(target, args, world=2, timeout=300):
-    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes; {rank: what
-    each put on the queue}."""
+def _ship(obj) -> bytes:
+    """``obj`` serialised for a queue: a tensor put as is travels as a shared-memory handle that
+    dies with the worker, which may exit before the parent reads it."""
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _spawn(target, args, world=2, timeout=300, **kw):
+    """Run ``target(rank, world, port, *args, queue, **kw)`` in ``world`` spawned processes; {rank:
+    what each put on the queue (``_ship``ped)}."""
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as so:
@@ -118,10 +127,11 @@ def _spawn(target, args, world=2, timeout=300):
         port = so.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q), kwargs=kw) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=timeout) for _ in procs)
+    import io
+    got = {r: torch.load(io.BytesIO(b)) for r, b in (q.get(timeout=timeout) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
@@ -144,7 +154,7 @@ class _Rank(Group):
     """A rank of a ``world``-rank group without a process group (construction and loading only)."""
 
     def __init__(self, rank, world):
-        self.pg, self.rank, self.world = None, rank, world
+        self.pg, self.rank, self.world, self.active = None, rank, world, False
 
 
 def _part_bytes(m):
@@ -174,7 +184,7 @@ def test_each_rank_holds_its_share_of_the_split_weights(tiny):
         # the other rank's experts are never read from disk
         seen = []
         orig = DeepseekV4.load
-        DeepseekV4.load = lambda self, tensors: orig(self, (seen.append(n) or (n, t) for n, t in tensors))
+        DeepseekV4.load = lambda self, tensors, **kw: orig(self, (seen.append(n) or (n, t) for n, t in tensors), **kw)
         try:
             DeepseekV4.from_checkpoint(tiny, ops=twins, group=_Rank(r, 2))
         finally:
@@ -183,16 +193,42 @@ def test_each_rank_holds_its_share_of_the_split_weights(tiny):
         assert experts == set(range(4 * r, 4 * r + 4))
     with pytest.raises(ValueError, match="tensor parallel size 4 must divide the 8 attention heads and 2 output groups"):
         DeepseekV4.from_checkpoint(tiny, ops=twins, group=_Rank(0, 4))
-    with pytest.raises(ValueError, match="twins only"):
-        DeepseekV4.from_checkpoint(tiny, ops=Ops("cpu", kernels=True), group=_Rank(0, 2))
 
 
-def _run_model(path, ids, tokens, group=None):
-    """Prefill ``ids`` then decode ``tokens`` (teacher-forced): the logits [1 + len(tokens), V]."""
+@pytest.mark.parametrize("layout", ["official", "hf"])
+def test_a_rank_reads_only_its_slice_of_the_split_tensors(tiny, tmp_path, layout):
+    """The split linears' tensors come off disk as the rank's slice (``get_slice``), in every
+    layout, and load the same bytes as the whole tensor cut in memory."""
+    from dsv4.checkpoint.loader import open_checkpoint
+    from dsv4.checkpoint.tiny import make_tiny
+    from dsv4.model.deepseek_v4 import DeepseekV4
+    path = tiny if layout == "official" else make_tiny(str(tmp_path / layout), layout=layout)
+    twins = Ops("cpu", kernels=False)
+    whole = {n: t.clone() for n, t in open_checkpoint(path).tensors()}
+    m = DeepseekV4.from_checkpoint(path, ops=twins, group=_Rank(1, 2))
+    parts = m.split_parts()
+    assert {n.split(".")[-2] for n in parts} >= {"wq_b", "wo_a", "wo_b", "head"}
+    got = dict(open_checkpoint(path).tensors(parts=parts, skip=lambda n: n not in parts))
+    assert set(got) == set(parts)
+    for n, (rows, cols) in parts.items():
+        t = whole[n]
+        t = t if rows is None else t[rows[0]:rows[1]]
+        t = t if cols is None else t[:, cols[0]:cols[1]]
+        assert got[n].dtype == t.dtype and torch.equal(got[n].view(torch.uint8), t.contiguous().view(torch.uint8)), n
+    # ... and the model they load equals one loaded from the whole tensors
+    m2 = DeepseekV4(m.cfg, m.expert_format, m.wo_a_format, "cpu", twins, _Rank(1, 2))
+    other = m2.foreign_names()
+    m2.load((n, t) for n, t in whole.items() if not n.startswith("mtp.") and n not in other)
+    for (n, a), (_, b) in zip(m.named_buffers(), m2.named_buffers()):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), n
+
+
+def _run_model(path, ids, tokens, group=None, device="cpu", kernels=False):
+    """Prefill ``ids`` then decode ``tokens`` (teacher-forced): the logits [1 + len(tokens), V] (CPU)."""
     from dsv4.engine.kv_cache import CacheConfig, KVCache, PagedSequenceState
     from dsv4.model.deepseek_v4 import DeepseekV4
-    m = DeepseekV4.from_checkpoint(path, ops=Ops("cpu", kernels=False), group=group)
-    cache = KVCache(m.cfg, CacheConfig(max_num_seqs=2, num_blocks=4))
+    m = DeepseekV4.from_checkpoint(path, device, ops=Ops(device, kernels=kernels), group=group)
+    cache = KVCache(m.cfg, CacheConfig(max_num_seqs=2, num_blocks=4, device=device))
     m.attach_cache(cache, 1024)
     st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2))
     out = [m(m.prefill_context([(ids, st)]))[0]]
@@ -200,20 +236,32 @@ def _run_model(path, ids, tokens, group=None):
     for tok in tokens:
         bt = torch.full((1, m.max_blocks), -1, dtype=torch.long)
         bt[0, :2] = torch.tensor(st.block_table)
-        out.append(m(m.decode_context(torch.tensor([tok]), torch.tensor([st.pos]), torch.tensor([st.slot]), bt))[0])
+        on = lambda v: torch.as_tensor(v).to(device)
+        out.append(m(m.decode_context(on([tok]), on([st.pos]), on([st.slot]), on(bt)))[0])
         st.advance_to(st.pos + 1)
-    return torch.stack(out)
+    return torch.stack(out).cpu()
 
 
-def _tp_worker(rank, world, port, path, ids, tokens, q):
+def _tp_worker(rank, world, port, path, ids, tokens, device, kernels, q, always=False):
     import os
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        q.put((rank, _run_model(path, ids, tokens, Group(dist.group.WORLD))))
+        g = Group(dist.group.WORLD, always=always)
+        assert g.active == (world > 1 or always)
+        q.put((rank, _ship(_run_model(path, ids, tokens, g, device, kernels))))
     finally:
         dist.destroy_process_group()
+
+
+def _close_to_one_rank(one, two):
+    """Per row: cos > 0.999 and the same greedy token wherever the one-rank top-1 margin is >= 1."""
+    for a, b in zip(one, two):
+        cos = float(a.double() @ b.double() / (a.double().norm() * b.double().norm()))
+        top = a.topk(2).values
+        assert torch.isfinite(b).all() and cos > 0.999, cos          # measured 0.9996-0.9999 (twins)
+        assert float(top[0] - top[1]) < 1.0 or int(a.argmax()) == int(b.argmax())
 
 
 def test_two_ranks_give_the_one_rank_logits_and_tokens(tiny):
@@ -226,11 +274,27 @@ def test_two_ranks_give_the_one_rank_logits_and_tokens(tiny):
     for _ in range(3):                                  # the one-rank greedy continuation
         tokens.append(int(one[-1].argmax()))
         one = _run_model(tiny, ids, tokens)
-    got = _spawn(_tp_worker, (tiny, ids, tokens))
+    got = _spawn(_tp_worker, (tiny, ids, tokens, "cpu", False))
     assert torch.equal(got[0], got[1])
-    two = got[0]
-    for a, b in zip(one, two):
-        cos = float(a.double() @ b.double() / (a.double().norm() * b.double().norm()))
-        top = a.topk(2).values
-        assert torch.isfinite(b).all() and cos > 0.999, cos          # measured 0.9996-0.9999
-        assert float(top[0] - top[1]) < 1.0 or int(a.argmax()) == int(b.argmax())
+    _close_to_one_rank(one, got[0])
+    # one rank of a real group whose collectives run (``always``): every all-reduce / all-gather
+    # is the identity there, so the bits are the no-group run's
+    got = _spawn(_tp_worker, (tiny, ids, tokens, "cpu", False), world=1, always=True)
+    assert torch.equal(got[0], one)
+
+
+@pytest.mark.gpu
+def test_gpu_two_ranks_on_the_kernels_give_the_one_rank_logits(tiny):
+    """The kernels under tensor parallelism (local heads through the attention kernels and
+    ``wo_a``, local experts through the MoE kernels with their fp32 partial sums all-reduced, the
+    vocab-split head): two ranks sharing the GPU over gloo (NCCL wants one GPU per rank) against
+    one rank on the kernels, as the CPU test above holds the twins."""
+    ids = torch.randint(3, 128000, (150,), generator=torch.Generator().manual_seed(12))
+    one = _run_model(tiny, ids, [], device="cuda", kernels=True)
+    tokens = []
+    for _ in range(3):
+        tokens.append(int(one[-1].argmax()))
+        one = _run_model(tiny, ids, tokens, device="cuda", kernels=True)
+    got = _spawn(_tp_worker, (tiny, ids, tokens, "cuda", True))
+    assert torch.equal(got[0], got[1])
+    _close_to_one_rank(one, got[0])

@@ -365,10 +365,13 @@ class CheckpointReader:
         """Bytes of tensor data on disk."""
         return sum(e.end - e.start for e in self.inventory.values())
 
-    def tensors(self, progress: bool = False, skip=None):
+    def tensors(self, progress: bool = False, skip=None, parts: dict | None = None):
         """Yield ``(canonical name, tensor)`` for every tensor, file by file in on-disk order.
         ``skip(canonical_name) -> bool`` leaves tensors unread (an hf stacked expert tensor is read
-        unless all of its experts are skipped). Tensor values are checked as they are read
+        unless all of its experts are skipped). ``parts``: {canonical name: (rows, cols)}, each
+        [start, stop) or None = all: those tensors are read as that slice only (safetensors
+        ``get_slice``: tensor parallelism, a rank's part of a split linear) and yielded as it; their
+        full shapes were checked against the schema when the checkpoint was opened. Tensor values are checked as they are read
         (``gate.tid2eid`` ids in range). The tensors are CPU tensors backed by their own memory;
         a consumer that keeps one should copy it into its own storage."""
         from tqdm import tqdm
@@ -394,8 +397,12 @@ class CheckpointReader:
                         if skip is not None and all(skip(c) for c in outs):
                             bar.update(inv[n].end - inv[n].start)
                             continue
+                        part = None if parts is None else parts.get(outs[0]) if src.kind == "same" else None
+                        if part is None and parts is not None and any(c in parts for c in outs):
+                            raise CheckpointError(f"{fp}: tensor '{n}' holds several model tensors and "
+                                                  f"cannot be read as a slice")
                         try:
-                            t = fh.get_tensor(n)
+                            t = fh.get_tensor(n) if part is None else _read_part(fh.get_slice(n), *part)
                         except Exception as e:  # noqa: BLE001
                             raise CheckpointError(f"{fp}: cannot read tensor '{n}' ({e})") from None
                         for name, part in _split(src, t, cfg):
@@ -498,6 +505,14 @@ def load_checkpoint(path: str, progress: bool = True) -> LoadedCheckpoint:
     tensors = {k: tensors[k] for k in r.names}          # schema order
     return LoadedCheckpoint(config=r.config, tensors=tensors, layout=r.layout, expert_format=r.expert_format,
                             wo_a_format=r.wo_a_format, has_mtp=r.has_mtp, path=r.path, files=r.files)
+
+
+def _read_part(sl, rows, cols) -> torch.Tensor:
+    """The [rows] x [cols] slice of a safetensors slice handle (None = the whole dimension)."""
+    r = slice(None) if rows is None else slice(rows[0], rows[1])
+    if cols is None:
+        return sl[r]
+    return sl[r, cols[0]:cols[1]]
 
 
 def _canonical_names(src: DiskSource, cfg: ModelConfig):

@@ -14,7 +14,8 @@ CPU twin still computes each member on its own rows, so its bits are the referen
 official ColumnParallel / RowParallel linears cut: ``"col"`` keeps 1/world of every member's output
 rows (``members`` and ``spans`` are then the local ones), ``"row"`` 1/world of the input columns
 (the output is a partial sum; the layer that owns the linear all-reduces it). The loaders take the
-checkpoint's whole tensor, check its full shape and copy the rank's slice.
+checkpoint's whole tensor, check its full shape and copy the rank's slice; a reader that reads only
+the slice from disk passes it to the loader's ``presliced`` form (``_copy_part``).
 
 ``forward`` goes through the op table (``dsv4.ops``): the FP8 / bf16 GEMM kernels on a GPU, their
 torch twins on a CPU. Weight loading is per parameter: ``loaders(prefix_of)`` maps each canonical
@@ -46,7 +47,10 @@ def _copy(dst: torch.Tensor, what: str) -> Loader:
 
 def _copy_part(dst: torch.Tensor, what: str, full: tuple, rows=None, cols=None) -> Loader:
     """Loader of a slice: the checkpoint tensor must have the ``full`` shape; its ``rows`` / ``cols``
-    ([start, stop) or None = all) go into ``dst``."""
+    ([start, stop) or None = all) go into ``dst``. The loader carries its ``part`` (rows, cols) and
+    a ``presliced`` loader that takes that part alone, so that a reader can read only the part from
+    disk (``checkpoint.loader.CheckpointReader.tensors(parts=...)``, which checked the full shape
+    against the schema when the checkpoint was opened)."""
     def load(t: torch.Tensor) -> None:
         if tuple(t.shape) != tuple(full):
             raise ValueError(f"{what}: expected shape {tuple(full)}, got {tuple(t.shape)}")
@@ -55,6 +59,8 @@ def _copy_part(dst: torch.Tensor, what: str, full: tuple, rows=None, cols=None) 
         if cols is not None:
             t = t[:, cols[0]:cols[1]]
         _copy(dst, what)(t)
+    load.part = (rows, cols)
+    load.presliced = _copy(dst, what)
     return load
 
 
