@@ -7,6 +7,7 @@ the checkpoint's, spec §2.2). It returns a :class:`DSV4Tokenizer`, a thin layer
 
 V4 adds no special tokens on its own (``add_bos_token=false``; the post-processor is plain
 ByteLevel): the chat encoder writes ``<｜begin▁of▁sentence｜>`` into the prompt text itself.
+:func:`tokenizer_info` is the tokenizer's configuration as vLLM's ``GET /tokenizer_info`` gives it.
 
 :class:`IncrementalDetokenizer` turns a growing list of generated ids into text deltas. Byte-level
 BPE tokens can end in the middle of a multi-byte UTF-8 character; the decoded tail then ends with
@@ -15,8 +16,9 @@ U+FFFD and is held back until a later token completes the character (or :meth:`f
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from tokenizers import Tokenizer
 
@@ -95,6 +97,46 @@ class DSV4Tokenizer:
 def load_tokenizer(model_dir: str | None = None) -> DSV4Tokenizer:
     path = find_tokenizer_file(model_dir)
     return DSV4Tokenizer(Tokenizer.from_file(path), path=path)
+
+
+def _token_text(value: Any) -> Any:
+    """An ``AddedToken`` entry of a tokenizer_config.json (``{"__type": "AddedToken", "content":
+    ...}``) as its text, recursively; everything else unchanged."""
+    if isinstance(value, dict):
+        if value.get("__type") == "AddedToken" and isinstance(value.get("content"), str):
+            return value["content"]
+        return {k: _token_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_token_text(v) for v in value]
+    return value
+
+
+def tokenizer_info(tokenizer: DSV4Tokenizer) -> dict:
+    """vLLM's ``GET /tokenizer_info`` body: the ``tokenizer_config.json`` beside the tokenizer file
+    (file-path fields dropped, AddedToken objects as their text) plus ``tokenizer_class``; BOS / EOS
+    not in the file come from the tokenizer. V4 ships no Jinja chat template, so there is no
+    ``chat_template`` field (vLLM leaves it out likewise); the chat encoder runs in the server.
+    A tokenizer_config.json that is not a JSON object raises ValueError naming the file."""
+    info: dict[str, Any] = {}
+    if tokenizer.path:
+        cfg_path = os.path.join(os.path.dirname(tokenizer.path), "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            try:
+                with open(cfg_path, encoding="utf-8") as fh:
+                    raw = json.load(fh)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{cfg_path}: cannot read it as JSON: {e}") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"{cfg_path}: expected a JSON object, got {type(raw).__name__}")
+            info = _token_text(raw)
+    for k in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+        info.pop(k, None)
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    info.setdefault("bos_token", tokenizer.bos_token)
+    info.setdefault("eos_token", tokenizer.eos_token)
+    info.setdefault("add_bos_token", False)
+    info.setdefault("add_eos_token", False)
+    return info
 
 
 class IncrementalDetokenizer:

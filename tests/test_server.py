@@ -144,6 +144,7 @@ def test_serve_help_and_readme():
     assert "python3 -m pip install -q torch==2.13.0 -e '.[test]' && python3 -m pytest -q\n" in readme
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in readme
     assert "from openai import OpenAI" in readme
+    assert "lm_eval --model local-completions" in readme and "tokenizer_backend=remote" in readme
 
 
 # ============================================================================ real server: basics
@@ -553,7 +554,7 @@ def test_bench_serve(server):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Serving Benchmark Result" in r.stdout and "Mean TTFT (ms)" in r.stdout and "P99 ITL (ms)" in r.stdout
     res = json.loads(out.read_text())
-    assert res["completed"] == 6 and res["failed"] == 0
+    assert res["completed"] == 6 and res["failed"] == 0 and res["model_id"] == MODEL     # found by GET /v1/models
     assert res["total_input_tokens"] == 6 * 8 and res["total_output_tokens"] == 6 * 4
     for k in ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms",
               "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p50_itl_ms",
@@ -563,6 +564,31 @@ def test_bench_serve(server):
     assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
     if png.exists():
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serve_chat_counts_tokens_after_the_chat_template(server):
+    """On /v1/chat/completions the input tokens are the templated prompt's (BOS, role tokens, the
+    re-tokenised text), as the server's /tokenize of the messages counts them; the bench's own
+    count (used when a server sends no usage) is the same."""
+    from dsv4.server.bench import chat_messages, make_prompts
+    from dsv4.tokenizer import load_tokenizer
+    out = server.tmp / "bench-chat.json"
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--port", str(server.port),
+                        "--api-key", KEY, "--endpoint", "/v1/chat/completions", "--num-prompts", "3",
+                        "--random-input-len", "8", "--random-output-len", "2", "--ignore-eos", "--seed", "2",
+                        "--result-file", str(out), "--disable-tqdm"],
+                       capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["completed"] == 3 and res["model_id"] == MODEL and res["backend"] == "openai-chat"
+    tok = load_tokenizer(None)
+    want = 0
+    for ids, _ in make_prompts(3, 8, 2, 0.0, 2):
+        msgs, n = chat_messages(ids, tok)
+        t = httpx.post(server.base + "/tokenize", headers=_h(), json={"model": MODEL, "messages": msgs}).json()
+        assert n == t["count"]
+        want += n
+    assert res["total_input_tokens"] == want and want > 3 * 8
 
 
 # ============================================================================ in-process: fake engine
@@ -822,12 +848,26 @@ def test_sampling_param_mapping_unit():
     assert _default_name(SimpleNamespace(cfg=SimpleNamespace(model="/ckpts/DeepSeek-V4-Flash/"))) == "DeepSeek-V4-Flash"
 
 
-def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def llm(server):
+    """The server's model in this process (the checkpoint the server wrote to its cache), for the
+    engine's own prompt scoring."""
+    from dsv4 import LLM
+    old = os.environ.get("DSV4_CACHE_DIR")
+    os.environ["DSV4_CACHE_DIR"] = str(server.tmp / "cache")
+    try:
+        return LLM(None, max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", log=False)
+    finally:
+        if old is None:
+            os.environ.pop("DSV4_CACHE_DIR")
+        else:
+            os.environ["DSV4_CACHE_DIR"] = old
+
+
+def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, llm):
     """lm-eval's loglikelihood request (token-id prompts, echo, logprobs 1, max_tokens 1) and the
     scoring-only form (max_tokens 0): one logprob per prompt token, null for the first, and the
     summed continuation logprob equals the engine's own prompt scoring."""
-    from dsv4 import LLM
-    monkeypatch.setenv("DSV4_CACHE_DIR", str(server.tmp / "cache"))
     ctx = [0] + list(range(1000, 1040))
     cont = [2000, 2001, 2002]
     r = httpx.post(server.base + "/v1/completions", headers=_h(), timeout=120, json={
@@ -839,7 +879,6 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, tmp_path
     assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1 and lp["token_logprobs"][0] is None
     assert lp["top_logprobs"][0] is None and all(len(t) >= 1 for t in lp["top_logprobs"][1:])
     got = sum(lp["token_logprobs"][len(ctx):-1])                  # lm-eval's slice
-    llm = LLM(None, max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", log=False)
     o = llm.generate([{"prompt_token_ids": ctx + cont}], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
     want = sum(o.prompt_logprobs[len(ctx) + j][cont[j]].logprob for j in range(len(cont)))
     assert abs(got - want) < 1e-3, (got, want)
@@ -856,6 +895,93 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, tmp_path
     r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})
     assert r.status_code == 400 and "completions only" in r.text
+
+
+def _lm_eval_parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-eval 0.4.13's ``LocalCompletionsAPI.parse_logprobs``: the continuation's logprob is the sum
+    of ``token_logprobs[ctxlen:-1]`` (the last entry is the one generated token); it is greedy when
+    each of its tokens' logprob is the best of its ``top_logprobs``."""
+    res = []
+    for choice, ctxlen in zip(sorted(out["choices"], key=lambda c: c["index"]), ctxlens):
+        lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        res.append((sum(lps), all(t == max(top.values()) for t, top in zip(lps, tops))))
+    return res
+
+
+def test_lm_eval_remote_tokenizer_and_loglikelihood_requests(server, llm):
+    """lm-eval's ``local-completions`` with ``tokenizer_backend=remote``, request for request (its
+    ``RemoteTokenizer`` and ``check_remote_tokenizer_support``, ``TemplateLM._encode_pair``,
+    ``LocalCompletionsAPI._create_payload``): GET /tokenizer_info, POST /tokenize with
+    ``add_special_tokens: false``, POST /detokenize, then one batched /v1/completions of token-id
+    prompts. Each summed continuation logprob equals the engine's own prompt scoring, and
+    is_greedy, computed as lm-eval does, is the engine's verdict: true for the model's greedy
+    continuation, false for a text continuation."""
+    base, h = server.base, _h()
+    assert httpx.get(base + "/tokenizer_info").status_code == 401
+    r = httpx.get(base + "/tokenizer_info", headers={**h, "Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["eos_token"] == "<｜end▁of▁sentence｜>" and info["bos_token"] == "<｜begin▁of▁sentence｜>"
+    assert info["tokenizer_class"] and info["add_bos_token"] is False and "chat_template" not in info
+
+    def encode(text: str) -> list[int]:
+        r = httpx.post(base + "/tokenize", headers=h, json={"prompt": text, "add_special_tokens": False})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    def decode(tokens: list[int]) -> str:
+        r = httpx.post(base + "/detokenize", headers=h, json={"tokens": tokens})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt"]
+
+    assert isinstance(encode("test"), list)                 # lm-eval's auto-detection probe
+    assert encode(info["eos_token"])[0] == 1 and encode(info["bos_token"])[0] == 0     # eos / prefix token ids
+    context, continuation = "Question: What is the capital of France?\nAnswer:", " Paris"
+    whole, ctx_text = encode(context + continuation), encode(context)
+    assert decode(whole) == context + continuation and whole[:len(ctx_text)] == ctx_text
+    pairs = [(ctx_text, whole[len(ctx_text):])]
+
+    # the model's greedy continuation of another context, token by token from the engine's prompt
+    # scores (each step scores the context so far plus a placeholder token)
+    ctx = encode("The capital of France is")
+    greedy: list[int] = []
+    for _ in range(3):
+        o = llm.generate([{"prompt_token_ids": ctx + greedy + [ctx[-1]]}],
+                         SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+        (t1, a), (_, b) = sorted(o.prompt_logprobs[-1].items(), key=lambda kv: -kv[1].logprob)[:2]
+        assert a.logprob - b.logprob > 1e-3, "a near-tie: the greedy token is not well defined here"
+        greedy.append(t1)
+    pairs.append((ctx, greedy))
+
+    payload = {"model": MODEL, "prompt": [c + k for c, k in pairs], "temperature": 0, "max_tokens": 1,
+               "logprobs": 1, "seed": 1234, "echo": True}
+    r = httpx.post(base + "/v1/completions", headers=h, json=payload, timeout=120)
+    assert r.status_code == 200, r.text
+    got = _lm_eval_parse_logprobs(r.json(), [len(c) for c, _ in pairs])
+    for (c, k), (lp, is_greedy) in zip(pairs, got):
+        pl = llm.generate([{"prompt_token_ids": c + k}], SamplingParams(max_tokens=0, prompt_logprobs=1))[0] \
+            .prompt_logprobs
+        want = [pl[len(c) + j][t] for j, t in enumerate(k)]
+        assert abs(lp - sum(w.logprob for w in want)) < 1e-3, (lp, want)
+        assert is_greedy == all(w.rank == 1 for w in want)
+    assert [g for _, g in got] == [False, True]
+
+
+def test_tokenizer_info_reads_the_tokenizer_config(tmp_path):
+    from dsv4.tokenizer import tokenizer_info
+    tok = SimpleNamespace(path=str(tmp_path / "tokenizer.json"), bos_token="<b>", eos_token="<e>")
+    assert tokenizer_info(tok) == {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<b>",
+                                   "eos_token": "<e>", "add_bos_token": False, "add_eos_token": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "X", "vocab_file": "/abs/vocab", "model_max_length": 77,
+        "eos_token": {"__type": "AddedToken", "content": "<eos>", "lstrip": False}}))
+    info = tokenizer_info(tok)
+    assert info["tokenizer_class"] == "X" and info["eos_token"] == "<eos>" and info["bos_token"] == "<b>"
+    assert info["model_max_length"] == 77 and "vocab_file" not in info
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json: cannot read it as JSON"):
+        tokenizer_info(tok)
 
 
 def test_longest_token_constant_matches_the_vocabulary():

@@ -2,7 +2,8 @@
 
 Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus, vLLM names), ``POST /tokenize``,
-``POST /detokenize`` (vLLM shapes), ``GET /version``, ``GET|POST /ping``.
+``POST /detokenize``, ``GET /tokenizer_info`` (vLLM shapes; what lm-evaluation-harness's
+``tokenizer_backend=remote`` calls), ``GET /version``, ``GET|POST /ping``.
 
 * Streaming is OpenAI's SSE: ``data: {json}\\n\\n`` chunks (chat: the first delta of each choice
   carries ``role``), ``finish_reason`` on each choice's last chunk, an optional usage chunk
@@ -15,8 +16,9 @@ Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``
   (``finish_reason: "tool_calls"``).
 * The engine runs on its own thread (:mod:`.async_engine`); the event loop only tokenizes (in a
   worker thread) and formats. A client that disconnects aborts its request, freeing its blocks.
-* ``api_key`` (bearer) guards every ``/v1`` route; ``max_waiting`` bounds the requests waiting
-  for the engine (503 beyond it). Errors use the schema of :mod:`.protocol`.
+* ``api_key`` (bearer) guards every route except ``/health``, ``/ping``, ``/version`` and
+  ``/metrics``; ``max_waiting`` bounds the requests waiting for the engine (503 beyond it). Errors
+  use the schema of :mod:`.protocol`.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine.llm_engine import EngineConfig, LLMEngine
+from ..tokenizer import tokenizer_info
 from . import protocol as P
 from .async_engine import AsyncEngine, EngineError
 from .chat_encoding import ChatEncodingError, StreamingParser, apply_chat_template, parse_completion, \
@@ -131,6 +134,7 @@ class OpenAIServer:
         self.max_waiting = max_waiting
         self.tokenizer = engine.tokenizer
         self.tt = P.TokenText(engine.tokenizer)
+        self.tokenizer_info = tokenizer_info(engine.tokenizer)
         self.vocab_size = int(engine.model_config.vocab_size)
         self.bos = int(engine.model_config.bos_token_id)
         self.max_model_len = int(engine.max_model_len)
@@ -618,6 +622,11 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
     async def detokenize(request: Request):
         srv.auth(request)
         return srv.detokenize(await _json(request))
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info(request: Request):
+        srv.auth(request)
+        return srv.tokenizer_info
 
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unsupported(rest: str, request: Request):
