@@ -43,8 +43,15 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
 def _cmd_bench_throughput(a: argparse.Namespace) -> int:
     from .engine.llm import LLM, benchmark_throughput
+    if not a.quiet:
+        what = f"a synthetic {a.synthetic} model ({a.layers} layers)" if a.synthetic else \
+            (a.model or "the embedded tiny model")
+        print(f"dsv4 bench throughput: building {what}", file=sys.stderr, flush=True)
     llm = LLM(a.model, **_engine_kw(a))
-    r = benchmark_throughput(llm, a.num_prompts, a.input_len, a.output_len, a.seed or 0)
+    if not a.quiet:
+        print(f"dsv4 bench throughput: {a.num_prompts} prompts of {a.input_len} tokens, {a.output_len} output "
+              f"tokens each", file=sys.stderr, flush=True)
+    r = benchmark_throughput(llm, a.num_prompts, a.input_len, a.output_len, a.seed or 0, progress=not a.quiet)
     print(f"requests      {r['requests']}\nelapsed       {r['elapsed_s']:.2f} s\n"
           f"requests/s    {r['requests_per_s']:.2f}\noutput tok/s  {r['output_tokens_per_s']:.1f}\n"
           f"total tok/s   {r['total_tokens_per_s']:.1f}\nsteps         {r['steps']}\n"
@@ -140,7 +147,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: dsv4-tiny, or the checkpoint dir's name)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (also env DSV4_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and "
+                        "/metrics (also env DSV4_API_KEY)")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="when this many requests wait for the engine, new ones get 503 (default: unbounded)")
     p.add_argument("--max-request-bytes", default="8MiB",

@@ -58,6 +58,46 @@ def test_make_tiny_into_a_non_empty_dir_names_the_flag(tmp_path):
     assert r.returncode == 2 and "--overwrite" in r.stderr and (tmp_path / "x").read_text() == "keep"
 
 
+def test_bench_throughput_shows_progress_on_stderr(tmp_path):
+    env = dict(os.environ, DSV4_CACHE_DIR=os.environ.get("DSV4_CACHE_DIR") or str(tmp_path / "cache"))
+    r = _run(["bench", "throughput", "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+              "--kv-cache-memory", "64MiB"], env)
+    assert r.returncode == 0, r.stderr
+    err = r.stderr
+    stages = ["building the embedded tiny model", "dsv4: loaded", "2 prompts of 8 tokens, 3 output tokens each",
+              "requests: 100%", "16 prompt + 6 output tokens"]
+    assert all(x in err for x in stages), err[-2000:]
+    assert [err.index(x) for x in stages] == sorted(err.index(x) for x in stages)
+    assert "requests      2" in r.stdout and "requests:" not in r.stdout     # the report alone on stdout
+    q = _run(["bench", "throughput", "--num-prompts", "1", "--input-len", "4", "--output-len", "1",
+              "--kv-cache-memory", "64MiB", "-q"], env)
+    assert q.returncode == 0 and q.stderr == "", q.stderr[-2000:]
+
+
+def test_validate_synthetic_shows_progress_on_stderr(tmp_path, monkeypatch, capsys):
+    """Every stage of ``validate --synthetic`` reports on stderr: the weights' byte bar, the two
+    models' builds, the teacher-forced steps, the engine run. The preset's real shapes cost minutes
+    on a CPU, so the synthetic preset is the tiny model's config here (the stages are the same)."""
+    import argparse
+
+    from dsv4 import config
+    from dsv4.checkpoint import synthetic
+    from dsv4.tools import validate
+    monkeypatch.setattr(synthetic, "_preset", lambda name: config.preset("tiny"))
+    p = argparse.ArgumentParser()
+    validate.add_parser(p.add_subparsers())
+    assert validate.run(p.parse_args(["validate", "--synthetic", "flash", "--layers", "2", "--experts", "4",
+                                      "--prompt-len", "16", "--steps", "2", "--engine-batch", "2"])) == 0
+    cap = capsys.readouterr()
+    stages = ["generating synthetic flash weights (2 layers, 4 experts)", "synthetic weights: 100%",
+              "loading the weights into the production model", "building the reference model",
+              "teacher-forced: a prefill of 16 tokens, then 2 decode steps", "teacher-forced steps: 100%",
+              "through the engine: the prompt in a batch of 2"]
+    assert all(x in cap.err for x in stages), cap.err[-2000:]
+    assert [cap.err.index(x) for x in stages] == sorted(cap.err.index(x) for x in stages)
+    assert "RESULT: OK" in cap.out and "synthetic weights" not in cap.out
+
+
 def test_every_flag_has_help():
     import argparse
     from dsv4.cli import build_parser

@@ -14,10 +14,13 @@ Metrics follow ``calculate_metrics`` in vllm/benchmarks/serve.py:
 
 Each latency metric is reported as mean / median / std / percentiles (``--metric-percentiles``,
 default 50,90,99) in ms. Output lengths come from the server's usage chunk
-(``stream_options.include_usage``), else from counting streamed chunks.
+(``stream_options.include_usage``), else from counting streamed chunks; input lengths from the
+same chunk's ``prompt_tokens``, else counted here: the token ids sent, or for chat the message's
+tokens after the V4 chat template (what the server prefills, not the random ids it was made of).
 
 Prompts are random token ids below 128000 (no special tokens), seeded by ``--seed``: sent as
-token-id lists to ``/v1/completions``, or decoded to text for ``/v1/chat/completions``.
+token-id lists to ``/v1/completions``, or decoded to text for ``/v1/chat/completions``. The saved
+JSON names the model served (``model_id``: ``--model``, else the first of ``GET /v1/models``).
 """
 from __future__ import annotations
 
@@ -101,8 +104,18 @@ async def _arrivals(n: int, rate: float, burstiness: float, rng: random.Random):
         await asyncio.sleep(rng.gammavariate(burstiness, theta))
 
 
+def chat_messages(ids: list[int], tok) -> tuple[list[dict], int]:
+    """The chat request's messages for the random prompt ``ids`` (decoded to text) and their token
+    count after the V4 chat template."""
+    from .chat_encoding import apply_chat_template
+    msgs = [{"role": "user", "content": tok.decode(ids)}]
+    return msgs, len(apply_chat_template(tok, msgs))
+
+
 async def _one(client, url: str, headers: dict, payload: dict, chat: bool, prompt_len: int,
                timeout: float) -> RequestResult:
+    """One streamed request; ``prompt_len`` is the client's count, replaced by the server's
+    ``usage.prompt_tokens`` when it sends one."""
     r = RequestResult(prompt_len=prompt_len)
     st = r.start = time.perf_counter()
     last = st
@@ -127,6 +140,8 @@ async def _one(client, url: str, headers: dict, payload: dict, chat: bool, promp
                     return r
                 if obj.get("usage") and not obj.get("choices"):
                     usage_tokens = obj["usage"].get("completion_tokens")
+                    if isinstance(obj["usage"].get("prompt_tokens"), int):
+                        r.prompt_len = obj["usage"]["prompt_tokens"]
                     continue
                 text = ""
                 for ch in obj.get("choices", []):
@@ -283,20 +298,22 @@ async def run_benchmark(args) -> tuple[dict, list[RequestResult]]:
             from ..tokenizer import load_tokenizer
             tok = load_tokenizer(None)
 
-        def payload(ids: list[int], out_len: int) -> dict:
+        def request(ids: list[int], out_len: int) -> tuple[dict, int]:
+            """The request body and its prompt's token count (chat: after the chat template)."""
             d = {"model": model, "max_tokens": out_len, "temperature": args.temperature, "stream": True,
                  "stream_options": {"include_usage": True}}
             if args.ignore_eos:
                 d["ignore_eos"] = True
             if chat:
-                d["messages"] = [{"role": "user", "content": tok.decode(ids)}]
+                d["messages"], n = chat_messages(ids, tok)
             else:
-                d["prompt"] = ids
-            return d
+                d["prompt"], n = ids, len(ids)
+            return d, n
 
+        reqs = [request(ids, out_len) for ids, out_len in prompts]
         # one test request first (as vLLM does): fail fast when the server is not usable
-        ids0, out0 = prompts[0]
-        test = await _one(client, url, headers, payload(ids0, min(out0, 4)), chat, len(ids0), args.timeout)
+        test = await _one(client, url, headers, {**reqs[0][0], "max_tokens": min(prompts[0][1], 4)}, chat,
+                          reqs[0][1], args.timeout)
         if not test.success:
             raise RuntimeError(f"the test request failed: {test.error}")
         print(f"dsv4 bench serve: {args.num_prompts} prompts -> {url} (model {model}); test request ok",
@@ -305,21 +322,20 @@ async def run_benchmark(args) -> tuple[dict, list[RequestResult]]:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed)
 
-        async def limited(ids, out_len):
+        async def limited(body, prompt_len):
             if sem is None:
-                return await _one(client, url, headers, payload(ids, out_len), chat, len(ids), args.timeout)
+                return await _one(client, url, headers, body, chat, prompt_len, args.timeout)
             async with sem:
-                return await _one(client, url, headers, payload(ids, out_len), chat, len(ids), args.timeout)
+                return await _one(client, url, headers, body, chat, prompt_len, args.timeout)
 
         t0 = time.perf_counter()
         tasks = []
-        async for i in _arrivals(len(prompts), args.request_rate, args.burstiness, rng):
-            ids, out_len = prompts[i]
-            tasks.append(asyncio.create_task(limited(ids, out_len)))
+        async for i in _arrivals(len(reqs), args.request_rate, args.burstiness, rng):
+            tasks.append(asyncio.create_task(limited(*reqs[i])))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    m = calculate_metrics(list(results), duration, percentiles)
+    m = {"model_id": model, **calculate_metrics(list(results), duration, percentiles)}
     return m, list(results)
 
 
@@ -352,7 +368,7 @@ def main_from_args(args) -> int:
             print(f"dsv4 bench serve: wrote {args.plot}", file=sys.stderr)
     if args.save_result or args.result_file:
         result = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if "chat" in args.endpoint
-                  else "openai", "endpoint": args.endpoint, "model_id": args.model, "num_prompts": args.num_prompts,
+                  else "openai", "endpoint": args.endpoint, "num_prompts": args.num_prompts,
                   "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
                   "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
                   "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed, **m}

@@ -23,6 +23,9 @@ same names (``L<i>.hc_pre``, ``.q``, ``.kv``, ``.compressor``, ``.indexer_compre
 ``--synthetic flash|pro --layers N`` generates real-shaped weights (``checkpoint.synthetic``) in
 device memory instead of reading a checkpoint. The reference holds every weight in fp32, so a
 synthetic model keeps ``--experts`` routed experts (default 16) instead of 256 / 384.
+
+Each stage (weights, production model, reference, teacher-forced steps, engine) reports its
+progress on stderr unless ``-q``; the report itself goes to stdout.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import time
 from collections import defaultdict
 
 import torch
+from tqdm import tqdm
 
 THRESH_COS = 0.995
 THRESH_TOPK = 0.98
@@ -102,17 +106,32 @@ def _margin(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
+def _say(args, msg: str) -> None:
+    if not args.quiet:
+        print(f"dsv4 validate: {msg}", file=sys.stderr, flush=True)
+
+
 def load_models(args, dev):
     """(config, production model, reference model, tokenizer path or None, description)."""
     from ..model.deepseek_v4 import DeepseekV4
     from ..ops import Ops
     from ..reference.model import ReferenceModel
     if args.synthetic:
-        from ..checkpoint.schema import expert_format_of_config
+        from ..checkpoint.schema import expected_specs, expert_format_of_config
         from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
         cfg = synthetic_config(args.synthetic, args.layers, args.experts)
-        tensors = {n: t for n, t in iter_synthetic_tensors(cfg, args.seed, dev) if not n.startswith("mtp.")}
         efmt, wfmt, path = expert_format_of_config(cfg), "fp8", None
+        specs = expected_specs(cfg, efmt)        # the stream yields the MTP blocks too (then dropped)
+        total = sum(sp.dtype.itemsize * torch.Size(sp.shape).numel() for sp in specs.values())
+        _say(args, f"generating synthetic {args.synthetic} weights ({args.layers} layers, {cfg.n_routed_experts} "
+                   f"experts) on {dev}")
+        tensors = {}
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                  disable=args.quiet, desc="synthetic weights") as bar:
+            for n, t in iter_synthetic_tensors(cfg, args.seed, dev):
+                bar.update(t.numel() * t.element_size())
+                if not n.startswith("mtp."):
+                    tensors[n] = t
         where = f"synthetic {args.synthetic}, {args.layers} layers, {cfg.n_routed_experts} experts"
     else:
         from ..checkpoint.loader import load_checkpoint
@@ -122,8 +141,10 @@ def load_models(args, dev):
         cfg, efmt, wfmt = ck.config, ck.expert_format, ck.wo_a_format
         tensors = {n: t.to(dev) for n, t in ck.tensors.items() if not n.startswith("mtp.")}
         where = path
+    _say(args, "loading the weights into the production model")
     prod = DeepseekV4(cfg, efmt, wfmt, dev, Ops(dev, None if args.kernels else False))
     prod.load(tensors.items())
+    _say(args, "building the reference model (weights dequantised to fp32)")
     ref = ReferenceModel(cfg, tensors, numerics=args.numerics)
     return cfg, prod, ref, path, where
 
@@ -149,6 +170,8 @@ def teacher_forced(args, cfg, prod, ref, ids, dev, agg) -> tuple[list[int], list
     force = (lambda tr: None) if args.free_running else Forcer
     checks = {"nonfinite": 0, "argmax_agree": 0, "first_eos": False}
 
+    _say(args, f"teacher-forced: a prefill of {len(ids)} tokens, then {args.steps} decode steps")
+    bar = tqdm(total=args.steps + 1, file=sys.stderr, disable=args.quiet, desc="teacher-forced steps")
     tok = torch.tensor(ids, device=dev)
     ref.trace = rtr = {}
     lr = ref.forward([(tok, rst)])[0]
@@ -163,6 +186,7 @@ def teacher_forced(args, cfg, prod, ref, ids, dev, agg) -> tuple[list[int], list
     greedy, margins = [int(lr.argmax())], [_margin(lr)]
     checks["argmax_agree"] += int(lp.argmax()) == greedy[0]
     checks["nonfinite"] += int((~torch.isfinite(lp)).sum())
+    bar.update(1)
     for _ in range(args.steps):
         token, pos = greedy[-1], st.pos
         ref.trace = rtr = {}
@@ -181,6 +205,8 @@ def teacher_forced(args, cfg, prod, ref, ids, dev, agg) -> tuple[list[int], list
         margins.append(_margin(lr))
         checks["argmax_agree"] += int(lp.argmax()) == greedy[-1]
         checks["nonfinite"] += int((~torch.isfinite(lp)).sum())
+        bar.update(1)
+    bar.close()
     ref.trace = None
     st.release()
     return greedy, margins, checks
@@ -211,6 +237,7 @@ def through_engine(args, cfg, prod, path, ids, greedy, margins, dev) -> tuple[bo
         return [outs[f"{tag}{i}"] for i in range(len(batch))]
 
     lines, ok = [], True
+    _say(args, f"through the engine: the prompt in a batch of {B}, then alone, {n_new} tokens each")
     batched = run(prompts, "batch-")
     alone = run([ids], "alone-")[0]
     for name, out in ((f"batch of {B}", batched[0]), ("alone", alone)):
@@ -307,5 +334,5 @@ def add_parser(sub) -> None:
     v.add_argument("--margin", type=float, default=0.5,
                    help="engine tokens must equal the reference's greedy ones while its top-1 margin is >= this")
     v.add_argument("--enforce-eager", action="store_true", help="the engine without CUDA graphs")
-    v.add_argument("-q", "--quiet", action="store_true", help='no load progress on stderr')
+    v.add_argument("-q", "--quiet", action="store_true", help='no progress on stderr')
     v.set_defaults(fn=run)
