@@ -455,12 +455,20 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_ta
 
 
 def index_scores_torch(q, w, pages, block_table, pos, n=None, out_dtype=torch.bfloat16, **_):
-    """The scoring part of ``reference.indexer.Indexer.select`` on the paged cache (official numerics)."""
+    """The scoring part of ``reference.indexer.Indexer.select`` on the paged cache (official numerics).
+    Only the entries some row can see are decoded and scored (the reference's own key count; the
+    rest are -inf): the table may span ``max_model_len`` while the sequences hold a few entries."""
     from ..formats.index_key import read_index_keys
     from ..reference.numerics import OFFICIAL as num
     B = q.shape[0]
     n_bt = block_table.shape[1]
-    n = INDEX_PAGE * n_bt if n is None else n
+    n_out = INDEX_PAGE * n_bt if n is None else n
+    n = min(n_out, int((pos.long().max() + 1) // 4)) if B else 0        # the twin synchronises anyway
+    if n < n_out:
+        out = torch.full((B, n_out), float("-inf"), dtype=out_dtype, device=q.device)
+        if n:
+            out[:, :n] = index_scores_torch(q, w, pages, block_table, pos, n, out_dtype)
+        return out
     j = torch.arange(n, device=q.device)[None, :].expand(B, -1)
     blk = block_table.long().gather(1, (j // INDEX_PAGE).clamp(max=n_bt - 1))
     ids = torch.where(blk >= 0, blk * INDEX_PAGE + j % INDEX_PAGE, -1)
