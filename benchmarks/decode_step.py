@@ -7,6 +7,13 @@ the given batch sizes, with the time of every layer and of the head.
 
 The caches hold ``ctx`` positions of valid random FP8 / MXFP4 / fp32 contents for every sequence.
 
+Tensor parallelism: run under torchrun, one process per GPU (NCCL; gloo on CPU), every rank builds
+its slice and runs the same steps; rank 0 prints. Times are then fixed-count graph replays (every
+rank replays the same number, so the collectives pair up), and ``--profile-step`` also reports the
+share of the NCCL kernels in the step:
+
+    PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/decode_step.py --model flash --layers 4 --batch 1,64 --profile-step
+
 Times are CUDA-graph replays (``do_bench`` medians) with the L2 flushed before every call. A layer's
 time excludes the per-step index / RoPE rows (``kernels/decode_meta.py``, one launch per step, which the
 full step includes). floor = bytes a step must move / measured copy bandwidth: the layer's
@@ -78,6 +85,42 @@ def layer_bytes(model, cfg, i, B, ctx, ratio):
     return dense + hit * experts / E + kv
 
 
+def fixed_graph_time(fn, reps=3, iters=20):
+    """GPU ms of fn from ``iters`` replays of a graph of ``reps`` calls, the L2 flushed before
+    every call (the flush timed alone and subtracted): the same count on every rank (tensor
+    parallelism: ``do_bench`` picks its count per process, and collectives must pair up)."""
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
+    flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def graph(body):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            body()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                flush_buf.zero_()
+                body()
+        return g
+
+    def time_of(g):
+        g.replay()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / (iters * reps)
+
+    return time_of(graph(fn)) - time_of(graph(lambda: None))
+
+
 def kernel_profile(fn, reps=5, top=25):
     """[(kernel name, launches per call, GPU us per call)] of ``fn``, largest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -94,7 +137,10 @@ def kernel_profile(fn, reps=5, top=25):
             agg[e.name] = (n + 1, t + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)))
     rows = sorted(((k, n // reps, t / reps) for k, (n, t) in agg.items()), key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
-    return rows[:top] + [("(all kernels)", sum(r[1] for r in rows), total)]
+    comm = [r for r in rows if "nccl" in r[0].lower()]
+    extra = [(f"(NCCL collectives: {sum(r[2] for r in comm) / total * 100:.1f}% of the step)",
+              sum(r[1] for r in comm), sum(r[2] for r in comm))] if comm else []
+    return rows[:top] + extra + [("(all kernels)", sum(r[1] for r in rows), total)]
 
 
 def main():
@@ -115,6 +161,22 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     group = None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    timer = graph_time
+    if world > 1:                                   # torchrun: one rank per process
+        import torch.distributed as dist
+
+        from dsv4.parallel import Group
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        dist.all_reduce(torch.zeros(1, device=dev))
+        group = Group(dist.group.WORLD)
+        timer = fixed_graph_time
+        if group.rank:
+            global log
+            log = lambda *a: None                   # noqa: E731  (rank 0 prints)
     if args.one_rank_collectives:
         import socket
 
@@ -155,11 +217,11 @@ def main():
         bt = bt.to(dev)
         with torch.no_grad():
             h0 = torch.nn.functional.embedding(tokens, model.embed).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
-            step = graph_time(lambda: model(model.decode_context(tokens, pos, sl, bt)))
+            step = timer(lambda: model(model.decode_context(tokens, pos, sl, bt)))
             ctx = model.decode_context(tokens, pos, sl, bt)
             ctx.meta = model._meta(ctx)                 # the step's per-step values, computed once per step
-            per_layer = [graph_time(lambda i=i: model.layers[i](h0, ctx)) for i in range(args.layers)]
-            head = graph_time(lambda: model.head_logits(h0, ctx))
+            per_layer = [timer(lambda i=i: model.layers[i](h0, ctx)) for i in range(args.layers)]
+            head = timer(lambda: model.head_logits(h0, ctx))
         if args.profile_layer is not None and dev.type == "cuda":
             profiles.append((B, f"layer {args.profile_layer}",
                              kernel_profile(lambda: model.layers[args.profile_layer](h0, ctx))))
@@ -171,7 +233,7 @@ def main():
             nb = layer_bytes(model, cfg, i, B, args.ctx, r)
             rows.append((B, f"layer {i} ({'CSA' if r == 4 else 'HCA' if r else 'window'}"
                             f"{', hash' if i < cfg.num_hash_layers else ''})", t * 1e3, nb))
-        hb = cfg.vocab_size * cfg.hidden_size * 2
+        hb = cfg.vocab_size * cfg.hidden_size * 2 // world          # this rank's vocabulary slice
         rows.append((B, "hc_head + norm + head", head * 1e3, hb))
         rows.append((B, "full step", step * 1e3, sum(x[3] for x in rows if x[0] == B and x[1] != "full step")))
         for x in rows[-(args.layers + 2):]:
@@ -179,11 +241,14 @@ def main():
                 f"({x[3] / copy_bw * 1e6 / x[2] * 100:4.0f}%)")
     md = [f"## Decode step (DeepseekV4), synthetic {args.model} ({args.layers} layers), {datetime.date.today()}, "
           f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU smoke run'}", "",
-          f"Command: `PYTHONPATH=. python benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
+          f"Command: `PYTHONPATH=. {f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} "
+          f"benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
           f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}"
-          f"{' --one-rank-collectives' if group else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "
+          f"{' --one-rank-collectives' if args.one_rank_collectives else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "
           f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
-          f"{cfg.n_routed_experts} routed experts (MXFP4); weights {model.weight_bytes() / 2**30:.2f} GiB. Times: CUDA-graph replays, L2 flushed before each call.", "",
+          f"{cfg.n_routed_experts} routed experts (MXFP4); weights {model.weight_bytes() / 2**30:.2f} GiB"
+          f"{f' per rank, tensor parallel over {world}' if world > 1 else ''}. Times: CUDA-graph replays, L2 flushed before each call"
+          f"{' (fixed replay counts)' if world > 1 else ''}.", "",
           "| batch | part | us | floor us (bytes / copy BW) | % of floor |", "|---|---|---|---|---|"]
     for B, name, us, nb in rows:
         fl = nb / copy_bw * 1e6
@@ -194,6 +259,8 @@ def main():
         md += [f"| `{name[:90]}` | {n} | {us:.1f} |" for name, n, us in prof]
         md += ["", "</details>"]
     text = "\n".join(md) + "\n"
+    if group is not None and group.rank:
+        return
     print(text)
     if args.out:
         with open(args.out, "a") as f:
