@@ -3,8 +3,10 @@ import os
 import pytest
 import torch
 
-# Deterministic CPU numerics and a bounded thread count on the 2-core CI machines.
+# Deterministic CPU numerics and a bounded thread count on the 2-core CI machines; engines built by
+# the tests keep it (DSV4_NUM_THREADS overrides the serving rule, ``llm_engine.engine_threads``).
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+os.environ.setdefault("DSV4_NUM_THREADS", str(torch.get_num_threads()))
 # Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported
 # (``triton.jit`` picks the interpreter when a kernel is defined). This is the one place that sets it:
 # on a GPU machine a plain ``pytest`` runs the kernels compiled. Offline (AOT) compiles run in a

@@ -216,3 +216,23 @@ def test_prompt_logprobs_are_the_reference_s_in_any_chunking(tmp_path, monkeypat
             assert abs(d[ids[i]].logprob - float(lp[i - 1, ids[i]])) < 1e-4
             top = lp[i - 1].topk(2)
             assert [t for t, v in d.items() if v.rank in (1, 2) and t in top.indices.tolist()]
+
+
+def test_engine_thread_rule(monkeypatch):
+    """torch threads of an engine: DSV4_NUM_THREADS when set (a bad value is an error naming it);
+    else 1 on a GPU and the usable cores less one, split over the machine's ranks, on a CPU."""
+    import os
+
+    from dsv4.engine.llm_engine import engine_threads
+    monkeypatch.setenv("DSV4_NUM_THREADS", "3")
+    assert engine_threads("cpu") == 3 and engine_threads("cuda") == 3
+    for bad in ("0", "two"):
+        monkeypatch.setenv("DSV4_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match="DSV4_NUM_THREADS must be a positive integer"):
+            engine_threads("cpu")
+    monkeypatch.delenv("DSV4_NUM_THREADS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(9)))
+    assert engine_threads("cuda") == 1
+    assert engine_threads("cpu") == 8 and engine_threads("cpu", world=2) == 4 and engine_threads("cpu", world=16) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert engine_threads("cpu") == 1

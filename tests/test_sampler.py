@@ -5,7 +5,7 @@ import torch
 
 from dsv4.engine.sampler import (NonFiniteLogitsError, Sampler, StopChecker,
                                  apply_penalties, check_stop, make_generator, stop_holdback_len)
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 V = 32
 
@@ -295,6 +295,12 @@ BAD = [
     (dict(seed=1.5), "seed"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(logit_bias={1: 101}), "logit_bias"),
+    (dict(logit_bias={1: float("nan")}), "logit_bias"),
+    (dict(logit_bias={-1: 1}), "logit_bias"),
+    (dict(logit_bias={"1": 1}), "logit_bias"),
+    (dict(logit_bias=[1]), "logit_bias"),
+    (dict(structured_outputs={"json": {}}), "structured_outputs"),
 ]
 
 
@@ -423,3 +429,95 @@ def test_top_k_top_p_match_reference_with_ties_fast_and_fallback():
             # batch independence: the row alone gives the identical result
             alone = _apply_top_k_top_p(x[r:r + 1], [k], [p])
             assert torch.equal(alone[0], out[r])
+
+
+# ------------------------------------------------------------------------------ logit_bias
+def test_logit_bias_added_before_sampling():
+    torch.manual_seed(1)
+    lg = torch.randn(3, V)
+    top = lg.argmax(-1).tolist()
+    low = lg.argmin(-1).tolist()
+    ps = [SamplingParams(temperature=0, logit_bias={low[0]: 100}),
+          SamplingParams(temperature=0, logit_bias={top[1]: -100, V + 5: 100}, logprobs=1),
+          SamplingParams(temperature=0)]
+    res = _run(lg, ps)
+    assert res.token_ids[0] == low[0]                          # +100 makes the worst token the argmax
+    second = lg[1].clone()
+    second[top[1]] -= 100
+    assert res.token_ids[1] == int(second.argmax()) != top[1]    # ids outside the vocab are ignored
+    assert res.token_ids[2] == top[2]                            # a row without bias is untouched
+    # logprobs describe the biased distribution
+    assert math.isclose(res.logprobs[1][res.token_ids[1]], torch.log_softmax(second, -1)[res.token_ids[1]].item(),
+                        abs_tol=1e-5)
+    # sampled rows: +100 on one token leaves the others with probability ~e^-100
+    g = make_generator(0, "cpu")
+    res = _run(lg[2:].expand(50, -1).contiguous(), [SamplingParams(temperature=1.0, logit_bias={low[2]: 100})] * 50,
+               [g] * 50)
+    assert set(res.token_ids) == {low[2]}
+
+
+# ------------------------------------------------------------------------------ grammar mask
+@pytest.fixture(scope="module")
+def grammars():
+    pytest.importorskip("llguidance")
+    from dsv4.engine.structured import GrammarCompiler
+    from dsv4.tokenizer import load_tokenizer
+    tok = load_tokenizer(None)
+    return GrammarCompiler(tok, tok.vocab_size, tok.eos_id)
+
+
+def test_apply_bitmask_masks_exactly_the_cleared_bits():
+    from dsv4.engine.structured import apply_bitmask
+    Vb = 1000                                     # not a multiple of 32: the last word is partial
+    g = torch.Generator().manual_seed(0)
+    bm = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, (Vb + 31) // 32), dtype=torch.int32, generator=g)
+    x = torch.randn(3, Vb, generator=g)
+    out = apply_bitmask(x, bm)
+    for r in range(3):
+        for t in range(Vb):
+            allowed = (int(bm[r, t // 32]) >> (t % 32)) & 1
+            assert (out[r, t].item() == x[r, t].item()) if allowed else out[r, t].item() == float("-inf")
+
+
+def test_grammar_mask_is_batched_and_leaves_other_rows_alone(grammars):
+    """Rows 0 and 2 are constrained (digits; a choice), rows 1 and 3 are not. Over many steps of
+    random logits every constrained token is one its grammar allows, and the unconstrained rows
+    sample exactly what they sample in a batch with no constraint (same seeds)."""
+    tok = grammars.tokenizer
+    Vt = grammars.vocab_size
+    sampler = Sampler(tok.eos_id)
+    digits = grammars.compile(StructuredOutputsParams(regex="[0-9]{1,40}"))
+    choice = grammars.compile(StructuredOutputsParams(choice=["Paris", "Rome", "Reykjavik"]))
+    m0, m2 = digits.matcher(), choice.matcher()
+    params = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0.9, seed=2),
+              SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    gens_a = [make_generator(p.seed) for p in params]
+    gens_b = [make_generator(p.seed) for p in params]
+    g = torch.Generator().manual_seed(0)
+    texts = ["", ""]
+    for step in range(12):
+        lg = torch.randn(4, Vt, generator=g)
+        a = sampler(lg, params, generators=gens_a, matchers=[m0, None, m2 if not m2.is_stopped() else None, None])
+        b = sampler(lg, params, generators=gens_b)
+        assert a.errors == [None] * 4
+        assert a.token_ids[1] == b.token_ids[1] and a.token_ids[3] == b.token_ids[3]
+        for k, (m, i) in enumerate(((m0, 0), (m2, 2))):
+            if i == 2 and m.is_stopped():
+                continue
+            t = a.token_ids[i]
+            assert m.consume_token(t), (step, i, t, m.get_error())
+            texts[k] += tok.decode([t])
+    assert texts[0].isdigit() and len(texts[0]) <= 40, texts[0]
+    assert texts[1] in ("Paris", "Rome", "Reykjavik") and m2.is_stopped(), texts[1]
+
+
+def test_grammar_mask_failed_matcher_fails_only_its_row(grammars):
+    sampler = Sampler(grammars.eos_token_id)
+    bad = grammars.compile(StructuredOutputsParams(regex="[0-9]+")).matcher()
+    assert not bad.consume_token(grammars.tokenizer.encode("x")[0])      # a token the grammar forbids
+    ok = grammars.compile(StructuredOutputsParams(regex="[0-9]+")).matcher()
+    lg = torch.randn(3, grammars.vocab_size, generator=torch.Generator().manual_seed(3))
+    res = sampler(lg, [SamplingParams(temperature=0)] * 3, matchers=[bad, ok, None])
+    assert res.token_ids[0] == -1 and "grammar matcher failed" in res.errors[0]
+    assert res.errors[1] is None and grammars.tokenizer.decode([res.token_ids[1]]).isdigit()
+    assert res.errors[2] is None and res.token_ids[2] == int(lg[2].argmax())

@@ -383,10 +383,38 @@ BAD = [
      "invalid_request_error", "chat_template_kwargs"),
     ("reasoning_effort int", "POST", "/v1/chat/completions", {"reasoning_effort": 5}, None, 400,
      "invalid_request_error", "reasoning_effort"),
-    ("logit_bias", "POST", "/v1/completions", {"logit_bias": {"1": 5}}, None, 400, "invalid_request_error",
+    ("logit_bias out of range", "POST", "/v1/completions", {"logit_bias": {"1": 500}}, None, 400,
+     "invalid_request_error", "logit_bias"),
+    ("logit_bias id out of vocab", "POST", "/v1/chat/completions", {"logit_bias": {"999999": 1}}, None, 400,
+     "invalid_request_error", "logit_bias"),
+    ("logit_bias key not an id", "POST", "/v1/completions", {"logit_bias": {"abc": 1}}, None, 400,
+     "invalid_request_error", "logit_bias"),
+    ("logit_bias list", "POST", "/v1/completions", {"logit_bias": [1, 2]}, None, 400, "invalid_request_error",
      "logit_bias"),
     ("response_format bogus", "POST", "/v1/chat/completions", {"response_format": {"type": "xml"}}, None, 400,
      "invalid_request_error", "response_format"),
+    ("response_format bad schema", "POST", "/v1/chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, None,
+     400, "invalid_request_error", "response_format"),
+    ("response_format without schema", "POST", "/v1/chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None, 400, "invalid_request_error",
+     "response_format"),
+    ("guided_regex unclosed", "POST", "/v1/completions", {"guided_regex": "[0-9"}, None, 400,
+     "invalid_request_error", "guided_regex"),
+    ("structured_outputs unknown key", "POST", "/v1/completions", {"structured_outputs": {"xml": "a"}}, None, 400,
+     "invalid_request_error", "structured_outputs"),
+    ("two constraints", "POST", "/v1/completions", {"guided_choice": ["a"], "structured_outputs": {"regex": "a"}},
+     None, 400, "invalid_request_error", "guided_choice"),
+    ("tool_choice names no tool", "POST", "/v1/chat/completions",
+     {"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, None, 400, "invalid_request_error",
+     "tool_choice"),
+    ("tool_choice malformed", "POST", "/v1/chat/completions",
+     {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}}, None, 400,
+     "invalid_request_error", "tool_choice"),
+    ("tool_choice and response_format", "POST", "/v1/chat/completions",
+     {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, None, 400, "invalid_request_error", "tool_choice"),
     ("prompt too long", "POST", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hello " * (MAX_MODEL_LEN + 50)}]}, None, 400,
      "invalid_request_error", "messages"),
@@ -446,6 +474,164 @@ def test_bad_inputs_table(server):
     r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), json=_GOOD_CHAT, timeout=300)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
     assert httpx.get(server.base + "/health").status_code == 200
+
+
+# ============================================================================ structured outputs
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", None]}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "hourly": {"type": "boolean"}}, "required": ["city", "days"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def _check_person(v) -> None:
+    """PERSON's schema, checked by hand."""
+    assert isinstance(v, dict) and {"name", "age"} <= set(v) <= {"name", "age", "pet"}, v
+    assert isinstance(v["name"], str) and len(v["name"]) <= 8, v
+    assert isinstance(v["age"], int) and not isinstance(v["age"], bool) and 0 <= v["age"] <= 120, v
+    assert v.get("pet") in ("cat", "dog", None), v
+
+
+def _check_tool_call(call) -> None:
+    """One OpenAI tool call whose arguments satisfy its tool's parameters schema."""
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.id.startswith("call_")
+    if call.function.name == "get_weather":
+        assert {"city", "days"} <= set(args) <= {"city", "days", "hourly"}, args
+        assert args["city"] in ("Paris", "Rome", "Oslo") and isinstance(args["days"], int), args
+        assert 1 <= args["days"] <= 7 and isinstance(args.get("hourly", False), bool), args
+    else:
+        assert call.function.name == "get_time" and args in ({"zone": "UTC"}, {"zone": "CET"}), args
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def test_structured_outputs_with_the_openai_client(server, client):
+    """response_format json_object / json_schema, tool_choice required / named (streamed), vLLM's
+    structured_outputs / guided_json on completions, n=3 (a matcher per sample): the near-random
+    tiny model's unconstrained text is not JSON; the constrained text parses and follows the
+    schema, and the forced tool calls come back as OpenAI tool_calls whose arguments satisfy the
+    tool's schema. (Kept to ~150 generated tokens: on the CI CPU every token costs the same
+    whether batched or not.)"""
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    tmsgs = [{"role": "user", "content": "What time is it in Paris?"}]
+    schema_fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    chat = client.chat.completions.create
+    choices = ["yes", "no", "maybe not"]
+    with ThreadPoolExecutor(8) as ex:
+        f_free = ex.submit(chat, model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+        f_obj = ex.submit(chat, model=MODEL, messages=msgs, max_tokens=100, temperature=0,
+                          response_format={"type": "json_object"})
+        f_schema = ex.submit(chat, model=MODEL, messages=msgs, max_tokens=100, temperature=0,
+                             response_format=schema_fmt)
+        f_req = ex.submit(chat, model=MODEL, messages=tmsgs, max_tokens=100, temperature=0,
+                          tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", parallel_tool_calls=False)
+        f_named = ex.submit(lambda: list(chat(
+            model=MODEL, messages=tmsgs, max_tokens=100, temperature=0, stream=True, tools=[WEATHER_TOOL, TIME_TOOL],
+            tool_choice={"type": "function", "function": {"name": "get_time"}})))
+        f_choice = ex.submit(client.completions.create, model=MODEL, prompt="Yes or no?", max_tokens=20,
+                             temperature=1.0, seed=3, n=3, extra_body={"structured_outputs": {"choice": choices}})
+        f_int = ex.submit(client.completions.create, model=MODEL, prompt="A number:", max_tokens=20, temperature=0,
+                          extra_body={"guided_json": {"type": "integer", "minimum": 0, "maximum": 999}})
+        free, obj, schema, req, named, choice, num = (f.result() for f in (
+            f_free, f_obj, f_schema, f_req, f_named, f_choice, f_int))
+
+    assert not _is_json(free.choices[0].message.content), free.choices[0].message.content
+    c = obj.choices[0]
+    assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict), c.message.content
+    c = schema.choices[0]
+    assert c.finish_reason == "stop", c.message.content
+    _check_person(json.loads(c.message.content))
+    assert [c.index for c in choice.choices] == [0, 1, 2]
+    assert all(c.text in choices and c.finish_reason == "stop" for c in choice.choices), choice.choices
+    n = json.loads(num.choices[0].text)
+    assert num.choices[0].finish_reason == "stop" and isinstance(n, int) and 0 <= n <= 999, num.choices[0].text
+
+    c = req.choices[0]
+    assert c.finish_reason == "tool_calls" and not c.message.content, c.message
+    [call] = c.message.tool_calls
+    _check_tool_call(call)
+    # streamed, named: the call arrives as tool_calls deltas, finish_reason tool_calls
+    deltas = [ch.choices[0] for ch in named if ch.choices]
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert not "".join(d.delta.content or "" for d in deltas).strip()
+    [call] = [tc for d in deltas for tc in (d.delta.tool_calls or [])]
+    assert call.function.name == "get_time"
+    _check_tool_call(call)
+
+    # bad input: a 400 whose message says what is wrong
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(model=MODEL, messages=msgs, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"type": "bogus"}}}}})
+    assert e.value.status_code == 400 and "Invalid type" in e.value.message and "response_format" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"5": 101})
+    assert "[-100, 100]" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"129280": 1})
+    assert "outside the vocabulary" in e.value.message
+
+
+def test_logit_bias_with_the_openai_client(server, client, llm):
+    """+100 on one token makes greedy decoding emit only that token; -100 on the greedy choice
+    makes the model pick another one."""
+    prompt = "The capital of France is"
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0)
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].outputs[0].token_ids[0]
+    assert llm.get_tokenizer().decode([first]) == base.choices[0].logprobs.tokens[0]     # the server's greedy token
+    tid = 4000
+    text = httpx.post(server.base + "/detokenize", headers=_h(), json={"tokens": [tid]}).json()["prompt"]
+    assert tid != first and base.choices[0].text != text * 4
+    with ThreadPoolExecutor(3) as ex:
+        f_up = ex.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                         logit_bias={str(tid): 100})
+        f_chat = ex.submit(client.chat.completions.create, model=MODEL, max_tokens=3, temperature=0,
+                           messages=[{"role": "user", "content": prompt}], logit_bias={str(tid): 100})
+        f_down = ex.submit(client.completions.create, model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                           logit_bias={str(first): -100}, logprobs=0)
+        up, chat, down = f_up.result(), f_chat.result(), f_down.result()
+    assert up.choices[0].text == text * 4
+    assert chat.choices[0].message.content == text * 3
+    assert down.choices[0].logprobs.tokens[0] != base.choices[0].logprobs.tokens[0]
+
+
+def test_structured_output_survives_preemption(llm):
+    """A constrained sequence preempted mid-way re-prefills prompt + output; its matcher stays
+    with its tokens, so it finishes as an undisturbed run does, inside the grammar."""
+    from dsv4.engine.sampling_params import StructuredOutputsParams
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=20, temperature=0,
+                        structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,10}\.[0-9]{2}"))
+    ref = llm.generate(["Once upon a time"], sp)[0].outputs[0]
+    assert ref.finish_reason == "stop" and re.fullmatch(r"[a-z]{2,10}\.[0-9]{2}", ref.text), ref.text
+    assert len(ref.token_ids) > 2, ref.token_ids
+    eng.add_request("preempted", "Once upon a time", sp)
+    seq = eng.requests["preempted"][0]
+    final = None
+    while final is None:
+        for out in eng.step():
+            if out.finished:
+                final = out.outputs[0]
+        if len(seq.output_ids) == 2 and seq.num_preemptions == 0 and seq in eng.scheduler.running:
+            eng.scheduler._preempt(seq)
+    assert seq.num_preemptions == 1
+    assert (final.text, final.token_ids, final.finish_reason) == (ref.text, ref.token_ids, "stop")
 
 
 # ============================================================================ concurrency + disconnects
@@ -846,6 +1032,37 @@ def test_sampling_param_mapping_unit():
     from dsv4.server.app import _default_name
     assert _default_name(SimpleNamespace(cfg=SimpleNamespace(model=None))) == "dsv4-tiny"
     assert _default_name(SimpleNamespace(cfg=SimpleNamespace(model="/ckpts/DeepSeek-V4-Flash/"))) == "DeepSeek-V4-Flash"
+
+
+def test_structured_outputs_and_logit_bias_mapping_unit():
+    from dsv4.engine.sampling_params import StructuredOutputsParams as S
+    from dsv4.server import protocol as P
+    assert P.sampling_params({"logit_bias": {"5": 10, "7": -100}}, "chat", None, 100).params.logit_bias == \
+        {5: 10.0, 7: -100.0}
+    assert P.sampling_params({"logit_bias": {}}, "chat", None, 100).params.logit_bias is None
+    assert P.structured_outputs({}) is None and P.structured_outputs({"response_format": {"type": "text"}}) is None
+    assert P.structured_outputs({"response_format": {"type": "json_object"}}) == (S(json_object=True),
+                                                                                   "response_format")
+    assert P.structured_outputs({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": PERSON}}}) == (S(json=PERSON), "response_format")
+    assert P.structured_outputs({"guided_json": '{"type": "integer"}'}) == (S(json='{"type": "integer"}'),
+                                                                            "guided_json")
+    assert P.structured_outputs({"structured_outputs": {"regex": "a+", "grammar": None,
+                                                        "disable_any_whitespace": False}}) == \
+        (S(regex="a+"), "structured_outputs")
+    with pytest.raises(P.APIError) as e:
+        P.structured_outputs({"guided_choice": []})
+    assert e.value.param == "guided_choice" and "guided_choice must be a non-empty list" in e.value.message
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    base = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
+    o = P.chat_options({**base, "tool_choice": "required", "parallel_tool_calls": False})
+    assert (o.tool_choice, o.parallel_tool_calls) == ("required", False)
+    assert P.forced_tool_functions(o) == [WEATHER_TOOL["function"], TIME_TOOL["function"]]
+    o = P.chat_options({**base, "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    assert (o.tool_choice, o.tool_name) == ("function", "get_time")
+    assert P.forced_tool_functions(o) == [TIME_TOOL["function"]]
+    assert P.forced_tool_functions(P.chat_options(base)) is None
+    assert P.chat_options({**base, "tool_choice": "none"}).tools is None
 
 
 @pytest.fixture(scope="module")

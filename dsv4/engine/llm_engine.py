@@ -16,6 +16,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Logprob, RequestOutput, Sequence
+from .structured import GrammarCompiler, first_line
 
 
 class RequestRejected(ValueError):
@@ -56,6 +57,32 @@ class EngineConfig:
     tensor_parallel_size: int = 1            # ranks, one process each (engine.tp_workers); > 1: torch twins so far
 
 
+def engine_threads(device, world: int = 1) -> int:
+    """torch intra-op threads of an engine process (every entry point: ``serve``, ``generate``,
+    ``bench``, ``validate``, ``LLM()``, and each tensor-parallel rank). ``DSV4_NUM_THREADS`` if set;
+    on a GPU 1 (the host only launches kernels and samples; vLLM's workers likewise); on a CPU the
+    usable cores less one, split over the ``world`` ranks of the machine, at least 1: the core left
+    runs the Python scheduler, tokenizer and HTTP loop. OpenMP workers that spin on a core someone
+    else needs are what made 2 threads on a 2-core machine several times slower than 1 (issue 22:
+    0.7 vs 5.9 tok/s; docs/benchmarks-2026-12-02.md)."""
+    env = os.environ.get("DSV4_NUM_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"DSV4_NUM_THREADS must be a positive integer, got {env!r}")
+        return n
+    if torch.device(device).type == "cuda":
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:            # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, (cores - 1) // max(1, world))
+
+
 class LLMEngine:
     """Serves ``model.deepseek_v4.DeepseekV4``: the checkpoint's native weights streamed onto the
     device, every op from the op table (kernels on a GPU, torch twins on a CPU)."""
@@ -71,6 +98,8 @@ class LLMEngine:
 
         self.cfg = cfg
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.num_threads = engine_threads(self.device)
+        torch.set_num_threads(self.num_threads)
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if cfg.max_model_len is not None and cfg.max_model_len < 2:
@@ -142,6 +171,7 @@ class LLMEngine:
         self.backend_name = f"{'kernels' if self.model.ops.kernels else 'torch twins'}" + \
             ("+cuda-graphs" if self.runner.graphs is not None else "") + (f", tensor parallel {tp}" if tp > 1 else "")
         self.sampler = Sampler(mc.eos_token_id)
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0}
@@ -205,10 +235,23 @@ class LLMEngine:
                                   f"({self.seq_blocks * BLOCK_TOKENS} tokens); raise kv_cache_memory")
         limit = min(self.max_model_len, self.seq_blocks * BLOCK_TOKENS) - n
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        V = self.model_config.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < V]
+        if bad:
+            raise RequestRejected(f"logit_bias: token ids must be in [0, {V}); got {bad[:5]}")
+        grammar = None
+        if params.structured_outputs is not None:
+            try:
+                grammar = self.grammars.compile(params.structured_outputs)
+            except ValueError as e:
+                raise RequestRejected(f"structured_outputs: {e}") from None
         now = time.monotonic() if arrival is None else arrival
         seqs = [Sequence(request_id, i, ids, params, max_tokens, self.model_config.eos_token_id,
                          self.tokenizer.incremental_detokenizer(params.skip_special_tokens), now)
                 for i in range(params.n)]
+        if grammar is not None:
+            for s in seqs:              # each sample walks the grammar on its own
+                s.matcher = grammar.matcher()
         self.requests[request_id] = seqs
         self.prompts[request_id] = text
         for s in seqs:
@@ -261,7 +304,8 @@ class LLMEngine:
             if rows:
                 seqs = [batch[i].seq for i in rows]
                 out = self.sampler(logits[rows], [s.params for s in seqs], [s.prompt_ids for s in seqs],
-                                   [s.output_ids for s in seqs], [s.generator for s in seqs])
+                                   [s.output_ids for s in seqs], [s.generator for s in seqs],
+                                   [s.matcher for s in seqs])
                 for k, s in enumerate(seqs):
                     self._append(s, out.token_ids[k], out.logprobs[k], out.errors[k])
             for c in batch:
@@ -286,6 +330,13 @@ class LLMEngine:
             s.error, s.finish_reason = f"request failed: {err}", "error"
             self.scheduler.finish(s)
             return
+        if s.matcher is not None and not s.matcher.consume_token(tok):
+            # the sampler only offers allowed tokens, so this is the matcher failing (e.g. a limit)
+            s.error = f"request failed: structured output: the grammar matcher rejected token {tok}: " \
+                      f"{first_line(s.matcher.get_error())}"
+            s.finish_reason = "error"
+            self.scheduler.finish(s)
+            return
         if s.first_token_time is None:
             s.first_token_time = time.monotonic()
         s.output_ids.append(tok)
@@ -299,6 +350,11 @@ class LLMEngine:
         if r.finished:
             s.text = r.text + (s.detok.flush() if r.finish_reason == "length" else "")
             s.finish_reason, s.stop_reason = r.finish_reason, r.stop_reason
+            self.scheduler.finish(s)
+        elif s.matcher is not None and s.matcher.is_stopped():
+            # the grammar is complete and allows no further token (EOS aside): done
+            s.text += s.detok.flush()
+            s.finish_reason = "stop"
             self.scheduler.finish(s)
 
     def _output(self, rid: str) -> RequestOutput:

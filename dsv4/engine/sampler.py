@@ -2,16 +2,23 @@
 
 Pipeline for one decode step, per row (vLLM order)::
 
-    non-finite check -> [min_tokens: mask eos/stop ids] -> penalties
-        -> (greedy rows: argmax, ties -> lowest id)
+    non-finite check -> [grammar mask] -> [logit_bias] -> [min_tokens: mask eos/stop ids]
+        -> penalties -> (greedy rows: argmax, ties -> lowest id)
         -> temperature -> top-k -> top-p -> min-p -> sample (exponential race, per-row RNG)
 
 * Rows whose *raw* logits hold NaN or +-inf are never sampled: their token is ``-1`` and
   ``SamplerOutput.errors[i]`` says why. Other rows in the batch are unaffected.
-* ``logprobs`` are ``log_softmax`` of the logits **after penalties (and the min_tokens mask) and
-  before temperature / top-k / top-p / min-p**, i.e. the model's distribution as adjusted by the
-  penalties. (vLLM by default returns the raw model log-probs; with no penalties set the two are
-  identical.)
+* Grammar mask (structured outputs): rows with a matcher (``matchers[i]``, an llguidance
+  ``LLMatcher``) get the tokens their grammar disallows set to -inf, through one bitmask for all
+  constrained rows (``engine.structured``; its docstring gives the cost per step). Rows without a
+  matcher are not touched. A matcher in an error state, or one that allows no token, fails its
+  row (token ``-1``, ``errors[i]``). The sampler only reads the matchers: the engine advances them
+  with the tokens it appends.
+* ``logit_bias`` (OpenAI): ``params.logit_bias[t]`` is added to token ``t``'s logit.
+* ``logprobs`` are ``log_softmax`` of the logits **after the grammar mask, logit_bias, the
+  min_tokens mask and penalties and before temperature / top-k / top-p / min-p**, i.e. the
+  model's distribution as adjusted by those. (vLLM by default returns the raw model log-probs;
+  with none of them set the two are identical.)
 * Reproducibility: a seeded request owns its ``torch.Generator`` (``make_generator``); each step it
   draws exactly one ``[1, V]`` noise tensor from it, and every operation before that is row-wise, so
   the tokens do not depend on what else is in the batch.
@@ -283,6 +290,7 @@ class Sampler:
                  prompt_ids: Optional[Sequence[Sequence[int]]] = None,
                  output_ids: Optional[Sequence[Sequence[int]]] = None,
                  generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+                 matchers: Optional[Sequence] = None,
                  ) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -292,8 +300,9 @@ class Sampler:
         prompt_ids = list(prompt_ids) if prompt_ids is not None else [[] for _ in range(B)]
         output_ids = list(output_ids) if output_ids is not None else [[] for _ in range(B)]
         generators = list(generators) if generators is not None else [None] * B
-        if not (len(prompt_ids) == len(output_ids) == len(generators) == B):
-            raise ValueError("prompt_ids, output_ids and generators must have one entry per row")
+        matchers = list(matchers) if matchers is not None else [None] * B
+        if not (len(prompt_ids) == len(output_ids) == len(generators) == len(matchers) == B):
+            raise ValueError("prompt_ids, output_ids, generators and matchers must have one entry per row")
 
         dev = logits.device
         x = logits.to(torch.float32)
@@ -316,7 +325,38 @@ class Sampler:
         if not good:
             return SamplerOutput(token_ids, logprobs, errors)
 
-        # ---- 2. min_tokens: suppress eos / stop token ids -----------------------------------
+        # ---- 2a. grammar mask: one bitmask for the constrained rows, applied once -----------
+        cons = [i for i in good if matchers[i] is not None]
+        if cons:
+            from .structured import apply_bitmask, fill_bitmask
+            bm, merr = fill_bitmask([matchers[i] for i in cons], V)
+            empty = (bm == 0).all(dim=-1).tolist()
+            for j, i in enumerate(cons):
+                if merr[j] is not None:
+                    errors[i] = f"structured output: the grammar matcher failed: {merr[j]}"
+                elif empty[j]:
+                    errors[i] = "structured output: the grammar allows no next token"
+            x = x.clone() if x is logits else x
+            ci = torch.tensor(cons, device=dev)
+            x[ci] = apply_bitmask(x[ci], bm)
+            good = [i for i in good if errors[i] is None]
+            if not good:
+                return SamplerOutput(token_ids, logprobs, errors)
+
+        # ---- 2b. logit_bias: added to the listed tokens' logits -----------------------------
+        bias_rows, bias_cols, bias_vals = [], [], []
+        for i in good:
+            for t, b in (params[i].logit_bias or {}).items():
+                if 0 <= t < V:
+                    bias_rows.append(i)
+                    bias_cols.append(t)
+                    bias_vals.append(b)
+        if bias_rows:
+            x = x.clone() if x is logits else x
+            x.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev)),
+                         torch.tensor(bias_vals, dtype=x.dtype, device=dev), accumulate=True)
+
+        # ---- 2c. min_tokens: suppress eos / stop token ids ----------------------------------
         mask_rows, mask_cols = [], []
         for i in good:
             p = params[i]
@@ -340,7 +380,8 @@ class Sampler:
         if bool(bad_after[good].any()):
             for i in good:
                 if bool(bad_after[i]):
-                    errors[i] = "logits became non-finite after penalties; row not sampled"
+                    errors[i] = ("logits became non-finite (or every token was masked) after the grammar mask, "
+                                 "logit_bias, min_tokens and penalties; row not sampled")
             good = [i for i in good if errors[i] is None]
             x = torch.where(bad_after[:, None], torch.zeros((), dtype=x.dtype, device=dev), x)
 

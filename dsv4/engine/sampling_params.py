@@ -27,6 +27,10 @@ field                             default    accepted values
 ``prompt_logprobs``               None       int >= 0 or None: the prompt tokens' logprobs + top k
 ``skip_special_tokens``           True       bool
 ``include_stop_str_in_output``    False      bool
+``logit_bias``                    None       {token id >= 0: bias in [-100, 100]} (OpenAI): the
+                                             bias is added to that token's logit before sampling
+``structured_outputs``            None       ``StructuredOutputsParams``: the text must follow a
+                                             JSON schema / regex / choice / Lark grammar
 ================================  =========  ============================================
 
 Every violation raises ``ValueError`` whose message starts with the parameter name and states the
@@ -39,12 +43,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-__all__ = ["SamplingParams", "GREEDY_EPS", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GREEDY_EPS", "MAX_LOGPROBS", "MAX_LOGIT_BIAS"]
 
 #: Temperatures below this are treated as greedy (vLLM uses the same threshold).
 GREEDY_EPS = 1e-5
 #: Largest accepted ``logprobs`` (OpenAI's ``top_logprobs`` limit).
 MAX_LOGPROBS = 20
+#: Largest accepted ``|logit_bias|`` value (OpenAI's range is [-100, 100]).
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(x) -> bool:
@@ -53,6 +59,54 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the generated text must match (vLLM's ``StructuredOutputsParams``); exactly one of
+    ``json``, ``json_object``, ``regex``, ``choice`` and ``grammar`` is set. The engine compiles it
+    with llguidance (``engine.structured``) and masks every step's logits to the tokens the
+    grammar allows; generation stops (finish_reason "stop") once the grammar is complete.
+
+    * ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object;
+    * ``regex``: the whole text matches it (Rust ``regex`` syntax);
+    * ``choice``: the text is exactly one of these strings;
+    * ``grammar``: a Lark grammar in llguidance's dialect (``%json {...}`` sub-schemas, special
+      tokens as ``<[id]>``);
+    * ``thinking``: the text starts inside V4's ``<think>`` (a chat prompt in thinking mode):
+      free reasoning without ``</think>``, then the ``</think>`` token, then the constrained part.
+    """
+    json: Optional[Union[dict, str]] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    thinking: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object is True:
+            given.append("json_object")
+        elif not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {', '.join(given) if given else 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice \
+                    or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            self.choice = list(self.choice)
+        if not isinstance(self.thinking, bool):
+            raise ValueError(f"structured_outputs.thinking must be a bool, got {self.thinking!r}")
 
 
 @dataclass
@@ -75,6 +129,8 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[int, float]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         # n
@@ -172,6 +228,24 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be a bool, got {v!r}")
+
+        # logit_bias -> dict[int, float] (None when empty); the vocabulary bound is the engine's check
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            lb: dict[int, float] = {}
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be int token ids >= 0, got {t!r}")
+                if not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}], got {b!r} for token {t}")
+                lb[t] = float(b)
+            self.logit_bias = lb or None
+
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     # ------------------------------------------------------------------ helpers
     @property

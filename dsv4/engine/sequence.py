@@ -88,6 +88,10 @@ class Sequence:
         self.arrival = arrival
         self.first_token_time: float | None = None
         self.num_preemptions = 0
+        # structured outputs: this sample's llguidance matcher (set by the engine), advanced by
+        # exactly the tokens appended to output_ids; a preempted sequence keeps both, so the
+        # matcher matches the tokens its re-prefill recomputes
+        self.matcher = None
 
     def prompt_targets(self, p0: int, n: int) -> list[int]:
         """The prompt tokens that rows p0 .. p0+n-1 predict and that are not scored yet (a chunk

@@ -82,8 +82,8 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
     from .kv_cache import CacheConfig, KVCache
     from .runner import ModelRunner
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if kind == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from .llm_engine import engine_threads
+    torch.set_num_threads(engine_threads(kind, world))
     group, ctrl = init_group(rank, world, port, kind)
     dev = _device(kind, rank)
     model = build_model(spec, dev, Ops(dev, spec["kernels"]), group)

@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI): ``build_app(engine_or_config, served_model_name, api_key, ...)``.
 
-Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(the text and function-call subset of the Responses API over the chat path, :mod:`.responses`),
+``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus, vLLM names), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM shapes; what lm-evaluation-harness's
 ``tokenizer_backend=remote`` calls), ``GET /version``, ``GET|POST /ping``.
@@ -14,6 +16,10 @@ Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``
   reasoning comes back as
   ``reasoning_content`` (and vLLM's ``reasoning``), DSML tool calls as OpenAI ``tool_calls``
   (``finish_reason: "tool_calls"``).
+* Structured outputs (``response_format``, vLLM's ``structured_outputs`` / ``guided_*``, and
+  ``tool_choice`` "required" or a named function, whose DSML grammar comes from
+  :mod:`.tool_grammar`) are compiled on a worker thread before the request reaches the engine, so
+  a bad schema is a 400 naming its field; ``logit_bias`` ids are checked against the vocabulary.
 * The engine runs on its own thread (:mod:`.async_engine`); the event loop only tokenizes (in a
   worker thread) and formats. A client that disconnects aborts its request, freeing its blocks.
 * ``api_key`` (bearer) guards every route except ``/health``, ``/ping``, ``/version`` and
@@ -24,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,12 +44,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine.llm_engine import EngineConfig, LLMEngine
+from ..engine.sampling_params import StructuredOutputsParams
 from ..tokenizer import tokenizer_info
 from . import protocol as P
+from . import responses as R
 from .async_engine import AsyncEngine, EngineError
 from .chat_encoding import ChatEncodingError, StreamingParser, apply_chat_template, parse_completion, \
     resolve_chat_options
 from .metrics import ServerMetrics
+from .tool_grammar import tool_call_grammar
 
 DEFAULT_MODEL_NAME = "dsv4-tiny"
 _TIMEOUT = object()
@@ -171,6 +182,19 @@ class OpenAIServer:
                                   f"(--max-waiting {self.max_waiting}); retry later", P.UNAVAILABLE, None,
                              "queue_full")
 
+    async def constrain(self, ps: P.ParsedSampling, spec: StructuredOutputsParams, param: str) -> None:
+        """Compile ``spec`` (off the event loop; the engine's compile of it is then a cache hit) and
+        put it into the request's sampling parameters; a bad schema or grammar is a 400 naming
+        ``param``, the field that asked for it."""
+        compiler = getattr(self.engine, "grammars", None)
+        if compiler is None:
+            raise P.bad_request(f"{param}: this engine does not support structured outputs", param)
+        try:
+            await asyncio.to_thread(compiler.compile, spec)
+        except ValueError as e:
+            raise P.bad_request(f"{param}: {e}", param) from None
+        ps.params = replace(ps.params, structured_outputs=spec)
+
     async def submit(self, rids: list[str], prompts: list, params, arrival: float, inbox: _Inbox,
                      param: str) -> None:
         """Add sub-requests (tag = position); on any rejection abort the ones accepted and raise 400."""
@@ -235,7 +259,8 @@ class OpenAIServer:
         stream = P.opt_bool(body, "stream", False)
         so = P.stream_options(body, stream)
         opts = P.chat_options(body)
-        ps = P.sampling_params(body, "chat", None)
+        ps = P.sampling_params(body, "chat", None, self.vocab_size)
+        constraint = P.structured_outputs(body)
         self.precheck_chars(_text_chars(opts.messages), "messages")
         try:
             thinking = resolve_chat_options(opts.template_kwargs)[0]
@@ -244,6 +269,19 @@ class OpenAIServer:
         except ChatEncodingError as e:
             raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
         P.check_lengths(len(ids), ps, self.max_model_len, "messages")
+        functions = P.forced_tool_functions(opts)
+        if functions is not None:
+            if constraint is not None:
+                raise P.bad_request(f"tool_choice and {constraint[1]} both constrain the output; give only one",
+                                    "tool_choice")
+            try:
+                grammar = tool_call_grammar(functions, opts.parallel_tool_calls and opts.tool_choice == "required")
+            except ValueError as e:
+                raise P.bad_request(f"tool_choice: {e}", "tools") from None
+            constraint = (StructuredOutputsParams(grammar=grammar), "tool_choice")
+        if constraint is not None:
+            # in thinking mode the prompt ends inside <think>: the constraint starts after </think>
+            await self.constrain(ps, replace(constraint[0], thinking=thinking), constraint[1])
         self.check_capacity()
         h = P.ResponseHeader(P.random_id("chatcmpl"), self.name)
         inbox = _Inbox()
@@ -354,7 +392,10 @@ class OpenAIServer:
         for p in prompts:
             if isinstance(p, str):
                 self.precheck_chars(len(p), "prompt")
-        ps = P.sampling_params(body, "completion", 16)
+        ps = P.sampling_params(body, "completion", 16, self.vocab_size)
+        constraint = P.structured_outputs(body)
+        if constraint is not None:
+            await self.constrain(ps, *constraint)
         add_special = P.opt_bool(body, "add_special_tokens", True)
 
         def tokenize():
@@ -623,6 +664,15 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
         srv.auth(request)
         return srv.detokenize(await _json(request))
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        srv.auth(request)
+        body = await _json(request)
+        r = await srv.chat(R.to_chat(body), request)
+        if not isinstance(r, JSONResponse):            # the client went away
+            return r
+        return JSONResponse(R.from_chat(json.loads(r.body), body))
+
     @app.get("/tokenizer_info")
     async def get_tokenizer_info(request: Request):
         srv.auth(request)
@@ -630,10 +680,11 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
 
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unsupported(rest: str, request: Request):
-        if rest in ("chat/completions", "completions", "models"):
+        if rest in ("chat/completions", "completions", "models", "responses"):
             raise P.APIError(405, f"{request.method} is not allowed on /v1/{rest}", P.INVALID_REQUEST)
         srv.auth(request)
         raise P.APIError(404, f"/v1/{rest} is not supported by this server; it serves /v1/chat/completions, "
-                              f"/v1/completions and /v1/models", P.NOT_FOUND, None, "unsupported_route")
+                              f"/v1/completions, /v1/responses and /v1/models", P.NOT_FOUND, None,
+                         "unsupported_route")
 
     return app

@@ -130,6 +130,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         eng = self.engine
+        import torch
+        torch.set_num_threads(getattr(eng, "num_threads", torch.get_num_threads()))    # the engine's rule, on its thread
         flush = False
         while True:
             idle = self.dead is not None or (not flush and not eng.has_unfinished_requests())

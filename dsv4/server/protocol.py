@@ -34,7 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -160,12 +160,38 @@ class ParsedSampling:
     top_logprobs: int | None = None  # chat: how many alternatives to list per token
 
 
-def sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> ParsedSampling:
+def logit_bias(body: dict, vocab_size: int | None) -> dict[int, float] | None:
+    """OpenAI ``logit_bias``: ``{"token id": bias}``, ids (as JSON object keys, so strings) in the
+    vocabulary, biases numbers in [-100, 100]."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return None
+    if not isinstance(lb, dict):
+        raise bad_request(f"logit_bias must be an object mapping token ids to biases, got {_tname(lb)}", "logit_bias")
+    out: dict[int, float] = {}
+    for k, v in lb.items():
+        try:
+            t = int(k)
+        except ValueError:
+            raise bad_request(f"logit_bias: key {k!r} is not a token id (an integer)", "logit_bias") from None
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise bad_request(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias: the bias of token {t} must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                              f"{MAX_LOGIT_BIAS:g}], got {v!r}", "logit_bias")
+        out[t] = float(v)
+    return out or None
+
+
+def sampling_params(body: dict, kind: str, default_max_tokens: int | None,
+                    vocab_size: int | None = None) -> ParsedSampling:
     """Map an OpenAI/vLLM request onto ``SamplingParams``; ``kind`` is 'chat' or 'completion'.
 
     Unset or null fields take vLLM's defaults (temperature 1, top_p 1, ...). ``max_tokens``
     defaults to ``default_max_tokens`` (16 for completions, None = up to the model length for
-    chat, as vLLM does). A ValueError from ``SamplingParams`` becomes a 400 naming the field.
+    chat, as vLLM does). ``logit_bias`` ids are checked against ``vocab_size``. A ValueError from
+    ``SamplingParams`` becomes a 400 naming the field. Structured outputs are read by
+    :func:`structured_outputs`.
     """
     kw: dict[str, Any] = {}
     for name in _PASSTHROUGH:
@@ -217,9 +243,9 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> Pa
         if not _is_int(pl) or not 0 <= pl <= MAX_LOGPROBS:
             raise bad_request(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}], got {pl!r}", "prompt_logprobs")
         kw["prompt_logprobs"] = max(pl, kw.get("prompt_logprobs") or 0)
-    lb = body.get("logit_bias")
-    if lb is not None and not (isinstance(lb, dict) and not lb):
-        raise bad_request("logit_bias is not supported", "logit_bias")
+    lb = logit_bias(body, vocab_size)
+    if lb is not None:
+        kw["logit_bias"] = lb
     try:
         params = SamplingParams(**kw)
     except (ValueError, TypeError) as e:
@@ -233,6 +259,70 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None) -> Pa
             param = None
         raise bad_request(msg, param) from None
     return ParsedSampling(params, given, mt_name, top_logprobs)
+
+
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+_VLLM_SWITCHES = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def structured_outputs(body: dict) -> tuple[StructuredOutputsParams, str] | None:
+    """The constraint on the generated text a request asks for, and the field that asked:
+
+    * OpenAI ``response_format``: ``{"type": "json_object"}``, or ``{"type": "json_schema",
+      "json_schema": {"name", "schema", "strict"}}`` (always enforced, whatever ``strict`` says);
+      ``{"type": "text"}`` asks for nothing;
+    * vLLM's ``structured_outputs`` object (one of json, json_object, regex, choice, grammar);
+    * vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``.
+
+    At most one of them may be given. None when the request asks for no constraint."""
+    found: list[tuple[str, dict]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad_request("response_format.type must be one of 'text', 'json_object', 'json_schema'",
+                              "response_format")
+        if rf["type"] == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise bad_request("response_format.json_schema must be an object with the schema under 'schema'",
+                                  "response_format")
+            if not isinstance(js.get("schema"), dict):
+                raise bad_request(f"response_format.json_schema.schema must be a JSON schema object, got "
+                                  f"{_tname(js.get('schema'))}", "response_format")
+            found.append(("response_format", {"json": js["schema"]}))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request(f"structured_outputs must be an object, got {_tname(so)}", "structured_outputs")
+        # vLLM's switches are accepted when they ask for nothing (false), refused when they ask for
+        # something this server does not do
+        unknown = sorted(k for k, v in so.items() if k not in _STRUCTURED_KEYS and v is not None
+                         and not (k in _VLLM_SWITCHES and v is False))
+        if unknown:
+            raise bad_request(f"structured_outputs.{unknown[0]} is not supported (supported: "
+                              f"{', '.join(_STRUCTURED_KEYS)})", "structured_outputs")
+        found.append(("structured_outputs", {k: v for k, v in so.items() if k in _STRUCTURED_KEYS and v is not None}))
+    for name, key in _GUIDED:
+        if body.get(name) is not None:
+            found.append((name, {key: body[name]}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"{found[0][0]} and {found[1][0]} both constrain the output; give only one",
+                          found[1][0])
+    param, kw = found[0]
+    try:
+        spec = StructuredOutputsParams(**kw)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        if param.startswith("guided_"):
+            msg = msg.replace(f"structured_outputs.{next(iter(kw))}", param)
+        raise bad_request(msg, param) from None
+    return spec, param
 
 
 def check_lengths(prompt_len: int, ps: ParsedSampling, max_model_len: int, param: str) -> None:
@@ -306,6 +396,9 @@ class ChatOptions:
     tools: list | None
     template_kwargs: dict
     add_generation_prompt: bool
+    tool_choice: str = "auto"            # 'auto' | 'none' | 'required' | 'function' (named: tool_name)
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
 
 
 def chat_options(body: dict) -> ChatOptions:
@@ -318,10 +411,24 @@ def chat_options(body: dict) -> ChatOptions:
     if tools is not None and not isinstance(tools, list):
         raise bad_request(f"tools must be a list, got {_tname(tools)}", "tools")
     choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise bad_request("tool_choice: only 'auto' and 'none' are supported", "tool_choice")
+    tool_name = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not fn["name"]:
+            raise bad_request('tool_choice: a named tool is {"type": "function", "function": {"name": "..."}}',
+                              "tool_choice")
+        choice, tool_name = "function", fn["name"]
+    elif choice is None:
+        choice = "auto"
+    elif choice not in ("auto", "none", "required"):
+        raise bad_request(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}",
+                          "tool_choice")
     if choice == "none":
         tools = None
+    if choice in ("required", "function") and not tools:
+        raise bad_request(f"tool_choice {'required' if choice == 'required' else repr(tool_name)} needs tools "
+                          f"to call, and the request has none", "tool_choice")
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     kw = dict(opt_dict(body, "chat_template_kwargs") or {})
@@ -342,14 +449,30 @@ def chat_options(body: dict) -> ChatOptions:
             raise bad_request("response_format.type must be one of 'text', 'json_object', 'json_schema'",
                               "response_format")
         if rf["type"] != "text":
-            # V4 renders a "## Response Format" section in the system prompt (no grammar enforcement).
+            # V4 renders a "## Response Format" section in the system prompt; structured_outputs() enforces it
             fmt = rf.get("json_schema", rf) if rf["type"] == "json_schema" else rf
             if msgs and isinstance(msgs[0], dict) and msgs[0].get("role") in ("system", "developer"):
                 msgs[0] = {**msgs[0], "response_format": fmt}
             else:
                 msgs.insert(0, {"role": "system", "content": "", "response_format": fmt})
     agp = opt_bool(body, "add_generation_prompt", True)
-    return ChatOptions(msgs, tools or None, kw, agp)
+    return ChatOptions(msgs, tools or None, kw, agp, choice, tool_name, body.get("parallel_tool_calls") is not False)
+
+
+def forced_tool_functions(opts: ChatOptions) -> list[dict] | None:
+    """The functions one of which the reply must call (``tool_choice`` "required": any of the
+    tools; a named function: that one), or None when the model may answer in text. Call after the
+    chat encoder has validated ``opts.tools``."""
+    if opts.tool_choice == "required":
+        return [t["function"] for t in opts.tools]
+    if opts.tool_choice == "function":
+        fns = [t["function"] for t in opts.tools if t["function"].get("name") == opts.tool_name]
+        if not fns:
+            names = ", ".join(repr(t["function"].get("name")) for t in opts.tools)
+            raise bad_request(f"tool_choice names the function {opts.tool_name!r}, which is not among the tools "
+                              f"({names})", "tool_choice")
+        return fns[:1]
+    return None
 
 
 # --------------------------------------------------------------------------------------------
