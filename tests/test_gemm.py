@@ -291,9 +291,11 @@ _AOT_SCRIPT = textwrap.dedent("""
         comp(Mo._moe_prep, dict(SORTED_E=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
              dict(BM=16, EP=512, LOG2P=15, CH=1024), cap, 4)
         comp(Mo._moe_combine, dict(OUT=P("bf16"), INV=P("i32"), OFFS=P("i64"), SH=P("bf16"), Y=P("bf16")),
-             dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=False, INTERP=False), cap, 4)
+             dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=False, F32=False, INTERP=False), cap, 4)
         comp(Mo._moe_combine, dict(OUT=P("fp32"), INV=P("i32"), OFFS=P("i64"), SH=P("bf16"), Y=P("bf16")),
-             dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=True, INTERP=False), cap, 4)
+             dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=True, F32=False, INTERP=False), cap, 4)
+        comp(Mo._moe_combine, dict(OUT=P("fp32"), INV=P("i32"), OFFS=P("i64"), SH=P("fp32"), Y=P("fp32")),
+             dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=False, SPLIT=True, F32=True, INTERP=False), cap, 4)
 """)
 
 
