@@ -1100,6 +1100,19 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, llm):
     want = sum(o.prompt_logprobs[len(ctx) + j][cont[j]].logprob for j in range(len(cont)))
     assert abs(got - want) < 1e-3, (got, want)
     assert len(ch[1]["logprobs"]["token_logprobs"]) == len(ctx) + 1
+    # streamed: the echo chunk carries the prompt's scores, then the generated token its own; together
+    # the non-streamed logprobs
+    r = httpx.post(server.base + "/v1/completions", headers=_h(), timeout=120, json={
+        "model": MODEL, "prompt": ctx + cont, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
+        "seed": 1234, "stream": True})
+    assert r.status_code == 200, r.text
+    chunks = [e["choices"][0] for e in _sse_events(r.text.split("\n\n"))[:-1] if e["choices"]]
+    assert chunks[0]["text"] == ch[0]["text"][:len(chunks[0]["text"])] and chunks[0]["logprobs"] is not None
+    assert len(chunks[0]["logprobs"]["token_logprobs"]) == len(ctx) + len(cont)
+    merged = {k: sum((c["logprobs"][k] for c in chunks if c["logprobs"]), []) for k in ("tokens", "token_logprobs")}
+    assert merged["tokens"] == lp["tokens"]
+    assert all((a is None and b is None) or abs(a - b) < 1e-4 for a, b in zip(merged["token_logprobs"],
+                                                                               lp["token_logprobs"]))
     r = httpx.post(server.base + "/v1/completions", headers=_h(), timeout=120, json={
         "model": MODEL, "prompt": ctx + cont, "max_tokens": 0, "logprobs": 0, "echo": True, "prompt_logprobs": 2})
     assert r.status_code == 200, r.text
@@ -1253,3 +1266,42 @@ def test_bad_and_huge_input_gets_4xx_and_never_stalls_health(server):
         stop.set()
         th.join()
     assert lat and max(lat) < 0.5, max(lat)
+
+
+def test_a_500_keeps_the_keep_alive_connection_usable(monkeypatch):
+    """An unexpected exception in a route is a 500 in the OpenAI error shape, and the same keep-alive
+    connection then serves the next request (uvicorn closes a connection whose app raised: an
+    ``http.client`` connection does not reconnect by itself, so the close would fail the second
+    request)."""
+    import http.client
+
+    import uvicorn
+    app, _ = _fake_app("x")
+    srv = app.state.server
+
+    def boom(body):
+        raise RuntimeError("injected fault")
+    monkeypatch.setattr(srv, "detokenize", boom)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.05)
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        c.request("POST", "/detokenize", body=json.dumps({"tokens": [1]}), headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        err = json.loads(r.read())["error"]
+        assert r.status == 500 and "RuntimeError: injected fault" in err["message"] and err["type"] == "server_error"
+        for _ in range(2):
+            c.request("GET", "/health")
+            r = c.getresponse()
+            r.read()
+            assert r.status == 200
+    finally:
+        server.should_exit = True
+        th.join(10)
+        srv.aeng.shutdown()

@@ -416,7 +416,8 @@ class OpenAIServer:
         n = ps.params.n
         ptoks = sum(len(p) for p in ids)
         if stream:
-            return _SSEResponse(self._completion_stream(h, rids, ptoks, n, echo_text, ps, so, inbox, request),
+            return _SSEResponse(self._completion_stream(h, rids, ptoks, n, echo_text, ps, so, inbox, request,
+                                                        ids if echo and ps.params.logprobs is not None else None),
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             outs = await self._collect(inbox, rids, request)
@@ -440,7 +441,11 @@ class OpenAIServer:
         use = P.usage(ptoks, sum(len(o.token_ids) for out in outs for o in out.outputs))
         return JSONResponse(P.completion_response(h, choices, use))
 
-    async def _completion_stream(self, h, rids, ptoks, n, echo_text, ps, so, inbox: _Inbox, request: Request):
+    async def _completion_stream(self, h, rids, ptoks, n, echo_text, ps, so, inbox: _Inbox, request: Request,
+                                 scored=None):
+        """SSE chunks of a completion. Echoed prompts go first; with ``scored`` (the prompts' ids:
+        echo with logprobs) each echo chunk waits for its prompt's scores (the prefill's) and carries
+        them, as the non-streamed response does."""
         done = False
         m = len(rids)
         ntok = [0] * (m * n)
@@ -452,12 +457,20 @@ class OpenAIServer:
         def cont_usage():
             return P.usage(ptoks, sum(ntok)) if so.continuous_usage_stats else None
 
+        echoed = [not echo_text[k] for k in range(m)]
+
+        def echo_chunks(k, lp=None):
+            echoed[k] = True
+            for j in range(n):
+                yield P.sse(P.completion_chunk(h, [{"index": k * n + j, "text": echo_text[k], "logprobs": lp,
+                                                    "finish_reason": None}], cont_usage(), with_usage))
+
         try:
-            for k in range(m):
-                if echo_text[k]:
-                    for j in range(n):
-                        yield P.sse(P.completion_chunk(h, [{"index": k * n + j, "text": echo_text[k], "logprobs": None,
-                                                            "finish_reason": None}], cont_usage(), with_usage))
+            if scored is None:
+                for k in range(m):
+                    if not echoed[k]:
+                        for c in echo_chunks(k):
+                            yield c
             error = None
             while not all(finished) and error is None:
                 try:
@@ -471,6 +484,16 @@ class OpenAIServer:
                         break
                     latest[tag] = out
                 for tag, out in sorted(latest.items()):
+                    if not echoed[tag]:
+                        plps = out.prompt_logprobs
+                        if plps is not None and len(plps) >= len(scored[tag]):
+                            lp = P.prompt_completion_logprobs(scored[tag], plps, ps.params.logprobs, self.tt)
+                        elif any(o.finish_reason is not None for o in out.outputs):
+                            lp = None                     # ended before its prompt was scored (an error)
+                        else:
+                            continue                      # the prefill has not scored the whole prompt yet
+                        for c in echo_chunks(tag, lp):
+                            yield c
                     for o in out.outputs:
                         i = tag * n + o.index
                         if finished[i]:
@@ -551,6 +574,35 @@ def _error(status: int, message: str, type: str, param=None, code=None) -> JSONR
     return JSONResponse(P.error_body(message, type, param, code), status_code=status)
 
 
+class _InternalErrors:
+    """ASGI middleware: an unexpected exception of a route becomes a 500 in the OpenAI error shape
+    and ends there. Left to Starlette's outermost handler it would be re-raised after the response,
+    and uvicorn closes the connection then: a client's next request on that pooled keep-alive
+    connection could meet the close. After the response has started (a stream) nothing can be
+    sent, and the exception goes on to uvicorn."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:  # noqa: BLE001 - the point: any route bug is answered, not propagated
+            if started:
+                raise
+            print(f"dsv4 serve: internal error on {scope.get('path')}: {type(e).__name__}: {e}", file=sys.stderr)
+            await _error(500, f"internal server error: {type(e).__name__}: {e}", P.SERVER_ERROR)(scope, receive, send)
+
+
 def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_model_name: str | None = None,
               api_key: str | None = None, max_waiting: int | None = None, log: bool = True,
               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
@@ -594,10 +646,7 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
     async def _validation_error(request: Request, e: RequestValidationError):
         return _error(400, str(e), P.INVALID_REQUEST)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):
-        print(f"dsv4 serve: internal error on {request.url.path}: {type(e).__name__}: {e}", file=sys.stderr)
-        return _error(500, f"internal server error: {type(e).__name__}: {e}", P.SERVER_ERROR)
+    app.add_middleware(_InternalErrors)
 
     async def _json(request: Request) -> dict:
         """The JSON body: refused with 413 past ``max_request_bytes`` (by Content-Length before
