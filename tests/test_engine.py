@@ -220,7 +220,7 @@ def test_prompt_logprobs_are_the_reference_s_in_any_chunking(tmp_path, monkeypat
 
 def test_engine_thread_rule(monkeypatch):
     """torch threads of an engine: DSV4_NUM_THREADS when set (a bad value is an error naming it);
-    else 1 on a GPU and the usable cores less one, split over the machine's ranks, on a CPU."""
+    else 1 on a GPU and the usable cores, split over the machine's ranks, on a CPU."""
     import os
 
     from dsv4.engine.llm_engine import engine_threads
@@ -233,6 +233,6 @@ def test_engine_thread_rule(monkeypatch):
     monkeypatch.delenv("DSV4_NUM_THREADS")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(9)))
     assert engine_threads("cuda") == 1
-    assert engine_threads("cpu") == 8 and engine_threads("cpu", world=2) == 4 and engine_threads("cpu", world=16) == 1
+    assert engine_threads("cpu") == 9 and engine_threads("cpu", world=2) == 4 and engine_threads("cpu", world=16) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert engine_threads("cpu") == 1
+    assert engine_threads("cpu") == 2

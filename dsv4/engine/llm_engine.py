@@ -59,12 +59,13 @@ class EngineConfig:
 
 def engine_threads(device, world: int = 1) -> int:
     """torch intra-op threads of an engine process (every entry point: ``serve``, ``generate``,
-    ``bench``, ``validate``, ``LLM()``, and each tensor-parallel rank). ``DSV4_NUM_THREADS`` if set;
-    on a GPU 1 (the host only launches kernels and samples; vLLM's workers likewise); on a CPU the
-    usable cores less one, split over the ``world`` ranks of the machine, at least 1: the core left
-    runs the Python scheduler, tokenizer and HTTP loop. OpenMP workers that spin on a core someone
-    else needs are what made 2 threads on a 2-core machine several times slower than 1 (issue 22:
-    0.7 vs 5.9 tok/s; docs/benchmarks-2026-12-02.md)."""
+    ``bench``, ``validate``, ``LLM()``, and each tensor-parallel rank; the server's engine thread
+    sets it on itself). ``DSV4_NUM_THREADS`` if set; on a GPU 1 (the host only launches kernels and
+    samples; vLLM's workers likewise); on a CPU the usable cores split over the ``world`` ranks of
+    the machine, at least 1. Measured on the idle 2-core CI machine (tiny model, ``bench
+    throughput`` 4 x 64 in / 16 out, 2026-12-02): 2 threads 4.3-4.7 output tok/s, 1 thread 3.7-3.9.
+    With another process busy on the cores the order flips (2 threads 0.4-1.0, 1 thread 0.9):
+    OpenMP workers spin on cores someone else needs; on a shared machine set DSV4_NUM_THREADS."""
     env = os.environ.get("DSV4_NUM_THREADS")
     if env:
         try:
@@ -80,7 +81,7 @@ def engine_threads(device, world: int = 1) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:            # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, (cores - 1) // max(1, world))
+    return max(1, cores // max(1, world))
 
 
 class LLMEngine:
