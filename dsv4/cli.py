@@ -78,7 +78,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=None, help="routed experts of a --synthetic model (default: all)")
     p.add_argument("--synthetic-seed", type=int, default=0, help='seed of the --synthetic weights')
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="split the model over this many ranks, one process each (GPU i for rank i; torch twins so far)")
+                   help="split the model over this many ranks, one process each (GPU i for rank i)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

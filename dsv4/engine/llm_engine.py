@@ -54,7 +54,7 @@ class EngineConfig:
     synthetic_layers: int = 4
     synthetic_experts: int | None = None     # None: all of the preset's routed experts
     synthetic_seed: int = 0
-    tensor_parallel_size: int = 1            # ranks, one process each (engine.tp_workers); > 1: torch twins so far
+    tensor_parallel_size: int = 1            # ranks, one process each (engine.tp_workers)
 
 
 def engine_threads(device, world: int = 1) -> int:
@@ -115,7 +115,7 @@ class LLMEngine:
         from ..models import resolve_model
         from .tp_workers import build_model
         self.workers, group = None, None
-        kernels = False if tp > 1 else cfg.kernels
+        kernels = cfg.kernels
         spec = dict(path=None if cfg.synthetic or prebuilt is not None else resolve_model(cfg.model),
                     synthetic=cfg.synthetic, synthetic_layers=cfg.synthetic_layers,
                     synthetic_experts=cfg.synthetic_experts, synthetic_seed=cfg.synthetic_seed, kernels=kernels)
