@@ -178,18 +178,8 @@ def main():
             global log
             log = lambda *a: None                   # noqa: E731  (rank 0 prints)
     if args.one_rank_collectives:
-        import socket
-
-        import torch.distributed as dist
-
-        from dsv4.parallel import Group
-        with socket.socket() as so:
-            so.bind(("127.0.0.1", 0))
-            port = so.getsockname()[1]
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=0, world_size=1)
-        dist.all_reduce(torch.zeros(1, device=dev))
-        group = Group(dist.group.WORLD, always=True)
+        from dsv4.parallel import one_rank_group
+        group = one_rank_group(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
     batches = [int(b) for b in args.batch.split(",")]
     Bmax = max(batches)

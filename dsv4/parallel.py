@@ -95,4 +95,24 @@ def default_group() -> Group:
     return _default
 
 
-__all__ = ["Group", "SINGLE", "Split", "default_group", "set_default_group"]
+def free_port() -> int:
+    """A free local TCP port (a rendezvous address for ranks on this machine)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_rank_group(device) -> Group:
+    """Initialise this process as the only rank of the default process group (NCCL on a CUDA
+    ``device``, gloo on a CPU) and return it with its collectives on (``always``). One collective
+    runs now: NCCL builds its communicator at the first call, which must not be inside a capture."""
+    import torch.distributed as dist
+    device = torch.device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.all_reduce(torch.zeros(1, device=device))
+    return Group(dist.group.WORLD, always=True)
+
+
+__all__ = ["Group", "SINGLE", "Split", "default_group", "free_port", "one_rank_group", "set_default_group"]

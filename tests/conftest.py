@@ -27,19 +27,10 @@ def _one_rank_process_group() -> None:
         return
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"DSV4_TEST_PROCESS_GROUP must be 'nccl' or 'gloo', got {backend!r}")
-    import socket
-
-    import torch.distributed as dist
-
-    from dsv4.parallel import Group, set_default_group
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        port = so.getsockname()[1]
+    from dsv4.parallel import one_rank_group, set_default_group
     if backend == "nccl":
         torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    dist.all_reduce(torch.zeros(1, device="cuda" if backend == "nccl" else "cpu"))   # the communicator, eagerly
-    set_default_group(Group(dist.group.WORLD, always=True))
+    set_default_group(one_rank_group("cuda" if backend == "nccl" else "cpu"))
 
 
 _one_rank_process_group()

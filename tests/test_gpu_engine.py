@@ -82,16 +82,12 @@ def test_decode_step_profile_has_no_unfused_hot_ops(tmp_path):
 @pytest.fixture
 def one_rank_nccl():
     """A one-rank NCCL process group (the session's, under DSV4_TEST_PROCESS_GROUP=nccl, else its own)."""
-    import socket
-
     import torch.distributed as dist
+
+    from dsv4.parallel import one_rank_group
     own = not dist.is_initialized()
     if own:
-        with socket.socket() as so:
-            so.bind(("127.0.0.1", 0))
-            port = so.getsockname()[1]
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-        dist.all_reduce(torch.zeros(1, device="cuda"))
+        one_rank_group("cuda")
     assert dist.get_backend() == "nccl" and dist.get_world_size() == 1
     yield dist.group.WORLD
     if own:

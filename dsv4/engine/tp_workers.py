@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel import Group
+from ..parallel import Group, free_port
 
 POLL_S = 0.5
 
@@ -40,12 +39,6 @@ class StepState:
 
     def advance_to(self, pos: int) -> None:
         self.pos = pos
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device(kind: str, rank: int) -> torch.device:
@@ -128,7 +121,7 @@ class TPWorkers:
             raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
         import torch.multiprocessing as mp
         self.world, self.kind = world, kind
-        port = _free_port()
+        port = free_port()
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, args=(r, world, port, kind, spec, os.getpid()), daemon=True,
                                   name=f"dsv4-tp-rank{r}") for r in range(1, world)]
