@@ -1198,6 +1198,98 @@ def test_lm_eval_remote_tokenizer_and_loglikelihood_requests(server, llm):
     assert [g for _, g in got] == [False, True]
 
 
+# lm-eval task files of the three request kinds (multiple choice, rolling perplexity, generation) on
+# local JSONL data: no dataset download. ``{data}`` is the data file's path.
+_LM_EVAL_DOCS = [
+    {"question": "What is the capital of France?", "choices": ["Paris", "Berlin", "Madrid", "Rome"], "answer": 0},
+    {"question": "Which planet is known as the Red Planet?", "choices": ["Venus", "Mars", "Jupiter"], "answer": 1},
+    {"question": "What do bees make?", "choices": ["Milk", "Silk", "Honey", "Wool"], "answer": 2},
+]
+_LM_EVAL_TASKS = {
+    "dsv4_mc": """output_type: multiple_choice
+doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_choice: "{{choices}}"
+doc_to_target: answer
+metric_list: [{metric: acc, aggregation: mean, higher_is_better: true}]""",
+    "dsv4_ppl": """output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{question}} {{choices[answer]}}."
+metric_list: [{metric: word_perplexity}]""",
+    "dsv4_gen": """output_type: generate_until
+doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_target: "{{choices[answer]}}"
+generation_kwargs: {until: ["\\n"], max_gen_toks: 6, do_sample: false}
+metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]""",
+}
+
+
+def test_lm_eval_runs_local_tasks_against_the_server(server, llm, tmp_path):
+    """lm-evaluation-harness itself (``pip install -e '.[eval]'``; skipped where it is not installed)
+    runs README's ``local-completions`` command (its model_args, pointed at this server) with
+    batched requests on local task files of every request kind. Each sample it logs is the engine's own
+    answer: a choice's loglikelihood and is_greedy from the engine's prompt scoring of lm-eval's
+    context / continuation split, a document's rolling loglikelihood from scoring it after the BOS
+    (``custom_prefix_token_id=0``), a generation the engine's greedy text; and acc is the mean of the
+    choices' argmax being the answer."""
+    pytest.importorskip("lm_eval")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in _LM_EVAL_DOCS))
+    for name, body in _LM_EVAL_TASKS.items():
+        (tmp_path / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\n"
+            f"test_split: test\n{body}\n")
+    env = dict(os.environ, OPENAI_API_KEY=KEY, HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1",
+               HF_HUB_OFFLINE="1")
+    # README's command, pointed at this server (num_concurrent=1: --batch_size puts 4 prompts in a request)
+    (line,) = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("OPENAI_API_KEY=KEY lm_eval")]
+    readme_args = dict(kv.split("=", 1) for kv in line.split("--model_args ")[1].split()[0].split(","))
+    assert readme_args["tokenizer_backend"] == "remote" and readme_args["custom_prefix_token_id"] == "0"
+    readme_args.update(model=MODEL, base_url=f"{server.base}/v1/completions", auth_token=KEY,
+                       max_length=str(MAX_MODEL_LEN), num_concurrent="1")
+    args = ",".join(f"{k}={v}" for k, v in readme_args.items())
+    r = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+                        "--tasks", ",".join(_LM_EVAL_TASKS), "--include_path", str(tmp_path), "--batch_size", "4",
+                        "--log_samples", "--output_path", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+
+    def samples(task: str) -> list[dict]:
+        (path,) = (tmp_path / "out").rglob(f"samples_{task}_*.jsonl")
+        return sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda s: s["doc_id"])
+
+    tok = llm.get_tokenizer()
+
+    def scores(ids: list[int]):
+        return llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=1))[0] \
+            .prompt_logprobs
+
+    hits = []
+    for s, doc in zip(samples("dsv4_mc"), _LM_EVAL_DOCS):
+        ctx = f"Question: {doc['question']}\nAnswer:"
+        lls = []
+        for choice, ((ll, greedy),) in zip(doc["choices"], s["resps"]):
+            c = tok.encode(ctx)                                   # TemplateLM._encode_pair
+            k = tok.encode(ctx + " " + choice)[len(c):]
+            pl = scores(c + k)
+            want = [pl[len(c) + j][t] for j, t in enumerate(k)]
+            assert abs(float(ll) - sum(w.logprob for w in want)) < 1e-3, (doc, choice, ll, want)
+            assert (greedy == "True") == all(w.rank == 1 for w in want)
+            lls.append(float(ll))
+        hits.append(max(range(len(lls)), key=lls.__getitem__) == doc["answer"])
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
+    assert results["dsv4_mc"]["acc,none"] == pytest.approx(sum(hits) / len(hits))
+
+    for s, doc in zip(samples("dsv4_ppl"), _LM_EVAL_DOCS):
+        ids = tok.encode(f"{doc['question']} {doc['choices'][doc['answer']]}.")
+        pl = scores([0] + ids)
+        assert abs(float(s["resps"][0][0]) - sum(pl[1 + j][t].logprob for j, t in enumerate(ids))) < 1e-3
+
+    for s, doc in zip(samples("dsv4_gen"), _LM_EVAL_DOCS):
+        o = llm.generate([{"prompt_token_ids": tok.encode(f"Question: {doc['question']}\nAnswer:")}],
+                         SamplingParams(temperature=0, max_tokens=6, stop=["\n", tok.eos_token], seed=1234))[0]
+        assert s["resps"][0][0] == o.outputs[0].text
+
+
 def test_tokenizer_info_reads_the_tokenizer_config(tmp_path):
     from dsv4.tokenizer import tokenizer_info
     tok = SimpleNamespace(path=str(tmp_path / "tokenizer.json"), bos_token="<b>", eos_token="<e>")
