@@ -55,9 +55,10 @@ normalisation is one reciprocal and four products (~1 ulp from the reference's d
 ``_hc_post_kernel`` (``hc_post``): grid (T, d blocks), one pass: reads ``y`` and ``res``, writes ``out``.
 
 Config keys (all optional): ``impl``, ``fused_max_t``; fused: ``block_t``, ``block_k``, ``splits``,
-``num_warps``, ``block_d``; tiled: ``mode``, ``block_t``, ``block_k``, ``splits``, ``num_warps``,
-``num_stages``, ``tokens_block``, ``apply_block_d``, ``apply_warps``, ``reverse``; v1: ``mode``,
-``block_t``, ``block_k``, ``splits``, ``num_warps``, ``num_stages``, ``block_d``.
+``num_warps``, ``block_d``; tiled: ``mode``, ``sep`` (bf16x3: three independent MMA chains, the
+default, or False: one chain), ``block_t``, ``block_k``, ``splits``, ``num_warps``, ``num_stages``,
+``tokens_block``, ``apply_block_d``, ``apply_warps``, ``reverse``; v1: ``mode``, ``block_t``,
+``block_k``, ``splits``, ``num_warps``, ``num_stages``, ``block_d``.
 
 Numerics vs the twins (reference ``HyperConnection``/``HyperHead``, official numerics): post and
 comb agree to < 1e-5 relative (summation order of the 4d-term GEMM, tensor-core accumulation,
@@ -116,8 +117,18 @@ if triton_available():
         and ``_mix_dot``."""
         kx = k0 + tl.arange(0, BK)
         km = kx < K
-        xv = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-        xf = xv.to(tl.float32)
+        xm = tm[:, None] & km[None, :]
+        xv = tl.load(xrow + kx[None, :], mask=xm, other=0.0)
+        if MODE == 0:
+            xf = xv.to(tl.float32)
+        else:
+            # The sum of squares reads the tile by a load of its own (L2 only). When one load fed both
+            # the async wgmma (from shared memory) and this register math, triton 3.6's pipeliner gave
+            # the tile one shared buffer fewer than its prefetch distance, and the copy for step k + 2
+            # overwrote the tile that step k's MMAs were still reading: partials differed from run to
+            # run (experiments/exp_mhc_determinism.py). A tile that only feeds the dot gets its full
+            # ring and waits, as fn's does.
+            xf = tl.load(xrow + kx[None, :], mask=xm, other=0.0, cache_modifier=".cg").to(tl.float32)
         sq += xf * xf
         acc, acc2, acc3 = _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP, MODE, SEP)
         return acc, acc2, acc3, sq
@@ -405,7 +416,7 @@ if triton_available():
     @triton.jit
     def _hc_mix_tile(X, W, PART, T, K, stride_xt, k_per_split,
                      NMIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     MODE: tl.constexpr):
+                     MODE: tl.constexpr, SEP: tl.constexpr):
         """Token-block tile of the mix GEMM, grid (S, token blocks): the split index runs fastest, so
         that the programs in flight share few token blocks and the token blocks finish in order.
         MODE 0: fp32 FMA dot (``ieee``, W = fn fp32 [NMIX, K]); MODE 1: bf16x3 (W = the prepared bf16
@@ -424,8 +435,8 @@ if triton_available():
         k0 = pid_s * k_per_split
         xrow = X + t.to(tl.int64)[:, None] * stride_xt
         for kk in range(0, k_per_split, BK):
-            acc, acc2, acc3, sq = _mix_step(xrow, W, k0 + kk, K, tm, n, nm, acc, acc2, acc3, sq, NP, BK, MODE, True)
-        if MODE != 0:
+            acc, acc2, acc3, sq = _mix_step(xrow, W, k0 + kk, K, tm, n, nm, acc, acc2, acc3, sq, NP, BK, MODE, SEP)
+        if MODE != 0 and SEP:
             acc = acc + (acc2 + acc3)
         col = PART + pid_s * NP * T + t.to(tl.int64)
         tl.store(col[:, None] + (n * T)[None, :], acc, mask=tm[:, None] & nm[None, :])
@@ -620,7 +631,7 @@ def _tiled_mix(x, fn, nmix, np_, cfg):
     kw = {} if interp else {"num_warps": cfg.get("num_warps", 4 if BT <= 64 else 8),
                             "num_stages": cfg.get("num_stages", 3)}
     _hc_mix_tile[(S, n_tb)](x, w, part, T, K, x.stride(0), k_per_split,
-                            NMIX=nmix, NP=np_, BT=BT, BK=BK, MODE=mode, **kw)
+                            NMIX=nmix, NP=np_, BT=BT, BK=BK, MODE=mode, SEP=bool(cfg.get("sep", True)), **kw)
     return part, S
 
 
