@@ -335,8 +335,9 @@ def test_gpu_mhc_cuda_graph(T, impl):
 def test_gpu_mhc_is_deterministic_run_to_run(D):
     """Eager calls on the same input give the same bits, every path and mode (T 300 / 320: the
     prefill sizes of 64-token blocks whose bf16x3 mix GEMM raced under triton 3.6's pipelining: 2 to
-    30 distinct results in 30 calls, experiments/exp_mhc_determinism.py). Each workspace is
-    NaN-poisoned between calls, so a read of an element no call wrote would show as well."""
+    30 distinct results in 30 calls, experiments/exp_mhc_determinism.py). Between calls 256 MB of
+    the caching allocator's free memory is filled with NaN, which the next call's workspaces reuse:
+    a read of an element that no call wrote would show as well."""
     _need_gpu()
     gen = torch.Generator().manual_seed(D)
     for T in (300, 320, 64):
