@@ -1081,6 +1081,13 @@ def llm(server):
             os.environ["DSV4_CACHE_DIR"] = old
 
 
+def _prompt_scores(llm, ids: list[int], top: int = 1) -> list:
+    """The engine's own scoring of a token-id prompt (no generation): per position, the prompt
+    token's and the top ``top`` alternatives' Logprob (None first)."""
+    return llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=top))[0] \
+        .prompt_logprobs
+
+
 def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, llm):
     """lm-eval's loglikelihood request (token-id prompts, echo, logprobs 1, max_tokens 1) and the
     scoring-only form (max_tokens 0): one logprob per prompt token, null for the first, and the
@@ -1096,8 +1103,8 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, llm):
     assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1 and lp["token_logprobs"][0] is None
     assert lp["top_logprobs"][0] is None and all(len(t) >= 1 for t in lp["top_logprobs"][1:])
     got = sum(lp["token_logprobs"][len(ctx):-1])                  # lm-eval's slice
-    o = llm.generate([{"prompt_token_ids": ctx + cont}], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
-    want = sum(o.prompt_logprobs[len(ctx) + j][cont[j]].logprob for j in range(len(cont)))
+    pl = _prompt_scores(llm, ctx + cont, top=0)
+    want = sum(pl[len(ctx) + j][cont[j]].logprob for j in range(len(cont)))
     assert abs(got - want) < 1e-3, (got, want)
     assert len(ch[1]["logprobs"]["token_logprobs"]) == len(ctx) + 1
     # streamed: the echo chunk carries the prompt's scores, then the generated token its own; together
@@ -1177,9 +1184,8 @@ def test_lm_eval_remote_tokenizer_and_loglikelihood_requests(server, llm):
     ctx = encode("The capital of France is")
     greedy: list[int] = []
     for _ in range(3):
-        o = llm.generate([{"prompt_token_ids": ctx + greedy + [ctx[-1]]}],
-                         SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
-        (t1, a), (_, b) = sorted(o.prompt_logprobs[-1].items(), key=lambda kv: -kv[1].logprob)[:2]
+        last = _prompt_scores(llm, ctx + greedy + [ctx[-1]], top=2)[-1]
+        (t1, a), (_, b) = sorted(last.items(), key=lambda kv: -kv[1].logprob)[:2]
         assert a.logprob - b.logprob > 1e-3, "a near-tie: the greedy token is not well defined here"
         greedy.append(t1)
     pairs.append((ctx, greedy))
@@ -1190,16 +1196,15 @@ def test_lm_eval_remote_tokenizer_and_loglikelihood_requests(server, llm):
     assert r.status_code == 200, r.text
     got = _lm_eval_parse_logprobs(r.json(), [len(c) for c, _ in pairs])
     for (c, k), (lp, is_greedy) in zip(pairs, got):
-        pl = llm.generate([{"prompt_token_ids": c + k}], SamplingParams(max_tokens=0, prompt_logprobs=1))[0] \
-            .prompt_logprobs
+        pl = _prompt_scores(llm, c + k)
         want = [pl[len(c) + j][t] for j, t in enumerate(k)]
         assert abs(lp - sum(w.logprob for w in want)) < 1e-3, (lp, want)
         assert is_greedy == all(w.rank == 1 for w in want)
     assert [g for _, g in got] == [False, True]
 
 
-# lm-eval task files of the three request kinds (multiple choice, rolling perplexity, generation) on
-# local JSONL data: no dataset download. ``{data}`` is the data file's path.
+# lm-eval task bodies of the three request kinds (multiple choice, rolling perplexity, generation);
+# the test prepends each one's name and its local JSONL data file: no dataset download.
 _LM_EVAL_DOCS = [
     {"question": "What is the capital of France?", "choices": ["Paris", "Berlin", "Madrid", "Rome"], "answer": 0},
     {"question": "Which planet is known as the Red Planet?", "choices": ["Venus", "Mars", "Jupiter"], "answer": 1},
@@ -1258,19 +1263,14 @@ def test_lm_eval_runs_local_tasks_against_the_server(server, llm, tmp_path):
         return sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda s: s["doc_id"])
 
     tok = llm.get_tokenizer()
-
-    def scores(ids: list[int]):
-        return llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=0, prompt_logprobs=1))[0] \
-            .prompt_logprobs
-
     hits = []
     for s, doc in zip(samples("dsv4_mc"), _LM_EVAL_DOCS):
         ctx = f"Question: {doc['question']}\nAnswer:"
+        c = tok.encode(ctx)                                       # TemplateLM._encode_pair
         lls = []
         for choice, ((ll, greedy),) in zip(doc["choices"], s["resps"]):
-            c = tok.encode(ctx)                                   # TemplateLM._encode_pair
             k = tok.encode(ctx + " " + choice)[len(c):]
-            pl = scores(c + k)
+            pl = _prompt_scores(llm, c + k)
             want = [pl[len(c) + j][t] for j, t in enumerate(k)]
             assert abs(float(ll) - sum(w.logprob for w in want)) < 1e-3, (doc, choice, ll, want)
             assert (greedy == "True") == all(w.rank == 1 for w in want)
@@ -1281,7 +1281,7 @@ def test_lm_eval_runs_local_tasks_against_the_server(server, llm, tmp_path):
 
     for s, doc in zip(samples("dsv4_ppl"), _LM_EVAL_DOCS):
         ids = tok.encode(f"{doc['question']} {doc['choices'][doc['answer']]}.")
-        pl = scores([0] + ids)
+        pl = _prompt_scores(llm, [0] + ids)
         assert abs(float(s["resps"][0][0]) - sum(pl[1 + j][t].logprob for j, t in enumerate(ids))) < 1e-3
 
     for s, doc in zip(samples("dsv4_gen"), _LM_EVAL_DOCS):
