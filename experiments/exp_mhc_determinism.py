@@ -91,17 +91,14 @@ for D in (4096, 7168):
                   f"{len({digest(f) for f in full}):>13} {str(rows[:4]) + ('..' if len(rows) > 4 else ''):>18}"
                   f" {us:>8.1f}", flush=True)
 
-if PTX_DIR:     # every compiled variant of the mix kernel: its constexprs, TTGIR and PTX
+if PTX_DIR:     # every compiled variant of the mix kernel, mix<n>.ttgir / .ptx in compile order
     import os
     os.makedirs(PTX_DIR, exist_ok=True)
     n = 0
-    for caches in getattr(mhc._hc_mix_tile, "device_caches", {}).values():
+    for caches in mhc._hc_mix_tile.device_caches.values():
         for k in caches[0].values():
-            tag = "_".join(f"{a}{b}" for a, b in sorted(getattr(k, "constants", {}).items())
-                           if isinstance(b, (int, bool)))[:120] or str(n)
             for ext in ("ttgir", "ptx"):
-                if ext in k.asm:
-                    with open(os.path.join(PTX_DIR, f"mix{n}.{ext}"), "w") as fh:
-                        fh.write(f"// {tag}\n{k.asm[ext]}")
+                with open(os.path.join(PTX_DIR, f"mix{n}.{ext}"), "w") as fh:
+                    fh.write(k.asm[ext])
             n += 1
     print(f"saved {n} mix kernel variants to {PTX_DIR}")
