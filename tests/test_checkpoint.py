@@ -171,7 +171,7 @@ def test_schema_structure(cfg):
     for k in ("mtp.0.e_proj.scale", "mtp.0.h_proj.weight", "mtp.0.enorm.weight", "mtp.0.hc_head_fn",
               "mtp.0.ffn.experts.7.w2.scale"):
         assert k in exp
-    assert not any(k.startswith("mtp.") for k in expected_tensors(cfg, "mxfp4", mtp=False))
+    assert not any(k.startswith("mtp.") for k in expected_tensors(cfg, "mxfp4", draft=False))
     # formats
     assert exp["layers.0.ffn.experts.0.w1.weight"] == ((128, 128), torch.int8)
     assert exp["layers.0.ffn.experts.0.w2.scale"] == ((256, 4), torch.float8_e8m0fnu)
@@ -305,16 +305,27 @@ def test_hf_layout_fp8_experts_without_mtp_and_aliases(cfg, tmp_path):
 
 
 def test_modelopt_nvfp4_layout(tiny, cfg, official_dir, modelopt_dir, tmp_path):
+    """NVIDIA's port form: ModelOpt keys inside quantization_config, the main stack's experts NVFP4,
+    the draft's (mtp.*) left MXFP4 and listed under ignore; hf_quant_config.json says the same."""
+    main = [f"layers.{i}.ffn.experts" for i in range(cfg.num_hidden_layers)]
     with open(os.path.join(modelopt_dir, "config.json")) as fh:
         c = json.load(fh)
-    assert c["moe_quant_algo"] == "NVFP4" and c["quantization_config"]["quant_method"] == "fp8"
+    assert "moe_quant_algo" not in c
+    qc = c["quantization_config"]
+    assert (qc["quant_method"], qc["quant_algo"], qc["moe_quant_algo"], qc["group_size"]) == \
+        ("fp8", "MIXED_PRECISION", "NVFP4", 16)
+    assert qc["kv_cache_quant_algo"] is None and "mtp.*" in qc["ignore"]
+    assert sorted(qc["quantized_layers"]) == sorted(main)
+    assert qc["config_groups"]["group_0"]["weights"]["num_bits"] == 4
     with open(os.path.join(modelopt_dir, "hf_quant_config.json")) as fh:
         q = json.load(fh)["quantization"]
     assert q["quant_algo"] == "MIXED_PRECISION" and q["kv_cache_quant_algo"] is None
+    assert sorted(q["quantized_layers"]) == sorted(main)
     assert q["quantized_layers"]["layers.0.ffn.experts"] == {"quant_algo": "NVFP4", "group_size": 16}
     ck = load_checkpoint(modelopt_dir, progress=False)
-    assert (ck.layout, ck.expert_format) == ("modelopt-nvfp4", "nvfp4")
-    assert ck.config == cfg.replace(moe_quant_algo="NVFP4")
+    assert (ck.layout, ck.expert_format, ck.draft) == ("modelopt-nvfp4", "nvfp4", "mtp")
+    assert ck.expert_formats == {**{m[:-len("ffn.experts")]: "nvfp4" for m in main}, "mtp.0.": "mxfp4"}
+    assert ck.config.nvfp4_experts and ck.config.replace(quantization_config=cfg.quantization_config) == cfg
     t = ck.tensors
     non_expert = [k for k in tiny if ".ffn.experts." not in k]
     assert [k for k in t if ".ffn.experts." not in k] == non_expert
@@ -322,12 +333,16 @@ def test_modelopt_nvfp4_layout(tiny, cfg, official_dir, modelopt_dir, tmp_path):
     mods = expert_modules(tiny)
     assert expert_modules(t) == mods
     for m in mods:
+        if m.startswith("mtp."):              # the draft's experts are stored as released
+            assert same_bits(t[m + ".weight"], tiny[m + ".weight"]) and m + ".weight_scale" not in t
+            continue
         assert t[m + ".weight"].dtype == torch.uint8 and m + ".scale" not in t
         assert torch.equal(dequant_expert(t, m), dequant_expert(tiny, m)), m
         assert t[m + ".input_scale"].item() == NVFP4_INPUT_SCALE
     for m in mods[::3]:                       # w1 / w3 share weight_scale_2 (fused GEMM1)
         base = m[:-1]
-        assert torch.equal(t[base + "1.weight_scale_2"], t[base + "3.weight_scale_2"])
+        if not m.startswith("mtp."):
+            assert torch.equal(t[base + "1.weight_scale_2"], t[base + "3.weight_scale_2"])
     # NVFP4 tensors write back unchanged; they cannot be written in the official / hf layouts
     again = save_checkpoint(t, ck.config, tmp_path / "mo2", layout="modelopt-nvfp4", tokenizer=False)
     assert_same_dict(load_checkpoint(again, progress=False).tensors, t)
@@ -558,19 +573,48 @@ def test_bad_duplicate_tensor_without_index(bad):
 
 def test_bad_modelopt(small_tensors, small_cfg, tmp_path):
     good = save_checkpoint(small_tensors, small_cfg, tmp_path / "mo", layout="modelopt-nvfp4", tokenizer=False)
+    ref = load_checkpoint(good, progress=False)
+    # config.json carries ModelOpt's keys: hf_quant_config.json is optional
     d1 = clone_dir(good, tmp_path / "noq")
     os.unlink(os.path.join(d1, "hf_quant_config.json"))
-    with pytest.raises(CheckpointError, match=re.escape(os.path.join(d1, "hf_quant_config.json")) +
+    assert load_checkpoint(d1, progress=False).expert_formats == ref.expert_formats
+    # an older export with only the top-level moe_quant_algo needs hf_quant_config.json ...
+    d1b = clone_dir(d1, tmp_path / "legacy")
+
+    def legacy(d):
+        for k in ("quant_algo", "moe_quant_algo", "group_size", "kv_cache_quant_algo", "ignore",
+                  "quantized_layers", "config_groups"):
+            d["quantization_config"].pop(k)
+        d["moe_quant_algo"] = "NVFP4"
+    edit_json(os.path.join(d1b, "config.json"), legacy)
+    with pytest.raises(CheckpointError, match=re.escape(os.path.join(d1b, "hf_quant_config.json")) +
                        r": missing.*tensor 'layers\.0\.ffn\.experts\.0\.w1\.weight_scale'"):
-        load_checkpoint(d1, progress=False)
+        load_checkpoint(d1b, progress=False)
+    shutil.copyfile(os.path.join(good, "hf_quant_config.json"), os.path.join(d1b, "hf_quant_config.json"))
+    assert load_checkpoint(d1b, progress=False).expert_formats == ref.expert_formats
+    # ... and the two files must agree
+    d1c = clone_dir(good, tmp_path / "disagree")
+    edit_json(os.path.join(d1c, "hf_quant_config.json"),
+              lambda d: d["quantization"]["quantized_layers"].update({"mtp.0.ffn.experts": {"quant_algo": "NVFP4"}}))
+    with pytest.raises(CheckpointError, match=re.escape(os.path.join(d1c, "hf_quant_config.json")) +
+                       r": declares 'mtp\.0\.ffn\.experts' nvfp4, but .*config\.json.*mxfp4; the two files must agree"):
+        load_checkpoint(d1c, progress=False)
+    # config.json declares a block NVFP4 whose tensors are MXFP4
+    d1d = clone_dir(d1, tmp_path / "declared")
+    edit_json(os.path.join(d1d, "config.json"),
+              lambda d: d["quantization_config"]["quantized_layers"].update({"mtp.0.ffn.experts": {"quant_algo": "NVFP4"}}))
+    with pytest.raises(CheckpointError, match=r"tensor 'mtp\.0\.ffn\.experts\.0\.w1\.weight' is I8 .*MXFP4.*"
+                       r"quantization_config\.quantized_layers\) announces NVFP4 .* for 'mtp\.0\.ffn\.experts'"):
+        load_checkpoint(d1d, progress=False)
     d2 = clone_dir(good, tmp_path / "noalgo")
-    edit_json(os.path.join(d2, "config.json"), lambda d: d.pop("moe_quant_algo"))
+    edit_json(os.path.join(d2, "config.json"), lambda d: [d["quantization_config"].pop(k) for k in
+                                                         ("moe_quant_algo", "quant_algo")])
     with pytest.raises(CheckpointError, match=re.escape(os.path.join(d2, "config.json")) +
                        r": moe_quant_algo is None, expected \"NVFP4\": tensor 'layers\.\d+\.ffn\.experts"):
         load_checkpoint(d2, progress=False)
     d3 = clone_dir(good, tmp_path / "nvmissing")
     st = os.path.join(d3, "model.safetensors")
-    name = "mtp.0.ffn.experts.3.w2.weight_scale_2"
+    name = "layers.4.ffn.experts.3.w2.weight_scale_2"
     rewrite_shard(st, lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=re.escape(f"'{name}' is missing") + r".*NVFP4 fp32 global scale"):
         load_checkpoint(d3, progress=False)

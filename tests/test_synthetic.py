@@ -203,13 +203,15 @@ def test_modelopt_layout_dequantises_to_the_same_experts(cfg, tensors, tmp_path)
     assert os.path.exists(os.path.join(r.path, "hf_quant_config.json"))
     ck = load_checkpoint(r.path, progress=False)
     assert (ck.layout, ck.expert_format) == ("modelopt-nvfp4", "nvfp4")
-    assert ck.config == cfg.replace(moe_quant_algo="NVFP4")
+    assert ck.config.nvfp4_experts and ck.config.replace(quantization_config=cfg.quantization_config) == cfg
     t = ck.tensors
     non_expert = {k: v for k, v in tensors.items() if ".ffn.experts." not in k}
     assert_same({k: v for k, v in t.items() if ".ffn.experts." not in k}, non_expert)
     mods = sorted({k.rsplit(".", 1)[0] for k in tensors if ".ffn.experts." in k})
     assert sorted({k.rsplit(".", 1)[0] for k in t if ".ffn.experts." in k}) == mods
-    for m in mods:
+    draft = [m for m in mods if m.startswith("mtp.")]
+    assert draft and all(t[m + ".weight"].dtype == torch.int8 for m in draft)     # left MXFP4, as the ports do
+    for m in (m for m in mods if not m.startswith("mtp.")):
         assert t[m + ".weight"].dtype == torch.uint8 and m + ".scale" not in t
         got = dequant_nvfp4(t[m + ".weight"], t[m + ".weight_scale"], t[m + ".weight_scale_2"])
         assert torch.equal(got, dequant_mxfp4(tensors[m + ".weight"], tensors[m + ".scale"])), m   # lossless
@@ -221,15 +223,15 @@ def test_modelopt_layout_dequantises_to_the_same_experts(cfg, tensors, tmp_path)
 def test_cli_make_synthetic(cfg, tensors, tmp_path, monkeypatch, capsys):
     seen = {}
 
-    def small(preset, layers, experts):
-        seen["args"] = (preset, layers, experts)
+    def small(preset, layers, experts, draft="mtp"):
+        seen["args"] = (preset, layers, experts, draft)
         return cfg
     monkeypatch.setattr(syn, "synthetic_config", small)
     d = tmp_path / "cli"
     rc = cli.main(["make-synthetic", str(d), "--preset", "pro", "--layers", "2", "--experts", "4",
                    "--device", "cpu", "--max-shard-size", "4MB", "--seed", "0"])
     out = capsys.readouterr()
-    assert rc == 0 and seen["args"] == ("pro", 2, 4)
+    assert rc == 0 and seen["args"] == ("pro", 2, 4, "mtp")
     assert out.out.strip().endswith(str(d)) and "MB" in out.out and "B/s" in out.err   # bytes progress bar
     assert_same(load_checkpoint(str(d), progress=False).tensors, tensors)
     assert cli.main(["make-synthetic", str(d), "--device", "cpu"]) == 2          # exists: clear error

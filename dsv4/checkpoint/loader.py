@@ -10,9 +10,14 @@ the on-disk layout. Three layouts are recognised automatically:
     ``attn.wo_a`` FP8 + scale (as released) or bf16 without scale (convert.py form).
 
 ``modelopt-nvfp4``
-    NVIDIA ModelOpt export (spec §11.3): official names; routed experts NVFP4 (``weight`` uint8,
-    ``weight_scale`` e4m3, ``weight_scale_2`` / ``input_scale`` fp32 0-d); config.json carries
-    ``"moe_quant_algo": "NVFP4"`` and the directory an ``hf_quant_config.json``.
+    NVIDIA ModelOpt export (spec §11.3, dspark-and-0731 §3): official names; the main stack's routed
+    experts NVFP4 (``weight`` uint8, ``weight_scale`` e4m3, ``weight_scale_2`` / ``input_scale`` fp32
+    0-d). The expert format is decided per block: NVIDIA's ports keep the draft's ``mtp.*`` experts
+    MXFP4. config.json's ``quantization_config`` carries ModelOpt's keys (``moe_quant_algo: NVFP4``,
+    ``quantized_layers`` naming each NVFP4 block, ``ignore`` patterns); ``hf_quant_config.json`` is
+    optional then, and must agree with config.json where both exist. An older export with only a
+    top-level ``"moe_quant_algo": "NVFP4"`` needs ``hf_quant_config.json``; blocks neither file
+    declares take the format of their tensors.
 
 ``hf``
     transformers names (spec §11.2, transformers ``conversion_mapping["deepseek_v4"]``):
@@ -42,12 +47,18 @@ the on-disk layout. Three layouts are recognised automatically:
 
     NVFP4 experts are not stored in the hf layout (use 'modelopt-nvfp4').
 
-    MTP (decision): transformers drops ``mtp.*``. Here the MTP block, when present, is kept under
-    ``model.mtp.{j}.`` with the same per-block renames as a layer plus ``e_proj`` / ``h_proj``
-    (FP8, ``weight_scale_inv``), ``enorm`` / ``hnorm`` / ``norm`` and ``hc_head.hc_{fn,base,scale}``.
+    Draft (decision): transformers drops ``mtp.*``. Here the draft, when present, is kept under
+    ``model.mtp.{j}.`` with the same per-block renames as a layer plus its own tensors under their
+    official names: ``e_proj`` / ``h_proj`` / ``main_proj`` (FP8, ``weight_scale_inv``), ``enorm`` /
+    ``hnorm`` / ``norm`` / ``main_norm``, ``hc_head.hc_{fn,base,scale}``, ``markov_head.*``,
+    ``confidence_head.*``.
 
-MTP is optional in every layout: either every ``mtp.{j}`` tensor is present or none is;
-``LoadedCheckpoint.has_mtp`` says which (and the tensors dict then has or lacks ``mtp.*`` keys).
+The draft is optional in every layout and one of three kinds, detected from the tensors and
+checked against config.json (``schema.detect_draft``): none (no ``mtp.*``), the April MTP block
+(``e_proj`` ...), or the DSpark draft of the current releases (``main_proj``, Markov head ...;
+config.json has the ``dspark_*`` keys and ``len(dspark_target_layer_ids)`` stages). Its tensors
+are validated as strictly as the main stack's. ``LoadedCheckpoint.draft`` says which (and the
+tensors dict then has or lacks ``mtp.*`` keys).
 
 Everything is validated (file integrity, index, names, shapes, dtypes against config.json) BEFORE
 any tensor data is read; a bad checkpoint raises ``CheckpointError`` (a ``ValueError``) naming the
@@ -68,8 +79,9 @@ import torch
 from safetensors import safe_open
 
 from ..config import ConfigError, ModelConfig
-from .schema import (DiskSource, TensorSpec, disk_specs, expected_specs, expert_format_of_config,
-                     hf_alias, official_to_hf)
+from .schema import (DiskSource, TensorSpec, base_expert_format, block_prefixes, declared_expert_formats,
+                     detect_draft, disk_specs, expected_specs, expert_format_of_config, hf_alias,
+                     hf_block_prefix, official_to_hf)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -89,11 +101,17 @@ class LoadedCheckpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     layout: str                      # 'official' | 'hf' | 'modelopt-nvfp4'
-    expert_format: str               # 'mxfp4' | 'nvfp4' | 'fp8'
+    expert_format: str               # the main stack's: 'mxfp4' | 'nvfp4' | 'fp8'
     wo_a_format: str = "fp8"         # 'fp8' (with scale) | 'bf16' (convert.py form)
-    has_mtp: bool = True             # False: no mtp.* tensors on disk (and none in `tensors`)
+    draft: str = "mtp"               # 'none' (no mtp.* on disk, none in `tensors`) | 'mtp' | 'dspark'
     path: str = ""
     files: list[str] = field(default_factory=list)
+    expert_formats: dict[str, str] = field(default_factory=dict)   # per block: 'layers.3.' / 'mtp.0.' -> format
+
+    @property
+    def has_mtp(self) -> bool:
+        """The checkpoint carries a draft (April MTP block or DSpark stages) under ``mtp.*``."""
+        return self.draft != "none"
 
 
 # ------------------------------------------------------------------------- dtype names
@@ -340,6 +358,94 @@ def raise_problems(problems: list[str], header: str = "") -> None:
     raise CheckpointError(msg)
 
 
+def describe_formats(formats: dict[str, str]) -> str:
+    """'mxfp4' when every block agrees, else 'nvfp4 (layers.*) / mxfp4 (mtp.*)'-style."""
+    kinds = sorted(set(formats.values()))
+    if len(kinds) <= 1:
+        return kinds[0] if kinds else "?"
+    main = sorted({f for p, f in formats.items() if p.startswith("layers.")})
+    draft = sorted({f for p, f in formats.items() if p.startswith("mtp.")})
+    return f"{'/'.join(main)} (layers.*) + {'/'.join(draft)} (mtp.*)"
+
+
+def check_draft_kind(cfg: ModelConfig, detected: tuple[str, str], file: str, cfg_path: str = "config.json") -> None:
+    """The draft tensors found (``schema.detect_draft``) must be the kind config.json announces."""
+    kind, witness = detected
+    if kind == "mixed":
+        raise CheckpointError(f"{file}: the mtp.* tensors mix an April MTP block and a DSpark draft ('{witness}'); "
+                              f"a checkpoint carries one draft")
+    want = cfg.draft_kind
+    if kind == "unknown" or kind == want:
+        return
+    if want is None:
+        raise CheckpointError(f"{file}: tensor '{witness}' is a draft tensor, but {cfg_path} announces no draft "
+                              f"(num_nextn_predict_layers=0 and no dspark_* keys)")
+    if kind == "dspark":
+        raise CheckpointError(f"{file}: tensor '{witness}' belongs to a DSpark draft (V4-*-DSpark / 0731 / 0813 "
+                              f"layout), but {cfg_path} has no dspark_* keys (dspark_block_size, "
+                              f"dspark_markov_rank, dspark_noise_token_id, dspark_target_layer_ids), so it "
+                              f"announces an April MTP block")
+    raise CheckpointError(f"{file}: tensor '{witness}' belongs to an April MTP block, but {cfg_path} announces a "
+                          f"DSpark draft (dspark_* keys, {cfg.num_draft_stages} stages)")
+
+
+def _announced_formats(cfg: ModelConfig, path: str, prefixes: list[str], nv: list[str],
+                       inv: dict[str, HeaderEntry]) -> tuple[dict[str, str], str]:
+    """({block prefix: format} the config files announce, where that was said). A block left out
+    is decided by its tensors (an older ModelOpt config: top-level moe_quant_algo only)."""
+    cfg_path = os.path.join(path, "config.json")
+    base = base_expert_format(cfg)
+    if not cfg.nvfp4_experts:
+        return {p: base for p in prefixes}, f"{cfg_path} (expert_dtype={cfg.expert_dtype!r}, no NVFP4)"
+    q = cfg.quantization_config
+    in_config = q is not None and (q.quant_algo is not None or q.moe_quant_algo is not None)
+    draft = any(p.startswith("mtp.") for p in prefixes)
+    try:
+        declared = None if q is None else declared_expert_formats(cfg, q.quantized_layers, q.ignore, draft)
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path}: quantization_config: {e}") from None
+    src = f"{cfg_path} (quantization_config.{'quantized_layers' if q and q.quantized_layers else 'ignore'})"
+    qpath = os.path.join(path, HF_QUANT_CONFIG)
+    hq = _read_hf_quant_config(qpath, required=not in_config, witness=(nv[0], inv[nv[0]].file) if nv else None)
+    if hq is not None:
+        quant = hq.get("quantization") if isinstance(hq.get("quantization"), dict) else {}
+        algo = quant.get("quant_algo")
+        if q is not None and q.quant_algo is not None and algo is not None and algo != q.quant_algo:
+            raise CheckpointError(f"{qpath}: quant_algo {algo!r} disagrees with {cfg_path} "
+                                  f"quantization_config.quant_algo {q.quant_algo!r}")
+        try:
+            hdecl = declared_expert_formats(cfg, quant.get("quantized_layers"), quant.get("exclude_modules"), draft)
+        except ValueError as e:
+            raise CheckpointError(f"{qpath}: {e}") from None
+        if declared is not None and hdecl is not None and hdecl != declared:
+            p = next(p for p in prefixes if hdecl[p] != declared[p])
+            raise CheckpointError(f"{qpath}: declares '{p}ffn.experts' {hdecl[p]}, but {src} declares it "
+                                  f"{declared[p]}; the two files must agree")
+        if declared is None and hdecl is not None:
+            declared, src = hdecl, f"{qpath} (quantized_layers / exclude_modules)"
+    if declared is None:
+        top = {p: "nvfp4" for p in prefixes if p.startswith("layers.")}
+        return top, f"{cfg_path} (moe_quant_algo='NVFP4')"
+    return declared, src
+
+
+def _read_hf_quant_config(qpath: str, required: bool, witness) -> dict | None:
+    try:
+        with open(qpath) as fh:
+            q = json.load(fh)
+        if not isinstance(q, dict):
+            raise ValueError("not a JSON object")
+        return q
+    except FileNotFoundError:
+        if not required:
+            return None
+        what = f" (tensor '{witness[0]}' in {witness[1]})" if witness else ""
+        raise CheckpointError(f"{qpath}: missing; a ModelOpt NVFP4 checkpoint{what} whose config.json has "
+                              f"only the top-level moe_quant_algo must ship hf_quant_config.json") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{qpath}: invalid ({e})") from None
+
+
 # ------------------------------------------------------------------------- main entry
 @dataclass
 class CheckpointReader:
@@ -350,15 +456,31 @@ class CheckpointReader:
     layout one layer's stacked expert tensor while its per-expert views are consumed)."""
     config: ModelConfig
     layout: str
-    expert_format: str
+    expert_format: str                    # the main stack's
     wo_a_format: str
-    has_mtp: bool
+    draft: str                            # 'none' | 'mtp' | 'dspark'
     path: str
     files: list[str]
     names: list[str]                      # canonical names in schema order
     inventory: dict[str, HeaderEntry]     # disk name -> header entry
     aliases: dict[str, str]
     sources: dict[str, DiskSource]
+    expert_formats: dict[str, str] = field(default_factory=dict)   # per block prefix
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.draft != "none"
+
+    def describe_draft(self) -> str:
+        """One line for start-up logs: which draft the checkpoint carries."""
+        cfg = self.config
+        if self.draft == "none":
+            return "no draft (no mtp.* tensors)"
+        if self.draft == "mtp":
+            return f"April MTP draft ({cfg.num_draft_stages} block(s), mtp.*)"
+        fmts = sorted({f for p, f in self.expert_formats.items() if p.startswith("mtp.")})
+        return (f"DSpark draft ({cfg.num_draft_stages} stages on layers {list(cfg.dspark_target_layer_ids)}, block "
+                f"{cfg.dspark_block_size}, markov rank {cfg.dspark_markov_rank}, {'/'.join(fmts)} experts)")
 
     @property
     def total_bytes(self) -> int:
@@ -436,64 +558,68 @@ def open_checkpoint(path: str) -> CheckpointReader:
     layout = _detect_layout(inv)
     where_path = os.path.join(path, where) if where in (INDEX_NAME, SINGLE_NAME) else path
     cfg_path = os.path.join(path, "config.json")
-    # ---- formats announced by config.json vs. what the layout can carry
-    expert_format = expert_format_of_config(cfg)
-    if layout == "modelopt-nvfp4":
-        nv = min(n for n in inv if n.endswith(".weight_scale_2") or n.endswith(".weight_scale"))
-        if cfg.moe_quant_algo != "NVFP4":
-            raise CheckpointError(
-                f"{cfg_path}: moe_quant_algo is {cfg.moe_quant_algo!r}, expected \"NVFP4\": tensor '{nv}' in "
-                f"{inv[nv].file} is an NVFP4 expert tensor (ModelOpt layout)")
-        qpath = os.path.join(path, HF_QUANT_CONFIG)
-        try:
-            with open(qpath) as fh:
-                q = json.load(fh)
-            if not isinstance(q, dict):
-                raise ValueError("not a JSON object")
-        except FileNotFoundError:
-            raise CheckpointError(f"{qpath}: missing; a ModelOpt NVFP4 checkpoint (tensor '{nv}' in "
-                                  f"{inv[nv].file}) must ship hf_quant_config.json") from None
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{qpath}: invalid ({e})") from None
-    elif cfg.moe_quant_algo == "NVFP4" and layout == "official":
-        layout = "modelopt-nvfp4"   # let the schema check name the missing NVFP4 tensors
-    elif cfg.moe_quant_algo == "NVFP4":
+    # ---- the draft under mtp.*: detected from the tensors, checked against config.json
+    kind, witness = detect_draft(inv)
+    if kind is not None:
+        check_draft_kind(cfg, (kind, witness), inv[witness.split("' and '")[0]].file, cfg_path)
+    has_draft = kind is not None
+    draft = cfg.draft_kind if has_draft else "none"
+    prefixes = block_prefixes(cfg, has_draft)
+
+    # ---- routed-expert formats: per block, config.json / hf_quant_config.json vs the tensors
+    nv = sorted(n for n in inv if ".experts." in n and n.endswith((".weight_scale_2", ".weight_scale")))
+    if nv and not cfg.nvfp4_experts:
+        raise CheckpointError(
+            f"{cfg_path}: moe_quant_algo is None, expected \"NVFP4\": tensor '{nv[0]}' in "
+            f"{inv[nv[0]].file} is an NVFP4 expert tensor (ModelOpt layout); NVIDIA's ports say "
+            f"quantization_config.moe_quant_algo \"NVFP4\"")
+    if cfg.nvfp4_experts and layout == "hf":
         raise CheckpointError(f"{cfg_path}: moe_quant_algo \"NVFP4\" but the tensors use transformers names "
                               f"(layout 'hf'), which carries MXFP4/FP8 experts only")
-
-    # ---- wo_a form and MTP presence (decided from the files, validated by the schema)
-    if layout == "hf":
-        woa_name, mtp_prefix = "model.layers.0.self_attn.o_a_proj.weight", "model.mtp."
-    else:
-        woa_name, mtp_prefix = "layers.0.attn.wo_a.weight", "mtp."
-    wo_a = "bf16" if woa_name in inv and inv[woa_name].dtype == "BF16" else "fp8"
-    has_mtp = any(n.startswith(mtp_prefix) for n in inv)
-
-    # ---- routed-expert format on disk vs. config.json (one clear message instead of hundreds)
-    probe = "model.layers.0.mlp.experts.gate_up_proj" if layout == "hf" else "layers.0.ffn.experts.0.w1.weight"
-    if probe in inv:
-        disk_fmt = {"I8": "mxfp4", "U8": "nvfp4", "F8_E4M3": "fp8"}.get(inv[probe].dtype)
-        if disk_fmt is not None and disk_fmt != expert_format:
+    if cfg.nvfp4_experts:
+        layout = "modelopt-nvfp4"   # also when no NVFP4 tensor is there: the schema check names them
+    announced, source = _announced_formats(cfg, path, prefixes, nv, inv)
+    expert_formats = {}
+    for p in prefixes:
+        probe = (hf_block_prefix(p) + "mlp.experts.gate_up_proj") if layout == "hf" else f"{p}ffn.experts.0.w1.weight"
+        disk_fmt = None
+        if probe in inv:
+            disk_fmt = {"I8": "mxfp4", "U8": "nvfp4", "F8_E4M3": "fp8"}.get(inv[probe].dtype)
+        want = announced.get(p)
+        if disk_fmt is not None and want is not None and disk_fmt != want:
             raise CheckpointError(
                 f"{inv[probe].file}: tensor '{probe}' is {inv[probe].dtype} {_shape_str(inv[probe].shape)} "
-                f"({_FMT_NAMES[disk_fmt]} routed experts), but {cfg_path} (expert_dtype={cfg.expert_dtype!r}, "
-                f"moe_quant_algo={cfg.moe_quant_algo!r}) announces {_FMT_NAMES[expert_format]} experts")
+                f"({_FMT_NAMES[disk_fmt]} routed experts), but {source} announces {_FMT_NAMES[want]} experts "
+                f"for '{p}ffn.experts'")
+        expert_formats[p] = want or disk_fmt
+    main = expert_formats["layers.0."] or expert_format_of_config(cfg)
+    expert_formats = {p: f or main for p, f in expert_formats.items()}
+    mixed = sorted({expert_formats[p] for p in prefixes if p.startswith("layers.")})
+    if len(mixed) > 1:
+        odd = next(p for p in prefixes if expert_formats[p] != main)
+        raise CheckpointError(f"{path}: the main stack mixes routed-expert formats ({', '.join(mixed)}: "
+                              f"'{odd}ffn.experts' is {expert_formats[odd]}, 'layers.0.ffn.experts' {main}); "
+                              f"one format for every main layer is supported")
 
-    specs = expected_specs(cfg, expert_format, wo_a=wo_a, mtp=has_mtp)
-    dspecs, sources = disk_specs(specs, layout, cfg, expert_format)
+    # ---- wo_a form (decided from the files, validated by the schema)
+    woa_name = "model.layers.0.self_attn.o_a_proj.weight" if layout == "hf" else "layers.0.attn.wo_a.weight"
+    wo_a = "bf16" if woa_name in inv and inv[woa_name].dtype == "BF16" else "fp8"
+
+    specs = expected_specs(cfg, expert_formats, wo_a=wo_a, draft=has_draft)
+    dspecs, sources = disk_specs(specs, layout, cfg, expert_formats)
     found = {n: (e.dtype, e.shape, e.file) for n, e in inv.items()}
     aliases = {}
     if layout == "hf":
         aliases = {n: hf_alias(n) for n in inv if hf_alias(n) != n}
-    context = (f" [layout {layout}, config.json expert_dtype={cfg.expert_dtype!r} moe_quant_algo="
-               f"{cfg.moe_quant_algo!r} -> {expert_format} experts, wo_a {wo_a}, mtp "
-               f"{'present' if has_mtp else 'absent'}]")
+    context = (f" [layout {layout}, config.json expert_dtype={cfg.expert_dtype!r} "
+               f"{'NVFP4 ' if cfg.nvfp4_experts else ''}-> {describe_formats(expert_formats)} experts, wo_a {wo_a}, "
+               f"draft {draft}]")
     problems = check_tensors(dspecs, found, cfg, missing_where=where_path, context=context, aliases=aliases)
     raise_problems(problems)
 
-    return CheckpointReader(config=cfg, layout=layout, expert_format=expert_format, wo_a_format=wo_a,
-                            has_mtp=has_mtp, path=path, files=files, names=list(specs), inventory=inv,
-                            aliases=aliases, sources=sources)
+    return CheckpointReader(config=cfg, layout=layout, expert_format=main, wo_a_format=wo_a,
+                            draft=draft, path=path, files=files, names=list(specs), inventory=inv,
+                            aliases=aliases, sources=sources, expert_formats=expert_formats)
 
 
 def load_checkpoint(path: str, progress: bool = True) -> LoadedCheckpoint:
@@ -504,7 +630,8 @@ def load_checkpoint(path: str, progress: bool = True) -> LoadedCheckpoint:
         tensors[name] = t.clone() if t._base is not None else t   # hf expert parts: own their memory
     tensors = {k: tensors[k] for k in r.names}          # schema order
     return LoadedCheckpoint(config=r.config, tensors=tensors, layout=r.layout, expert_format=r.expert_format,
-                            wo_a_format=r.wo_a_format, has_mtp=r.has_mtp, path=r.path, files=r.files)
+                            wo_a_format=r.wo_a_format, draft=r.draft, path=r.path, files=r.files,
+                            expert_formats=r.expert_formats)
 
 
 def _read_part(sl, rows, cols) -> torch.Tensor:

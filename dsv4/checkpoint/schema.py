@@ -1,27 +1,45 @@
-"""Expected tensors of a DeepSeek-V4 checkpoint in the canonical (official) form.
+"""The V4 tensor tree: every tensor of a DeepSeek-V4 checkpoint in the canonical (official) form.
+
+``walk(cfg, expert_format, wo_a=..., draft=...)`` is the ONE description of the tree. It yields
+draw units (``Unit``): a kind, the tensors the unit produces (name -> ``TensorSpec``) and a
+knob name; ``expected_specs`` flattens it, the tiny builder (tiny.py) and the synthetic generator
+(synthetic.py) only draw values for its units, the loader and writer check files against it.
 
 Canonical form (spec §1.3, §11.1): official names without a ``model.`` prefix, official formats:
 
 * FP8 linears: ``X.weight`` float8_e4m3fn ``[out, in]`` + ``X.scale`` float8_e8m0fnu
   ``[ceil(out/128), ceil(in/128)]``.
-* routed experts (``ffn.experts.{e}.w{1,2,3}``), per ``expert_format``:
+* routed experts (``ffn.experts.{e}.w{1,2,3}``), per block (``layers.{i}.`` / ``mtp.{j}.``):
   ``'mxfp4'``  ``X.weight`` int8 ``[out, in/2]`` + ``X.scale`` e8m0 ``[out, in/32]`` (official release);
   ``'nvfp4'``  ``X.weight`` uint8 ``[out, in/2]``, ``X.weight_scale`` e4m3 ``[out, in/16]``,
   ``X.weight_scale_2`` fp32 0-d, ``X.input_scale`` fp32 0-d (NVIDIA ModelOpt, spec §11.3);
   ``'fp8'``    like any FP8 linear (config ``expert_dtype`` 'fp8' / null, convert.py --expert-dtype fp8).
+  ``expert_format`` is one format for every block, or ``{block prefix: format}``: NVIDIA's NVFP4
+  ports keep the draft's experts MXFP4 while the main stack's are NVFP4.
 * ``attn.wo_a``: ``'fp8'`` (as released: FP8 + scale) or ``'bf16'`` (convert.py form, no scale).
-* norms, compressor wkv/wgate, gate weight, indexer weights_proj, embed, head: bf16;
-  hc_*, attn_sink, ape, gate bias: fp32; ``ffn.gate.tid2eid``: int64 (as on disk).
-* MTP blocks ``mtp.{j}.`` (layer id ``num_hidden_layers + j``; ratio 0, score-routed with bias).
+* norms, compressor wkv/wgate, gate weight, indexer weights_proj, embed, head, DSpark Markov and
+  confidence heads: bf16; hc_*, attn_sink, ape, gate bias: fp32; ``ffn.gate.tid2eid``: int64.
 
-``expected_tensors`` gives ``{name: (shape, dtype)}`` in a stable order (embed first, then
-layers, final norm / hc_head / head, then MTP). ``expected_specs`` is the same with a description
-of where every dimension comes from (used for error messages).
+The draft (``mtp.*``), one of two kinds, as ``cfg.draft_kind`` announces (spec dspark-and-0731 §2.1):
+
+* ``'mtp'`` (April preview): ``num_nextn_predict_layers`` MTP blocks ``mtp.{j}.``: ``e_proj``,
+  ``h_proj`` (FP8), ``enorm`` / ``hnorm`` / ``norm``, ``hc_head_*`` and a full block (layer id
+  ``num_hidden_layers + j``; ratio 0, score-routed with bias).
+* ``'dspark'`` (V4-*-DSpark, V4-Flash-0731, V4-Pro-0813): ``len(dspark_target_layer_ids)`` stages
+  ``mtp.{s}.``, each a full ratio-0 score-routed block (layer id ``num_hidden_layers + s``);
+  ``mtp.0.`` adds ``main_proj`` (FP8 ``[d, stages*d]``) and ``main_norm``; the last stage adds
+  ``norm``, ``hc_head_*``, ``markov_head.markov_w{1,2}.weight`` (bf16 ``[vocab, markov_rank]``) and
+  ``confidence_head.proj.weight`` (bf16 ``[1, d + markov_rank]``). 4,705 tensors for Flash,
+  7,009 for Pro.
+
+``draft=False`` leaves the draft out (a checkpoint without ``mtp.*``).
 """
 from __future__ import annotations
 
+import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
 
 import torch
 
@@ -29,6 +47,7 @@ from ..config import ModelConfig
 
 EXPERT_FORMATS = ("mxfp4", "nvfp4", "fp8")
 WO_A_FORMATS = ("fp8", "bf16")
+DRAFTS = ("none", "mtp", "dspark")
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
@@ -45,28 +64,65 @@ class TensorSpec:
     what: str = ""             # short description of the format, e.g. "FP8 e4m3 weight"
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One draw unit of the tree: tensors drawn together and how their values are meant.
+
+    ``kind``: 'embed' | 'head' | 'norm' | 'fp8_linear' | 'bf16_linear' | 'rows' | 'hc_mix' |
+    'hc_head' | 'ape' | 'sink' | 'gate_bias' | 'tid2eid' | 'swiglu'. ``key`` names the unit (the
+    synthetic generator seeds one generator per key). ``knob``: the ``tiny.KNOBS`` entry that scales
+    it (a norm's mean, a linear's gain, a row draw's std), None = 1. ``specs``: the tensors it
+    yields, in order. For 'swiglu' the 'w1' / 'w2' / 'w3' tensors follow ``specs``' formats;
+    'routed' tells a routed expert from the shared one.
+    """
+    kind: str
+    key: str
+    specs: tuple[tuple[str, TensorSpec], ...]
+    knob: str | None = None
+    routed: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self.specs]
+
+
 def _ceil128(n: int) -> int:
     return -(-n // 128)
 
 
 def expert_format_of_config(cfg: ModelConfig) -> str:
-    """The routed-expert format a config announces: NVFP4 (ModelOpt), MXFP4 ('fp4') or FP8."""
-    if cfg.moe_quant_algo == "NVFP4":
+    """The main stack's routed-expert format a config announces: NVFP4 (ModelOpt), MXFP4 ('fp4') or FP8."""
+    if cfg.nvfp4_experts:
         return "nvfp4"
-    if cfg.expert_dtype == "fp4":
-        return "mxfp4"
-    return "fp8"
+    return base_expert_format(cfg)
 
 
-def expected_specs(cfg: ModelConfig, expert_format: str, *, wo_a: str = "fp8",
-                   mtp: bool = True) -> dict[str, TensorSpec]:
-    """Canonical ``{name: TensorSpec}``; ``mtp=False`` leaves out the ``mtp.*`` blocks."""
-    if expert_format not in EXPERT_FORMATS:
-        raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {expert_format!r}")
+def base_expert_format(cfg: ModelConfig) -> str:
+    """The routed-expert format of the DeepSeek release a config derives from: MXFP4 or FP8."""
+    return "mxfp4" if cfg.expert_dtype == "fp4" else "fp8"
+
+
+def block_prefixes(cfg: ModelConfig, draft: bool = True) -> list[str]:
+    """``layers.{i}.`` for the main stack, then ``mtp.{j}.`` for every draft stage."""
+    out = [f"layers.{i}." for i in range(cfg.num_hidden_layers)]
+    if draft:
+        out += [f"mtp.{j}." for j in range(cfg.num_draft_stages)]
+    return out
+
+
+def _format_of(expert_format: str | Mapping[str, str], prefix: str) -> str:
+    fmt = expert_format if isinstance(expert_format, str) else expert_format[prefix]
+    if fmt not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format must be one of {EXPERT_FORMATS}, got {fmt!r} for '{prefix}'")
+    return fmt
+
+
+def walk(cfg: ModelConfig, expert_format: str | Mapping[str, str], *, wo_a: str = "fp8",
+         draft: bool = True) -> Iterator[Unit]:
+    """The draw units of ``cfg``'s checkpoint in canonical order (module doc): embed, layers, final
+    norm / hc_head / head, then the draft when ``draft`` and the config announces one."""
     if wo_a not in WO_A_FORMATS:
         raise ValueError(f"wo_a must be one of {WO_A_FORMATS}, got {wo_a!r}")
-    out: dict[str, TensorSpec] = {}
-
     d, V = cfg.hidden_size, cfg.vocab_size
     H, D = cfg.num_attention_heads, cfg.head_dim
     dq, G, R = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
@@ -74,129 +130,228 @@ def expected_specs(cfg: ModelConfig, expert_format: str, *, wo_a: str = "fp8",
     hc, mix = cfg.hc_mult, cfg.hc_mix_dim
     nI, dI = cfg.index_n_heads, cfg.index_head_dim
 
-    def put(name, shape, dtype, dims, what=""):
-        out[name] = TensorSpec(tuple(int(s) for s in shape), dtype, tuple(dims), what)
+    def spec(shape, dtype, dims, what=""):
+        what = what or {BF16: "bf16", F32: "fp32", I64: "int64"}.get(dtype, str(dtype))
+        return TensorSpec(tuple(int(s) for s in shape), dtype, tuple(dims), what)
 
-    def plain(name, shape, dtype, dims):
-        put(name, shape, dtype, dims, {BF16: "bf16", F32: "fp32", I64: "int64"}.get(dtype, str(dtype)))
+    def one(kind, name, shape, dtype, dims, knob=None, key=None):
+        return Unit(kind, key or name, ((name, spec(shape, dtype, dims)),), knob)
 
-    def fp8_linear(name, o, i, od, idn):
-        put(name + ".weight", (o, i), FP8, (od, idn), "FP8 e4m3 weight")
-        put(name + ".scale", (_ceil128(o), _ceil128(i)), E8M0,
-            (f"ceil({od}/128)", f"ceil({idn}/128)"), "e8m0 FP8 block scale (128x128)")
+    def fp8_specs(name, o, i, od, idn):
+        return ((name + ".weight", spec((o, i), FP8, (od, idn), "FP8 e4m3 weight")),
+                (name + ".scale", spec((_ceil128(o), _ceil128(i)), E8M0, (f"ceil({od}/128)", f"ceil({idn}/128)"),
+                                       "e8m0 FP8 block scale (128x128)")))
 
-    def expert_linear(name, o, i, od, idn):
-        if expert_format == "fp8":
-            fp8_linear(name, o, i, od, idn)
-        elif expert_format == "mxfp4":
-            put(name + ".weight", (o, i // 2), torch.int8, (od, f"{idn}/2"), "MXFP4 packed e2m1 (int8)")
-            put(name + ".scale", (o, i // 32), E8M0, (od, f"{idn}/32"), "MXFP4 e8m0 scale per 32")
-        else:
-            put(name + ".weight", (o, i // 2), torch.uint8, (od, f"{idn}/2"), "NVFP4 packed e2m1 (uint8)")
-            put(name + ".weight_scale", (o, i // 16), FP8, (od, f"{idn}/16"), "NVFP4 e4m3 scale per 16")
-            put(name + ".weight_scale_2", (), F32, (), "NVFP4 fp32 global scale (0-d)")
-            put(name + ".input_scale", (), F32, (), "NVFP4 fp32 input scale (0-d)")
+    def fp8_linear(name, o, i, od, idn, knob=None):
+        return Unit("fp8_linear", name, fp8_specs(name, o, i, od, idn), knob)
 
-    def hc_block(p, kind):
-        plain(f"{p}hc_{kind}_fn", (mix, hc * d), F32, ("(2+hc_mult)*hc_mult", "hc_mult*hidden_size"))
-        plain(f"{p}hc_{kind}_base", (mix,), F32, ("(2+hc_mult)*hc_mult",))
-        plain(f"{p}hc_{kind}_scale", (3,), F32, ("3",))
+    def expert_specs(name, o, i, od, idn, fmt):
+        if fmt == "fp8":
+            return fp8_specs(name, o, i, od, idn)
+        if fmt == "mxfp4":
+            return ((name + ".weight", spec((o, i // 2), torch.int8, (od, f"{idn}/2"), "MXFP4 packed e2m1 (int8)")),
+                    (name + ".scale", spec((o, i // 32), E8M0, (od, f"{idn}/32"), "MXFP4 e8m0 scale per 32")))
+        return ((name + ".weight", spec((o, i // 2), torch.uint8, (od, f"{idn}/2"), "NVFP4 packed e2m1 (uint8)")),
+                (name + ".weight_scale", spec((o, i // 16), FP8, (od, f"{idn}/16"), "NVFP4 e4m3 scale per 16")),
+                (name + ".weight_scale_2", spec((), F32, (), "NVFP4 fp32 global scale (0-d)")),
+                (name + ".input_scale", spec((), F32, (), "NVFP4 fp32 input scale (0-d)")))
+
+    def swiglu(p, fmt, routed):
+        specs = (expert_specs(p + "w1", inter, d, "moe_intermediate_size", "hidden_size", fmt)
+                 + expert_specs(p + "w2", d, inter, "hidden_size", "moe_intermediate_size", fmt)
+                 + expert_specs(p + "w3", inter, d, "moe_intermediate_size", "hidden_size", fmt))
+        return Unit("swiglu", p, specs, routed=routed)
+
+    def hc_mix(p, kind):
+        mixd = "(2+hc_mult)*hc_mult"
+        return Unit("hc_mix", f"{p}hc_{kind}", (
+            (f"{p}hc_{kind}_fn", spec((mix, hc * d), F32, (mixd, "hc_mult*hidden_size"))),
+            (f"{p}hc_{kind}_base", spec((mix,), F32, (mixd,))),
+            (f"{p}hc_{kind}_scale", spec((3,), F32, ("3",)))))
 
     def hc_head(p):
-        plain(f"{p}hc_head_fn", (hc, hc * d), F32, ("hc_mult", "hc_mult*hidden_size"))
-        plain(f"{p}hc_head_base", (hc,), F32, ("hc_mult",))
-        plain(f"{p}hc_head_scale", (1,), F32, ("1",))
+        return Unit("hc_head", f"{p}hc_head", (
+            (f"{p}hc_head_fn", spec((hc, hc * d), F32, ("hc_mult", "hc_mult*hidden_size"))),
+            (f"{p}hc_head_base", spec((hc,), F32, ("hc_mult",))),
+            (f"{p}hc_head_scale", spec((1,), F32, ("1",)))))
 
-    def compressor(p, head_dim, hd_name, ratio):
+    def norm(name, dim, dimname, knob=None):
+        return one("norm", name, (dim,), BF16, (dimname,), knob)
+
+    def compressor(p, head_dim, hd_name, ratio, norm_knob):
         coff = 2 if ratio == 4 else 1
         cd = f"{coff}*{hd_name}" if coff == 2 else hd_name
-        plain(p + "wkv.weight", (coff * head_dim, d), BF16, (cd, "hidden_size"))
-        plain(p + "wgate.weight", (coff * head_dim, d), BF16, (cd, "hidden_size"))
-        plain(p + "ape", (ratio, coff * head_dim), F32, (f"compress_ratio={ratio}", cd))
-        plain(p + "norm.weight", (head_dim,), BF16, (hd_name,))
+        yield one("bf16_linear", p + "wkv.weight", (coff * head_dim, d), BF16, (cd, "hidden_size"), key=p + "wkv")
+        yield one("bf16_linear", p + "wgate.weight", (coff * head_dim, d), BF16, (cd, "hidden_size"),
+                  "compressor_gate_gain", key=p + "wgate")
+        yield one("ape", p + "ape", (ratio, coff * head_dim), F32, (f"compress_ratio={ratio}", cd))
+        yield norm(p + "norm.weight", head_dim, hd_name, norm_knob)
 
     def block(p, layer_id):
         ratio = cfg.layer_ratio(layer_id)
-        plain(p + "attn_norm.weight", (d,), BF16, ("hidden_size",))
-        plain(p + "ffn_norm.weight", (d,), BF16, ("hidden_size",))
-        hc_block(p, "attn")
-        hc_block(p, "ffn")
+        fmt = _format_of(expert_format, p)
+        yield norm(p + "attn_norm.weight", d, "hidden_size")
+        yield norm(p + "ffn_norm.weight", d, "hidden_size")
+        yield hc_mix(p, "attn")
+        yield hc_mix(p, "ffn")
         a = p + "attn."
-        fp8_linear(a + "wq_a", dq, d, "q_lora_rank", "hidden_size")
-        plain(a + "q_norm.weight", (dq,), BF16, ("q_lora_rank",))
-        fp8_linear(a + "wq_b", H * D, dq, "num_attention_heads*head_dim", "q_lora_rank")
-        fp8_linear(a + "wkv", D, d, "head_dim", "hidden_size")
-        plain(a + "kv_norm.weight", (D,), BF16, ("head_dim",))
+        yield fp8_linear(a + "wq_a", dq, d, "q_lora_rank", "hidden_size")
+        yield norm(a + "q_norm.weight", dq, "q_lora_rank")
+        yield fp8_linear(a + "wq_b", H * D, dq, "num_attention_heads*head_dim", "q_lora_rank")
+        yield fp8_linear(a + "wkv", D, d, "head_dim", "hidden_size")
+        yield norm(a + "kv_norm.weight", D, "head_dim", "kv_norm")
         woa_o, woa_i = G * R, H * D // G
         woa_od, woa_id = "o_groups*o_lora_rank", "num_attention_heads*head_dim/o_groups"
         if wo_a == "fp8":
-            fp8_linear(a + "wo_a", woa_o, woa_i, woa_od, woa_id)
+            yield fp8_linear(a + "wo_a", woa_o, woa_i, woa_od, woa_id)
         else:
-            put(a + "wo_a.weight", (woa_o, woa_i), BF16, (woa_od, woa_id), "bf16 (convert.py form)")
-        fp8_linear(a + "wo_b", d, G * R, "hidden_size", "o_groups*o_lora_rank")
-        plain(a + "attn_sink", (H,), F32, ("num_attention_heads",))
+            yield Unit("bf16_linear", a + "wo_a", ((a + "wo_a.weight", spec((woa_o, woa_i), BF16, (woa_od, woa_id),
+                                                                              "bf16 (convert.py form)")),))
+        yield fp8_linear(a + "wo_b", d, G * R, "hidden_size", "o_groups*o_lora_rank", "wo_b_gain")
+        yield one("sink", a + "attn_sink", (H,), F32, ("num_attention_heads",))
         if ratio:
-            compressor(a + "compressor.", D, "head_dim", ratio)
+            yield from compressor(a + "compressor.", D, "head_dim", ratio, "compressor_norm")
             if ratio == 4:
-                fp8_linear(a + "indexer.wq_b", nI * dI, dq, "index_n_heads*index_head_dim", "q_lora_rank")
-                plain(a + "indexer.weights_proj.weight", (nI, d), BF16, ("index_n_heads", "hidden_size"))
-                compressor(a + "indexer.compressor.", dI, "index_head_dim", ratio)
+                yield fp8_linear(a + "indexer.wq_b", nI * dI, dq, "index_n_heads*index_head_dim", "q_lora_rank")
+                yield one("bf16_linear", a + "indexer.weights_proj.weight", (nI, d), BF16,
+                          ("index_n_heads", "hidden_size"), key=a + "indexer.weights_proj")
+                yield from compressor(a + "indexer.compressor.", dI, "index_head_dim", ratio,
+                                      "indexer_compressor_norm")
         f = p + "ffn."
-        plain(f + "gate.weight", (E, d), BF16, ("n_routed_experts", "hidden_size"))
+        yield one("bf16_linear", f + "gate.weight", (E, d), BF16, ("n_routed_experts", "hidden_size"), "gate_gain")
         if layer_id < cfg.num_hidden_layers and cfg.is_hash_layer(layer_id):
-            plain(f + "gate.tid2eid", (V, K), I64, ("vocab_size", "num_experts_per_tok"))
+            yield one("tid2eid", f + "gate.tid2eid", (V, K), I64, ("vocab_size", "num_experts_per_tok"))
         else:
-            plain(f + "gate.bias", (E,), F32, ("n_routed_experts",))
+            yield one("gate_bias", f + "gate.bias", (E,), F32, ("n_routed_experts",))
         for e in range(E):
-            x = f"{f}experts.{e}."
-            expert_linear(x + "w1", inter, d, "moe_intermediate_size", "hidden_size")
-            expert_linear(x + "w2", d, inter, "hidden_size", "moe_intermediate_size")
-            expert_linear(x + "w3", inter, d, "moe_intermediate_size", "hidden_size")
-        s = f + "shared_experts."
-        fp8_linear(s + "w1", inter, d, "moe_intermediate_size", "hidden_size")
-        fp8_linear(s + "w2", d, inter, "hidden_size", "moe_intermediate_size")
-        fp8_linear(s + "w3", inter, d, "moe_intermediate_size", "hidden_size")
+            yield swiglu(f"{f}experts.{e}.", fmt, True)
+        yield swiglu(f + "shared_experts.", "fp8", False)
 
-    plain("embed.weight", (V, d), BF16, ("vocab_size", "hidden_size"))
+    yield one("embed", "embed.weight", (V, d), BF16, ("vocab_size", "hidden_size"))
     for i in range(cfg.num_hidden_layers):
-        block(f"layers.{i}.", i)
-    plain("norm.weight", (d,), BF16, ("hidden_size",))
-    hc_head("")
-    plain("head.weight", (V, d), BF16, ("vocab_size", "hidden_size"))
-    if mtp:
-        for j in range(cfg.num_nextn_predict_layers):
+        yield from block(f"layers.{i}.", i)
+    yield norm("norm.weight", d, "hidden_size")
+    yield hc_head("")
+    yield one("head", "head.weight", (V, d), BF16, ("vocab_size", "hidden_size"))
+    if not draft or cfg.draft_kind is None:
+        return
+    n = cfg.num_hidden_layers
+    if cfg.draft_kind == "mtp":
+        for j in range(cfg.num_draft_stages):
             p = f"mtp.{j}."
-            fp8_linear(p + "e_proj", d, d, "hidden_size", "hidden_size")
-            fp8_linear(p + "h_proj", d, d, "hidden_size", "hidden_size")
-            plain(p + "enorm.weight", (d,), BF16, ("hidden_size",))
-            plain(p + "hnorm.weight", (d,), BF16, ("hidden_size",))
-            plain(p + "norm.weight", (d,), BF16, ("hidden_size",))
-            hc_head(p)
-            block(p, cfg.num_hidden_layers + j)
-    return out
+            yield fp8_linear(p + "e_proj", d, d, "hidden_size", "hidden_size")
+            yield fp8_linear(p + "h_proj", d, d, "hidden_size", "hidden_size")
+            yield norm(p + "enorm.weight", d, "hidden_size")
+            yield norm(p + "hnorm.weight", d, "hidden_size")
+            yield norm(p + "norm.weight", d, "hidden_size")
+            yield hc_head(p)
+            yield from block(p, n + j)
+        return
+    S, r = cfg.num_draft_stages, cfg.dspark_markov_rank
+    for s in range(S):
+        p = f"mtp.{s}."
+        if s == 0:
+            yield fp8_linear(p + "main_proj", d, S * d, "hidden_size", "len(dspark_target_layer_ids)*hidden_size")
+            yield norm(p + "main_norm.weight", d, "hidden_size")
+        yield from block(p, n + s)
+        if s == S - 1:
+            yield norm(p + "norm.weight", d, "hidden_size")
+            yield hc_head(p)
+            m = p + "markov_head."
+            yield one("rows", m + "markov_w1.weight", (V, r), BF16, ("vocab_size", "dspark_markov_rank"),
+                      "markov_std")
+            yield one("bf16_linear", m + "markov_w2.weight", (V, r), BF16, ("vocab_size", "dspark_markov_rank"),
+                      "markov_gain")
+            yield one("bf16_linear", p + "confidence_head.proj.weight", (1, d + r), BF16,
+                      ("1", "hidden_size+dspark_markov_rank"))
 
 
-def expected_tensors(cfg: ModelConfig, expert_format: str, *, wo_a: str = "fp8",
-                     mtp: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Canonical ``{name: (shape, dtype)}`` for ``cfg``.
+def expected_specs(cfg: ModelConfig, expert_format: str | Mapping[str, str], *, wo_a: str = "fp8",
+                   draft: bool = True) -> dict[str, TensorSpec]:
+    """Canonical ``{name: TensorSpec}`` in tree order; ``draft=False`` leaves out ``mtp.*``."""
+    return {n: sp for u in walk(cfg, expert_format, wo_a=wo_a, draft=draft) for n, sp in u.specs}
 
-    expert_format: 'mxfp4' | 'nvfp4' | 'fp8' (routed experts); wo_a: 'fp8' (released form, with
-    ``.scale``) | 'bf16' (convert.py form, no scale); mtp: include the ``mtp.{j}.*`` blocks.
-    """
-    return {k: (v.shape, v.dtype) for k, v in expected_specs(cfg, expert_format, wo_a=wo_a, mtp=mtp).items()}
+
+def expected_tensors(cfg: ModelConfig, expert_format: str | Mapping[str, str], *, wo_a: str = "fp8",
+                     draft: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Canonical ``{name: (shape, dtype)}`` for ``cfg`` (see ``expected_specs``)."""
+    return {k: (v.shape, v.dtype) for k, v in expected_specs(cfg, expert_format, wo_a=wo_a, draft=draft).items()}
 
 
 def is_routed_expert(name: str) -> bool:
     return ".ffn.experts." in name
 
 
-def expert_module_names(cfg: ModelConfig, mtp: bool = True) -> list[str]:
-    """``layers.{i}.ffn.experts.{e}.w{1,2,3}`` (and MTP ones) in schema order."""
-    prefixes = [f"layers.{i}." for i in range(cfg.num_hidden_layers)]
-    if mtp:
-        prefixes += [f"mtp.{j}." for j in range(cfg.num_nextn_predict_layers)]
-    return [f"{p}ffn.experts.{e}.w{k}" for p in prefixes for e in range(cfg.n_routed_experts)
+def block_of(name: str) -> str:
+    """'layers.3.ffn.experts.1.w2.scale' -> 'layers.3.'; '' for the global tensors."""
+    m = _BLOCK_RE.match(name)
+    return f"{m.group(1)}.{m.group(2)}." if m else ""
+
+
+def expert_module_names(cfg: ModelConfig, draft: bool = True) -> list[str]:
+    """``layers.{i}.ffn.experts.{e}.w{1,2,3}`` (and the draft's) in tree order."""
+    return [f"{p}ffn.experts.{e}.w{k}" for p in block_prefixes(cfg, draft) for e in range(cfg.n_routed_experts)
             for k in (1, 2, 3)]
+
+
+# Tensors only one draft kind has (block-relative, any layout's spelling).
+_DRAFT_MARKERS = {"mtp": ("e_proj.", "h_proj.", "enorm.", "hnorm."),
+                  "dspark": ("main_proj.", "main_norm.", "markov_head.", "confidence_head.")}
+
+
+def detect_draft(names) -> tuple[str | None, str | None]:
+    """(kind, a tensor that shows it) of the draft tensors among ``names`` (official or hf names):
+    (None, None) without ``mtp.*``; 'mtp' / 'dspark' by the tensors only that kind has; 'mixed' when
+    both kinds' tensors are there; 'unknown' when ``mtp.*`` has neither (the schema check then names
+    what is missing)."""
+    seen: dict[str, str] = {}
+    first = None
+    for n in names:
+        rest = n[len("model."):] if n.startswith("model.mtp.") else n
+        if not rest.startswith("mtp."):
+            continue
+        first = first or n
+        rel = rest.split(".", 2)[2] if rest.count(".") >= 2 else ""
+        for kind, marks in _DRAFT_MARKERS.items():
+            if kind not in seen and rel.startswith(marks):
+                seen[kind] = n
+    if len(seen) == 2:
+        return "mixed", f"{seen['mtp']}' and '{seen['dspark']}"
+    if seen:
+        return next(iter(seen.items()))
+    return ("unknown", first) if first else (None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-block routed-expert formats that a ModelOpt config declares (spec dspark-and-0731 §3).
+def declared_expert_formats(cfg: ModelConfig, quantized_layers: Mapping | None = None,
+                            ignore: list[str] | tuple[str, ...] | None = None,
+                            draft: bool = True) -> dict[str, str] | None:
+    """``{block prefix: format}`` that ``quantized_layers`` (``{'layers.N.ffn.experts': {...}}``) or
+    else the ``ignore`` patterns (fnmatch on module names, as ModelOpt matches them) declare for an
+    NVFP4 config; None where neither is given (the tensors on disk then decide per block).
+    Raises ValueError when a pattern splits one block's experts between formats."""
+    base = base_expert_format(cfg)
+    prefixes = block_prefixes(cfg, draft)
+    if quantized_layers is not None:
+        listed = {k if k.endswith(".") else k + "." for k in quantized_layers}
+        names = {p + "ffn.experts." for p in prefixes}
+        unknown = sorted(k for k in listed if k not in names)
+        if unknown:
+            raise ValueError(f"quantized_layers names {unknown[0].rstrip('.')!r}, which is not a routed-expert "
+                             f"module of this config (expected 'layers.N.ffn.experts' or 'mtp.N.ffn.experts')")
+        return {p: "nvfp4" if p + "ffn.experts." in listed else base for p in prefixes}
+    if ignore is None:
+        return None
+    out = {}
+    for p in prefixes:
+        hits = {any(fnmatch.fnmatchcase(f"{p}ffn.experts.{e}.w{k}", pat) for pat in ignore)
+                for e in range(cfg.n_routed_experts) for k in (1, 2, 3)}
+        if len(hits) > 1:
+            raise ValueError(f"ignore patterns {list(ignore)} exclude some routed experts of '{p.rstrip('.')}' "
+                             f"from NVFP4 but not others; one format per layer is supported")
+        out[p] = base if hits.pop() else "nvfp4"
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,11 +399,13 @@ _HF_BLOCK_RULES = [(re.compile(a), b) for a, b in [
     (r"^ffn\.shared_experts\.w3\.", "mlp.shared_experts.up_proj."),
     (r"^ffn\.shared_experts\.w2\.", "mlp.shared_experts.down_proj."),
 ]]
-# MTP-only tensors (block-relative under mtp.{j}.)
+# Draft-only tensors (block-relative under mtp.{j}.): the April MTP block's and DSpark's extras keep
+# their official names (transformers has no draft; vLLM reads these names under model.mtp).
 _HF_MTP_RULES = [(re.compile(a), b) for a, b in [
-    (r"^(e_proj|h_proj)\.", r"\1."),
-    (r"^(enorm|hnorm|norm)\.weight$", r"\1.weight"),
+    (r"^(e_proj|h_proj|main_proj)\.", r"\1."),
+    (r"^(enorm|hnorm|norm|main_norm)\.weight$", r"\1.weight"),
     (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+    (r"^(markov_head\.markov_w[12]|confidence_head\.proj)\.weight$", r"\1.weight"),
 ]]
 # Names some transformers versions use -> the names written here (spec §11.2).
 _HF_ALIASES = [(re.compile(a), b) for a, b in [
@@ -304,13 +461,13 @@ class DiskSource:
 
 
 def disk_specs(specs: dict[str, TensorSpec], layout: str, cfg: ModelConfig,
-               expert_format: str) -> tuple[dict[str, TensorSpec], dict[str, DiskSource]]:
+               expert_format: str | Mapping[str, str]) -> tuple[dict[str, TensorSpec], dict[str, DiskSource]]:
     """On-disk ``{name: TensorSpec}`` of ``layout`` and where each tensor goes in canonical form."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if layout != "hf":
         return dict(specs), {n: DiskSource("same", n) for n in specs}
-    if expert_format == "nvfp4":
+    if "nvfp4" in ([expert_format] if isinstance(expert_format, str) else expert_format.values()):
         raise ValueError("the 'hf' layout stores MXFP4 or FP8 routed experts, not NVFP4 "
                          "(write NVFP4 experts as layout 'modelopt-nvfp4')")
     out: dict[str, TensorSpec] = {}

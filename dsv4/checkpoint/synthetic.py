@@ -44,10 +44,10 @@ from typing import Iterator
 
 import torch
 
-from ..config import ModelConfig, preset as _preset
+from ..config import DSPARK_MARKOV_RANK, ModelConfig, preset as _preset, with_draft
 from ..formats.fp8 import quant_fp8_weight
-from .loader import INDEX_NAME, TORCH_TO_ST, CheckpointError
-from .schema import LAYOUTS, TensorSpec, disk_specs, expected_specs
+from .loader import INDEX_NAME, TORCH_TO_ST
+from .schema import LAYOUTS, TensorSpec, base_expert_format, block_prefixes, disk_specs, expected_specs, walk
 from .tiny import KNOBS
 
 DEFAULT_MAX_SHARD = "5GB"
@@ -56,8 +56,11 @@ _DRAW_ELEMS = 1 << 24      # fp32 elements per chunk of the embedding / head dra
 
 
 # ------------------------------------------------------------------------------------ config
-def synthetic_config(preset: str, layers: int = 4, experts: int | None = None) -> ModelConfig:
-    """``preset`` ('flash' | 'pro') cut to its first ``layers`` layers and ``experts`` experts."""
+def synthetic_config(preset: str, layers: int = 4, experts: int | None = None,
+                     draft: str = "mtp") -> ModelConfig:
+    """``preset`` ('flash' | 'pro') cut to its first ``layers`` layers and ``experts`` experts, with
+    ``draft`` ('none' | 'mtp' | 'dspark', config.with_draft): 'dspark' at full depth is the
+    V4-Flash-0731 / V4-Pro-0813 config."""
     base = _preset(preset)
     if layers < 1 or layers > base.num_hidden_layers:
         raise ValueError(f"layers must be in 1..{base.num_hidden_layers}, got {layers}")
@@ -65,9 +68,10 @@ def synthetic_config(preset: str, layers: int = 4, experts: int | None = None) -
     if experts < 1:
         raise ValueError(f"experts must be >= 1, got {experts}")
     ratios = tuple(base.compress_ratios[:layers]) + (0,) * base.num_nextn_predict_layers
-    return base.replace(num_hidden_layers=layers, compress_ratios=ratios, n_routed_experts=experts,
-                        num_experts_per_tok=min(base.num_experts_per_tok, experts),
-                        num_hash_layers=min(base.num_hash_layers, layers))
+    cfg = base.replace(num_hidden_layers=layers, compress_ratios=ratios, n_routed_experts=experts,
+                       num_experts_per_tok=min(base.num_experts_per_tok, experts),
+                       num_hash_layers=min(base.num_hash_layers, layers))
+    return with_draft(cfg, draft, DSPARK_MARKOV_RANK[preset])
 
 
 # ------------------------------------------------------------------------------------ MXFP4
@@ -138,135 +142,88 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def iter_synthetic_tensors(cfg: ModelConfig, seed: int = 0,
-                           device: str | torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(canonical name, tensor)`` for ``cfg`` in ``expected_specs`` order, on ``device``.
+def iter_synthetic_tensors(cfg: ModelConfig, seed: int = 0, device: str | torch.device | None = None,
+                           draft: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(canonical name, tensor)`` for ``cfg`` in ``schema.walk`` order, on ``device``.
 
     Formats as ``LoadedCheckpoint.tensors`` of an official checkpoint: MXFP4 experts when
-    ``cfg.expert_dtype`` is 'fp4', FP8 ones otherwise; ``attn.wo_a`` FP8; MTP blocks included.
-    ``device`` defaults to cuda when available.
+    ``cfg.expert_dtype`` is 'fp4', FP8 ones otherwise; ``attn.wo_a`` FP8; the config's draft
+    (MTP blocks or DSpark stages) unless ``draft=False``. ``device`` defaults to cuda when available.
     """
     dev = torch.device(device) if device is not None else _default_device()
     k = KNOBS
-    d, V = cfg.hidden_size, cfg.vocab_size
-    H, D = cfg.num_attention_heads, cfg.head_dim
-    dq, G, R = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
-    E, K, inter = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    hc, mix = cfg.hc_mult, cfg.hc_mix_dim
-    nI, dI = cfg.index_n_heads, cfg.index_head_dim
-    expert_fp4 = cfg.expert_dtype == "fp4"
+    hc = cfg.hc_mult
+    inter = cfg.moe_intermediate_size
     n_hot = max(1, round(k["hot_channels"] * inter / _TINY_INTER))
 
-    def rng(key):
-        return _Rng(seed, key, dev)
-
-    def bf16(t):
-        return t.to(torch.bfloat16).contiguous()
-
-    def fp8(name, w):
-        q, s = quant_fp8_weight(w)
+    def quant(name, w, fp4):
+        q, s = quant_mxfp4_fast(w) if fp4 else quant_fp8_weight(w)
         yield name + ".weight", q
         yield name + ".scale", s
 
-    def mxfp4(name, w):
-        q, s = quant_mxfp4_fast(w)
-        yield name + ".weight", q
-        yield name + ".scale", s
-
-    def norm(name, dim, mean=1.0):
-        yield name, bf16(rng(name).norm(dim, mean))
-
-    def linear_fp8(name, o, i, gain=1.0):
-        yield from fp8(name, rng(name).linear(o, i, gain))
-
-    def hc_mix(p, kind):
-        r = rng(f"{p}hc_{kind}")
-        yield f"{p}hc_{kind}_fn", r.normal(mix, hc * d, std=k["hc_fn_gain"] / math.sqrt(hc * d))
-        pre = r.normal(hc, std=k["hc_base_std"])
-        post = r.normal(hc, std=k["hc_base_std"])
-        comb = k["hc_comb_identity"] * torch.eye(hc, device=dev) + r.normal(hc, hc, std=k["hc_base_std"])
-        yield f"{p}hc_{kind}_base", torch.cat([pre, post, comb.flatten()])
-        yield f"{p}hc_{kind}_scale", r.normal(3, std=k["hc_scale_std"], mean=1.0)
-
-    def hc_head(p):
-        r = rng(f"{p}hc_head")
-        yield f"{p}hc_head_fn", r.normal(hc, hc * d, std=k["hc_fn_gain"] / math.sqrt(hc * d))
-        yield f"{p}hc_head_base", r.normal(hc, std=k["hc_base_std"])
-        yield f"{p}hc_head_scale", r.normal(1, std=k["hc_scale_std"], mean=1.0)
-
-    def compressor(p, head_dim, ratio, norm_mean):
-        coff = 2 if ratio == 4 else 1
-        yield p + "wkv.weight", bf16(rng(p + "wkv").linear(coff * head_dim, d))
-        yield p + "wgate.weight", bf16(rng(p + "wgate").linear(coff * head_dim, d, gain=k["compressor_gate_gain"]))
-        yield p + "ape", rng(p + "ape").normal(ratio, coff * head_dim, std=k["ape_std"])
-        yield from norm(p + "norm.weight", head_dim, norm_mean)
-
-    def swiglu(p, quant):
-        r = rng(p)
-        w1, w3 = r.linear(inter, d), r.linear(inter, d)
-        w2 = r.linear(d, inter, gain=k["w2_gain"])
-        hot = torch.randperm(inter, generator=r.g, device=dev)[:n_hot]
-        w1[hot] *= k["hot_gain"]
-        w3[hot] *= k["hot_gain"]
-        w2[:, hot] /= k["hot_gain"]
-        yield from quant(p + "w1", w1)
-        del w1
-        yield from quant(p + "w2", w2)
-        del w2
-        yield from quant(p + "w3", w3)
-
-    def block(p, layer_id):
-        ratio = cfg.layer_ratio(layer_id)
-        yield from norm(p + "attn_norm.weight", d)
-        yield from norm(p + "ffn_norm.weight", d)
-        yield from hc_mix(p, "attn")
-        yield from hc_mix(p, "ffn")
-        a = p + "attn."
-        yield from linear_fp8(a + "wq_a", dq, d)
-        yield from norm(a + "q_norm.weight", dq)
-        yield from linear_fp8(a + "wq_b", H * D, dq)
-        yield from linear_fp8(a + "wkv", D, d)
-        yield from norm(a + "kv_norm.weight", D, k["kv_norm"])
-        yield from linear_fp8(a + "wo_a", G * R, H * D // G)
-        yield from linear_fp8(a + "wo_b", d, G * R, gain=k["wo_b_gain"])
-        yield a + "attn_sink", rng(a + "attn_sink").normal(H, std=k["sink_std"], mean=k["sink_mean"])
-        if ratio:
-            yield from compressor(a + "compressor.", D, ratio, k["compressor_norm"])
-            if ratio == 4:
-                yield from linear_fp8(a + "indexer.wq_b", nI * dI, dq)
-                yield a + "indexer.weights_proj.weight", bf16(rng(a + "indexer.weights_proj").linear(nI, d))
-                yield from compressor(a + "indexer.compressor.", dI, ratio, k["indexer_compressor_norm"])
-        f = p + "ffn."
-        yield f + "gate.weight", bf16(rng(f + "gate.weight").linear(E, d, gain=k["gate_gain"]))
-        if layer_id < cfg.num_hidden_layers and cfg.is_hash_layer(layer_id):
+    for u in walk(cfg, base_expert_format(cfg), draft=draft):
+        (name, sp), kind = u.specs[0], u.kind
+        r = _Rng(seed, u.key, dev)
+        knob = k[u.knob] if u.knob else 1.0
+        if kind == "embed":
+            yield name, r.rows_bf16(*sp.shape, k["embed_std"])
+        elif kind == "head":
+            row_scale = torch.exp(r.normal(sp.shape[0], 1, std=k["head_row_logstd"]))
+            yield name, r.rows_bf16(*sp.shape, k["head_gain"] / math.sqrt(sp.shape[1]), row_scale)
+            del row_scale
+        elif kind == "norm":
+            yield name, r.norm(sp.shape[0], knob).to(torch.bfloat16)
+        elif kind == "fp8_linear":
+            q, s = quant_fp8_weight(r.linear(*sp.shape, knob))
+            yield name, q
+            yield u.specs[1][0], s
+        elif kind == "bf16_linear":
+            yield name, r.linear(*sp.shape, knob).to(torch.bfloat16).contiguous()
+        elif kind == "rows":
+            yield name, r.rows_bf16(*sp.shape, knob)
+        elif kind == "hc_mix":
+            yield name, r.normal(*sp.shape, std=k["hc_fn_gain"] / math.sqrt(sp.shape[1]))
+            pre = r.normal(hc, std=k["hc_base_std"])
+            post = r.normal(hc, std=k["hc_base_std"])
+            comb = k["hc_comb_identity"] * torch.eye(hc, device=dev) + r.normal(hc, hc, std=k["hc_base_std"])
+            yield u.specs[1][0], torch.cat([pre, post, comb.flatten()])
+            yield u.specs[2][0], r.normal(3, std=k["hc_scale_std"], mean=1.0)
+        elif kind == "hc_head":
+            yield name, r.normal(*sp.shape, std=k["hc_fn_gain"] / math.sqrt(sp.shape[1]))
+            yield u.specs[1][0], r.normal(hc, std=k["hc_base_std"])
+            yield u.specs[2][0], r.normal(1, std=k["hc_scale_std"], mean=1.0)
+        elif kind == "ape":
+            yield name, r.normal(*sp.shape, std=k["ape_std"])
+        elif kind == "sink":
+            yield name, r.normal(*sp.shape, std=k["sink_std"], mean=k["sink_mean"])
+        elif kind == "gate_bias":
+            yield name, r.normal(*sp.shape, std=k["gate_bias_std"])
+        elif kind == "tid2eid":
             # K distinct experts per token: the K largest of E uniform draws per row
-            u = torch.rand(V, E, generator=rng(f + "gate.tid2eid").g, device=dev)
-            yield f + "gate.tid2eid", u.topk(K, dim=-1).indices.to(torch.int64).contiguous()
-            del u
+            u01 = torch.rand(sp.shape[0], cfg.n_routed_experts, generator=r.g, device=dev)
+            yield name, u01.topk(sp.shape[1], dim=-1).indices.to(torch.int64).contiguous()
+            del u01
+        elif kind == "swiglu":
+            spec = dict(u.specs)
+            dtype = spec[u.key + "w1.weight"].dtype
+            if dtype not in (torch.int8, torch.float8_e4m3fn):
+                raise ValueError(f"{u.key}: the synthetic generator draws MXFP4 or FP8 experts, not {dtype}")
+            fp4 = dtype == torch.int8
+            d = spec[u.key + "w2.weight"].shape[0]
+            w1, w3 = r.linear(inter, d), r.linear(inter, d)
+            w2 = r.linear(d, inter, gain=k["w2_gain"])
+            hot = torch.randperm(inter, generator=r.g, device=dev)[:n_hot]
+            w1[hot] *= k["hot_gain"]
+            w3[hot] *= k["hot_gain"]
+            w2[:, hot] /= k["hot_gain"]
+            yield from quant(u.key + "w1", w1, fp4)
+            del w1
+            yield from quant(u.key + "w2", w2, fp4)
+            del w2
+            yield from quant(u.key + "w3", w3, fp4)
+            del w3
         else:
-            yield f + "gate.bias", rng(f + "gate.bias").normal(E, std=k["gate_bias_std"])
-        for e in range(E):
-            yield from swiglu(f"{f}experts.{e}.", mxfp4 if expert_fp4 else fp8)
-        yield from swiglu(f + "shared_experts.", fp8)
-
-    yield "embed.weight", rng("embed.weight").rows_bf16(V, d, k["embed_std"])
-    for i in range(cfg.num_hidden_layers):
-        yield from block(f"layers.{i}.", i)
-    yield from norm("norm.weight", d)
-    yield from hc_head("")
-    r = rng("head.weight")
-    row_scale = torch.exp(r.normal(V, 1, std=k["head_row_logstd"]))
-    yield "head.weight", r.rows_bf16(V, d, k["head_gain"] / math.sqrt(d), row_scale)
-    del row_scale
-    for j in range(cfg.num_nextn_predict_layers):
-        p = f"mtp.{j}."
-        yield from linear_fp8(p + "e_proj", d, d)
-        yield from linear_fp8(p + "h_proj", d, d)
-        yield from norm(p + "enorm.weight", d)
-        yield from norm(p + "hnorm.weight", d)
-        yield from norm(p + "norm.weight", d)
-        yield from hc_head(p)
-        yield from block(p, cfg.num_hidden_layers + j)
+            raise AssertionError(f"unknown unit kind {kind!r}")
 
 
 def synthetic_tensors(cfg: ModelConfig, seed: int = 0, device=None) -> dict[str, torch.Tensor]:
@@ -393,10 +350,12 @@ def _placements(specs: dict[str, TensorSpec], sources, cfg: ModelConfig) -> dict
     return out
 
 
-def _layout_stream(cfg: ModelConfig, layout: str, seed: int, device) -> Iterator[tuple[str, torch.Tensor]]:
-    """The canonical stream in the layout's expert format (NVFP4 for modelopt, converted per expert)."""
-    stream = iter_synthetic_tensors(cfg, seed, device)
-    if layout != "modelopt-nvfp4":
+def _layout_stream(cfg: ModelConfig, convert: set[str], seed: int, device,
+                   draft: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The canonical stream with the MXFP4 experts of the blocks ``convert`` converted to NVFP4,
+    expert by expert."""
+    stream = iter_synthetic_tensors(cfg, seed, device, draft=draft)
+    if not convert:
         yield from stream
         return
     from .writer import _to_nvfp4
@@ -407,15 +366,16 @@ def _layout_stream(cfg: ModelConfig, layout: str, seed: int, device) -> Iterator
             continue
         pending[name] = t
         if name.endswith(".w3.scale"):         # last of the expert's six tensors (schema order)
-            yield from _to_nvfp4(pending, cfg).items()
+            yield from _to_nvfp4(pending, convert).items()
             pending = {}
     assert not pending, sorted(pending)
 
 
 def make_synthetic(out_dir: str, cfg: ModelConfig, *, layout: str = "official", seed: int = 0,
                    device: str | torch.device | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD,
-                   overwrite: bool = False, tokenizer: bool = True, progress: bool = True) -> SyntheticResult:
-    """Write ``iter_synthetic_tensors(cfg, seed, device)`` as a checkpoint directory in ``layout``.
+                   overwrite: bool = False, tokenizer: bool = True, progress: bool = True,
+                   draft: bool = True) -> SyntheticResult:
+    """Write ``iter_synthetic_tensors(cfg, seed, device, draft)`` as a checkpoint directory in ``layout``.
 
     Tensors are generated on ``device`` (default cuda when available), moved to the host one at a
     time and written straight into their shard. ``out_dir`` must not exist or be empty unless
@@ -424,19 +384,16 @@ def make_synthetic(out_dir: str, cfg: ModelConfig, *, layout: str = "official", 
     """
     from tqdm import tqdm
 
-    from .writer import check_out_dir, publish_dir, write_side_files
+    from .writer import check_out_dir, layout_config, layout_formats, publish_dir, write_side_files
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     max_bytes = parse_size(max_shard_size)
     out_dir = check_out_dir(out_dir, overwrite)
-    fmt = "mxfp4" if cfg.expert_dtype == "fp4" else "fp8"
-    if layout == "modelopt-nvfp4":
-        if fmt != "mxfp4":
-            raise CheckpointError(f"layout 'modelopt-nvfp4' needs config expert_dtype 'fp4', got {cfg.expert_dtype!r}")
-        fmt, out_cfg = "nvfp4", cfg.replace(moe_quant_algo="NVFP4")
-    else:
-        out_cfg = cfg.replace(moe_quant_algo=None)
-    specs = expected_specs(out_cfg, fmt)
+    drawn = {p: base_expert_format(cfg) for p in block_prefixes(cfg, draft)}
+    fmt = layout_formats(cfg, layout, drawn)
+    out_cfg = layout_config(cfg, layout, fmt)
+    convert = {p for p in fmt if fmt[p] != drawn[p]}
+    specs = expected_specs(out_cfg, fmt, draft=draft)
     dspecs, sources = disk_specs(specs, layout, out_cfg, fmt)
     place = _placements(specs, sources, out_cfg)
     total = sum(_nbytes(sp) for sp in dspecs.values())
@@ -454,7 +411,7 @@ def make_synthetic(out_dir: str, cfg: ModelConfig, *, layout: str = "official", 
         os.chmod(tmp, 0o755)
         shards = _ShardFiles(tmp, dspecs, max_bytes)
         seen: set[str] = set()
-        for name, t in _layout_stream(cfg, layout, seed, device):
+        for name, t in _layout_stream(cfg, convert, seed, device, draft):
             sp = specs.get(name)
             if sp is None or name in seen:
                 raise AssertionError(f"synthetic stream: unexpected or repeated tensor {name!r}")
@@ -472,7 +429,7 @@ def make_synthetic(out_dir: str, cfg: ModelConfig, *, layout: str = "official", 
         with open(os.path.join(tmp, INDEX_NAME), "w") as fh:
             json.dump({"metadata": {"total_size": total}, "weight_map": shards.weight_map}, fh, indent=2)
             fh.write("\n")
-        write_side_files(tmp, out_cfg, layout, True, tokenizer)
+        write_side_files(tmp, out_cfg, layout, tokenizer)
         publish_dir(tmp, out_dir)
     except BaseException:
         if shards is not None:

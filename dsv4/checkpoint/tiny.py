@@ -23,7 +23,9 @@ the network stays well-conditioned (rounding-order noise is not amplified layer 
   with ``num_experts_per_tok`` distinct experts per token;
 * lm head gain 2 with log-normal (std 0.5) row norms: clear greedy argmax margins;
 * 4 "hot" SwiGLU channels per expert (w1/w3 rows x8, matching w2 columns /8): pre-activations
-  ~N(0, 8^2), so the ``swiglu_limit`` clamp is really exercised.
+  ~N(0, 8^2), so the ``swiglu_limit`` clamp is really exercised;
+* DSpark Markov head: ``markov_w1`` rows ~N(0, 1), ``markov_w2`` gain 0.5 (a logit bump of std 0.5
+  next to the head's), confidence head a plain fan-in linear.
 
 ``make_tiny(out_dir, layout, seed, shards)`` builds ``preset('tiny')`` and writes it with the
 real V4 tokenizer files.
@@ -34,9 +36,10 @@ import math
 
 import torch
 
-from ..config import ModelConfig, preset
+from ..config import DSPARK_MARKOV_RANK, ModelConfig, preset, with_draft
 from ..formats.fp4 import quant_mxfp4
 from ..formats.fp8 import quant_fp8_weight
+from .schema import Unit, base_expert_format, walk
 
 KNOBS = {
     "embed_std": 5.0,
@@ -59,6 +62,8 @@ KNOBS = {
     "compressor_gate_gain": 1.5,
     "hot_channels": 4,
     "hot_gain": 8.0,
+    "markov_std": 1.0,
+    "markov_gain": 0.5,
 }
 
 
@@ -78,8 +83,9 @@ class _Draw:
         return self.normal(dim, std=0.05 * mean, mean=mean)
 
 
-def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1) -> dict[str, torch.Tensor]:
-    """Canonical official-layout tensors for ``cfg`` (MXFP4 experts unless expert_dtype is fp8/null).
+def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1, draft: bool = True) -> dict[str, torch.Tensor]:
+    """Canonical official-layout tensors for ``cfg`` (MXFP4 experts unless expert_dtype is fp8/null),
+    one value per unit of ``schema.walk`` in its order; ``draft=False`` leaves out ``mtp.*``.
 
     Runs single-threaded by default (the tiny tensors are small; intra-op threads only add overhead
     on a busy machine; real-shaped synthetic layers pass more) and restores the caller's torch
@@ -88,127 +94,101 @@ def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1) -> dict[st
     threads, n = torch.get_num_threads(), threads
     torch.set_num_threads(max(1, n))
     try:
-        return _build(cfg, seed)
+        return _build(cfg, seed, draft)
     finally:
         torch.set_num_threads(threads)
 
 
-def _build(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def _build(cfg: ModelConfig, seed: int, draft: bool) -> dict[str, torch.Tensor]:
     r = _Draw(seed)
     k = KNOBS
     sd: dict[str, torch.Tensor] = {}
-    d, V = cfg.hidden_size, cfg.vocab_size
-    H, D = cfg.num_attention_heads, cfg.head_dim
-    dq, G, R = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
-    E, K, inter = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    hc, mix = cfg.hc_mult, cfg.hc_mix_dim
-    nI, dI = cfg.index_n_heads, cfg.index_head_dim
-    expert_fp4 = cfg.expert_dtype == "fp4"
+    hc = cfg.hc_mult
 
-    def bf16(name, t):
-        sd[name] = t.to(torch.bfloat16).contiguous()
+    def knob(u: Unit) -> float:
+        return k[u.knob] if u.knob else 1.0
 
-    def f32(name, t):
-        sd[name] = t.float().contiguous()
-
-    def fp8(name, w):
-        q, s = quant_fp8_weight(w)
-        sd[name + ".weight"], sd[name + ".scale"] = q, s
-
-    def mxfp4(name, w):
-        q, s = quant_mxfp4(w)
-        sd[name + ".weight"], sd[name + ".scale"] = q, s
-
-    def hc_mix(p, kind):
-        f32(f"{p}hc_{kind}_fn", r.normal(mix, hc * d, std=k["hc_fn_gain"] / math.sqrt(hc * d)))
-        pre = r.normal(hc, std=k["hc_base_std"])
-        post = r.normal(hc, std=k["hc_base_std"])
-        comb = k["hc_comb_identity"] * torch.eye(hc) + r.normal(hc, hc, std=k["hc_base_std"])
-        f32(f"{p}hc_{kind}_base", torch.cat([pre, post, comb.flatten()]))
-        f32(f"{p}hc_{kind}_scale", r.normal(3, std=k["hc_scale_std"], mean=1.0))
-
-    def hc_head(p):
-        f32(f"{p}hc_head_fn", r.normal(hc, hc * d, std=k["hc_fn_gain"] / math.sqrt(hc * d)))
-        f32(f"{p}hc_head_base", r.normal(hc, std=k["hc_base_std"]))
-        f32(f"{p}hc_head_scale", r.normal(1, std=k["hc_scale_std"], mean=1.0))
-
-    def compressor(p, head_dim, ratio, norm_mean):
-        coff = 2 if ratio == 4 else 1
-        bf16(p + "wkv.weight", r.linear(coff * head_dim, d))
-        bf16(p + "wgate.weight", r.linear(coff * head_dim, d, gain=k["compressor_gate_gain"]))
-        f32(p + "ape", r.normal(ratio, coff * head_dim, std=k["ape_std"]))
-        bf16(p + "norm.weight", r.norm(head_dim, norm_mean))
-
-    def swiglu(p, quant):
-        w1, w3 = r.linear(inter, d), r.linear(inter, d)
-        w2 = r.linear(d, inter, gain=k["w2_gain"])
-        hot = torch.randperm(inter, generator=r.g)[: k["hot_channels"]]
-        w1[hot] *= k["hot_gain"]
-        w3[hot] *= k["hot_gain"]
-        w2[:, hot] /= k["hot_gain"]
-        quant(p + "w1", w1)
-        quant(p + "w2", w2)
-        quant(p + "w3", w3)
-
-    def block(p, layer_id):
-        ratio = cfg.layer_ratio(layer_id)
-        bf16(p + "attn_norm.weight", r.norm(d))
-        bf16(p + "ffn_norm.weight", r.norm(d))
-        hc_mix(p, "attn")
-        hc_mix(p, "ffn")
-        a = p + "attn."
-        fp8(a + "wq_a", r.linear(dq, d))
-        bf16(a + "q_norm.weight", r.norm(dq))
-        fp8(a + "wq_b", r.linear(H * D, dq))
-        fp8(a + "wkv", r.linear(D, d))
-        bf16(a + "kv_norm.weight", r.norm(D, k["kv_norm"]))
-        fp8(a + "wo_a", r.linear(G * R, H * D // G))
-        fp8(a + "wo_b", r.linear(d, G * R, gain=k["wo_b_gain"]))
-        f32(a + "attn_sink", r.normal(H, std=k["sink_std"], mean=k["sink_mean"]))
-        if ratio:
-            compressor(a + "compressor.", D, ratio, k["compressor_norm"])
-            if ratio == 4:
-                fp8(a + "indexer.wq_b", r.linear(nI * dI, dq))
-                bf16(a + "indexer.weights_proj.weight", r.linear(nI, d))
-                compressor(a + "indexer.compressor.", dI, ratio, k["indexer_compressor_norm"])
-        f = p + "ffn."
-        bf16(f + "gate.weight", r.linear(E, d, gain=k["gate_gain"]))
-        if layer_id < cfg.num_hidden_layers and cfg.is_hash_layer(layer_id):
-            # K distinct experts per token: the first K of a random permutation per row
-            perm = torch.argsort(torch.rand(V, E, generator=r.g), dim=-1)
-            sd[f + "gate.tid2eid"] = perm[:, :K].to(torch.int64).contiguous()
+    def quant(name: str, w: torch.Tensor, dtype: torch.dtype) -> None:
+        if dtype == torch.int8:
+            q, s = quant_mxfp4(w)
+        elif dtype == torch.float8_e4m3fn:
+            q, s = quant_fp8_weight(w)
         else:
-            f32(f + "gate.bias", r.normal(E, std=k["gate_bias_std"]))
-        for e in range(E):
-            swiglu(f"{f}experts.{e}.", mxfp4 if expert_fp4 else fp8)
-        swiglu(f + "shared_experts.", fp8)
+            raise ValueError(f"{name}: the tiny builder draws MXFP4 or FP8 weights, not {dtype}")
+        sd[name + ".weight"], sd[name + ".scale"] = q, s
 
-    bf16("embed.weight", r.normal(V, d, std=k["embed_std"]))
-    for i in range(cfg.num_hidden_layers):
-        block(f"layers.{i}.", i)
-    bf16("norm.weight", r.norm(d))
-    hc_head("")
-    head = r.linear(V, d, gain=k["head_gain"])
-    head *= torch.exp(r.normal(V, 1, std=k["head_row_logstd"]))
-    bf16("head.weight", head)
-    del head
-    for j in range(cfg.num_nextn_predict_layers):
-        p = f"mtp.{j}."
-        fp8(p + "e_proj", r.linear(d, d))
-        fp8(p + "h_proj", r.linear(d, d))
-        bf16(p + "enorm.weight", r.norm(d))
-        bf16(p + "hnorm.weight", r.norm(d))
-        bf16(p + "norm.weight", r.norm(d))
-        hc_head(p)
-        block(p, cfg.num_hidden_layers + j)
+    for u in walk(cfg, base_expert_format(cfg), draft=draft):
+        (name, sp), kind = u.specs[0], u.kind
+        if kind == "embed":
+            sd[name] = r.normal(*sp.shape, std=k["embed_std"]).to(torch.bfloat16)
+        elif kind == "head":
+            head = r.linear(*sp.shape, gain=k["head_gain"])
+            head *= torch.exp(r.normal(sp.shape[0], 1, std=k["head_row_logstd"]))
+            sd[name] = head.to(torch.bfloat16)
+            del head
+        elif kind == "norm":
+            sd[name] = r.norm(sp.shape[0], knob(u)).to(torch.bfloat16)
+        elif kind == "fp8_linear":
+            quant(u.key, r.linear(*sp.shape, gain=knob(u)), torch.float8_e4m3fn)
+        elif kind == "bf16_linear":
+            sd[name] = r.linear(*sp.shape, gain=knob(u)).to(torch.bfloat16)
+        elif kind == "rows":
+            sd[name] = r.normal(*sp.shape, std=knob(u)).to(torch.bfloat16)
+        elif kind == "hc_mix":
+            mix = sp.shape[0]
+            fn = r.normal(mix, sp.shape[1], std=k["hc_fn_gain"] / math.sqrt(sp.shape[1]))
+            pre = r.normal(hc, std=k["hc_base_std"])
+            post = r.normal(hc, std=k["hc_base_std"])
+            comb = k["hc_comb_identity"] * torch.eye(hc) + r.normal(hc, hc, std=k["hc_base_std"])
+            scale = r.normal(3, std=k["hc_scale_std"], mean=1.0)
+            for (n, _), t in zip(u.specs, (fn, torch.cat([pre, post, comb.flatten()]), scale)):
+                sd[n] = t.float()
+        elif kind == "hc_head":
+            fn = r.normal(hc, sp.shape[1], std=k["hc_fn_gain"] / math.sqrt(sp.shape[1]))
+            base = r.normal(hc, std=k["hc_base_std"])
+            scale = r.normal(1, std=k["hc_scale_std"], mean=1.0)
+            for (n, _), t in zip(u.specs, (fn, base, scale)):
+                sd[n] = t.float()
+        elif kind == "ape":
+            sd[name] = r.normal(*sp.shape, std=k["ape_std"]).float()
+        elif kind == "sink":
+            sd[name] = r.normal(*sp.shape, std=k["sink_std"], mean=k["sink_mean"]).float()
+        elif kind == "gate_bias":
+            sd[name] = r.normal(*sp.shape, std=k["gate_bias_std"]).float()
+        elif kind == "tid2eid":
+            # K distinct experts per token: the first K of a random permutation per row
+            V, K = sp.shape
+            perm = torch.argsort(torch.rand(V, cfg.n_routed_experts, generator=r.g), dim=-1)
+            sd[name] = perm[:, :K].to(torch.int64).contiguous()
+        elif kind == "swiglu":
+            spec = dict(u.specs)
+            inter, d = spec[u.key + "w1.weight"].shape[0], spec[u.key + "w2.weight"].shape[0]
+            w1, w3 = r.linear(inter, d), r.linear(inter, d)
+            w2 = r.linear(d, inter, gain=k["w2_gain"])
+            hot = torch.randperm(inter, generator=r.g)[: k["hot_channels"]]
+            w1[hot] *= k["hot_gain"]
+            w3[hot] *= k["hot_gain"]
+            w2[:, hot] /= k["hot_gain"]
+            dtype = spec[u.key + "w1.weight"].dtype
+            for w, t in (("w1", w1), ("w2", w2), ("w3", w3)):
+                quant(u.key + w, t, dtype)
+        else:
+            raise AssertionError(f"unknown unit kind {kind!r}")
+    for n, t in sd.items():
+        sd[n] = t.contiguous()
     return sd
 
 
 def make_tiny(out_dir: str, layout: str = "official", seed: int = 0, shards: int = 1,
-              cfg: ModelConfig | None = None, overwrite: bool = False) -> str:
-    """Build ``preset('tiny')`` (or ``cfg``) from ``seed`` and save it with the tokenizer files."""
+              cfg: ModelConfig | None = None, overwrite: bool = False, draft: str | None = None) -> str:
+    """Build ``preset('tiny')`` (or ``cfg``) from ``seed`` and save it with the tokenizer files.
+    ``draft`` 'none' | 'mtp' | 'dspark' rewrites the config for that draft (config.with_draft); None
+    keeps the config's own draft."""
     from .writer import save_checkpoint
     cfg = cfg or preset("tiny")
-    tensors = build_tiny_tensors(cfg, seed)
+    if draft is not None:
+        cfg = with_draft(cfg, draft, DSPARK_MARKOV_RANK["tiny"] if cfg.dspark_markov_rank is None
+                         else cfg.dspark_markov_rank)
+    tensors = build_tiny_tensors(cfg, seed, draft=draft != "none")
     return save_checkpoint(tensors, cfg, out_dir, layout=layout, shards=shards, tokenizer=True,
                            overwrite=overwrite)

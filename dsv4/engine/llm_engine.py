@@ -128,6 +128,7 @@ class LLMEngine:
             self._check_split(spec, tp)
             self.workers = TPWorkers(tp, self.device.type, spec)
             group = self.workers.group
+        draft_note = None
         if prebuilt is not None:
             if prebuilt.device != self.device:
                 raise ValueError(f"the prebuilt model is on {prebuilt.device}, the engine on {self.device}")
@@ -145,6 +146,8 @@ class LLMEngine:
                                                     progress=cfg.log, group=group)
             disk_bytes = reader.total_bytes
             source = f"{path} ({reader.layout}, {disk_bytes / 1e9:.2f} GB on disk)"
+            draft_note = reader.describe_draft() + ("" if reader.draft == "none" else
+                                                    "; not loaded (speculative decoding is off)")
         self.model_config = mc = self.model.cfg
         self.model_path = path if path is not None else source
         load_s = time.perf_counter() - t0
@@ -182,6 +185,8 @@ class LLMEngine:
             if self.device.type == "cuda":
                 extra += f"; device memory in use after load {weights_mem / 2**30:.2f} GiB"
             print(f"dsv4: loaded {source} in {load_s:.1f} s; {self.model.describe()}{extra}", file=sys.stderr)
+            if draft_note is not None:
+                print(f"dsv4: draft: {draft_note}", file=sys.stderr)
             if self.workers is not None:
                 print(f"dsv4: tensor parallel {tp}: rank 0 pid {os.getpid()}, " +
                       ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self.workers.procs, start=1)),

@@ -105,8 +105,7 @@ def build_model(spec: dict, dev, ops, group):
         from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
         mc = synthetic_config(spec["synthetic"], spec["synthetic_layers"], spec["synthetic_experts"])
         model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", dev, ops, group)
-        model.load((n, t) for n, t in iter_synthetic_tensors(mc, spec["synthetic_seed"], dev)
-                   if not n.startswith("mtp."))
+        model.load(iter_synthetic_tensors(mc, spec["synthetic_seed"], dev, draft=False))
         return model
     return DeepseekV4.from_checkpoint(spec["path"], dev, ops, progress=spec.get("progress", False), group=group)
 

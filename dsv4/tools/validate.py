@@ -121,17 +121,16 @@ def load_models(args, dev):
         from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
         cfg = synthetic_config(args.synthetic, args.layers, args.experts)
         efmt, wfmt, path = expert_format_of_config(cfg), "fp8", None
-        specs = expected_specs(cfg, efmt)        # the stream yields the MTP blocks too (then dropped)
+        specs = expected_specs(cfg, efmt, draft=False)
         total = sum(sp.dtype.itemsize * torch.Size(sp.shape).numel() for sp in specs.values())
         _say(args, f"generating synthetic {args.synthetic} weights ({args.layers} layers, {cfg.n_routed_experts} "
                    f"experts) on {dev}")
         tensors = {}
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                   disable=args.quiet, desc="synthetic weights") as bar:
-            for n, t in iter_synthetic_tensors(cfg, args.seed, dev):
+            for n, t in iter_synthetic_tensors(cfg, args.seed, dev, draft=False):
                 bar.update(t.numel() * t.element_size())
-                if not n.startswith("mtp."):
-                    tensors[n] = t
+                tensors[n] = t
         where = f"synthetic {args.synthetic}, {args.layers} layers, {cfg.n_routed_experts} experts"
     else:
         from ..checkpoint.loader import load_checkpoint
