@@ -49,8 +49,8 @@ from ..tokenizer import tokenizer_info
 from . import protocol as P
 from . import responses as R
 from .async_engine import AsyncEngine, EngineError
-from .chat_encoding import ChatEncodingError, StreamingParser, apply_chat_template, parse_completion, \
-    resolve_chat_options
+from .chat_encoding import ChatEncodingError, StreamingParser, apply_chat_template, detect_effort_profile, \
+    parse_completion, resolve_chat_options
 from .metrics import ServerMetrics
 from .tool_grammar import tool_call_grammar
 
@@ -153,6 +153,9 @@ class OpenAIServer:
         self.aeng = AsyncEngine(engine, self.metrics, log=log)
         self.created = int(time.time())
         self.root = str(getattr(engine, "model_path", None) or self.name)
+        self.effort_profile, why = detect_effort_profile(getattr(engine, "model_path", None))
+        if log:
+            print(f"dsv4: chat encoding: reasoning-effort profile {self.effort_profile!r} ({why})", file=sys.stderr)
 
     # ------------------------------------------------------------------ common checks
     def auth(self, request: Request) -> None:
@@ -263,9 +266,9 @@ class OpenAIServer:
         constraint = P.structured_outputs(body)
         self.precheck_chars(_text_chars(opts.messages), "messages")
         try:
-            thinking = resolve_chat_options(opts.template_kwargs)[0]
+            thinking = resolve_chat_options(opts.template_kwargs, self.effort_profile)[0]
             ids = await asyncio.to_thread(apply_chat_template, self.tokenizer, opts.messages, opts.tools,
-                                          opts.template_kwargs, opts.add_generation_prompt)
+                                          opts.template_kwargs, opts.add_generation_prompt, self.effort_profile)
         except ChatEncodingError as e:
             raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
         P.check_lengths(len(ids), ps, self.max_model_len, "messages")
@@ -536,7 +539,7 @@ class OpenAIServer:
             opts = P.chat_options(body)
             try:
                 ids = await asyncio.to_thread(apply_chat_template, self.tokenizer, opts.messages, opts.tools,
-                                              opts.template_kwargs, opts.add_generation_prompt)
+                                              opts.template_kwargs, opts.add_generation_prompt, self.effort_profile)
             except ChatEncodingError as e:
                 raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
         else:

@@ -72,6 +72,50 @@ REASONING_EFFORT_MAX_TEXT = (
     "is left unchecked.\n\n"
 )
 
+# The 0731 release generation (V4-Flash-0731, V4-Pro-0813) re-tiers the effort paragraphs: its
+# encoder (encoding/encoding_dsv4.py, ``REASONING_EFFORT_PROMPTS``, ``DEFAULT_REASONING_EFFORT =
+# "low"``) emits nothing for "low", April's "max" paragraph for "high", and a new paragraph for "max".
+# Read from public transcriptions of that file (SGLang PR 33140's profile detection, SGLang issue
+# 33185 and antirez/ds4 issue 635 quoting the encoder and the release's encoding/README.md); the
+# release repository itself was not read.
+REASONING_EFFORT_MAX_0731_TEXT = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+    "decompose the problem into its most fundamental components, trace every causal chain to its root, and "
+    "resolve the underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
+    "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
+)
+# profile -> {normalised effort: paragraph}; 'preview' is the April encoder.
+EFFORT_PROFILES = {
+    "preview": {"low": "", "high": "", "max": REASONING_EFFORT_MAX_TEXT},
+    "0731": {"low": "", "high": REASONING_EFFORT_MAX_TEXT, "max": REASONING_EFFORT_MAX_0731_TEXT},
+}
+ENCODER_FILE = "encoding/encoding_dsv4.py"
+
+
+def detect_effort_profile(model_dir: str | None) -> tuple[str, str]:
+    """(profile, why) for a checkpoint directory, read off the encoder it ships (``ENCODER_FILE``):
+    '0731' when it defines ``REASONING_EFFORT_PROMPTS`` (the three-tier encoder of V4-Flash-0731 /
+    V4-Pro-0813), else 'preview' (April's ``REASONING_EFFORT_MAX``, no encoder file, or one that
+    says neither). The config cannot tell: V4-*-DSpark carry the same dspark_* keys as 0731 on
+    April weights."""
+    import os
+    if not model_dir:
+        return "preview", "no checkpoint directory"
+    path = os.path.join(model_dir, ENCODER_FILE)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            src = fh.read()
+    except OSError:
+        return "preview", f"no {ENCODER_FILE}"
+    if "REASONING_EFFORT_PROMPTS" in src:
+        return "0731", f"{ENCODER_FILE} defines REASONING_EFFORT_PROMPTS"
+    if "REASONING_EFFORT_MAX" in src:
+        return "preview", f"{ENCODER_FILE} defines REASONING_EFFORT_MAX"
+    return "preview", f"{ENCODER_FILE} defines neither effort table"
+
+
 _TOOLS_SECTION_HEAD = (
     "## Tools\n\n"
     "You have access to a set of tools to help answer the user's question. You can invoke tools "
@@ -108,14 +152,17 @@ class ChatEncodingError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
-def normalize_reasoning_effort(effort: Any) -> tuple[bool | None, str | None]:
+def normalize_reasoning_effort(effort: Any, profile: str = "preview") -> tuple[bool | None, str | None]:
     """Map a client ``reasoning_effort`` onto the encoder's levels, as vLLM's V4 wrapper does.
 
     Returns ``(thinking_override, level)``: ``"none"`` forces chat mode (``False``, None);
-    ``"max"`` -> "max"; ``"low" | "minimal" | "medium"`` -> "low"; any other string -> "high";
-    ``None`` -> (None, None). Only "max" changes the prompt (a paragraph before the first
-    message); "high" and "low" add no text with the April-2026 encoder.
+    ``None`` -> (None, None). ``profile`` 'preview' (April): ``"max"`` -> "max";
+    ``"low" | "minimal" | "medium"`` -> "low"; any other string -> "high"; only "max" changes the
+    prompt. '0731': ``"xhigh"`` -> "max"; "low", "high", "max" as given; any other -> "low" (the
+    release's default); "high" and "max" each add their paragraph (``EFFORT_PROFILES``).
     """
+    if profile not in EFFORT_PROFILES:
+        raise ValueError(f"effort profile must be one of {', '.join(EFFORT_PROFILES)}, got {profile!r}")
     if effort is None:
         return None, None
     if not isinstance(effort, str):
@@ -123,6 +170,9 @@ def normalize_reasoning_effort(effort: Any) -> tuple[bool | None, str | None]:
     e = effort.strip().lower()
     if e == "none":
         return False, None
+    if profile == "0731":
+        e = "max" if e == "xhigh" else e
+        return None, e if e in ("low", "high", "max") else "low"
     if e == "max":
         return None, "max"
     if e in ("low", "minimal", "medium"):
@@ -142,7 +192,8 @@ def _flag(value: Any, name: str) -> bool:
     raise ChatEncodingError(f"{name}: expected a boolean, got {type(value).__name__}")
 
 
-def resolve_chat_options(chat_template_kwargs: dict | None) -> tuple[bool, str | None, bool]:
+def resolve_chat_options(chat_template_kwargs: dict | None,
+                         effort_profile: str = "preview") -> tuple[bool, str | None, bool]:
     """``(thinking, reasoning_effort, drop_thinking)`` from ``chat_template_kwargs``.
 
     ``thinking`` is on when ``thinking`` or ``enable_thinking`` is truthy (default off when
@@ -153,7 +204,7 @@ def resolve_chat_options(chat_template_kwargs: dict | None) -> tuple[bool, str |
     thinking = _flag(kw.get("thinking"), "chat_template_kwargs.thinking") or _flag(
         kw.get("enable_thinking"), "chat_template_kwargs.enable_thinking"
     )
-    override, level = normalize_reasoning_effort(kw.get("reasoning_effort"))
+    override, level = normalize_reasoning_effort(kw.get("reasoning_effort"), effort_profile)
     if override is False:
         thinking = False
     drop = kw.get("drop_thinking", True)
@@ -482,6 +533,7 @@ def encode_messages(
     reasoning_effort: str | None = None,
     add_generation_prompt: bool = True,
     drop_thinking: bool = True,
+    effort_profile: str = "preview",
 ) -> str:
     """Render an OpenAI-style conversation as a DeepSeek-V4 prompt string (starts with BOS).
 
@@ -490,9 +542,10 @@ def encode_messages(
     last user turn (and developer turns there); it is ignored when any tools are defined.
     ``add_generation_prompt=False`` leaves out the ``<｜Assistant｜><think>`` (or ``</think>``)
     that normally follows a final user turn. A final assistant message with ``prefix: true``
-    is rendered without EOS so generation continues it.
+    is rendered without EOS so generation continues it. ``effort_profile``: 'preview' (April
+    checkpoints) or '0731' (see :func:`detect_effort_profile`).
     """
-    override, effort = normalize_reasoning_effort(reasoning_effort)
+    override, effort = normalize_reasoning_effort(reasoning_effort, effort_profile)
     if override is False:
         thinking = False
     msgs = _merge_tool_results(_normalize(messages, tools))
@@ -503,8 +556,8 @@ def encode_messages(
     last_user = _last_user_index(msgs)
 
     prompt = [BOS]
-    if thinking and effort == "max":
-        prompt.append(REASONING_EFFORT_MAX_TEXT)
+    if thinking and effort is not None:
+        prompt.append(EFFORT_PROFILES[effort_profile][effort])
 
     n = len(msgs)
     for idx, m in enumerate(msgs):
@@ -549,13 +602,14 @@ def apply_chat_template(
     tools: list[dict] | None = None,
     chat_template_kwargs: dict | None = None,
     add_generation_prompt: bool = True,
+    effort_profile: str = "preview",
 ) -> list[int]:
     """Encode ``messages`` with :func:`encode_messages` and tokenize (no extra special tokens).
 
     ``chat_template_kwargs``: ``thinking`` (bool or {"type": "enabled"|"disabled"}),
     ``enable_thinking``, ``reasoning_effort``, ``drop_thinking``.
     """
-    thinking, effort, drop = resolve_chat_options(chat_template_kwargs)
+    thinking, effort, drop = resolve_chat_options(chat_template_kwargs, effort_profile)
     prompt = encode_messages(
         messages,
         tools=tools,
@@ -563,6 +617,7 @@ def apply_chat_template(
         reasoning_effort=effort,
         add_generation_prompt=add_generation_prompt,
         drop_thinking=drop,
+        effort_profile=effort_profile,
     )
     return list(tokenizer.encode(prompt, add_special_tokens=False))
 
