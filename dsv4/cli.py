@@ -90,16 +90,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_make_tiny(a: argparse.Namespace) -> int:
     from .checkpoint.tiny import make_tiny
-    path = make_tiny(a.dir, layout=a.layout, seed=a.seed, shards=a.shards, overwrite=a.overwrite)
+    path = make_tiny(a.dir, layout=a.layout, seed=a.seed, shards=a.shards, overwrite=a.overwrite, draft=a.draft)
     print(path)
     return 0
 
 
 def _cmd_make_synthetic(a: argparse.Namespace) -> int:
     from .checkpoint.synthetic import human_size, make_synthetic, synthetic_config
-    cfg = synthetic_config(a.preset, a.layers, a.experts)
+    cfg = synthetic_config(a.preset, a.layers, a.experts, draft=a.draft)
     r = make_synthetic(a.dir, cfg, layout=a.layout, seed=a.seed, device=a.device, max_shard_size=a.max_shard_size,
-                       overwrite=a.overwrite)
+                       overwrite=a.overwrite, draft=a.draft != "none")
     print(f"wrote {human_size(r.total_bytes)} ({r.shards} shard(s), {r.tensors} tensors) to {r.path}")
     return 0
 
@@ -160,6 +160,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no engine progress on stderr")
 
 
+def _draft_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", choices=["none", "mtp", "dspark"], default="mtp",
+                   help="the mtp.* draft to write: none, the April preview's MTP block (default), or the "
+                        "3-stage DSpark draft of V4-Flash-0731 / V4-Pro-0813 / V4-*-DSpark (with its config keys)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -192,17 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official", help='checkpoint layout to write (default official)')
     t.add_argument("--seed", type=int, default=0, help='weight seed (default 0)')
     t.add_argument("--shards", type=int, default=1, help='safetensors files to split the weights into (default 1)')
+    _draft_arg(t)
     t.add_argument("--overwrite", action="store_true", help='replace the contents of a non-empty directory')
     t.set_defaults(fn=_cmd_make_tiny)
     s = sub.add_parser("make-synthetic", help="write a random checkpoint with the real Flash / Pro shapes and formats")
     s.add_argument("dir", help='output directory (must not exist or be empty, unless --overwrite)')
-    s.add_argument("--preset", choices=["flash", "pro"], default="flash", help='real shapes of V4-Flash or V4-Pro (default flash)')
+    s.add_argument("--model", "--preset", dest="preset", choices=["flash", "pro"], default="flash",
+                   help='real shapes of V4-Flash or V4-Pro (default flash)')
     s.add_argument("--layers", type=int, default=4, help="the preset's first N layers (default 4)")
     s.add_argument("--experts", type=int, default=None, help="routed experts (default: all of the preset)")
     s.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official", help='checkpoint layout to write (default official)')
     s.add_argument("--seed", type=int, default=0, help='weight seed (default 0)')
     s.add_argument("--device", default=None, help="where to generate: cpu or cuda (default: cuda if available)")
     s.add_argument("--max-shard-size", default="5GB", help='largest safetensors file (default 5GB)')
+    _draft_arg(s)
     s.add_argument("--overwrite", action="store_true", help='replace the contents of a non-empty directory')
     s.set_defaults(fn=_cmd_make_synthetic)
     return p
