@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from checkpoint_helpers import clone_dir, edit_json, rewrite_shard, shard_of
 from conftest import skip_or_fail_without_shared
 import torch
 from safetensors.torch import load_file, save_file
@@ -50,37 +51,6 @@ def dequant_expert(t: dict, mod: str) -> torch.Tensor:
 
 def expert_modules(t: dict) -> list[str]:
     return sorted({k.rsplit(".", 1)[0] for k in t if ".ffn.experts." in k})
-
-
-def clone_dir(src, dst):
-    """Copy a checkpoint dir; safetensors files are hard links (rewrite them, never edit in place)."""
-    os.makedirs(dst)
-    for f in os.listdir(src):
-        if f.endswith(".safetensors"):
-            os.link(os.path.join(src, f), os.path.join(dst, f))
-        else:
-            shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
-    return str(dst)
-
-
-def rewrite_shard(path, fn):
-    t = load_file(path)
-    fn(t)
-    os.unlink(path)
-    save_file(t, path, metadata={"format": "pt"})
-
-
-def edit_json(path, fn):
-    with open(path) as fh:
-        d = json.load(fh)
-    fn(d)
-    with open(path, "w") as fh:
-        json.dump(d, fh)
-
-
-def shard_of(ckpt, name):
-    with open(os.path.join(ckpt, "model.safetensors.index.json")) as fh:
-        return os.path.join(ckpt, json.load(fh)["weight_map"][name])
 
 
 # ----------------------------------------------------------------------------- fixtures

@@ -12,7 +12,9 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from checkpoint_helpers import clone_dir, edit_json, rewrite_shard, shard_of
 
 from dsv4 import LLM, SamplingParams, cli
 from dsv4.checkpoint import build_tiny_tensors, load_checkpoint, save_checkpoint
@@ -176,53 +178,28 @@ def test_dspark_checkpoint_serves_the_main_models_tokens(ckpt, layout):
 
 
 # ----------------------------------------------------------------------------- damaged drafts
-def _shard_with(d, name):
-    with open(os.path.join(d, "model.safetensors.index.json")) as fh:
-        return os.path.join(d, json.load(fh)["weight_map"][name])
-
-
 def _edit_tensors(d, name, fn):
-    f = _shard_with(d, name)
-    t = load_file(f)
-    fn(t)
-    os.unlink(f)
-    save_file(t, f, metadata={"format": "pt"})
-    with open(os.path.join(d, "model.safetensors.index.json")) as fh:
-        idx = json.load(fh)
-    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if k in t or v != os.path.basename(f)}
-    idx["weight_map"].update({k: os.path.basename(f) for k in t})
-    with open(os.path.join(d, "model.safetensors.index.json"), "w") as fh:
-        json.dump(idx, fh)
+    """Apply ``fn`` to the tensors of the shard holding ``name``; the index then maps what it holds."""
+    f = shard_of(d, name)
+    rewrite_shard(f, fn)
+    held, base = set(load_file(f)), os.path.basename(f)
 
-
-def _copy(src, dst):
-    os.makedirs(dst)
-    for f in os.listdir(src):
-        with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
-            b.write(a.read())
-    return str(dst)
-
-
-def _edit_config(d, fn):
-    p = os.path.join(d, "config.json")
-    with open(p) as fh:
-        c = json.load(fh)
-    fn(c)
-    with open(p, "w") as fh:
-        json.dump(c, fh)
+    def reindex(idx):
+        idx["weight_map"] = {**{k: v for k, v in idx["weight_map"].items() if v != base}, **{k: base for k in held}}
+    edit_json(os.path.join(d, "model.safetensors.index.json"), reindex)
 
 
 def test_damaged_dspark_drafts_are_named(ckpt, tmp_path):
     src = ckpt[("dspark", "official")]
     # one tensor missing
-    d = _copy(src, tmp_path / "missing")
+    d = clone_dir(src, tmp_path / "missing")
     name = "mtp.1.attn.wkv.scale"
     _edit_tensors(d, name, lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=re.escape(f"tensor '{name}' is missing (expected F8_E8M0 [4, 2]")
                        + r".*draft dspark"):
         open_checkpoint(d)
     # one misshapen
-    d = _copy(src, tmp_path / "shape")
+    d = clone_dir(src, tmp_path / "shape")
     name = "mtp.2.markov_head.markov_w2.weight"
     _edit_tensors(d, name, lambda t: t.update({name: t[name][:, :16].contiguous()}))
     with pytest.raises(CheckpointError, match=re.escape(f"tensor '{name}' has shape [512, 16], expected [512, 32] = "
@@ -230,34 +207,30 @@ def test_damaged_dspark_drafts_are_named(ckpt, tmp_path):
                        r".*dim 1 is 16, expected 32 = dspark_markov_rank"):
         open_checkpoint(d)
     # a stage missing: every mtp.2.* tensor gone
-    d = _copy(src, tmp_path / "stage")
+    d = clone_dir(src, tmp_path / "stage")
     with open(os.path.join(d, "model.safetensors.index.json")) as fh:
         stage2 = [n for n in json.load(fh)["weight_map"] if n.startswith("mtp.2.")]
-    for f in {_shard_with(d, n) for n in stage2}:
-        t = load_file(f)
-        for n in stage2:
-            t.pop(n, None)
-        os.unlink(f)
-        save_file(t, f, metadata={"format": "pt"})
-    _edit_tensors(d, "mtp.0.main_norm.weight", lambda t: None)       # rewrites the index from the shards
+    for f in {shard_of(d, n) for n in stage2}:
+        rewrite_shard(f, lambda t: [t.pop(n, None) for n in stage2])
+    edit_json(os.path.join(d, "model.safetensors.index.json"), lambda idx: [idx["weight_map"].pop(n) for n in stage2])
     with pytest.raises(CheckpointError, match=r"tensor 'mtp\.2\.attn_norm\.weight' is missing.*draft dspark"):
         open_checkpoint(d)
     # the config's trailing zeros disagree with the stage count
-    d = _copy(src, tmp_path / "zeros")
-    _edit_config(d, lambda c: c.update(compress_ratios=c["compress_ratios"][:-1]))
+    d = clone_dir(src, tmp_path / "zeros")
+    edit_json(os.path.join(d, "config.json"), lambda c: c.update(compress_ratios=c["compress_ratios"][:-1]))
     with pytest.raises(CheckpointError, match=r"config\.json: compress_ratios: needs num_hidden_layers \+ 3 "
                                               r"\(DSpark stages"):
         open_checkpoint(d)
     # DSpark tensors under an April config, and an April MTP block under a DSpark config
-    d = _copy(src, tmp_path / "april-config")
-    _edit_config(d, lambda c: [c.pop(k) for k in ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id",
+    d = clone_dir(src, tmp_path / "april-config")
+    edit_json(os.path.join(d, "config.json"), lambda c: [c.pop(k) for k in ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id",
                                                   "dspark_target_layer_ids")] + [c.update(
                                                       compress_ratios=c["compress_ratios"][:-2])])
     with pytest.raises(CheckpointError, match=r"tensor 'mtp\.0\.main_proj\.(weight|scale)' belongs to a DSpark draft.*"
                                               r"has no dspark_\* keys"):
         open_checkpoint(d)
-    d = _copy(ckpt[("mtp", "official")], tmp_path / "dspark-config")
-    _edit_config(d, lambda c: c.update(small("dspark").to_hf()))
+    d = clone_dir(ckpt[("mtp", "official")], tmp_path / "dspark-config")
+    edit_json(os.path.join(d, "config.json"), lambda c: c.update(small("dspark").to_hf()))
     with pytest.raises(CheckpointError, match=r"tensor 'mtp\.0\.(e_proj|h_proj|enorm|hnorm)\..*' belongs to an April "
                                               r"MTP block, but .*config\.json announces a DSpark draft"):
         open_checkpoint(d)
@@ -266,7 +239,7 @@ def test_damaged_dspark_drafts_are_named(ckpt, tmp_path):
 def test_nvfp4_port_with_draft_experts_in_mxfp4_is_checked_per_tensor(ckpt, tmp_path):
     """The port's mtp.* experts are MXFP4 (int8 + e8m0 .scale): an NVFP4 expert tensor there, or an
     MXFP4 one in the main stack, is refused naming it."""
-    d = _copy(ckpt[("dspark", "modelopt-nvfp4")], tmp_path / "nv")
+    d = clone_dir(ckpt[("dspark", "modelopt-nvfp4")], tmp_path / "nv")
     name = "mtp.0.ffn.experts.2.w1.scale"
     _edit_tensors(d, name, lambda t: t.update({name.replace(".scale", ".weight_scale"): torch.zeros(128, 16, dtype=FP8)}))
     with pytest.raises(CheckpointError, match=r"unexpected tensor 'mtp\.0\.ffn\.experts\.2\.w1\.weight_scale'"):
