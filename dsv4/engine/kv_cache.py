@@ -34,7 +34,9 @@ constants and ``blocks_needed`` / ``block_table_tensor`` live in ``formats.pagin
       is ``[K (coff*c) | score (coff*c)]`` and position q sits at row ``q % (coff*m)``.
   A new slot needs no reset: the state keeps Python-int counters (window end, pending range,
   entry count) and only ever reads rows this sequence wrote.
-* MTP is not cached (``PagedSequenceState.mtp is None``).
+* Draft layers (``CacheConfig.draft_layers``, the MTP block of speculative decoding): a window
+  ring per slot each, as a main sliding-window layer's (``KVCache.draft_layers``); the
+  reference-state stand-in does not cover them (``PagedSequenceState.mtp is None``).
 
 Memory: ``bytes_per_block`` (all layers' block pages) and ``bytes_per_slot`` (windows + compressor
 states); with ``CacheConfig.memory_bytes`` the cache takes
@@ -55,7 +57,7 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..formats.index_key import index_page_bytes, read_index_entries, write_index_entries
-from ..formats.kv_entry import KV_DIM, page_bytes, read_kv_entries, write_kv_entries
+from ..formats.kv_entry import KV_DIM, page_bytes, page_views, read_kv_entries, write_kv_entries
 from ..formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE, block_table_tensor, blocks_needed
 
 
@@ -108,11 +110,13 @@ def bytes_per_slot(cfg: ModelConfig) -> int:
 @dataclass
 class CacheConfig:
     """``max_num_seqs`` sequence slots; KV blocks: ``num_blocks``, or as many as fit in
-    ``memory_bytes`` after the slots. ``device``: where the pools live."""
+    ``memory_bytes`` after the slots. ``device``: where the pools live. ``draft_layers``: window-only
+    layers of a speculative drafter (the MTP block), one 128-token ring per slot each."""
     max_num_seqs: int
     num_blocks: int | None = None
     memory_bytes: int | None = None
     device: str | torch.device = "cpu"
+    draft_layers: int = 0
 
 
 @dataclass
@@ -144,7 +148,8 @@ class KVCache:
             raise ValueError(f"max_num_seqs must be a positive integer, got {S!r}")
         self.max_num_seqs = S
         self.bytes_per_block = bytes_per_block(model_cfg)
-        self.bytes_per_slot = bytes_per_slot(model_cfg)
+        self.bytes_per_slot = bytes_per_slot(model_cfg) + cache_cfg.draft_layers * WINDOW // WINDOW_PAGE * \
+            page_bytes(WINDOW_PAGE)
         slot_total = S * self.bytes_per_slot
         mem = cache_cfg.memory_bytes
         if cache_cfg.num_blocks is not None:
@@ -189,6 +194,8 @@ class KVCache:
                     lc.index_state = torch.zeros(S, c * r, 2 * c * model_cfg.index_head_dim,
                                                  dtype=torch.float32, device=dev)
             self.layers.append(lc)
+        self.draft_layers = [LayerCache(0, torch.zeros(2 * S, page_bytes(WINDOW_PAGE), dtype=torch.uint8, device=dev))
+                             for _ in range(cache_cfg.draft_layers)]
         # free lists: stacks, lowest id handed out first
         self._free_blocks = list(range(nb - 1, -1, -1))
         self.reserved_blocks = 0
@@ -282,6 +289,50 @@ class KVCache:
 
     def block_tables_tensor(self, tables: list[list[int]], width: int | None = None) -> Tensor:
         return block_table_tensor(tables, width, self.device)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _position_rows(self, draft: bool):
+        """(tensor, rows per slot, page size or 0) of every per-slot ring that a position indexes:
+        the window pages (FlashMLA entries, 128 per slot) and the compressor rings (fp32 rows) of
+        the main layers, or the draft layers' windows."""
+        out = []
+        for lc in (self.draft_layers if draft else self.layers):
+            out.append((lc.window, WINDOW, WINDOW_PAGE))
+            for ring in (lc.comp_state, lc.index_state):
+                if ring is not None:
+                    out.append((ring, ring.shape[1], 0))
+        return out
+
+    def save_positions(self, slot: int, start: int, end: int, draft: bool = False) -> list:
+        """Copies of what positions ``start .. end-1`` of ``slot`` map to in every position-indexed
+        ring of the main layers (``draft``: of the draft layers): what a speculative chunk over those
+        positions overwrites while it may still be needed (``engine.spec_decode``)."""
+        out = []
+        pos = torch.arange(start, end, device=self.device)
+        for t, rows, page in self._position_rows(draft):
+            if page:
+                data, scales = page_views(t, page)
+                e = slot * rows + pos % rows
+                out.append((data[e // page, e % page].clone(), scales[e // page, e % page].clone()))
+            else:
+                out.append(t[slot, pos % rows].clone())
+        return out
+
+    def restore_positions(self, slot: int, start: int, end: int, saved: list, keep: int,
+                          draft: bool = False) -> None:
+        """Write back what ``save_positions(slot, start, end, draft)`` copied, for positions
+        ``keep .. end-1`` (the rejected ones): the accepted positions keep what the chunk wrote."""
+        if keep >= end:
+            return
+        pos = torch.arange(keep, end, device=self.device)
+        for (t, rows, page), old in zip(self._position_rows(draft), saved):
+            if page:
+                data, scales = page_views(t, page)
+                e = slot * rows + pos % rows
+                data[e // page, e % page] = old[0][keep - start:]
+                scales[e // page, e % page] = old[1][keep - start:]
+            else:
+                t[slot, pos % rows] = old[keep - start:]
 
 
 # ---------------------------------------------------------------------------------------------

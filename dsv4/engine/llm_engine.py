@@ -16,6 +16,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Logprob, RequestOutput, Sequence
+from .spec_decode import accept_greedy_draft
 from .structured import GrammarCompiler, first_line
 
 
@@ -55,6 +56,8 @@ class EngineConfig:
     synthetic_experts: int | None = None     # None: all of the preset's routed experts
     synthetic_seed: int = 0
     tensor_parallel_size: int = 1            # ranks, one process each (engine.tp_workers)
+    # vLLM's speculative_config: {"method": "mtp", "num_speculative_tokens": K} (engine.spec_decode)
+    speculative_config: dict | str | None = None
 
 
 def engine_threads(device, world: int = 1) -> int:
@@ -113,12 +116,19 @@ class LLMEngine:
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         from ..models import resolve_model
+        from .spec_decode import SpeculativeConfigError, check_draft, parse_speculative_config
         from .tp_workers import build_model
+        self.spec = parse_speculative_config(cfg.speculative_config)
+        if self.spec is not None and tp > 1:
+            raise SpeculativeConfigError("speculative_config: speculative decoding with tensor_parallel_size > 1 "
+                                         "is not supported yet")
+        draft = None if self.spec is None else self.spec.method
         self.workers, group = None, None
         kernels = cfg.kernels
         spec = dict(path=None if cfg.synthetic or prebuilt is not None else resolve_model(cfg.model),
                     synthetic=cfg.synthetic, synthetic_layers=cfg.synthetic_layers,
-                    synthetic_experts=cfg.synthetic_experts, synthetic_seed=cfg.synthetic_seed, kernels=kernels)
+                    synthetic_experts=cfg.synthetic_experts, synthetic_seed=cfg.synthetic_seed, kernels=kernels,
+                    draft=draft)
         if tp > 1:
             if prebuilt is not None:
                 raise ValueError("a prebuilt model cannot be split over tensor-parallel ranks")
@@ -133,6 +143,8 @@ class LLMEngine:
             if prebuilt.device != self.device:
                 raise ValueError(f"the prebuilt model is on {prebuilt.device}, the engine on {self.device}")
             self.model, path, source = prebuilt, cfg.model, "a prebuilt model"
+            if draft is not None and prebuilt.mtp is None:
+                raise SpeculativeConfigError("speculative_config.method: the prebuilt model has no MTP block")
         elif cfg.synthetic is not None:
             self.model = build_model(spec, self.device, Ops(self.device, kernels), group)
             mc, path = self.model.cfg, None
@@ -142,12 +154,16 @@ class LLMEngine:
             from ..checkpoint.loader import open_checkpoint
             path = spec["path"]
             reader = open_checkpoint(path)
+            if self.spec is not None:
+                check_draft(self.spec, reader.draft)
             self.model = DeepseekV4.from_checkpoint(reader, self.device, Ops(self.device, kernels),
-                                                    progress=cfg.log, group=group)
+                                                    progress=cfg.log, group=group, draft=draft)
             disk_bytes = reader.total_bytes
             source = f"{path} ({reader.layout}, {disk_bytes / 1e9:.2f} GB on disk)"
-            draft_note = reader.describe_draft() + ("" if reader.draft == "none" else
-                                                    "; not loaded (speculative decoding is off)")
+            draft_note = reader.describe_draft() + (
+                "" if reader.draft == "none" else
+                "; not loaded (speculative decoding is off)" if self.spec is None else
+                f"; loaded for speculative decoding ({self.spec.describe()})")
         self.model_config = mc = self.model.cfg
         self.model_path = path if path is not None else source
         load_s = time.perf_counter() - t0
@@ -157,7 +173,8 @@ class LLMEngine:
         # the model keeps one private scratch slot and block for padding / non-completing rows
         self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + 1,
                                              num_blocks=None if cfg.num_kv_blocks is None else cfg.num_kv_blocks + 1,
-                                             memory_bytes=budget, device=str(self.device)))
+                                             memory_bytes=budget, device=str(self.device),
+                                             draft_layers=int(draft is not None)))
         self.seq_blocks = self.cache.num_blocks - 1      # blocks sequences can hold (one is the model's scratch)
         cap = self.seq_blocks * BLOCK_TOKENS
         limit = min(mc.max_position_embeddings, cap)
@@ -175,10 +192,18 @@ class LLMEngine:
         self.backend_name = f"{'kernels' if self.model.ops.kernels else 'torch twins'}" + \
             ("+cuda-graphs" if self.runner.graphs is not None else "") + (f", tensor parallel {tp}" if tp > 1 else "")
         self.sampler = Sampler(mc.eos_token_id)
+        self.drafter = None
+        if self.spec is not None:
+            from .spec_decode import MTPDrafter
+            self.drafter = MTPDrafter(self.model, self.runner.per_sequence)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
-        self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0,
+                      # speculative decoding (vLLM's spec_decode metrics): verify steps with drafts,
+                      # draft tokens, accepted ones, and accepted ones by draft position
+                      "spec_num_drafts": 0, "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
+                      "spec_accepted_per_pos": [0] * (0 if self.spec is None else self.spec.num_speculative_tokens)}
         if cfg.log:
             wb = self.model.weight_bytes()
             extra = f"; weights / checkpoint bytes {wb / disk_bytes:.3f}" if disk_bytes else ""
@@ -194,6 +219,8 @@ class LLMEngine:
             print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len} (model "
                   f"{mc.max_position_embeddings}, KV cache {cap} tokens); backend {self.backend_name}",
                   file=sys.stderr)
+            if self.spec is not None:
+                print(f"dsv4: speculative decoding: {self.spec.describe()}", file=sys.stderr)
 
     @staticmethod
     def _check_split(spec: dict, tp: int) -> None:
@@ -299,7 +326,16 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         touched: dict[str, None] = {}
         if batch:
-            logits = self.runner.run(batch)
+            # speculative decoding (engine.spec_decode): every chunk of a speculating sequence keeps
+            # its residual streams for the drafter; a verify chunk returns every row's logits, and
+            # what its positions overwrite in the per-slot rings is saved, to put back for the
+            # rejected positions
+            keep = {i for i, c in enumerate(batch) if self.drafter is not None and c.seq.matcher is None}
+            verify = {i for i, c in enumerate(batch) if c.num_draft}
+            p0 = [c.seq.num_computed for c in batch]
+            saved = {i: self.cache.save_positions(batch[i].seq.slot, p0[i], p0[i] + batch[i].num_tokens)
+                     for i in verify}
+            logits = self.runner.run(batch, verify, keep)
             rows = [i for i, c in enumerate(batch) if c.samples]
             for i in [i for i in rows if batch[i].seq.max_tokens == 0]:     # scoring only: no token
                 s = batch[i].seq
@@ -308,12 +344,9 @@ class LLMEngine:
                     self.scheduler.finish(s)
             rows = [i for i in rows if batch[i].seq.max_tokens > 0]
             if rows:
-                seqs = [batch[i].seq for i in rows]
-                out = self.sampler(logits[rows], [s.params for s in seqs], [s.prompt_ids for s in seqs],
-                                   [s.output_ids for s in seqs], [s.generator for s in seqs],
-                                   [s.matcher for s in seqs])
-                for k, s in enumerate(seqs):
-                    self._append(s, out.token_ids[k], out.logprobs[k], out.errors[k])
+                self._sample(batch, rows, logits, p0, saved)
+            if self.drafter is not None:
+                self._draft(batch, keep, p0)
             for c in batch:
                 touched[c.seq.request_id] = None
                 if c.seq.num_computed <= len(c.seq.prompt_ids):
@@ -328,6 +361,70 @@ class LLMEngine:
             if o.finished:
                 del self.requests[o.request_id], self.prompts[o.request_id]
         return outputs
+
+    def _sample(self, batch, rows: list[int], logits: list, p0: list[int], saved: dict) -> None:
+        """Sample the chunks ``rows``: one row each, or for a verify chunk one row per position,
+        row j seeing the first j draft tokens as output; append the accepted tokens and cut a
+        verify chunk's sequence back to them (engine.spec_decode)."""
+        R_logits, R_out, R_seq, first = [], [], [], {}
+        for i in rows:
+            c, s = batch[i], batch[i].seq
+            first[i] = len(R_logits)
+            for j in range(c.num_draft + 1):
+                R_logits.append(logits[i][j] if c.num_draft else logits[i])
+                R_out.append(s.output_ids + s.draft_ids[:j])
+                R_seq.append(s)
+        out = self.sampler(torch.stack(R_logits), [s.params for s in R_seq], [s.prompt_ids for s in R_seq], R_out,
+                           [s.generator for s in R_seq], [s.matcher for s in R_seq])
+        for i in rows:
+            c, s, r0 = batch[i], batch[i].seq, first[i]
+            drafts = s.draft_ids[:c.num_draft]
+            sampled = out.token_ids[r0:r0 + c.num_draft + 1]
+            a = accept_greedy_draft(sampled, drafts)
+            for j in range(a + 1):
+                self._append(s, sampled[j], out.logprobs[r0 + j], out.errors[r0 + j])
+                if s.is_finished:
+                    break
+            s.draft_ids = []
+            if not c.num_draft:
+                continue
+            st = self.stats
+            st["spec_num_drafts"] += 1
+            st["spec_num_draft_tokens"] += c.num_draft
+            st["spec_num_accepted_tokens"] += a
+            for j in range(a):
+                st["spec_accepted_per_pos"][j] += 1
+            s.num_draft_tokens += c.num_draft
+            s.num_accepted_tokens += a
+            if not s.is_finished:
+                end = p0[i] + a + 1
+                self.cache.restore_positions(s.slot, p0[i], p0[i] + c.num_tokens, saved[i], end)
+                s.state.advance_to(end)
+                s.num_computed = end
+
+    def _draft(self, batch, keep: set, p0: list[int]) -> None:
+        """Give the drafter the rows each speculating sequence committed this step (with the token
+        that follows each) and let it draft for the next step."""
+        fills, k_of = [], {}
+        for i in sorted(keep):
+            s = batch[i].seq
+            if s.is_finished or s.state is None:
+                continue
+            n = s.num_computed - p0[i]                      # rows committed (a verify chunk: accepted + 1)
+            nxt = s.all_ids[p0[i] + 1:p0[i] + n + 1]
+            if n <= 0 or len(nxt) != n:
+                continue
+            fills.append((s, p0[i], self.runner.hidden[i][:n], nxt))
+            if s.num_computed >= len(s.prompt_ids):
+                k_of[s] = self._k_of(s)
+        self.drafter.propose(fills, k_of)
+
+    def _k_of(self, s: Sequence) -> int:
+        """Draft tokens ``s`` carries next step: the configured number, clipped so that the verify
+        chunk's tokens fit ``max_tokens`` and its positions ``max_model_len``."""
+        left = s.max_tokens - len(s.output_ids)
+        room = self.max_model_len - 1 - s.num_computed
+        return max(0, min(self.spec.num_speculative_tokens, left - 1, room))
 
     def _append(self, s: Sequence, tok: int, lps: dict | None, err: str | None) -> None:
         if s.is_finished:
@@ -367,6 +464,9 @@ class LLMEngine:
         seqs = self.requests[rid]
         finished = all(s.is_finished for s in seqs)
         pl = seqs[0].prompt_logprobs
+        metrics = {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time}
+        if self.spec is not None:
+            metrics["num_draft_tokens"] = sum(s.num_draft_tokens for s in seqs)
+            metrics["num_accepted_tokens"] = sum(s.num_accepted_tokens for s in seqs)
         return RequestOutput(rid, self.prompts[rid], list(seqs[0].prompt_ids), [s.to_output() for s in seqs],
-                             finished, {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time},
-                             None if pl is None else list(pl))
+                             finished, metrics, None if pl is None else list(pl))

@@ -37,24 +37,30 @@ class ModelRunner:
             t[r, :len(row)] = torch.as_tensor(row, dtype=torch.long)
         return t.to(self.device, non_blocking=True)
 
-    def forward(self, chunks: list[tuple[torch.Tensor, object]], scores: dict | None = None) -> list[torch.Tensor]:
+    def forward(self, chunks: list[tuple[torch.Tensor, object]], scores: dict | None = None,
+                all_rows: set | frozenset = frozenset(), keep: set | frozenset = frozenset()) -> list[torch.Tensor]:
         """Run each (token ids, sequence state) chunk; fp32 logits of each chunk's last token.
         Advances every state's position. ``scores`` {chunk index: (next-token ids of its first
         rows, k)}: those rows are scored (``PrefillContext.score``); the results land in
-        ``self.scored`` {chunk index: (logprob, rank, top-k logprobs, top-k ids)}."""
+        ``self.scored`` {chunk index: (logprob, rank, top-k logprobs, top-k ids)}. Speculative
+        decoding: the chunks in ``all_rows`` (verify chunks) return the logits of every row [n, V];
+        those in ``keep`` (every chunk of a speculating sequence; a superset of ``all_rows``) leave
+        their final residual streams in ``self.hidden`` {chunk index: [n, hc, d]} for the drafter."""
         model = self.model
         scores = scores or {}
-        self.scored = {}
+        self.scored, self.hidden = {}, {}
         if self.broadcast is not None:
             self.broadcast(chunks, scores)
-        dec = [i for i, (ids, st) in enumerate(chunks) if ids.numel() == 1 and st.pos > 0 and i not in scores]
+        dec = [i for i, (ids, st) in enumerate(chunks)
+               if ids.numel() == 1 and st.pos > 0 and i not in scores and i not in keep]
         is_dec = set(dec)
         rest = [i for i in range(len(chunks)) if i not in is_dec]
         out: list = [None] * len(chunks)
         groups = [[i] for i in rest] if self.per_sequence else ([rest] if rest else [])
         for g in groups:
             part = [chunks[i] for i in g]
-            ctx = model.prefill_context(part)
+            ctx = model.prefill_context(part, [i in all_rows for i in g])
+            ctx.keep_hidden = any(i in keep for i in g)
             asked, r0 = [], 0
             for i in g:
                 if i in scores:
@@ -65,8 +71,13 @@ class ModelRunner:
                 r0 += chunks[i][0].numel()
             logits = model(ctx)
             self.scored.update(zip(asked, ctx.scored))
-            for j, (i, (ids, st)) in enumerate(zip(g, part)):
-                out[i] = logits[j]
+            row = 0
+            for i, (ids, st), seg in zip(g, part, ctx.segs):
+                n = ids.numel() if i in all_rows else 1
+                out[i] = logits[row] if i not in all_rows else logits[row:row + n]
+                row += n
+                if i in keep:
+                    self.hidden[i] = ctx.hidden[seg.r0:seg.r1]
                 st.advance_to(st.pos + ids.numel())
         for rows in ([[i] for i in dec] if self.per_sequence else ([dec] if dec else [])):
             sts = [chunks[i][1] for i in rows]
@@ -82,19 +93,22 @@ class ModelRunner:
                 st.advance_to(st.pos + 1)
         return out
 
-    def run(self, batch: list[ScheduledChunk]) -> torch.Tensor:
-        """Advance every scheduled sequence by its chunk; [B, V] fp32 logits (one row per chunk)."""
+    def run(self, batch: list[ScheduledChunk], all_rows: set | frozenset = frozenset(),
+            keep: set | frozenset = frozenset()) -> list[torch.Tensor]:
+        """Advance every scheduled sequence by its chunk (a speculating sequence's decode chunk
+        carries its draft tokens); per chunk fp32 logits: [V] of its last row, or [n, V] of every
+        row for the chunks in ``all_rows`` (see ``forward``)."""
         chunks, scores = [], {}
         for i, c in enumerate(batch):
             s = c.seq
             p0 = s.num_computed
-            chunks.append((torch.tensor(s.all_ids[p0:p0 + c.num_tokens], dtype=torch.long), s.state))
+            chunks.append((torch.tensor(s.chunk_ids(p0, c.num_tokens), dtype=torch.long), s.state))
             nxt = s.prompt_targets(p0, c.num_tokens)
             if nxt:
                 scores[i] = (nxt, s.params.prompt_logprobs)
-        logits = self.forward(chunks, scores)
+        logits = self.forward(chunks, scores, all_rows, keep)
         for i, res in self.scored.items():
             batch[i].seq.add_prompt_logprobs(batch[i].seq.num_computed, res)
         for c in batch:
             c.seq.num_computed += c.num_tokens
-        return torch.stack(logits)
+        return logits

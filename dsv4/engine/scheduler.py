@@ -32,9 +32,11 @@ class ScheduledChunk:
     seq: Sequence
     num_tokens: int
     samples: bool = False   # the chunk reaches the end of the sequence: its logits give a token
+    num_draft: int = 0      # draft tokens it carries after the pending token (speculative verify)
 
     def __post_init__(self):
-        self.samples = self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        self.num_draft = max(0, self.seq.num_computed + self.num_tokens - self.seq.num_tokens)
+        self.samples = self.seq.num_computed + self.num_tokens == self.seq.num_tokens + self.num_draft
 
 
 class Scheduler:
@@ -73,6 +75,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
+        seq.draft_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -95,15 +98,17 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.cfg.max_num_batched_tokens
         out: list[ScheduledChunk] = []
-        # 1. decodes
+        # 1. decodes (a speculating sequence's pending token and its drafts, cut to the budget)
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq not in self.running or seq.num_computed < len(seq.prompt_ids):
                 continue
-            if self._grow(seq, seq.num_computed + 1):
-                out.append(ScheduledChunk(seq, 1))
-                budget -= 1
+            del seq.draft_ids[budget - 1:]
+            n = 1 + len(seq.draft_ids)
+            if self._grow(seq, seq.num_computed + n):
+                out.append(ScheduledChunk(seq, n))
+                budget -= n
         out = [c for c in out if c.seq in self.running]    # a later grow may have preempted one
         # 2a. unfinished prefills of running sequences
         for seq in list(self.running):

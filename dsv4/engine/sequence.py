@@ -92,6 +92,18 @@ class Sequence:
         # exactly the tokens appended to output_ids; a preempted sequence keeps both, so the
         # matcher matches the tokens its re-prefill recomputes
         self.matcher = None
+        # speculative decoding: the tokens drafted for the next step (verified after the pending
+        # token), and this sample's totals of drafted / accepted tokens
+        self.draft_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def chunk_ids(self, p0: int, n: int) -> list[int]:
+        """The ``n`` tokens fed from position ``p0``: prompt and output, then the draft tokens."""
+        ids = self.all_ids
+        if p0 + n > len(ids):
+            ids = ids + self.draft_ids
+        return ids[p0:p0 + n]
 
     def prompt_targets(self, p0: int, n: int) -> list[int]:
         """The prompt tokens that rows p0 .. p0+n-1 predict and that are not scored yet (a chunk

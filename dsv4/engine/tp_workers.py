@@ -104,10 +104,12 @@ def build_model(spec: dict, dev, ops, group):
         from ..checkpoint.schema import expert_format_of_config
         from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
         mc = synthetic_config(spec["synthetic"], spec["synthetic_layers"], spec["synthetic_experts"])
-        model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", dev, ops, group)
-        model.load(iter_synthetic_tensors(mc, spec["synthetic_seed"], dev, draft=False))
+        draft = spec.get("draft")
+        model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", dev, ops, group, draft)
+        model.load(iter_synthetic_tensors(mc, spec["synthetic_seed"], dev, draft=draft is not None))
         return model
-    return DeepseekV4.from_checkpoint(spec["path"], dev, ops, progress=spec.get("progress", False), group=group)
+    return DeepseekV4.from_checkpoint(spec["path"], dev, ops, progress=spec.get("progress", False), group=group,
+                                      draft=spec.get("draft"))
 
 
 class TPWorkers:

@@ -71,7 +71,10 @@ class Attention(nn.Module):
     the shared KV head, ``wq_a`` / ``wkv``, the compressors, the indexer (all its heads: its top-k
     must be the same on every rank) and the caches are replicated."""
 
-    def __init__(self, cfg, layer_id: int, ops, ropes: dict[int, Rope], wo_a_fmt: str, device=None, group=None):
+    def __init__(self, cfg, layer_id: int, ops, ropes: dict[int, Rope], wo_a_fmt: str, device=None, group=None,
+                 prefix: str | None = None):
+        """``prefix``: the block's checkpoint prefix (default ``layers.{layer_id}.``; ``mtp.0.`` for
+        the MTP block)."""
         super().__init__()
         self.layer_id, self.ops, self.group = layer_id, ops, group or SINGLE
         world = self.group.world
@@ -82,7 +85,7 @@ class Attention(nn.Module):
                              f"groups")
         self.H, self.D, self.G = H // world, cfg.head_dim, G // world          # local heads and groups
         self.q_lora, self.eps, self.scale = cfg.q_lora_rank, cfg.rms_norm_eps, cfg.head_dim ** -0.5
-        d, a = cfg.hidden_size, f"layers.{layer_id}.attn."
+        d, a = cfg.hidden_size, (prefix or f"layers.{layer_id}.") + "attn."
         self.prefix = a
         col, row = self.group.split("col"), self.group.split("row")
         self.wq_a_wkv = Fp8Linear(d, [(a + "wq_a", cfg.q_lora_rank), (a + "wkv", cfg.head_dim)], ops, device)
@@ -275,8 +278,10 @@ class Attention(nn.Module):
                                             eps=comp.eps, pages=pages, page_slots=page_slots.view(-1),
                                             page_size=per_block)
             ctx.trace(name, new)
-        start = m * max(0, last - 1) if comp.overlap else m * last
-        keep_from = max(start, s.p0)
+        # the ring keeps the chunk's last R rows, not only the pending ones: a speculative verify
+        # chunk that is cut back to an accepted length must find the rows of its accepted positions
+        # there (engine.spec_decode); rows before ``start`` are never read otherwise
+        keep_from = max(s.end - R, s.p0)
         if s.end > keep_from:
             p = torch.arange(keep_from, s.end, device=dev)
             ring[s.slot, p % R] = torch.cat([k[keep_from - s.p0:], sc[keep_from - s.p0:]], dim=1)

@@ -11,7 +11,8 @@ attention orchestration; every op is called through the op table (``dsv4.ops``):
 torch twins on a CPU.
 
 The model holds no reference objects: ``dsv4.reference`` is the oracle it is tested against.
-MTP weights are not loaded (MTP is not served).
+The April MTP block (``mtp.0.*``) is loaded when speculative decoding asks for it (``draft='mtp'``,
+``mtp_forward``); otherwise no draft weight is read.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch import nn
 from ..config import ModelConfig, rope_frequencies
 from ..formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW
 from ..layers.attention import Attention, Rope
-from ..layers.linear import Bf16Linear, _copy, weight_bytes
+from ..layers.linear import Bf16Linear, Fp8Linear, _copy, weight_bytes
 from ..layers.moe import MoE
 from ..ops import Ops
 from ..parallel import Group, default_group
@@ -49,20 +50,23 @@ class HyperConnection(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ops, ropes, expert_fmt: str, wo_a_fmt: str, device=None,
-                 group=None):
+                 group=None, prefix: str | None = None):
+        """``prefix``: checkpoint prefix of the block (default ``layers.{layer_id}.``)."""
         super().__init__()
         self.layer_id, self.ops, self.eps = layer_id, ops, cfg.rms_norm_eps
+        self.prefix = prefix or f"layers.{layer_id}."
         hc = cfg.hc_mult
         self.hc_attn = HyperConnection(cfg, (2 + hc) * hc, device)
         self.hc_ffn = HyperConnection(cfg, (2 + hc) * hc, device)
         f32 = dict(dtype=torch.float32, device=device)
         self.register_buffer("attn_norm", torch.empty(cfg.hidden_size, **f32))
         self.register_buffer("ffn_norm", torch.empty(cfg.hidden_size, **f32))
-        self.attn = Attention(cfg, layer_id, ops, ropes, wo_a_fmt, device, group)
-        self.moe = MoE(cfg, layer_id, expert_fmt, cfg.is_hash_layer(layer_id), ops, device, group)
+        self.attn = Attention(cfg, layer_id, ops, ropes, wo_a_fmt, device, group, self.prefix)
+        hash_layer = layer_id < cfg.num_hidden_layers and cfg.is_hash_layer(layer_id)
+        self.moe = MoE(cfg, layer_id, expert_fmt, hash_layer, ops, device, group)
 
     def loaders(self):
-        p = f"layers.{self.layer_id}."
+        p = self.prefix
         out = {p + "attn_norm.weight": _copy(self.attn_norm, p + "attn_norm.weight"),
                p + "ffn_norm.weight": _copy(self.ffn_norm, p + "ffn_norm.weight")}
         out.update(self.hc_attn.loaders(p + "hc_attn_"))
@@ -84,6 +88,44 @@ class Block(nn.Module):
         f, post, comb = self._pre(self.hc_ffn, h)
         f = t(f"L{i}.moe", self.moe(ops.rms_norm(f, self.ffn_norm, self.eps), ctx.ids))
         return t(f"L{i}.hc_post", ops.hc_post(f, h, post, comb))
+
+
+class MTPLayer(nn.Module):
+    """The April MTP block (spec §9, checkpoint ``mtp.0.*``): ``e_proj`` / ``h_proj`` (FP8),
+    ``enorm`` / ``hnorm`` / ``norm``, its own ``hc_head`` and a full block (layer id
+    ``num_hidden_layers``: sliding window only, score-routed), the target's embedding and head.
+    Its window lives in the KV cache's draft layer (``KVCache.draft_layers[0]``)."""
+
+    def __init__(self, cfg: ModelConfig, ops, ropes, expert_fmt: str, wo_a_fmt: str, device=None, group=None):
+        super().__init__()
+        d, p = cfg.hidden_size, "mtp.0."
+        self.ops, self.eps, self.hc, self.d = ops, cfg.rms_norm_eps, cfg.hc_mult, d
+        self.e_proj = Fp8Linear(d, [(p + "e_proj", d)], ops, device)
+        self.h_proj = Fp8Linear(d, [(p + "h_proj", d)], ops, device)
+        f32 = dict(dtype=torch.float32, device=device)
+        for n in ("enorm", "hnorm", "norm"):
+            self.register_buffer(n, torch.empty(d, **f32))
+        self.hc_head = HyperConnection(cfg, cfg.hc_mult, device)
+        self.block = Block(cfg, cfg.num_hidden_layers, ops, ropes, expert_fmt, wo_a_fmt, device, group, prefix=p)
+
+    def loaders(self):
+        p = "mtp.0."
+        out = {p + n + ".weight": _copy(getattr(self, n), p + n + ".weight") for n in ("enorm", "hnorm", "norm")}
+        out.update(self.e_proj.loaders())
+        out.update(self.h_proj.loaders())
+        out.update(self.hc_head.loaders(p + "hc_head_"))
+        out.update(self.block.loaders())
+        return out
+
+    def forward(self, emb: torch.Tensor, h_main: torch.Tensor, ctx) -> torch.Tensor:
+        """Token embeddings ``emb`` [T, d] and the residual streams ``h_main`` [T, hc, d] they follow
+        -> the block's output streams [T, hc, d]: e = enorm(emb), h = hnorm(h_main) per stream,
+        x = e_proj(e) broadcast to the streams + h_proj(h) (a bf16 sum), then the block."""
+        ops, T = self.ops, emb.shape[0]
+        e = ops.rms_norm(emb, self.enorm, self.eps)
+        h = ops.rms_norm(h_main.reshape(T * self.hc, self.d), self.hnorm, self.eps)
+        x = ops.linear(self.e_proj, e).unsqueeze(1) + ops.linear(self.h_proj, h).view(T, self.hc, self.d)
+        return self.block(x, ctx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +192,8 @@ class PrefillContext:
     scored: list = field(default_factory=list)
 
     tables: object = None              # DeepseekV4.rope_rows
+    keep_hidden: bool = False          # set: the forward leaves the final residual streams [T, hc, d] in ``hidden``
+    hidden: torch.Tensor | None = None
 
     def rope_rows(self, rope: Rope):
         """(cos, sin) fp32 [T, 32] of every row's position (once per rope and step)."""
@@ -168,12 +212,16 @@ class DecodeContext:
     max_blocks: int
     meta: dict | None = None           # the step's index vectors and RoPE rows (``DeepseekV4._meta``)
     trace: _Trace = field(default_factory=_Trace)
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = None
     decode = True
 
 
-def prefill_context(chunks, max_blocks: int, scratch_block: int, device, tables, all_logits: bool = False
+def prefill_context(chunks, max_blocks: int, scratch_block: int, device, tables, all_logits=False
                     ) -> PrefillContext:
-    """chunks: [(token ids [n], state with .pos, .slot, .block_table)] -> the step's context."""
+    """chunks: [(token ids [n], state with .pos, .slot, .block_table)] -> the step's context.
+    ``all_logits``: True for the logits of every row, or per chunk (a speculative verify chunk
+    needs every row's, a prefill chunk its last row's)."""
     ids, segs, r0 = [], [], 0
     for tok, st in chunks:
         n = tok.numel()
@@ -188,7 +236,8 @@ def prefill_context(chunks, max_blocks: int, scratch_block: int, device, tables,
         r0 += n
     ids = torch.cat(ids).to(device=device, dtype=torch.long)
     pos = torch.cat([torch.arange(s.p0, s.end) for s in segs]).to(device)
-    rows = torch.arange(r0) if all_logits else torch.tensor([s.r1 - 1 for s in segs])
+    every = [all_logits] * len(segs) if isinstance(all_logits, bool) else list(all_logits)
+    rows = torch.tensor([r for s, e in zip(segs, every) for r in (range(s.r0, s.r1) if e else [s.r1 - 1])])
     return PrefillContext(ids, pos, segs, max_blocks, scratch_block, rows.to(device), tables=tables)
 
 
@@ -204,7 +253,11 @@ class DeepseekV4(nn.Module):
     forward on the same inputs, on the kernels or on the twins (``ops``)."""
 
     def __init__(self, cfg: ModelConfig, expert_format: str = "mxfp4", wo_a_format: str = "fp8",
-                 device="cpu", ops: Ops | None = None, group: Group | None = None):
+                 device="cpu", ops: Ops | None = None, group: Group | None = None, draft: str | None = None,
+                 draft_expert_format: str | None = None):
+        """``draft``: None (the draft's weights are not loaded) or 'mtp' (the April MTP block,
+        ``self.mtp``, its routed experts in ``draft_expert_format``: NVIDIA's NVFP4 ports keep them
+        MXFP4)."""
         super().__init__()
         self.cfg, self.device = cfg, torch.device(device)
         self.ops = ops or Ops(self.device)
@@ -219,6 +272,12 @@ class DeepseekV4(nn.Module):
         self.register_buffer("norm", torch.empty(cfg.hidden_size, dtype=torch.float32, device=self.device))
         self.head = Bf16Linear(cfg.hidden_size, [("head", cfg.vocab_size)], self.ops, "fp32", self.device,
                                self.group.split("col"))
+        if draft not in (None, "mtp"):
+            raise ValueError(f"draft must be None or 'mtp', got {draft!r}")
+        self.mtp = None
+        if draft == "mtp":
+            self.mtp = MTPLayer(cfg, self.ops, self.ropes, draft_expert_format or expert_format, wo_a_format,
+                                self.device, self.group)
         # FP8 routed experts have no GPU kernel: their twin synchronises with the host
         self.graph_safe = self.ops.graph_safe and expert_format != "fp8"
         self.cache = None
@@ -230,20 +289,26 @@ class DeepseekV4(nn.Module):
             out.update(b.loaders())
         out.update(self.hc_head.loaders("hc_head_"))
         out.update(self.head.loaders())
+        if self.mtp is not None:
+            out.update(self.mtp.loaders())
         return out
 
     @classmethod
     def from_checkpoint(cls, path_or_reader, device="cpu", ops: Ops | None = None, progress: bool = False,
-                        group: Group | None = None):
+                        group: Group | None = None, draft: str | None = None):
         """Validate a checkpoint directory, allocate the model on ``device`` and stream the weights
-        in (host memory: one checkpoint tensor at a time on top of the model itself on CPU)."""
+        in (host memory: one checkpoint tensor at a time on top of the model itself on CPU).
+        ``draft`` 'mtp' loads the April MTP block too; otherwise ``mtp.*`` is left unread."""
         from ..checkpoint.loader import open_checkpoint
         r = open_checkpoint(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
-        model = cls(r.config, r.expert_format, r.wo_a_format, device, ops, group)
+        if draft is not None and draft != r.draft:
+            raise ValueError(f"{r.path}: the checkpoint's draft is {r.describe_draft()}, not {draft!r}")
+        model = cls(r.config, r.expert_format, r.wo_a_format, device, ops, group, draft,
+                    r.expert_formats.get("mtp.0.") if draft else None)
         other = model.foreign_names()               # other ranks' experts: never read
         parts = model.split_parts()                 # split linears: only this rank's slice is read
-        model.load(r.tensors(progress=progress, skip=lambda n: n.startswith("mtp.") or n in other, parts=parts),
-                   presliced=set(parts))
+        skip = (lambda n: n in other) if draft else (lambda n: n.startswith("mtp.") or n in other)
+        model.load(r.tensors(progress=progress, skip=skip, parts=parts), presliced=set(parts))
         return model
 
     def split_parts(self) -> dict:
@@ -290,6 +355,11 @@ class DeepseekV4(nn.Module):
         self.cache = cache
         for b, lc in zip(self.layers, cache.layers):
             b.attn.lc = lc
+        if self.mtp is not None:
+            if not cache.draft_layers:
+                raise ValueError("the model has an MTP block but the KV cache has no draft layer "
+                                 "(CacheConfig.draft_layers=1)")
+            self.mtp.block.attn.lc = cache.draft_layers[0]
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // BLOCK_TOKENS)
         self.scratch_slot = cache.allocate_slot()
@@ -302,7 +372,7 @@ class DeepseekV4(nn.Module):
         vectors of the window, compressed-cache writes and HCA reads."""
         from ..kernels.decode_meta import TABLE_NEG, MetaPlan, rope_table
         uniq, rope_keys, rope_reqs = {}, [], []
-        for blk in self.layers:
+        for blk in list(self.layers) + ([self.mtp.block] if self.mtp is not None else []):
             at = blk.attn
             reqs = [("attn", at.rope, 0)] + [(("comp", c.ratio), c.rope, 1 - c.ratio)
                                              for c in (at.compressor, at.index_comp) if c is not None]
@@ -343,7 +413,7 @@ class DeepseekV4(nn.Module):
     def decode_context(self, tokens, pos, slots, bt) -> DecodeContext:
         return DecodeContext(tokens, pos, slots, bt, self.max_blocks)
 
-    def prefill_context(self, chunks, all_logits: bool = False) -> PrefillContext:
+    def prefill_context(self, chunks, all_logits=False) -> PrefillContext:
         return prefill_context(chunks, self.max_blocks, self.scratch_block, self.device, self.rope_rows, all_logits)
 
     def rope_rows(self, rope: Rope, positions: torch.Tensor):
@@ -363,10 +433,27 @@ class DeepseekV4(nn.Module):
         h = F.embedding(ctx.ids, self.embed).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
         for blk in self.layers:
             h = blk(h, ctx)
+        if ctx.keep_hidden:
+            ctx.hidden = h
         if not ctx.decode:
             ctx.scored = [self._score(h, rows, nxt, k, ctx) for rows, nxt, k in ctx.score]
             h = h[ctx.logit_rows].contiguous()
         return self.head_logits(h, ctx)
+
+    @torch.no_grad()
+    def mtp_forward(self, ctx: "PrefillContext", h_main: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block over ``ctx``'s rows: ``ctx.ids`` are the tokens that follow the rows of
+        ``h_main`` [T, hc, d] (the target's pre-hc_head residual streams, or a previous MTP step's
+        output), at ``ctx``'s positions in the MTP block's window. Returns (fp32 logits of
+        ``ctx.logit_rows`` [rows, V], the block's output streams [T, hc, d])."""
+        if self.mtp is None:
+            raise RuntimeError("the model was built without its MTP block (draft='mtp')")
+        m = self.mtp
+        x = m(F.embedding(ctx.ids, self.embed), h_main, ctx)
+        ops, hh = self.ops, m.hc_head
+        xs = x[ctx.logit_rows].contiguous()
+        y = ops.rms_norm(ops.hc_head(xs, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, self.cfg.rms_norm_eps)
+        return self.group.all_gather(ops.linear(self.head, y).float(), dim=-1), x
 
     def _score(self, h, rows, nxt, k, ctx, block: int = SCORE_ROWS):
         """Log-probabilities of ``nxt`` after ``rows`` of a prefill and the top ``k``: the head in

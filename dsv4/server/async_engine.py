@@ -70,6 +70,11 @@ def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
+def _copy_stats(st: dict) -> dict:
+    """The engine's counters as they are now (its per-position list copied too)."""
+    return {k: list(v) if isinstance(v, list) else v for k, v in st.items()}
+
+
 class AsyncEngine:
     def __init__(self, engine, metrics: ServerMetrics | None = None, log: bool = True):
         self.engine = engine
@@ -82,7 +87,7 @@ class AsyncEngine:
         self._pending_adds = 0                    # add commands not yet taken by the engine thread
         self.snapshot = Snapshot()
         self.dead: str | None = None              # reason, once the engine cannot run any more
-        self._stats0 = dict(getattr(engine, "stats", {}) or {})
+        self._stats0 = _copy_stats(getattr(engine, "stats", {}) or {})
         self._preempt0 = getattr(getattr(engine, "scheduler", None), "num_preemptions", 0)
         self._publish()
 
@@ -283,5 +288,9 @@ class AsyncEngine:
             self.metrics.tokens(st.get("prompt_tokens", 0) - s0.get("prompt_tokens", 0),
                                 st.get("generation_tokens", 0) - s0.get("generation_tokens", 0),
                                 pre - self._preempt0)
-            self._stats0 = dict(st)
+            pos, pos0 = st.get("spec_accepted_per_pos", []), s0.get("spec_accepted_per_pos", [])
+            self.metrics.spec_decode(*(st.get(k, 0) - s0.get(k, 0) for k in
+                                       ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")),
+                                     [a - (pos0[i] if i < len(pos0) else 0) for i, a in enumerate(pos)])
+            self._stats0 = _copy_stats(st)
             self._preempt0 = pre

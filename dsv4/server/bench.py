@@ -246,6 +246,15 @@ def print_report(m: dict, args, metrics: list[str], percentiles: list[float]) ->
         print(f"{'Median ' + upper + ' (ms):':<40}{m[f'median_{name}_ms']:<10.2f}")
         for p in percentiles:
             print(f"{'P' + _pword(p) + ' ' + upper + ' (ms):':<40}{m[f'p{_pword(p)}_{name}_ms']:<10.2f}")
+    if "spec_decode_num_drafts" in m:
+        print("{s:{c}^{n}}".format(s="Speculative Decoding", n=w, c="-"))
+        for k, v in (("Acceptance rate (%):", f"{100 * m['spec_decode_acceptance_rate']:.2f}"),
+                     ("Acceptance length:", f"{m['spec_decode_acceptance_length']:.2f}"),
+                     ("Drafts:", m["spec_decode_num_drafts"]), ("Draft tokens:", m["spec_decode_draft_tokens"]),
+                     ("Accepted tokens:", m["spec_decode_accepted_tokens"])):
+            print(f"{k:<40}{v:<10}")
+        print("Per-position acceptance (%):".ljust(40) +
+              ", ".join(f"{100 * r:.2f}" for r in m["spec_decode_per_position_acceptance_rate"]))
     print("=" * w)
 
 
@@ -328,15 +337,65 @@ async def run_benchmark(args) -> tuple[dict, list[RequestResult]]:
             async with sem:
                 return await _one(client, url, headers, body, chat, prompt_len, args.timeout)
 
+        spec0 = await _spec_counters(client, base, headers)
         t0 = time.perf_counter()
         tasks = []
         async for i in _arrivals(len(reqs), args.request_rate, args.burstiness, rng):
             tasks.append(asyncio.create_task(limited(*reqs[i])))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        spec1 = await _spec_counters(client, base, headers)
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     m = {"model_id": model, **calculate_metrics(list(results), duration, percentiles)}
+    m.update(spec_decode_metrics(spec0, spec1))
     return m, list(results)
+
+
+_SPEC = "vllm:spec_decode_num_"
+
+
+async def _spec_counters(client, base: str, headers: dict) -> dict:
+    """The server's speculative-decoding counters from ``/metrics`` ({} when it has none)."""
+    try:
+        r = await client.get(base + "/metrics", headers=headers)
+    except Exception:  # noqa: BLE001 - a server without metrics just has no acceptance figures
+        return {}
+    if r.status_code != 200:
+        return {}
+    return parse_spec_counters(r.text)
+
+
+def parse_spec_counters(text: str) -> dict:
+    """{'drafts' | 'draft_tokens' | 'accepted_tokens': total, ('per_pos', i): total} from a
+    Prometheus text exposition (vLLM's counter names, '_total' samples)."""
+    out: dict = {}
+    for line in text.splitlines():
+        if not line.startswith(_SPEC) or "_total" not in line.split("{")[0].split(" ")[0]:
+            continue
+        name, value = line.rsplit(" ", 1)
+        key = name[len(_SPEC):].split("{")[0].removesuffix("_total")
+        if key == "accepted_tokens_per_pos":
+            pos = int(name.split('position="')[1].split('"')[0])
+            out[("per_pos", pos)] = out.get(("per_pos", pos), 0) + float(value)
+        elif key in ("drafts", "draft_tokens", "accepted_tokens"):
+            out[key] = out.get(key, 0) + float(value)
+    return out
+
+
+def spec_decode_metrics(before: dict, after: dict) -> dict:
+    """vLLM's speculative-decoding figures over the run: acceptance rate (accepted / drafted
+    tokens), mean acceptance length (1 + accepted / drafts: tokens emitted per verify step) and
+    the acceptance rate by draft position; {} when no draft was verified."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    drafts = d.get("drafts", 0)
+    if drafts <= 0:
+        return {}
+    pos = sorted(k[1] for k in d if isinstance(k, tuple))
+    return {"spec_decode_num_drafts": int(drafts), "spec_decode_draft_tokens": int(d.get("draft_tokens", 0)),
+            "spec_decode_accepted_tokens": int(d.get("accepted_tokens", 0)),
+            "spec_decode_acceptance_rate": d.get("accepted_tokens", 0) / max(1, d.get("draft_tokens", 0)),
+            "spec_decode_acceptance_length": 1 + d.get("accepted_tokens", 0) / drafts,
+            "spec_decode_per_position_acceptance_rate": [d.get(("per_pos", p), 0) / drafts for p in pos]}
 
 
 def main_from_args(args) -> int:

@@ -22,7 +22,14 @@ name                                               kind       meaning
 ``vllm:e2e_request_latency_seconds``               histogram  arrival -> finish
 ``vllm:request_prompt_tokens``                     histogram  prompt length per request
 ``vllm:request_generation_tokens``                 histogram  generated tokens per request
+``vllm:spec_decode_num_drafts``                    counter    verify steps that carried drafts
+``vllm:spec_decode_num_draft_tokens``              counter    draft tokens proposed
+``vllm:spec_decode_num_accepted_tokens``           counter    draft tokens accepted
+``vllm:spec_decode_num_accepted_tokens_per_pos``   counter    accepted, by draft position (``position``)
 =================================================  =========  ======================================
+
+The mean acceptance length (tokens emitted per verify step) is
+``1 + num_accepted_tokens / num_drafts``, as vLLM's ``bench serve`` computes it.
 
 Times are ``time.monotonic()`` differences taken in this process; TTFT counts from the HTTP
 handler's arrival stamp, so it includes tokenization and queueing (as vLLM's does).
@@ -75,6 +82,14 @@ class ServerMetrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency (s)", _E2E_BUCKETS)
         self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
         self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens per request", _TOKEN_BUCKETS)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative verify steps with drafts", L,
+                                   registry=r).labels(model_name)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", L,
+                                         registry=r).labels(model_name)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", L,
+                                     registry=r).labels(model_name)
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by draft position", L + ["position"], registry=r)
 
     # -- fed from the engine thread
     def first_token(self, ttft: float) -> None:
@@ -103,6 +118,17 @@ class ServerMetrics:
             self.generation_tokens.inc(generation)
         if preemptions > 0:
             self.preemptions.inc(preemptions)
+
+    def spec_decode(self, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> None:
+        if drafts > 0:
+            self.spec_drafts.inc(drafts)
+        if draft_tokens > 0:
+            self.spec_draft_tokens.inc(draft_tokens)
+        if accepted > 0:
+            self.spec_accepted.inc(accepted)
+        for pos, n in enumerate(per_pos):
+            if n > 0:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(n)
 
     # -- at scrape time
     def set_state(self, running: int, waiting: int, kv_usage: float) -> None:

@@ -1,0 +1,125 @@
+"""Speculative decoding with the MTP block: the plain decode step, the verify step (K + 1 rows per
+sequence through the target) and the draft step (the MTP block over the accepted rows, then K - 1
+single-row MTP steps), all from one run on a synthetic V4 slice, and the TPOT they imply at the
+acceptance lengths published for V4 (SGLang's CI floors: 1.6 for K = 1, 2.8 for K = 3) -- a
+projection: random synthetic weights accept almost nothing, so no measured acceptance is used.
+
+    PYTHONPATH=. python benchmarks/spec_decode.py --model flash --layers 4 --batch 1,16,64 --k 1,3 --ctx 8192
+
+Plain decode: CUDA-graph replays, L2 flushed (``common.graph_time``), as ``decode_step.py``. Verify and
+draft run eagerly through the prefill path (the engine does not capture them in graphs yet), timed with
+``triton.testing.do_bench`` (median; launch overhead included, as the engine pays it). The projected
+TPOT of one sequence at acceptance length L is (verify + draft) / L; plain decode's is its step.
+The draft step is timed at its largest fill (all K drafts accepted: K + 1 rows per sequence).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import graph_time  # noqa: E402
+from benchmarks.decode_step import fill_caches  # noqa: E402
+from dsv4.checkpoint.synthetic import iter_synthetic_tensors, synthetic_config  # noqa: E402
+from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
+from dsv4.engine.spec_decode import MTPDrafter  # noqa: E402
+from dsv4.formats.paging import BLOCK_TOKENS  # noqa: E402
+from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
+
+ACCEPTANCE = {1: 1.6, 3: 2.8}          # SGLang CI floors for V4 MTP (serving-anchors.md)
+
+
+class _Seq:
+    """What the drafter and prefill_context read of a sequence (hashable by identity)."""
+
+    def __init__(self, pos, slot, block_table):
+        self.pos, self.slot, self.block_table, self.draft_ids = pos, slot, block_table, []
+
+
+def eager_ms(fn) -> float:
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=5, rep=60, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="flash", choices=["flash", "pro"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=None)
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--k", default="1,3", help="speculative tokens per step to time")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="append the markdown section to this file")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    batches, ks = [int(b) for b in a.batch.split(",")], [int(k) for k in a.k.split(",")]
+    Bmax, Kmax = max(batches), max(ks)
+    cfg = synthetic_config(a.model, a.layers, a.experts)
+    model = DeepseekV4(cfg, "mxfp4", "fp8", dev, draft="mtp")
+    model.load(iter_synthetic_tensors(cfg, 0, dev))
+    per_seq = -(-(a.ctx + 2 * Kmax + 2) // BLOCK_TOKENS)
+    cache = KVCache(cfg, CacheConfig(max_num_seqs=Bmax + 1, num_blocks=Bmax * per_seq + 1, device=str(dev),
+                                     draft_layers=1))
+    model.attach_cache(cache, per_seq * BLOCK_TOKENS)
+    fill_caches(cache, dev, gen, Bmax * per_seq + 1)
+    print(model.describe(), flush=True)
+    slots = [cache.allocate_slot() for _ in range(Bmax)]
+    tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
+    drafter = MTPDrafter(model, per_sequence=dev.type != "cuda")
+    rows = []
+    for B in batches:
+        seqs = [_Seq(a.ctx, slots[r], tables[r]) for r in range(B)]
+        tokens = torch.randint(3, min(128000, cfg.vocab_size), (B,), device=dev, generator=gen)
+        pos = torch.full((B,), a.ctx, dtype=torch.long, device=dev)
+        bt = torch.full((B, model.max_blocks), -1, dtype=torch.long)
+        for r in range(B):
+            bt[r, :per_seq] = torch.tensor(tables[r])
+        bt, sl = bt.to(dev), torch.tensor(slots[:B], device=dev)
+        with torch.no_grad():
+            plain = graph_time(lambda: model(model.decode_context(tokens, pos, sl, bt)))
+            for K in ks:
+                ids = [torch.randint(3, min(128000, cfg.vocab_size), (K + 1,), generator=gen, device=dev) for _ in range(B)]
+
+                def verify():
+                    ctx = model.prefill_context(list(zip(ids, seqs)), all_logits=True)
+                    ctx.keep_hidden = True
+                    model(ctx)
+                    return ctx.hidden
+                hidden = verify()
+                fills = [(s, a.ctx, hidden[r * (K + 1):(r + 1) * (K + 1)], ids[r].tolist()) for r, s in enumerate(seqs)]
+                ver = eager_ms(verify)
+                dr = eager_ms(lambda: drafter.propose(fills, {s: K for s in seqs}))
+                rows.append((B, K, plain, ver, dr))
+                print(f"B={B:3d} K={K}: plain decode {plain * 1e3:9.1f} us, verify {ver * 1e3:9.1f} us, "
+                      f"draft {dr * 1e3:9.1f} us", flush=True)
+    md = [f"## Speculative decoding (MTP), synthetic {a.model} ({a.layers} layers), {datetime.date.today()}, "
+          f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU smoke run'}", "",
+          f"Command: `PYTHONPATH=. python benchmarks/spec_decode.py --model {a.model} --layers {a.layers} "
+          f"{'' if a.experts is None else f'--experts {a.experts} '}--batch {a.batch} --k {a.k} --ctx {a.ctx}`; "
+          f"{cfg.n_routed_experts} routed experts. Plain decode: graph replays, L2 flushed; verify / draft: "
+          "eager (do_bench median). Projected TPOT = (verify + draft) / acceptance length (a projection at "
+          "SGLang's published CI floors, not a measured acceptance).", "",
+          "| batch | K | plain decode step us | verify (K+1 rows) us | draft us | acceptance length | projected TPOT us |",
+          "|---|---|---|---|---|---|---|"]
+    for B, K, plain, ver, dr in rows:
+        L = ACCEPTANCE.get(K)
+        proj = f"{(ver + dr) * 1e3 / L:.1f}" if L else "-"
+        md.append(f"| {B} | {K} | {plain * 1e3:.1f} | {ver * 1e3:.1f} | {dr * 1e3:.1f} | {L or '-'} | {proj} |")
+    text = "\n".join(md) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Speculative decoding: vLLM's ``speculative_config``, the drafters, and the acceptance rule.
+
+Interface (vLLM's names): ``LLM(..., speculative_config={"method": "mtp", "num_speculative_tokens": K})``
+and ``--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'`` on ``serve``,
+``generate`` and ``bench``. ``method`` 'mtp' drafts with the checkpoint's April MTP block
+(``mtp.0.*``), reused for every draft step as vLLM and the official inference code do.
+
+One engine step of a speculating sequence (``LLMEngine.step``):
+
+1. **verify**: the target runs ``[pending token, d_1 .. d_k]`` at positions ``N .. N+k`` as one
+   chunk (``N`` = tokens already in the cache) and returns the logits of every row;
+2. **accept**: row j is sampled exactly as a plain decode step would sample it with ``d_1 .. d_j``
+   appended to the output (penalties, logit_bias, min_tokens, temperature / top-k / top-p, the
+   request's generator). The draft tokens are accepted while row j's token equals ``d_{j+1}``; the
+   first row whose token differs, or row k, gives the bonus token. For a drafter that proposes one
+   token with certainty (greedy drafting) this is the standard rejection sampling: ``d`` is kept
+   with probability ``p(d)``, and on rejection the token is drawn from ``p`` without ``d``, so every
+   emitted token has the target's distribution. Greedy requests therefore get exactly the tokens of
+   plain greedy decoding (up to the last-bit differences between a verify chunk and a decode step,
+   which the engine's batching tolerance covers). ``rejection_sample`` is the general rule for a
+   drafter that samples from a distribution ``q``; it is tested on its own;
+3. **roll back**: everything the cache keeps is indexed by position (window ring, compressed
+   entries and indexer keys by entry number, the counters) except the compressors' fp32 rings of
+   pending rows, which a rejected position may have overwritten while they still hold rows an
+   accepted position needs (a ring of ``coff * m`` rows wraps inside a verify chunk). The engine
+   copies what a verify chunk's positions map to in every per-slot ring (the window pages and the
+   compressor rings) before it runs and writes back those of the rejected positions
+   (``KVCache.save_positions`` / ``restore_positions``), then sets the state to the accepted
+   length; entries a rejected position completed are not visible (entry counts follow the
+   position) and are written again when that position is recomputed;
+4. **draft**: the drafter sees every row the target computed and kept (prefill chunks, accepted
+   verify rows) with the token that follows it, and proposes ``k`` tokens for the next step.
+
+The acceptance criterion of steps 1-3: after a verify chunk is cut back, nothing depends on what
+the rejected draft tokens were (tests/test_spec_decode.py checks the logits that follow for bit
+equality under two different sets of rejected tokens).
+
+The MTP drafter (``MTPDrafter``): MTP row ``i`` combines the target's pre-``hc_head`` residual at
+position ``i`` with the embedding of token ``i + 1`` and predicts token ``i + 2`` (vLLM's and
+DeepSeek-V3's convention; spec §9); it has its own 128-token window (a draft layer of the KV cache)
+at the target's positions. Draft step 1 is the MTP row of the last committed position; step
+``s > 1`` feeds the previous step's output residual and draft token at the next position. What those
+speculative MTP rows overwrite in the MTP window is put back once the drafts are made.
+
+Sequences with structured outputs do not speculate (their grammar would have to walk the draft
+tokens); they decode one token per step beside the others. ``num_speculative_tokens`` is clipped per
+sequence so that drafts never pass ``max_tokens`` or ``max_model_len``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+METHODS = ("mtp",)
+_KNOWN_KEYS = {"method", "num_speculative_tokens", "model", "draft_sample_method"}
+
+
+class SpeculativeConfigError(ValueError):
+    """A ``speculative_config`` the engine cannot run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    draft_sample_method: str = "greedy"
+
+    def describe(self) -> str:
+        return f"{self.method}, {self.num_speculative_tokens} speculative token(s) per step"
+
+
+def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
+    """vLLM's ``speculative_config``: a dict, a JSON object string (the CLI's form) or None."""
+    if value is None:
+        return None
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SpeculativeConfigError(f"speculative_config: not a JSON object ({e.msg} at position {e.pos})") \
+                from None
+    if not isinstance(value, dict):
+        raise SpeculativeConfigError(f"speculative_config: expected a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - _KNOWN_KEYS)
+    if unknown:
+        raise SpeculativeConfigError(f"speculative_config.{unknown[0]}: not supported (supported keys: "
+                                     f"{', '.join(sorted(_KNOWN_KEYS))})")
+    method = value.get("method")
+    if method not in METHODS:
+        raise SpeculativeConfigError(f"speculative_config.method: {method!r} is not supported; supported: "
+                                     f"{', '.join(METHODS)}")
+    if value.get("model") is not None:
+        raise SpeculativeConfigError("speculative_config.model: the draft is read from the target checkpoint's "
+                                     "mtp.* tensors; a separate draft model is not supported")
+    k = value.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise SpeculativeConfigError(f"speculative_config.num_speculative_tokens: must be an integer >= 1, got {k!r}")
+    dsm = value.get("draft_sample_method", "greedy")
+    if dsm != "greedy":
+        raise SpeculativeConfigError(f"speculative_config.draft_sample_method: only 'greedy' is supported for "
+                                     f"method 'mtp', got {dsm!r}")
+    return SpeculativeConfig(method, k, dsm)
+
+
+def check_draft(spec: SpeculativeConfig, draft: str) -> None:
+    """The checkpoint's draft (``CheckpointReader.draft``: 'none' | 'mtp' | 'dspark') must be the
+    one ``spec.method`` drafts with."""
+    if spec.method == "mtp" and draft != "mtp":
+        has = {"none": "no draft (no mtp.* tensors)",
+               "dspark": "a DSpark draft (mtp.0-2: V4-*-DSpark / 0731 / 0813); method 'dspark' is not built yet"}[draft]
+        raise SpeculativeConfigError(f"speculative_config.method: 'mtp' needs the checkpoint's April MTP block, "
+                                     f"but this checkpoint has {has}")
+
+
+def accept_greedy_draft(sampled: list[int], draft: list[int]) -> int:
+    """Number of draft tokens kept when row j of the verify chunk sampled ``sampled[j]`` (k + 1
+    rows for k drafts): the longest prefix with ``sampled[j] == draft[j]``."""
+    a = 0
+    while a < len(draft) and sampled[a] == draft[a]:
+        a += 1
+    return a
+
+
+def rejection_sample(target: torch.Tensor, draft_probs: torch.Tensor, draft: torch.Tensor,
+                     generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Standard speculative rejection sampling for one sequence (Leviathan et al.; vLLM's
+    ``rejection_sample_method: standard``): ``target`` [k+1, V] and ``draft_probs`` [k, V]
+    probabilities, ``draft`` [k] the drafted tokens (drawn from ``draft_probs``). Returns
+    ``(accepted, next token)``: draft token j is kept with probability min(1, p_j(d_j) / q_j(d_j));
+    at the first rejection the next token is drawn from normalize(max(0, p_j - q_j)); when all k
+    are kept it is drawn from ``target[k]``. The emitted tokens follow the target distribution."""
+    k = draft.numel()
+    dev = target.device
+    for j in range(k):
+        d = int(draft[j])
+        p, q = float(target[j, d]), float(draft_probs[j, d])
+        u = float(torch.rand((), generator=generator, device=dev))
+        if q > 0 and u < min(1.0, p / q):
+            continue
+        resid = (target[j] - draft_probs[j]).clamp(min=0)
+        if float(resid.sum()) <= 0:         # p == q: any rejection leaves the target itself
+            resid = target[j]
+        return j, int(torch.multinomial(resid / resid.sum(), 1, generator=generator))
+    return k, int(torch.multinomial(target[k], 1, generator=generator))
+
+
+@dataclass
+class _At:
+    """Where MTP rows go: ``prefill_context`` reads a chunk's position, slot and block table. The
+    MTP block has only a window (ring per slot), so the table is only checked for length: it is
+    padded with the model's scratch block where speculative rows run past the sequence's blocks."""
+    pos: int
+    slot: int
+    block_table: list
+
+
+class MTPDrafter:
+    """Drafts with the target's April MTP block (module doc). ``propose`` fills the MTP window with
+    the rows the target computed and drafts for the sequences that speculate next step."""
+
+    def __init__(self, model, per_sequence: bool):
+        self.model, self.per_sequence = model, per_sequence
+
+    def _at(self, seq, pos: int, n: int) -> _At:
+        from ..formats.paging import blocks_needed
+        bt = list(seq.block_table)
+        bt += [self.model.scratch_block] * max(0, blocks_needed(pos + n) - len(bt))
+        return _At(pos, seq.slot, bt)
+
+    def _run(self, items):
+        """items: [(seq, position, token ids [n], streams [n, hc, d])] -> per item (logits of its last
+        row [V], output streams of its last row [hc, d])."""
+        out = []
+        groups = [[it] for it in items] if self.per_sequence else [items]
+        for g in groups:
+            ctx = self.model.prefill_context([(ids, self._at(seq, pos, ids.numel())) for seq, pos, ids, _ in g])
+            logits, x = self.model.mtp_forward(ctx, torch.cat([h for *_, h in g]))
+            out += [(logits[j], x[s.r1 - 1]) for j, s in enumerate(ctx.segs)]
+        return out
+
+    @torch.no_grad()
+    def propose(self, fills, k_of: dict) -> None:
+        """``fills``: [(seq, p0, streams [n, hc, d], next token ids [n])]: the target's rows at
+        positions p0 .. p0+n-1 and the token after each. Writes them into the MTP window; then every
+        sequence with ``k_of[seq] = k > 0`` gets ``k`` greedy draft tokens in ``seq.draft_ids``
+        (its fill ends at its last committed position)."""
+        dev = self.model.device
+        items = [(seq, p0, torch.tensor(nxt, dtype=torch.long, device=dev), h) for seq, p0, h, nxt in fills]
+        if not items:
+            return
+        res = self._run(items)
+        live = []
+        for (seq, p0, ids, _), (logits, x) in zip(items, res):
+            k = k_of.get(seq, 0)
+            if k > 0:
+                seq.draft_ids = [int(logits.argmax())]
+                live.append((seq, p0 + ids.numel(), k, x))
+        # the speculative MTP rows (positions N .. N+k-2) overwrite ring entries of positions 128
+        # earlier that later drafts still read: they are put back once the drafts are made
+        saved = [(seq, pos, self.model.cache.save_positions(seq.slot, pos, pos + k - 1, draft=True))
+                 for seq, pos, k, _ in live if k > 1]
+        for step in range(1, max((k for _, _, k, _ in live), default=0)):
+            live = [it for it in live if it[2] > step]
+            step_items = [(seq, pos + step - 1, torch.tensor(seq.draft_ids[-1:], dtype=torch.long, device=dev),
+                           x[None]) for seq, pos, _, x in live]
+            res = self._run(step_items)
+            for (seq, *_), (logits, _) in zip(live, res):
+                seq.draft_ids.append(int(logits.argmax()))
+            live = [(seq, pos, k, x2) for (seq, pos, k, _), (_, x2) in zip(live, res)]
+        for seq, pos, rows in saved:
+            n = len(seq.draft_ids) - 1
+            self.model.cache.restore_positions(seq.slot, pos, pos + n, rows, pos, draft=True)
