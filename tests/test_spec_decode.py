@@ -261,3 +261,29 @@ def test_speculation_under_preemption_n_samples_stop_strings_and_logprobs(tmp_pa
     got = spec.generate([clear], SamplingParams(**kw))[0].outputs[0]
     assert (got.text, got.finish_reason) == (want.text, "stop") and len(got.text) < len(text)
     assert (eng.cache.num_free_blocks, eng.cache.num_free_slots) == start
+
+
+@pytest.mark.gpu
+def test_gpu_speculation_on_the_kernels_keeps_greedy(tmp_path):
+    """On the GPU kernels (verify and MTP steps through the prefill path, plain decode in CUDA
+    graphs): oracle drafts, right and wrong at chosen positions, and the real MTP drafter give the
+    plain greedy tokens wherever the top-1 margin is clear, and every block and slot comes back."""
+    os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, kv_cache_memory="2GiB",
+              device="cuda", log=False)
+    prompts = [{"prompt_token_ids": _prompt(n, 50 + i)} for i, n in enumerate((300, 126, 9))]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = LLM(None, **kw).generate(prompts, sp)
+    spec = LLM(None, speculative_config=MTP3, **kw)
+    eng = spec.engine
+    assert eng.model.ops.kernels and eng.model.mtp is not None
+    start = (eng.cache.num_free_blocks, eng.cache.num_free_slots)
+    mtp = eng.drafter
+    cont = {tuple(p["prompt_token_ids"]): r.outputs[0].token_ids for p, r in zip(prompts, ref)}
+    for drafter in (Oracle(cont), Oracle(cont, wrong=(2, 3, 8)), mtp):
+        eng.drafter = drafter
+        outs = spec.generate(prompts, sp)
+        for o, r in zip(outs, ref):
+            _agree(o.outputs[0], r.outputs[0])
+            assert o.metrics["num_draft_tokens"] > 0
+        assert (eng.cache.num_free_blocks, eng.cache.num_free_slots) == start
