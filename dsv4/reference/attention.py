@@ -85,17 +85,34 @@ class Attention:
         self.eps = cfg.rms_norm_eps
         self.scale = self.D ** -0.5
 
+    def project_q(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q latent ``qr`` [T, q_lora], rotated per-head-normed queries [T, H, D])."""
+        qr = rms_norm(self.wq_a(x), self.q_norm, self.eps, self.num)
+        q = head_rms_norm(self.wq_b(qr).view(x.shape[0], self.H, self.D), self.eps, self.num)
+        return qr, apply_rope(q, freqs)
+
+    def project_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """KV rows [T, D]: norm, RoPE, FP8 QDQ of the nope dims (what attention reads and the
+        cache stores)."""
+        kv = apply_rope(rms_norm(self.wkv(x), self.kv_norm, self.eps, self.num), freqs)
+        if not self.num.exact:
+            kv = torch.cat([fp8_qdq(kv[:, :self.nope], 64), kv[:, self.nope:]], dim=-1)
+        return kv
+
+    def project_out(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE on the attention output [T, H, D], then the grouped output projection."""
+        o = apply_rope(o, freqs, inverse=True)
+        og = o.view(o.shape[0], self.G, -1).float()
+        wo_a = self.wo_a.weight.view(self.G, -1, og.shape[-1])
+        z = self.num.round(self.num.einsum("tgd,grd->tgr", og, wo_a))
+        return self.wo_b(z.flatten(1))
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, segs: list[Segment]) -> torch.Tensor:
         T, num = x.shape[0], self.num
         freqs = self.rope(positions)
-        # 1. query
-        qr = rms_norm(self.wq_a(x), self.q_norm, self.eps, num)
-        q = head_rms_norm(self.wq_b(qr).view(T, self.H, self.D), self.eps, num)
-        q = apply_rope(q, freqs)
-        # 2. kv: norm, RoPE, FP8 QDQ of the nope dims (what attention reads and the cache stores)
-        kv = apply_rope(rms_norm(self.wkv(x), self.kv_norm, self.eps, num), freqs)
-        if not num.exact:
-            kv = torch.cat([fp8_qdq(kv[:, :self.nope], 64), kv[:, self.nope:]], dim=-1)
+        # 1. query, 2. kv
+        qr, q = self.project_q(x, freqs)
+        kv = self.project_kv(x, freqs)
         if self.indexer is not None:
             iq, iw = self.indexer.queries(qr, x, freqs)
             ik, isc = self.indexer.compressor.project(x, positions)
@@ -147,11 +164,7 @@ class Attention:
         if rec is not None:
             self._record(q, kv, o, rec)
         # 6. inverse RoPE on the output, 7. grouped output projection
-        o = apply_rope(o, freqs, inverse=True)
-        og = o.view(T, self.G, -1).float()
-        wo_a = self.wo_a.weight.view(self.G, -1, og.shape[-1])
-        z = num.round(num.einsum("tgd,grd->tgr", og, wo_a))
-        out = self.wo_b(z.flatten(1))
+        out = self.project_out(o, freqs)
         if self.trace is not None:
             self.trace[f"L{self.layer_id}.attn"] = out.clone()
         return out

@@ -11,81 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .attention import Attention, Segment
-from .compressor import Compressor
-from .indexer import Indexer
+from .attention import Segment
+from .block import Block
+from .dspark import DSparkDraft
 from .linear import Linear, make_linear
-from .mhc import HyperConnection, HyperHead
-from .moe import MoE, Expert
+from .mhc import HyperHead
 from .norm import rms_norm
 from .numerics import Numerics
 from .rope import RopeTable
-from .state import CompressorState, LayerState, SequenceState
-
-
-class Block:
-    def __init__(self, cfg: ModelConfig, layer_id: int, prefix: str, t: dict, num: Numerics,
-                 ropes: dict[int, RopeTable]):
-        self.cfg, self.layer_id, self.num = cfg, layer_id, num
-        ratio = cfg.layer_ratio(layer_id)
-        self.ratio = ratio
-        eps = cfg.rms_norm_eps
-        hc = lambda kind: HyperConnection(t[f"{prefix}hc_{kind}_fn"], t[f"{prefix}hc_{kind}_base"],
-                                          t[f"{prefix}hc_{kind}_scale"], cfg.hc_mult, cfg.hc_sinkhorn_iters,
-                                          cfg.hc_eps, eps, num)
-        self.hc_attn, self.hc_ffn = hc("attn"), hc("ffn")
-        self.attn_norm = t[prefix + "attn_norm.weight"].float()
-        self.ffn_norm = t[prefix + "ffn_norm.weight"].float()
-        a = prefix + "attn."
-        lin = {n: make_linear(t, a + n, num) for n in ("wq_a", "wq_b", "wkv", "wo_b")}
-        lin["wo_a"] = make_linear(t, a + "wo_a", num, kind="bf16")   # convert.py: bf16 einsum
-        rope = ropes[ratio]
-        comp = idx = None
-        if ratio:
-            comp = self._compressor(t, a + "compressor.", ratio, cfg.head_dim, rope, num, indexer=False)
-            if ratio == 4:
-                icomp = self._compressor(t, a + "indexer.compressor.", ratio, cfg.index_head_dim, rope, num,
-                                         indexer=True)
-                idx = Indexer(make_linear(t, a + "indexer.wq_b", num),
-                              make_linear(t, a + "indexer.weights_proj", num), icomp,
-                              cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, num)
-        small = {"q_norm": t[a + "q_norm.weight"], "kv_norm": t[a + "kv_norm.weight"], "attn_sink": t[a + "attn_sink"]}
-        self.attn = Attention(cfg, layer_id, lin, small, rope, comp, idx, num)
-        f = prefix + "ffn."
-        expert = lambda p: Expert(make_linear(t, p + "w1", num), make_linear(t, p + "w2", num),
-                                  make_linear(t, p + "w3", num), cfg.swiglu_limit, num)
-        hash_layer = layer_id < cfg.num_hidden_layers and cfg.is_hash_layer(layer_id)
-        self.moe = MoE(t[f + "gate.weight"], None if hash_layer else t[f + "gate.bias"],
-                       t[f + "gate.tid2eid"] if hash_layer else None,
-                       [expert(f"{f}experts.{e}.") for e in range(cfg.n_routed_experts)],
-                       expert(f + "shared_experts."), cfg.num_experts_per_tok, cfg.routed_scaling_factor, num)
-
-    def _compressor(self, t, p, ratio, dim, rope, num, indexer):
-        return Compressor(make_linear(t, p + "wkv", num, kind="fp32"), make_linear(t, p + "wgate", num, kind="fp32"),
-                          t[p + "ape"], t[p + "norm.weight"], ratio, dim, rope, self.cfg.rms_norm_eps, num, indexer)
-
-    def new_state(self, device) -> LayerState:
-        cfg, dt = self.cfg, self.num.act_dtype
-        comp = idx = None
-        if self.ratio:
-            comp = CompressorState(self.ratio, cfg.head_dim, dt, device)
-            if self.ratio == 4:
-                idx = CompressorState(4, cfg.index_head_dim, dt, device)
-        return LayerState(cfg.sliding_window, cfg.head_dim, dt, device, comp, idx)
-
-    def __call__(self, x, positions, segs, ids):
-        eps, t, L = self.cfg.rms_norm_eps, self.attn.trace, f"L{self.layer_id}."
-        a, post, comb = self.hc_attn.pre(x)
-        if t is not None:
-            t[L + "hc_pre"] = a.clone()
-        a = self.attn(rms_norm(a, self.attn_norm, eps, self.num), positions, segs)
-        x = self.hc_attn.post(a, x, post, comb)
-        f, post, comb = self.hc_ffn.pre(x)
-        f = self.moe(rms_norm(f, self.ffn_norm, eps, self.num), ids)
-        out = self.hc_ffn.post(f, x, post, comb)
-        if t is not None:
-            t[L + "moe"], t[L + "hc_post"] = f.clone(), out.clone()
-        return out
+from .state import SequenceState
 
 
 class MTPBlock:
@@ -121,6 +55,8 @@ class ReferenceModel:
         self.norm = tensors["norm.weight"].float()
         self.head = Linear(tensors["head.weight"], "fp32", num)
         self.mtp = MTPBlock(cfg, tensors, num, ropes) if "mtp.0.e_proj.weight" in tensors else None
+        self.dspark = (DSparkDraft(cfg, tensors, num, ropes, head=self.head)
+                       if "mtp.0.main_proj.weight" in tensors else None)
         self._trace = None
 
     @property
@@ -148,6 +84,8 @@ class ReferenceModel:
         st = SequenceState(layers=[b.new_state(self.device) for b in self.layers])
         if self.mtp is not None:
             st.mtp = self.mtp.block.new_state(self.device)
+        if self.dspark is not None:
+            st.dspark = self.dspark.new_state()
         return st
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -167,20 +105,32 @@ class ReferenceModel:
 
     @torch.no_grad()
     def forward(self, chunks: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False,
-                keep_hidden: bool = False) -> list[torch.Tensor]:
+                keep_hidden: bool = False, capture: bool = False) -> list[torch.Tensor]:
         """Run each sequence's next chunk; returns per sequence fp32 logits of its last token [V]
-        (``all_logits``: of every token [n, V]). Advances every state."""
+        (``all_logits``: of every token [n, V]). Advances every state. ``capture`` stores in
+        ``state.last_features`` the DSpark target feature [n, S*d] of every row of the chunk:
+        the residual stream after each block of ``dspark_target_layer_ids``, averaged over its hc
+        streams, concatenated in that order (see ``dspark.py``)."""
+        targets = self.cfg.dspark_target_layer_ids
+        if capture and not targets:
+            raise ValueError("capture needs dspark_target_layer_ids: this config has no DSpark draft")
         ids, positions, spans = self._batch(chunks, None)
         h = self._embed(ids).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)   # 4 identical streams
+        feats = {}
         for i, layer in enumerate(self.layers):
             segs = [Segment(s, e, p0, st.layers[i]) for (s, e, p0), (_, st) in zip(spans, chunks)]
             h = layer(h, positions, segs, ids)
+            if capture and i in targets:
+                feats[i] = self.num.round(self.num.fn(lambda v: v.mean(dim=1), h))
         y = rms_norm(self.hc_head(h), self.norm, self.cfg.rms_norm_eps, self.num)
+        feature = torch.cat([feats[i] for i in targets], dim=-1) if capture else None
         out = []
         for (s, e, _), (_, st) in zip(spans, chunks):
             st.pos = e - s + st.pos
             if keep_hidden:
                 st.last_hidden = h[s:e]
+            if capture:
+                st.last_features = feature[s:e]
             out.append(self.head(y[s:e] if all_logits else y[e - 1]).float())
         if self._trace is not None:
             self._trace["logits"] = torch.cat([o.reshape(-1, o.shape[-1]) for o in out])

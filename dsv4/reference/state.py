@@ -67,6 +67,43 @@ class LayerState:
         self._end = end_pos
 
 
+class WindowRing:
+    """One DSpark stage's sliding window of context KV rows, in the official layout: the row of
+    position p sits in slot p % window, so positions max(0, end - window) .. end-1 are present and
+    slots 0 .. min(window, end)-1 are the written ones. Holds committed context only (never draft
+    block rows), so a rejected draft leaves nothing to roll back."""
+
+    def __init__(self, window: int, head_dim: int, dtype: torch.dtype, device):
+        self.win = window
+        self._slots = torch.zeros(window, head_dim, dtype=dtype, device=device)
+        self.end = 0
+
+    def write(self, rows: torch.Tensor, p0: int) -> None:
+        """Store the rows of positions p0 .. p0+len(rows)-1; p0 must continue the ring."""
+        if p0 != self.end:
+            raise ValueError(f"DSpark context rows must continue at position {self.end}, got position {p0}")
+        n = rows.shape[0]
+        keep = rows[max(0, n - self.win):]
+        pos = torch.arange(p0 + n - keep.shape[0], p0 + n, device=rows.device)
+        self._slots[pos % self.win] = keep.to(self._slots.dtype)
+        self.end = p0 + n
+
+    def keys(self) -> tuple[torch.Tensor, int]:
+        """(all ``window`` slots, how many of them are written: slots 0 .. count-1)."""
+        return self._slots, min(self.win, self.end)
+
+
+@dataclass
+class DSparkState:
+    """One sequence's DSpark draft state: a ring per stage, all at the same context position."""
+    rings: list[WindowRing]
+
+    @property
+    def pos(self) -> int:
+        """Context positions written (the next anchor sits at this position)."""
+        return self.rings[0].end
+
+
 @dataclass
 class SequenceState:
     layers: list[LayerState]
@@ -74,3 +111,6 @@ class SequenceState:
     mtp: LayerState | None = None
     mtp_pos: int = 0
     last_hidden: torch.Tensor | None = field(default=None, repr=False)  # [n, hc, d] pre-hc_head residual
+    dspark: DSparkState | None = None
+    # [n, stages*d] DSpark target features of the last forward's rows (``forward(capture=True)``)
+    last_features: torch.Tensor | None = field(default=None, repr=False)
