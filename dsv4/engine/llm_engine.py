@@ -55,6 +55,7 @@ class EngineConfig:
     synthetic_experts: int | None = None     # None: all of the preset's routed experts
     synthetic_seed: int = 0
     tensor_parallel_size: int = 1            # ranks, one process each (engine.tp_workers)
+    seed: int | None = None                  # seeds torch's global RNG, which requests without a seed sample from
 
 
 def engine_threads(device, world: int = 1) -> int:
@@ -176,6 +177,8 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
         self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0}
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
         if cfg.log:
             wb = self.model.weight_bytes()
             extra = f"; weights / checkpoint bytes {wb / disk_bytes:.3f}" if disk_bytes else ""
@@ -308,7 +311,7 @@ class LLMEngine:
                                    [s.output_ids for s in seqs], [s.generator for s in seqs],
                                    [s.matcher for s in seqs])
                 for k, s in enumerate(seqs):
-                    self._append(s, out.token_ids[k], out.logprobs[k], out.errors[k])
+                    self._append(s, out.token_ids[k], out.logprobs[k], out.errors[k], out.ranks[k])
             for c in batch:
                 touched[c.seq.request_id] = None
                 if c.seq.num_computed <= len(c.seq.prompt_ids):
@@ -324,7 +327,7 @@ class LLMEngine:
                 del self.requests[o.request_id], self.prompts[o.request_id]
         return outputs
 
-    def _append(self, s: Sequence, tok: int, lps: dict | None, err: str | None) -> None:
+    def _append(self, s: Sequence, tok: int, lps: dict | None, err: str | None, rank: int | None = None) -> None:
         if s.is_finished:
             return
         if err is not None:
@@ -343,7 +346,10 @@ class LLMEngine:
         s.output_ids.append(tok)
         self.stats["generation_tokens"] += 1
         if s.logprobs is not None and lps is not None:
-            s.logprobs.append({t: Logprob(lp) for t, lp in lps.items()})
+            # the sampler lists the top tokens best first, then the chosen one when it is not among them
+            tt = self.tokenizer.token_text
+            s.logprobs.append({t: Logprob(lp, rank if t == tok else r + 1, tt(t))
+                               for r, (t, lp) in enumerate(lps.items())})
             s.cumulative_logprob += lps[tok]
         delta = s.detok.add(tok)
         s.text += delta

@@ -102,10 +102,11 @@ class Sequence:
 
     def add_prompt_logprobs(self, p0: int, res) -> None:
         tl, rank, top_v, top_i = (x.tolist() for x in res)
+        tt = self.detok.tokenizer.token_text if self.detok is not None else (lambda t: None)
         for j, (lp, rk) in enumerate(zip(tl, rank)):
             tok = self.prompt_ids[p0 + 1 + j]
-            d = {a: Logprob(v, r + 1) for r, (a, v) in enumerate(zip(top_i[j], top_v[j]))}
-            d[tok] = Logprob(lp, rk)
+            d = {a: Logprob(v, r + 1, tt(a)) for r, (a, v) in enumerate(zip(top_i[j], top_v[j]))}
+            d[tok] = Logprob(lp, rk, tt(tok))
             self.prompt_logprobs.append(d)
 
     @property

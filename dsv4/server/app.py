@@ -436,7 +436,7 @@ class OpenAIServer:
                                                                   "top_logprobs": [], "text_offset": []})
                 choices.append({"index": k * n + o.index, "text": echo_text[k] + o.text, "logprobs": lp,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                                "prompt_logprobs": P.vllm_prompt_logprobs(out.prompt_logprobs)
+                                "prompt_logprobs": P.vllm_prompt_logprobs(out.prompt_logprobs, self.tt)
                                 if body.get("prompt_logprobs") is not None else None})
         use = P.usage(ptoks, sum(len(o.token_ids) for out in outs for o in out.outputs))
         return JSONResponse(P.completion_response(h, choices, use))

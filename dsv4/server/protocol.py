@@ -491,19 +491,13 @@ def _finite(x: float) -> float:
 
 
 class TokenText:
-    """Decodes single token ids for logprobs (cached)."""
+    """Decodes single token ids for logprobs (the tokenizer's cached ``token_text``)."""
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
-        self._cache: dict[int, str] = {}
 
     def __call__(self, tid: int) -> str:
-        s = self._cache.get(tid)
-        if s is None:
-            s = self._tok.decode([tid], skip_special_tokens=False)
-            if len(self._cache) < 200_000:
-                self._cache[tid] = s
-        return s
+        return self._tok.token_text(tid)
 
 
 def chat_logprobs(token_ids: list[int], lps: list[dict], top: int, tt: TokenText) -> dict:
@@ -556,12 +550,13 @@ def prompt_completion_logprobs(prompt_ids: list[int], plps: list, k: int, tt: To
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def vllm_prompt_logprobs(plps: list | None) -> list | None:
+def vllm_prompt_logprobs(plps: list | None, tt: TokenText) -> list | None:
     """vLLM's ``prompt_logprobs`` field: [null, {token id: {logprob, rank, decoded_token}}, ...]."""
     if plps is None:
         return None
-    return [None if d is None else {str(t): {"logprob": _finite(v.logprob), "rank": v.rank, "decoded_token": None}
-                                    for t, v in d.items()} for d in plps]
+    return [None if d is None else {str(t): {"logprob": _finite(v.logprob), "rank": v.rank,
+                                             "decoded_token": v.decoded_token if v.decoded_token is not None
+                                             else tt(t)} for t, v in d.items()} for d in plps]
 
 
 def merge_completion_logprobs(a: dict | None, b: dict) -> dict:
