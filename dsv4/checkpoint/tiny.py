@@ -78,8 +78,10 @@ class _Draw:
         return self.normal(dim, std=0.05 * mean, mean=mean)
 
 
-def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1) -> dict[str, torch.Tensor]:
-    """Canonical official-layout tensors for ``cfg`` (MXFP4 experts unless expert_dtype is fp8/null).
+def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1,
+                       knobs: dict | None = None) -> dict[str, torch.Tensor]:
+    """Canonical official-layout tensors for ``cfg`` (MXFP4 experts unless expert_dtype is fp8/null);
+    ``knobs`` overrides entries of ``KNOBS``.
 
     Runs single-threaded by default (the tiny tensors are small; intra-op threads only add overhead
     on a busy machine; real-shaped synthetic layers pass more) and restores the caller's torch
@@ -88,14 +90,13 @@ def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1) -> dict[st
     threads, n = torch.get_num_threads(), threads
     torch.set_num_threads(max(1, n))
     try:
-        return _build(cfg, seed)
+        return _build(cfg, seed, {**KNOBS, **(knobs or {})})
     finally:
         torch.set_num_threads(threads)
 
 
-def _build(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def _build(cfg: ModelConfig, seed: int, k: dict) -> dict[str, torch.Tensor]:
     r = _Draw(seed)
-    k = KNOBS
     sd: dict[str, torch.Tensor] = {}
     d, V = cfg.hidden_size, cfg.vocab_size
     H, D = cfg.num_attention_heads, cfg.head_dim
