@@ -5,6 +5,7 @@ server with a message naming its rank, and rank counts the model cannot split ar
 anything starts."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,21 +32,58 @@ def _run(tp):
         llm.engine.close()
 
 
+def _env(**kw) -> dict:
+    """This environment, with this checkout first on PYTHONPATH (for a script run elsewhere)."""
+    path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return dict(os.environ, PYTHONPATH=path, **kw)
+
+
+# run as a script read from stdin, without a __main__ guard: the workers never import the caller's main
+TWO_RANKS_FROM_STDIN = f"""
+import json
+from dsv4 import LLM, SamplingParams
+llm = LLM(None, tensor_parallel_size=2, max_model_len=512, kv_cache_memory="64MiB", log=False)
+outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2))
+print(json.dumps([(o.outputs[0].token_ids, [{{t: v.logprob for t, v in d.items()}} for d in o.outputs[0].logprobs])
+                  for o in outs]))
+"""
+
+
 @pytest.mark.slow
-def test_two_ranks_give_one_rank_s_greedy_tokens(tmp_path, monkeypatch):
+def test_two_ranks_from_a_stdin_script_give_one_rank_s_greedy_tokens(tmp_path, monkeypatch):
+    """``LLM(tensor_parallel_size=2)`` in a script on stdin (``python - <<EOF``, no ``__main__``
+    guard) works, and its greedy tokens are world size 1's wherever the top-1 margin is clear."""
     monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
-    one, two = _run(1), _run(2)
+    one = _run(1)
+    r = subprocess.run([sys.executable, "-"], input=TWO_RANKS_FROM_STDIN, cwd=str(tmp_path), env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = json.loads(r.stdout.strip().splitlines()[-1])
     compared = 0
-    for a, b in zip(one, two):
-        for s, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+    for a, (b_ids, b_lps) in zip(one, two):
+        for s, (ta, tb) in enumerate(zip(a.token_ids, b_ids)):
             lps = sorted((v.logprob for v in a.logprobs[s].values()), reverse=True)
             if ta != tb:
                 assert lps[0] - lps[1] < 1.0, (s, ta, tb, lps)      # only a near-tie may differ
                 break
             compared += 1
             # the chosen token's log-prob within 0.3 (split sums round in another order)
-            assert abs(a.logprobs[s][ta].logprob - b.logprobs[s][tb].logprob) < 0.3
+            assert abs(a.logprobs[s][ta].logprob - b_lps[s][str(tb)]) < 0.3
     assert compared >= 12
+
+
+def test_a_worker_dying_at_start_up_fails_at_once_naming_it(tmp_path):
+    """A worker that exits while the ranks form their group (here: a bad DSV4_NUM_THREADS, which
+    only the worker reads before joining) makes rank 0 raise naming the rank and its error,
+    instead of waiting in the rendezvous for torch's 30-minute timeout."""
+    script = ("from dsv4.engine.tp_workers import TPWorkers\n"
+              "TPWorkers(2, 'cpu', {'path': None, 'synthetic': None, 'kernels': None})\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), env=_env(DSV4_NUM_THREADS="0"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: tensor-parallel worker rank 1 (pid ") and "exited with code 1: " \
+        "ValueError: DSV4_NUM_THREADS must be a positive integer, got '0' (while forming the process group)" in last, last
 
 
 def test_rank_counts_the_model_cannot_split_are_refused(tmp_path, monkeypatch):
