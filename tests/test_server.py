@@ -821,12 +821,14 @@ class FakeEngine:
         self.go = threading.Event()
         self.go.set()
         self.thread_ids: set[int] = set()
+        self.prompts: list[list[int]] = []          # every prompt added, in order
 
     def add_request(self, rid, prompt, params, arrival=None):
         self.thread_ids.add(threading.get_ident())
         seqs = [_FakeSeq(rid, i, params, self.tokenizer.incremental_detokenizer(params.skip_special_tokens))
                 for i in range(params.n)]
         self.requests[rid] = (list(prompt), seqs)
+        self.prompts.append(list(prompt))
         self.scheduler.waiting.extend(seqs)
 
     def abort_request(self, rid):
@@ -960,6 +962,33 @@ def test_tool_calls_and_reasoning_are_parsed_in_process():
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me think. 2+2=4."
     assert "".join(d.get("content") or "" for d in deltas) == "The answer is 4."
     assert ev[-3]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_tool_calls_cut_by_max_tokens_keep_the_complete_calls():
+    """Parallel calls cut by max_tokens inside the second: the first (complete) call comes back in
+    ``tool_calls``, streamed and not; no DSML reaches ``content``; finish_reason stays 'length'."""
+    two = DSML_REPLY.replace("</｜DSML｜tool_calls>", DSML_REPLY[DSML_REPLY.index("<｜DSML｜invoke"):])
+    app, eng = _fake_app(two)
+    n = len(eng.tokenizer.encode(DSML_REPLY)) + 8            # tokens: inside the second call
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": n,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}
+
+    async def go(c):
+        return (await c.post("/v1/chat/completions", json=body),
+                await c.post("/v1/chat/completions", json={**body, "stream": True}))
+    try:
+        r1, r2 = asyncio.run(_asgi_call(app, go))
+    finally:
+        app.state.server.aeng.shutdown()
+    ch = r1.json()["choices"][0]
+    assert ch["finish_reason"] == "length" and ch["message"]["content"] == "I'll check."
+    assert [json.loads(c["function"]["arguments"]) for c in ch["message"]["tool_calls"]] == [{"city": "Paris", "days": 3}]
+    deltas = [e["choices"][0] for e in _sse_events(r2.text.split("\n\n"))[:-1]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "I'll check."
+    assert deltas[-1]["finish_reason"] == "length"
+    [tc] = deltas[-1]["delta"]["tool_calls"]
+    assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == {"city": "Paris",
+                                                                                                 "days": 3}
 
 
 def test_waiting_queue_bound_gives_503_and_recovers():

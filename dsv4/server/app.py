@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI): ``build_app(engine_or_config, served_model_name, api_key, ...)``.
 
 Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
-(the text and function-call subset of the Responses API over the chat path, :mod:`.responses`),
-``GET /v1/models``,
+and ``GET /v1/responses/{id}`` (the text, reasoning and function-call subset of the Responses API
+over the chat path, streamed or not, with a bounded store: :mod:`.responses`), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus, vLLM names), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM shapes; what lm-evaluation-harness's
 ``tokenizer_backend=remote`` calls), ``GET /version``, ``GET|POST /ping``.
@@ -113,6 +113,7 @@ def _encoding_error_param(msg: str) -> str | None:
 
 MAX_REQUEST_BYTES = 8 << 20     # default request-body limit (--max-request-bytes)
 MAX_TOKEN_CHARS = 128           # the longest token of the V4 vocabulary, in characters (tests/test_server.py)
+MAX_STORED_RESPONSES = 1000     # default of --max-stored-responses (the /v1/responses store)
 
 
 def _text_chars(value) -> int:
@@ -138,7 +139,7 @@ def _default_name(engine) -> str:
 
 class OpenAIServer:
     def __init__(self, engine, served_model_name: str | None, api_key: str | None, max_waiting: int | None,
-                 log: bool = True):
+                 log: bool = True, max_stored_responses: int = MAX_STORED_RESPONSES):
         self.engine = engine
         self.name = served_model_name or _default_name(engine)
         self.api_key = api_key or None
@@ -153,6 +154,7 @@ class OpenAIServer:
         self.aeng = AsyncEngine(engine, self.metrics, log=log)
         self.created = int(time.time())
         self.root = str(getattr(engine, "model_path", None) or self.name)
+        self.stored = R.ResponseStore(max_stored_responses)
 
     # ------------------------------------------------------------------ common checks
     def auth(self, request: Request) -> None:
@@ -528,6 +530,61 @@ class OpenAIServer:
                 for rid in rids:
                     self.aeng.abort(rid)
 
+    # ------------------------------------------------------------------ responses
+    async def responses(self, body: dict, request: Request):
+        """``POST /v1/responses`` over the chat path (:mod:`.responses`)."""
+        prior = None
+        pid = body.get("previous_response_id") if isinstance(body, dict) else None
+        if pid is not None:
+            if not isinstance(pid, str):
+                raise P.bad_request("previous_response_id must be a string", "previous_response_id")
+            hit = self.stored.get(pid)
+            if hit is None:
+                raise R.not_found(pid, self.stored.size, "previous_response_id")
+            prior = hit[1]
+        chat, conv = R.to_chat(body, prior)
+        stream = P.opt_bool(body, "stream", False)
+        store = P.opt_bool(body, "store", True)
+        rid = R.new_id("resp")
+        if not stream:
+            r = await self.chat(chat, request)
+            if not isinstance(r, JSONResponse):            # the client went away
+                return r
+            resp = R.from_chat(json.loads(r.body), body, rid)
+            if store:
+                self.stored.put(resp, conv)
+            return JSONResponse(resp)
+        r = await self.chat({**chat, "stream": True, "stream_options": {"include_usage": True}}, request)
+        if not isinstance(r, _SSEResponse):
+            return r
+        return _SSEResponse(self._responses_stream(r.body_iterator, R.ResponseStream(body, rid, self.name),
+                                                   conv if store else None),
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _responses_stream(self, chunks, rs: "R.ResponseStream", conv: list | None):
+        """The chat stream's SSE chunks re-told as Responses events; the answer is stored at the end
+        (``conv``: its conversation, None when ``store`` is false)."""
+        try:
+            for e in rs.start():
+                yield R.sse(e)
+            async for raw in chunks:
+                data = raw[len("data: "):].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    for e in rs.fail(obj["error"]["message"]):
+                        yield R.sse(e)
+                    return
+                for e in rs.feed(obj):
+                    yield R.sse(e)
+            for e in rs.finish():
+                yield R.sse(e)
+            if conv is not None:
+                self.stored.put(rs.response, conv)
+        finally:
+            await chunks.aclose()
+
     # ------------------------------------------------------------------ tokenizer routes
     async def tokenize(self, body: dict) -> dict:
         P.check_model(body, self.name)
@@ -605,7 +662,8 @@ class _InternalErrors:
 
 def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_model_name: str | None = None,
               api_key: str | None = None, max_waiting: int | None = None, log: bool = True,
-              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES,
+              max_stored_responses: int = MAX_STORED_RESPONSES) -> FastAPI:
     """The FastAPI app. ``engine_or_config``: an ``LLMEngine`` (or any object with its interface),
     an ``EngineConfig`` (the engine is built now), or None (the default model, default config).
     The engine thread starts with the app (lifespan) or on the first request."""
@@ -617,7 +675,8 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    srv = OpenAIServer(engine, served_model_name, api_key, max_waiting, log=log)
+    srv = OpenAIServer(engine, served_model_name, api_key, max_waiting, log=log,
+                       max_stored_responses=max_stored_responses)
     srv.max_request_bytes = int(max_request_bytes)
 
     from contextlib import asynccontextmanager
@@ -716,11 +775,15 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
     @app.post("/v1/responses")
     async def responses(request: Request):
         srv.auth(request)
-        body = await _json(request)
-        r = await srv.chat(R.to_chat(body), request)
-        if not isinstance(r, JSONResponse):            # the client went away
-            return r
-        return JSONResponse(R.from_chat(json.loads(r.body), body))
+        return await srv.responses(await _json(request), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        srv.auth(request)
+        hit = srv.stored.get(response_id)
+        if hit is None:
+            raise R.not_found(response_id, srv.stored.size)
+        return hit[0]
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info(request: Request):

@@ -577,9 +577,11 @@ def chat_message(reasoning: str | None, content: str, tool_calls: list[dict]) ->
 
 
 def finish_reason(engine_reason: str | None, tool_calls: list | None) -> str | None:
+    """'tool_calls' for an output that ended after its calls; one cut by the length limit says
+    'length' whatever calls were complete before the cut."""
     if engine_reason is None:
         return None
-    if tool_calls and engine_reason in ("stop", "length"):
+    if tool_calls and engine_reason == "stop":
         return "tool_calls"
     return engine_reason
 
