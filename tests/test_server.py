@@ -557,6 +557,8 @@ def test_structured_outputs_with_the_openai_client(server, client):
     c = schema.choices[0]
     assert c.finish_reason == "stop", c.message.content
     _check_person(json.loads(c.message.content))
+    for text in (obj.choices[0].message.content, c.message.content):      # compact: no whitespace outside strings
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)), text
     assert [c.index for c in choice.choices] == [0, 1, 2]
     assert all(c.text in choices and c.finish_reason == "stop" for c in choice.choices), choice.choices
     n = json.loads(num.choices[0].text)
@@ -1076,9 +1078,12 @@ def test_structured_outputs_and_logit_bias_mapping_unit():
         "name": "p", "schema": PERSON}}}) == (S(json=PERSON), "response_format")
     assert P.structured_outputs({"guided_json": '{"type": "integer"}'}) == (S(json='{"type": "integer"}'),
                                                                             "guided_json")
-    assert P.structured_outputs({"structured_outputs": {"regex": "a+", "grammar": None,
-                                                        "disable_any_whitespace": False}}) == \
-        (S(regex="a+"), "structured_outputs")
+    assert P.structured_outputs({"structured_outputs": {"regex": "a+", "grammar": None, "disable_fallback": False}}) \
+        == (S(regex="a+"), "structured_outputs")
+    for flag in (True, False):          # vLLM's switch; compact (True) is the default here
+        assert P.structured_outputs({"structured_outputs": {"json_object": True, "disable_any_whitespace": flag}}) \
+            == (S(json_object=True, disable_any_whitespace=flag), "structured_outputs")
+    assert S(json_object=True).disable_any_whitespace
     with pytest.raises(P.APIError) as e:
         P.structured_outputs({"guided_choice": []})
     assert e.value.param == "guided_choice" and "guided_choice must be a non-empty list" in e.value.message

@@ -262,7 +262,7 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None,
 
 
 _STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-_VLLM_SWITCHES = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
+_VLLM_SWITCHES = ("disable_fallback", "disable_additional_properties")
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
            ("guided_grammar", "grammar"))
 
@@ -298,14 +298,15 @@ def structured_outputs(body: dict) -> tuple[StructuredOutputsParams, str] | None
     if so is not None:
         if not isinstance(so, dict):
             raise bad_request(f"structured_outputs must be an object, got {_tname(so)}", "structured_outputs")
-        # vLLM's switches are accepted when they ask for nothing (false), refused when they ask for
-        # something this server does not do
-        unknown = sorted(k for k, v in so.items() if k not in _STRUCTURED_KEYS and v is not None
-                         and not (k in _VLLM_SWITCHES and v is False))
+        # vLLM's other switches are accepted when they ask for nothing (false), refused when they
+        # ask for something this server does not do
+        unknown = sorted(k for k, v in so.items() if k not in _STRUCTURED_KEYS + ("disable_any_whitespace",)
+                         and v is not None and not (k in _VLLM_SWITCHES and v is False))
         if unknown:
             raise bad_request(f"structured_outputs.{unknown[0]} is not supported (supported: "
-                              f"{', '.join(_STRUCTURED_KEYS)})", "structured_outputs")
-        found.append(("structured_outputs", {k: v for k, v in so.items() if k in _STRUCTURED_KEYS and v is not None}))
+                              f"{', '.join(_STRUCTURED_KEYS)}, disable_any_whitespace)", "structured_outputs")
+        found.append(("structured_outputs", {k: v for k, v in so.items()
+                                             if k in _STRUCTURED_KEYS + ("disable_any_whitespace",) and v is not None}))
     for name, key in _GUIDED:
         if body.get(name) is not None:
             found.append((name, {key: body[name]}))
