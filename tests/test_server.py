@@ -405,6 +405,11 @@ BAD = [
      "invalid_request_error", "structured_outputs"),
     ("two constraints", "POST", "/v1/completions", {"guided_choice": ["a"], "structured_outputs": {"regex": "a"}},
      None, 400, "invalid_request_error", "guided_choice"),
+    ("reasoning_effort bogus", "POST", "/v1/chat/completions", {"reasoning_effort": "bogus"}, None, 400,
+     "invalid_request_error", "reasoning_effort"),
+    ("chat_template_kwargs.reasoning_effort bogus", "POST", "/v1/chat/completions",
+     {"chat_template_kwargs": {"reasoning_effort": "huge"}}, None, 400, "invalid_request_error",
+     "chat_template_kwargs"),
     ("tool_choice names no tool", "POST", "/v1/chat/completions",
      {"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, None, 400, "invalid_request_error",
@@ -991,6 +996,40 @@ def test_tool_calls_cut_by_max_tokens_keep_the_complete_calls():
     [tc] = deltas[-1]["delta"]["tool_calls"]
     assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == {"city": "Paris",
                                                                                                  "days": 3}
+
+
+def test_posts_that_are_not_json_get_415_before_the_body_is_read():
+    """A body sent as text/plain, form data or without a Content-Type (what a cross-site page can
+    send without a CORS preflight) is refused with 415 before the server reads it: nothing reaches
+    the engine; JSON (any charset, or an ``application/*+json`` type) is served."""
+    app, eng = _fake_app("Hi.")
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    read = []
+
+    async def tracked():
+        read.append(True)
+        yield body.encode()
+
+    async def go(c):
+        out = []
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+            out.append(await c.post("/v1/completions", content=body, headers={} if ctype is None else
+                                    {"Content-Type": ctype}))
+        out.append(await c.post("/v1/chat/completions", content=tracked(),
+                                headers={"Content-Type": "text/plain", "Content-Length": str(1 << 30)}))
+        for ctype in ("application/json; charset=utf-8", "application/vnd.api+json"):
+            out.append(await c.post("/v1/completions", content=body, headers={"Content-Type": ctype}))
+        return out
+    try:
+        *bad, ok1, ok2 = asyncio.run(_asgi_call(app, go))
+    finally:
+        app.state.server.aeng.shutdown()
+    for r, got in zip(bad, ("'text/plain'", "'application/x-www-form-urlencoded'", "no Content-Type",
+                            "'text/plain'")):
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+        assert "application/json" in r.json()["error"]["message"] and got in r.json()["error"]["message"]
+    assert not read and len(eng.prompts) == 2
+    assert ok1.status_code == ok2.status_code == 200
 
 
 def test_waiting_queue_bound_gives_503_and_recovers():

@@ -708,8 +708,16 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
     app.add_middleware(_InternalErrors)
 
     async def _json(request: Request) -> dict:
-        """The JSON body: refused with 413 past ``max_request_bytes`` (by Content-Length before
-        reading, else while reading), parsed off the event loop."""
+        """The JSON body: refused with 415 unless its Content-Type is JSON and with 413 past
+        ``max_request_bytes`` (both by the headers, before reading; the size also while reading),
+        parsed off the event loop. A cross-site page can POST ``text/plain`` without a CORS
+        preflight; that body is never read, so it cannot start a generation."""
+        ctype = request.headers.get("content-type")
+        media = (ctype or "").split(";", 1)[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise P.APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json'; got "
+                                  f"{'no Content-Type' if ctype is None else repr(ctype)}", P.INVALID_REQUEST, None,
+                             "unsupported_media_type")
         limit = srv.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:

@@ -108,6 +108,11 @@ class ChatEncodingError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
+#: the ``reasoning_effort`` values a request may give (vLLM's set, any case); the server refuses
+#: others, and :func:`normalize_reasoning_effort` maps these onto the encoder's levels
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 def normalize_reasoning_effort(effort: Any) -> tuple[bool | None, str | None]:
     """Map a client ``reasoning_effort`` onto the encoder's levels, as vLLM's V4 wrapper does.
 

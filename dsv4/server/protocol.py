@@ -16,6 +16,8 @@ status  ``type``                        when
 404     ``invalid_request_error``       unknown model (code ``model_not_found``, as OpenAI)
 404     ``not_found_error``             unknown route
 405     ``invalid_request_error``       wrong HTTP method
+415     ``invalid_request_error``       a POST body that is not ``application/json`` (code
+                                        ``unsupported_media_type``), refused before it is read
 503     ``service_unavailable_error``   bounded waiting queue full (code ``queue_full``) or
                                         engine dead (code ``engine_dead``)
 500     ``server_error``                a request failed inside the engine
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from .chat_encoding import REASONING_EFFORTS
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -433,6 +436,11 @@ def chat_options(body: dict) -> ChatOptions:
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     kw = dict(opt_dict(body, "chat_template_kwargs") or {})
+    for where, value in (("reasoning_effort", body.get("reasoning_effort")),
+                         ("chat_template_kwargs", kw.get("reasoning_effort"))):
+        if value is not None and (not isinstance(value, str) or value.strip().lower() not in REASONING_EFFORTS):
+            name = "reasoning_effort" if where == "reasoning_effort" else "chat_template_kwargs.reasoning_effort"
+            raise bad_request(f"{name} must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}", where)
     # Top-level spellings (OpenAI reasoning_effort; DeepSeek API thinking={"type": ...}). A client
     # that asks for a reasoning effort other than "none" gets thinking mode unless it says otherwise.
     effort = body.get("reasoning_effort")
