@@ -156,6 +156,10 @@ def test_models_health_tokenize(server, client):
     assert [m.id for m in models.data] == [MODEL]
     raw = httpx.get(server.base + "/v1/models", headers=_h()).json()
     assert raw["object"] == "list" and raw["data"][0]["root"] and raw["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(server.base + f"/v1/models/{MODEL}", headers=_h()).json() == raw["data"][0]
+    assert client.models.retrieve(MODEL).id == MODEL
+    missing = httpx.get(server.base + "/v1/models/gpt-4", headers=_h())
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     t = httpx.post(server.base + "/tokenize", headers=_h(), json={"prompt": "Hello world"}).json()
     assert t["tokens"][0] == 0 and t["count"] == len(t["tokens"]) and t["max_model_len"] == MAX_MODEL_LEN
     d = httpx.post(server.base + "/detokenize", headers=_h(), json={"tokens": t["tokens"][1:]}).json()
@@ -168,8 +172,13 @@ def test_models_health_tokenize(server, client):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count"):
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count", "vllm:iteration_tokens_total_count",
+                 "vllm:request_params_n_count", "vllm:request_params_max_tokens_count"):
         assert any(k.split("{")[0] == name for k in m), name
+    [info] = [k for k in m if k.startswith("vllm:cache_config_info{")]
+    assert 'block_size="256"' in info and 'cache_dtype="fp8"' in info and m[info] == 1.0
 
 
 def test_chat_and_completions_streamed_and_not(server, client):
@@ -267,6 +276,21 @@ def test_n_stop_logprobs_seed(server, client):
     assert r1.choices[0].text == cut and r1.choices[0].finish_reason == "stop"
     assert r1.choices[0].model_extra["stop_reason"] == stop
     assert r2.choices[0].text == cut + stop
+
+
+def test_vllm_request_metrics_add_up(server):
+    """The per-request phase histograms split a request's time as vLLM's do (inference = prefill +
+    decode, one queue time per request the engine served), and the per-step token histogram sums
+    to the prompt and generation token counters."""
+    m = _metrics(server.base)
+    steps = _metric(m, "vllm:iteration_tokens_total_sum")
+    assert steps > 0 and steps == _metric(m, "vllm:prompt_tokens_total") + _metric(m, "vllm:generation_tokens_total")
+    pre, dec, inf = (_metric(m, f"vllm:request_{k}_time_seconds_sum") for k in ("prefill", "decode", "inference"))
+    assert inf > 0 and abs(inf - pre - dec) < 1e-6 * max(1.0, inf)
+    served = _metric(m, "vllm:request_queue_time_seconds_count")
+    assert served >= 10 and _metric(m, "vllm:request_params_n_count") == served
+    assert _metric(m, "vllm:request_params_max_tokens_count") == served
+    assert _metric(m, "vllm:request_params_n_sum") > served                 # the n=2 requests count twice
 
 
 def test_thinking_and_tool_messages_on_the_real_server(server, client):
@@ -1202,9 +1226,24 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, llm):
     assert abs(sum(c["logprobs"]["token_logprobs"][len(ctx):]) - want) < 1e-3
     pl = c["prompt_logprobs"]
     assert pl[0] is None and len(pl) == len(ctx) + len(cont) and str(cont[0]) in pl[len(ctx)]
+    tok = llm.get_tokenizer()
+    assert all(v["decoded_token"] == tok.decode([int(t)], skip_special_tokens=False) for d in pl[1:]
+               for t, v in d.items())
+    # chat (vLLM's top-level prompt_logprobs): the chat prompt's tokens scored as the engine scores them
+    msgs = [{"role": "user", "content": "hi there"}]
     r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), timeout=60, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})
-    assert r.status_code == 400 and "completions only" in r.text
+        "model": MODEL, "messages": msgs, "prompt_logprobs": 1, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    ids = httpx.post(server.base + "/tokenize", headers=_h(), json={"messages": msgs}).json()["tokens"]
+    pl, want = r.json()["prompt_logprobs"], _prompt_scores(llm, ids)
+    assert pl[0] is None and len(pl) == len(ids)
+    for i in range(1, len(ids)):
+        v = pl[i][str(ids[i])]
+        assert abs(v["logprob"] - want[i][ids[i]].logprob) < 1e-3 and v["rank"] == want[i][ids[i]].rank
+        assert v["decoded_token"] == tok.decode([ids[i]], skip_special_tokens=False)
+    r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), timeout=60, json={
+        "model": MODEL, "messages": msgs, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
 
 
 def _lm_eval_parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:

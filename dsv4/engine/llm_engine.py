@@ -296,6 +296,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         touched: dict[str, None] = {}
+        now = time.monotonic()
+        for c in batch:
+            if c.seq.first_scheduled_time is None:
+                c.seq.first_scheduled_time = now
         if batch:
             logits = self.runner.run(batch)
             rows = [i for i, c in enumerate(batch) if c.samples]
@@ -369,5 +373,7 @@ class LLMEngine:
         finished = all(s.is_finished for s in seqs)
         pl = seqs[0].prompt_logprobs
         return RequestOutput(rid, self.prompts[rid], list(seqs[0].prompt_ids), [s.to_output() for s in seqs],
-                             finished, {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time},
+                             finished, {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time,
+                                        "first_scheduled_time": seqs[0].first_scheduled_time,
+                                        "max_tokens": seqs[0].max_tokens},
                              None if pl is None else list(pl))

@@ -48,6 +48,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # arrival, first_scheduled_time, first_token_time (time.monotonic(); of the first sample) and
+    # max_tokens (the limit in force: the request's, clipped to what max_model_len leaves)
     metrics: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: list | None = None      # [None, {token id: Logprob}, ...] when asked for
 
@@ -87,6 +89,7 @@ class Sequence:
         self.error: str | None = None
         self.arrival = arrival
         self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None     # when a step first ran it (monotonic)
         self.num_preemptions = 0
         # structured outputs: this sample's llguidance matcher (set by the engine), advanced by
         # exactly the tokens appended to output_ids; a preempted sequence keeps both, so the

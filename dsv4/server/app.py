@@ -45,6 +45,7 @@ from starlette.requests import ClientDisconnect
 
 from ..engine.llm_engine import EngineConfig, LLMEngine
 from ..engine.sampling_params import StructuredOutputsParams
+from ..formats.paging import BLOCK_TOKENS
 from ..tokenizer import tokenizer_info
 from . import protocol as P
 from . import responses as R
@@ -151,6 +152,10 @@ class OpenAIServer:
         self.bos = int(engine.model_config.bos_token_id)
         self.max_model_len = int(engine.max_model_len)
         self.metrics = ServerMetrics(self.name)
+        cfg = getattr(engine, "cfg", None)
+        self.metrics.cache_config(block_size=BLOCK_TOKENS, cache_dtype="fp8", num_gpu_blocks=engine.cache.num_blocks,
+                                  gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", None),
+                                  enable_prefix_caching=bool(getattr(cfg, "enable_prefix_caching", False)))
         self.aeng = AsyncEngine(engine, self.metrics, log=log)
         self.created = int(time.time())
         self.root = str(getattr(engine, "model_path", None) or self.name)
@@ -306,7 +311,8 @@ class OpenAIServer:
                             "logprobs": lp, "finish_reason": P.finish_reason(o.finish_reason, parsed.tool_calls),
                             "stop_reason": o.stop_reason})
         use = P.usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
-        return JSONResponse(P.chat_response(h, choices, use))
+        plp = P.vllm_prompt_logprobs(out.prompt_logprobs, self.tt) if ps.params.prompt_logprobs is not None else None
+        return JSONResponse(P.chat_response(h, choices, use, plp))
 
     async def _chat_stream(self, h, ids, n, thinking, ps, so: P.StreamOptions, inbox: _Inbox, request: Request):
         done = False
@@ -750,6 +756,12 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
     async def models(request: Request):
         srv.auth(request)
         return srv.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        srv.auth(request)
+        P.check_model({"model": model_id}, srv.name)
+        return srv.models()["data"][0]
 
     @app.get("/health")
     async def health():

@@ -241,8 +241,8 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None,
                 kw["prompt_logprobs"] = lp          # OpenAI: echo + logprobs scores the prompt too
     pl = body.get("prompt_logprobs")
     if pl is not None:
-        if kind == "chat":
-            raise bad_request("prompt_logprobs is supported on /v1/completions only", "prompt_logprobs")
+        if kind == "chat" and body.get("stream") is True:
+            raise bad_request("prompt_logprobs is not available when stream is true (as vLLM)", "prompt_logprobs")
         if not _is_int(pl) or not 0 <= pl <= MAX_LOGPROBS:
             raise bad_request(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}], got {pl!r}", "prompt_logprobs")
         kw["prompt_logprobs"] = max(pl, kw.get("prompt_logprobs") or 0)
@@ -602,9 +602,9 @@ class ResponseHeader:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def chat_response(h: ResponseHeader, choices: list[dict], use: dict) -> dict:
+def chat_response(h: ResponseHeader, choices: list[dict], use: dict, prompt_logprobs: list | None = None) -> dict:
     return {"id": h.id, "object": "chat.completion", "created": h.created, "model": h.model,
-            "choices": choices, "usage": use, "system_fingerprint": None, "prompt_logprobs": None}
+            "choices": choices, "usage": use, "system_fingerprint": None, "prompt_logprobs": prompt_logprobs}
 
 
 def chat_chunk(h: ResponseHeader, choices: list[dict], use: dict | None = None, with_usage: bool = False) -> dict:
