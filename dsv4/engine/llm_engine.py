@@ -56,6 +56,8 @@ class EngineConfig:
     synthetic_seed: int = 0
     tensor_parallel_size: int = 1            # ranks, one process each (engine.tp_workers)
     seed: int | None = None                  # seeds torch's global RNG, which requests without a seed sample from
+    revision: str | None = None              # of a Hugging Face Hub id given as ``model``
+    generation_config: str = "auto"          # default sampling parameters: auto | vllm | DIR (models.generation_defaults)
 
 
 def engine_threads(device, world: int = 1) -> int:
@@ -113,11 +115,11 @@ class LLMEngine:
         tp = cfg.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        from ..models import resolve_model
+        from ..models import generation_defaults, resolve_model
         from .tp_workers import build_model
         self.workers, group = None, None
         kernels = cfg.kernels
-        spec = dict(path=None if cfg.synthetic or prebuilt is not None else resolve_model(cfg.model),
+        spec = dict(path=None if cfg.synthetic or prebuilt is not None else resolve_model(cfg.model, cfg.revision),
                     synthetic=cfg.synthetic, synthetic_layers=cfg.synthetic_layers,
                     synthetic_experts=cfg.synthetic_experts, synthetic_seed=cfg.synthetic_seed, kernels=kernels)
         if tp > 1:
@@ -151,6 +153,12 @@ class LLMEngine:
         load_s = time.perf_counter() - t0
         weights_mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.tokenizer = load_tokenizer(path)
+        #: vLLM's default sampling parameters (SamplingParams names): what a request leaves unset
+        self.default_sampling = generation_defaults(cfg.generation_config, path)
+        try:
+            SamplingParams(**self.default_sampling)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"generation_config.json of {path}: {e}") from None
         budget = None if cfg.num_kv_blocks is not None else self._kv_budget()
         # the model keeps one private scratch slot and block for padding / non-completing rows
         self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + 1,
@@ -191,6 +199,9 @@ class LLMEngine:
                       file=sys.stderr)
             print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len} (model "
                   f"{mc.max_position_embeddings}, KV cache {cap} tokens); backend {self.backend_name}",
+                  file=sys.stderr)
+            gen = ", ".join(f"{k}={v}" for k, v in self.default_sampling.items()) or "none (vLLM's defaults)"
+            print(f"dsv4: default sampling parameters (--generation-config {cfg.generation_config}): {gen}",
                   file=sys.stderr)
 
     @staticmethod

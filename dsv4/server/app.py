@@ -46,12 +46,14 @@ from starlette.requests import ClientDisconnect
 from ..engine.llm_engine import EngineConfig, LLMEngine
 from ..engine.sampling_params import StructuredOutputsParams
 from ..formats.paging import BLOCK_TOKENS
+from ..models import is_hub_id
 from ..tokenizer import tokenizer_info
 from . import protocol as P
 from . import responses as R
 from .async_engine import AsyncEngine, EngineError
 from .chat_encoding import ChatEncodingError, StreamingParser, apply_chat_template, parse_completion, \
     resolve_chat_options
+from .jinja_template import ChatTemplateError, JinjaChatTemplate
 from .metrics import ServerMetrics
 from .tool_grammar import tool_call_grammar
 
@@ -135,12 +137,15 @@ def _default_name(engine) -> str:
     model = getattr(cfg, "model", None)
     if model is None:
         return DEFAULT_MODEL_NAME
+    if is_hub_id(str(model)):
+        return str(model)               # served under its Hub id, as vLLM serves it
     return os.path.basename(os.path.normpath(str(model))) or DEFAULT_MODEL_NAME
 
 
 class OpenAIServer:
     def __init__(self, engine, served_model_name: str | None, api_key: str | None, max_waiting: int | None,
-                 log: bool = True, max_stored_responses: int = MAX_STORED_RESPONSES):
+                 log: bool = True, max_stored_responses: int = MAX_STORED_RESPONSES, chat_template: str | None = None,
+                 log_requests: bool = False):
         self.engine = engine
         self.name = served_model_name or _default_name(engine)
         self.api_key = api_key or None
@@ -148,9 +153,15 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.tt = P.TokenText(engine.tokenizer)
         self.tokenizer_info = tokenizer_info(engine.tokenizer)
+        self.template = None if chat_template is None else JinjaChatTemplate(
+            chat_template, {"bos_token": engine.tokenizer.bos_token, "eos_token": engine.tokenizer.eos_token})
+        if chat_template is not None:
+            self.tokenizer_info["chat_template"] = chat_template
+        self.log_requests = log_requests
         self.vocab_size = int(engine.model_config.vocab_size)
         self.bos = int(engine.model_config.bos_token_id)
         self.max_model_len = int(engine.max_model_len)
+        self.defaults = dict(getattr(engine, "default_sampling", None) or {})     # --generation-config
         self.metrics = ServerMetrics(self.name)
         cfg = getattr(engine, "cfg", None)
         self.metrics.cache_config(block_size=BLOCK_TOKENS, cache_dtype="fp8", num_gpu_blocks=engine.cache.num_blocks,
@@ -189,6 +200,22 @@ class OpenAIServer:
                                   f"(--max-waiting {self.max_waiting}); retry later", P.UNAVAILABLE, None,
                              "queue_full")
 
+    def encode_chat(self, opts: P.ChatOptions) -> list[int]:
+        """The prompt ids of a chat request: V4's encoding, or the ``--chat-template``'s rendering
+        (the messages and tools are checked by V4's encoder either way, for the same 400s)."""
+        ids = apply_chat_template(self.tokenizer, opts.messages, opts.tools, opts.template_kwargs,
+                                  opts.add_generation_prompt)
+        if self.template is None:
+            return ids
+        return self.template.encode(self.tokenizer, opts.messages, opts.tools, opts.template_kwargs,
+                                    opts.add_generation_prompt)
+
+    async def chat_ids(self, opts: P.ChatOptions) -> list[int]:
+        try:
+            return await asyncio.to_thread(self.encode_chat, opts)
+        except (ChatEncodingError, ChatTemplateError) as e:
+            raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
+
     async def constrain(self, ps: P.ParsedSampling, spec: StructuredOutputsParams, param: str) -> None:
         """Compile ``spec`` (off the event loop; the engine's compile of it is then a cache hit) and
         put it into the request's sampling parameters; a bad schema or grammar is a 400 naming
@@ -206,6 +233,10 @@ class OpenAIServer:
                      param: str) -> None:
         """Add sub-requests (tag = position); on any rejection abort the ones accepted and raise 400."""
         k = 0
+        if self.log_requests:
+            for rid, prompt in zip(rids, prompts):
+                print(f"dsv4 serve: request {rid}: {len(prompt)} prompt tokens {prompt[:16]}"
+                      f"{'...' if len(prompt) > 16 else ''}; {params}", file=sys.stderr, flush=True)
         try:
             for k, (rid, prompt) in enumerate(zip(rids, prompts)):
                 await self.aeng.add(rid, prompt, params, arrival, inbox.queue, tag=k, prompt_tokens=len(prompt))
@@ -265,16 +296,15 @@ class OpenAIServer:
         P.check_model(body, self.name)
         stream = P.opt_bool(body, "stream", False)
         so = P.stream_options(body, stream)
-        opts = P.chat_options(body)
-        ps = P.sampling_params(body, "chat", None, self.vocab_size)
+        opts = P.chat_options(body, self.template is None)
+        ps = P.sampling_params(body, "chat", None, self.vocab_size, self.defaults)
         constraint = P.structured_outputs(body)
         self.precheck_chars(_text_chars(opts.messages), "messages")
         try:
             thinking = resolve_chat_options(opts.template_kwargs)[0]
-            ids = await asyncio.to_thread(apply_chat_template, self.tokenizer, opts.messages, opts.tools,
-                                          opts.template_kwargs, opts.add_generation_prompt)
         except ChatEncodingError as e:
             raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
+        ids = await self.chat_ids(opts)
         P.check_lengths(len(ids), ps, self.max_model_len, "messages")
         functions = P.forced_tool_functions(opts)
         if functions is not None:
@@ -400,7 +430,7 @@ class OpenAIServer:
         for p in prompts:
             if isinstance(p, str):
                 self.precheck_chars(len(p), "prompt")
-        ps = P.sampling_params(body, "completion", 16, self.vocab_size)
+        ps = P.sampling_params(body, "completion", 16, self.vocab_size, self.defaults)
         constraint = P.structured_outputs(body)
         if constraint is not None:
             await self.constrain(ps, *constraint)
@@ -596,12 +626,7 @@ class OpenAIServer:
         P.check_model(body, self.name)
         return_strs = P.opt_bool(body, "return_token_strs", False)
         if "messages" in body:
-            opts = P.chat_options(body)
-            try:
-                ids = await asyncio.to_thread(apply_chat_template, self.tokenizer, opts.messages, opts.tools,
-                                              opts.template_kwargs, opts.add_generation_prompt)
-            except ChatEncodingError as e:
-                raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
+            ids = await self.chat_ids(P.chat_options(body, self.template is None))
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -669,10 +694,14 @@ class _InternalErrors:
 def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_model_name: str | None = None,
               api_key: str | None = None, max_waiting: int | None = None, log: bool = True,
               max_request_bytes: int = MAX_REQUEST_BYTES,
-              max_stored_responses: int = MAX_STORED_RESPONSES) -> FastAPI:
+              max_stored_responses: int = MAX_STORED_RESPONSES, chat_template: str | None = None,
+              allowed_origins: list[str] | None = None, log_requests: bool = False) -> FastAPI:
     """The FastAPI app. ``engine_or_config``: an ``LLMEngine`` (or any object with its interface),
     an ``EngineConfig`` (the engine is built now), or None (the default model, default config).
-    The engine thread starts with the app (lifespan) or on the first request."""
+    The engine thread starts with the app (lifespan) or on the first request. ``chat_template``:
+    Jinja text replacing V4's chat encoding (:mod:`.jinja_template`); ``allowed_origins``: the
+    origins browsers may call the API from (CORS; none by default); ``log_requests``: one line per
+    request on stderr."""
     if engine_or_config is None or isinstance(engine_or_config, EngineConfig):
         engine = LLMEngine(engine_or_config or EngineConfig(log=log))
     else:
@@ -682,7 +711,8 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     srv = OpenAIServer(engine, served_model_name, api_key, max_waiting, log=log,
-                       max_stored_responses=max_stored_responses)
+                       max_stored_responses=max_stored_responses, chat_template=chat_template,
+                       log_requests=log_requests)
     srv.max_request_bytes = int(max_request_bytes)
 
     from contextlib import asynccontextmanager
@@ -712,6 +742,10 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
         return _error(400, str(e), P.INVALID_REQUEST)
 
     app.add_middleware(_InternalErrors)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     async def _json(request: Request) -> dict:
         """The JSON body: refused with 415 unless its Content-Type is JSON and with 413 past

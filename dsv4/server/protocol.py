@@ -187,19 +187,23 @@ def logit_bias(body: dict, vocab_size: int | None) -> dict[int, float] | None:
 
 
 def sampling_params(body: dict, kind: str, default_max_tokens: int | None,
-                    vocab_size: int | None = None) -> ParsedSampling:
+                    vocab_size: int | None = None, defaults: dict | None = None) -> ParsedSampling:
     """Map an OpenAI/vLLM request onto ``SamplingParams``; ``kind`` is 'chat' or 'completion'.
 
-    Unset or null fields take vLLM's defaults (temperature 1, top_p 1, ...). ``max_tokens``
-    defaults to ``default_max_tokens`` (16 for completions, None = up to the model length for
-    chat, as vLLM does). ``logit_bias`` ids are checked against ``vocab_size``. A ValueError from
-    ``SamplingParams`` becomes a 400 naming the field. Structured outputs are read by
-    :func:`structured_outputs`.
+    Unset or null fields take ``defaults`` (the model's generation config, ``--generation-config``),
+    else vLLM's defaults (temperature 1, top_p 1, ...). ``max_tokens`` defaults to
+    ``default_max_tokens`` (16 for completions), else to ``defaults``' max_tokens, else None = up to
+    the model length (chat, as vLLM does). ``logit_bias`` ids are checked against ``vocab_size``. A
+    ValueError from ``SamplingParams`` becomes a 400 naming the field. Structured outputs are read
+    by :func:`structured_outputs`.
     """
+    defaults = defaults or {}
     kw: dict[str, Any] = {}
     for name in _PASSTHROUGH:
         if body.get(name) is not None:
             kw[name] = body[name]
+        elif name in defaults:
+            kw[name] = defaults[name]
     n = body.get("n")
     if n is not None:
         if _is_int(n) and n > MAX_N:
@@ -213,7 +217,8 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None,
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         mt_name, mt = "max_completion_tokens", body["max_completion_tokens"]
     given = mt is not None
-    kw["max_tokens"] = mt if given else default_max_tokens
+    kw["max_tokens"] = mt if given else default_max_tokens if default_max_tokens is not None else \
+        defaults.get("max_tokens")
     if mt == 0 and not isinstance(mt, bool) and not (kind == "completion" and body.get("echo") is True):
         raise bad_request(f"{mt_name} must be >= 1 (0 only with echo, to score the prompt without generating)",
                           mt_name)
@@ -405,7 +410,10 @@ class ChatOptions:
     parallel_tool_calls: bool = True
 
 
-def chat_options(body: dict) -> ChatOptions:
+def chat_options(body: dict, response_format_in_prompt: bool = True) -> ChatOptions:
+    """The chat request's messages and options; ``response_format_in_prompt``: put a JSON
+    ``response_format`` into the system message, where V4's encoder renders it (not for a Jinja
+    ``--chat-template``)."""
     if "messages" not in body:
         raise bad_request("messages is required", "messages")
     msgs = body["messages"]
@@ -457,7 +465,7 @@ def chat_options(body: dict) -> ChatOptions:
         if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
             raise bad_request("response_format.type must be one of 'text', 'json_object', 'json_schema'",
                               "response_format")
-        if rf["type"] != "text":
+        if rf["type"] != "text" and response_format_in_prompt:
             # V4 renders a "## Response Format" section in the system prompt; structured_outputs() enforces it
             fmt = rf.get("json_schema", rf) if rf["type"] == "json_schema" else rf
             if msgs and isinstance(msgs[0], dict) and msgs[0].get("role") in ("system", "developer"):
