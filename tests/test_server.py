@@ -1056,6 +1056,24 @@ def test_posts_that_are_not_json_get_415_before_the_body_is_read():
     assert ok1.status_code == ok2.status_code == 200
 
 
+def test_enable_log_requests_logs_each_request(capsys):
+    """``--enable-log-requests``: one stderr line per request, with its id, prompt length and
+    sampling parameters; nothing without it."""
+    for on in (True, False):
+        app, _ = _fake_app("Hi.", log_requests=on)
+
+        async def go(c):
+            return await c.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2})
+        try:
+            r = asyncio.run(_asgi_call(app, go))
+        finally:
+            app.state.server.aeng.shutdown()
+        err = capsys.readouterr().err
+        assert r.status_code == 200
+        line = f"dsv4 serve: request {r.json()['id']}: 3 prompt tokens [5, 6, 7]; SamplingParams("
+        assert (line in err and "max_tokens=2" in err) == on, err
+
+
 def test_waiting_queue_bound_gives_503_and_recovers():
     app, eng = _fake_app("Hello there, friend.", max_running=1, max_waiting=1)
     srv = app.state.server

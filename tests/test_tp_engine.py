@@ -1,8 +1,9 @@
 """Tensor parallelism through the engine on CPU (gloo, the tiny model): the engine starts its own
-worker processes; world size 2 gives world size 1's greedy tokens wherever the top-1 margin is
-clear, ``generate`` and ``serve`` work with ``--tensor-parallel-size 2``, a killed worker stops the
-server with a message naming its rank, and rank counts the model cannot split are refused before
-anything starts."""
+worker processes; world size 2 (from a script on stdin without a ``__main__`` guard) gives world
+size 1's greedy tokens wherever the top-1 margin is clear, ``generate`` and ``serve`` work with
+``--tensor-parallel-size 2``, a worker dying at start-up fails it at once and a killed worker stops
+the server, each with a message naming its rank, and rank counts the model cannot split are
+refused before anything starts."""
 from __future__ import annotations
 
 import json

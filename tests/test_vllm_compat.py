@@ -1,5 +1,5 @@
-"""A vLLM user's launch line, model id and checks work unchanged: ``dsv4 serve`` started with a
-V4 launch line as vLLM takes it (README: Coming from vLLM), on a Hugging Face Hub id resolved
+"""A vLLM user's launch line, model id and checks work unchanged: ``dsv4 serve`` started with
+README's V4 launch line as vLLM takes it (section Coming from vLLM), on a Hugging Face Hub id resolved
 offline from a cache laid out as the Hub's, with the model's generation_config.json as default
 sampling parameters, a Jinja ``--chat-template``, CORS, and the model length held on every route.
 The flags' parsing, the Hub resolution and the template are also tested in-process."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -103,6 +104,15 @@ def test_launch_flags_are_parsed_with_vllm_s_meaning_and_errors_name_the_command
         assert e.value.code == 2 and err.startswith(f"usage: {usage}") and words in err, err
 
 
+def test_readme_documents_every_serve_flag():
+    from dsv4.cli import _command_parser, build_parser
+    p = build_parser()
+    serve = _command_parser(p, p.parse_args(["serve"]))
+    readme = (ROOT / "README.md").read_text()
+    flags = [o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert len(flags) > 30 and [f for f in flags if f"`{f}" not in readme] == []
+
+
 def test_chat_template_renders_as_transformers_does():
     """The template sees the messages (text parts joined), tools, add_generation_prompt, the special
     tokens and chat_template_kwargs; tojson keeps non-ASCII; raise_exception is a 400-able error."""
@@ -125,6 +135,14 @@ def test_chat_template_renders_as_transformers_does():
         load_chat_template("no_such_template.jinja")
 
 
+def readme_launch_line() -> list[str]:
+    """The arguments after ``dsv4`` of README's launch line (section "Coming from vLLM")."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Coming from vLLM"):]
+    [line] = [ln for ln in section.splitlines() if ln.startswith("dsv4 serve ")][:1]
+    return shlex.split(line)[1:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -133,19 +151,20 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def vllm_server(hub):
-    """``dsv4 serve`` started with a V4 launch line as vLLM takes it, on the Hub id, offline."""
+    """``dsv4 serve`` started with README's launch line, on the Hub id, offline."""
     port = _free_port()
     (hub.tmp / "template.jinja").write_text(TEMPLATE)
     env = dict(os.environ, HF_HUB_CACHE=str(hub.cache), HF_HUB_OFFLINE="1", DSV4_CACHE_DIR=str(hub.tmp / "dsv4"),
                PYTHONUNBUFFERED="1")
     env.pop("DSV4_API_KEY", None)
-    line = ["serve", HUB_ID, "--host", "127.0.0.1", "--port", str(port), "--trust-remote-code",
-            "--tokenizer-mode", "deepseek_v4", "--tool-call-parser", "deepseek_v4", "--enable-auto-tool-choice",
-            "--reasoning-parser", "deepseek_v4", "--kv-cache-dtype", "fp8", "--block-size", "256", "--dtype", "auto",
-            "--seed", "0", "--generation-config", "auto", "--enable-log-requests",
-            "--chat-template", str(hub.tmp / "template.jinja"), "--allowed-origins", '["http://localhost:3000"]',
-            "--max-model-len", str(MAX_LEN), "--max-num-seqs", "4", "--gpu-memory-utilization", "0.9",
-            "--tensor-parallel-size", "1", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+    line = readme_launch_line()
+    assert line[:2] == ["serve", HUB_ID] and "--disable-log-requests" in line, line
+    # for this machine (a CPU, one rank, a short model length, a free local port), and the two
+    # flags the README line does not carry (a later value of a flag replaces an earlier one)
+    line += ["--tensor-parallel-size", "1", "--max-model-len", str(MAX_LEN), "--max-num-seqs", "4",
+             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", "--uvicorn-log-level",
+             "warning", "--chat-template", str(hub.tmp / "template.jinja"),
+             "--allowed-origins", '["http://localhost:3000"]']
     log_path = hub.tmp / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", *line], cwd=str(ROOT), env=env, stdout=log,
@@ -178,7 +197,7 @@ def vllm_server(hub):
 def test_the_launch_line_serves_the_hub_id_with_its_generation_config(vllm_server):
     """A chat through the openai client under the Hub id; without temperature / max_tokens the
     model's generation config holds (greedy, 5 tokens), a request's own values come first; the
-    start-up log states the defaults, --enable-log-requests logs the request."""
+    start-up log states the defaults."""
     c = vllm_server.client
     assert [m.id for m in c.models.list().data] == [HUB_ID]
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The capital of France is"}]
@@ -190,7 +209,7 @@ def test_the_launch_line_serves_the_hub_id_with_its_generation_config(vllm_serve
     assert c.chat.completions.create(model=HUB_ID, messages=msgs, max_tokens=2).usage.completion_tokens == 2
     log = vllm_server.log.read_text()
     assert "default sampling parameters (--generation-config auto): temperature=0.0, max_tokens=5" in log
-    assert f"request {r.id}: {r.usage.prompt_tokens} prompt tokens" in log
+    assert "request chatcmpl-" not in log                     # --disable-log-requests
     # the --chat-template rendered the prompt: V4's encoding of the system prompt with "[sys] " before it
     from dsv4.server.chat_encoding import apply_chat_template
     from dsv4.tokenizer import load_tokenizer

@@ -10,7 +10,8 @@ over the chat path, streamed or not, with a bounded store: :mod:`.responses`), `
 * Streaming is OpenAI's SSE: ``data: {json}\\n\\n`` chunks (chat: the first delta of each choice
   carries ``role``), ``finish_reason`` on each choice's last chunk, an optional usage chunk
   (``stream_options.include_usage``, ``choices: []``), then ``data: [DONE]``.
-* Chat prompts go through the V4 encoder (``apply_chat_template``; ``chat_template_kwargs``
+* Chat prompts go through the V4 encoder, or a Jinja ``--chat-template`` (:mod:`.jinja_template`)
+  (``apply_chat_template``; ``chat_template_kwargs``
   thinking / enable_thinking / reasoning_effort, or top-level ``reasoning_effort`` -- which turns
   thinking on unless it is "none" or thinking is given -- and DeepSeek's ``thinking: {"type"}``);
   reasoning comes back as
@@ -23,8 +24,9 @@ over the chat path, streamed or not, with a bounded store: :mod:`.responses`), `
 * The engine runs on its own thread (:mod:`.async_engine`); the event loop only tokenizes (in a
   worker thread) and formats. A client that disconnects aborts its request, freeing its blocks.
 * ``api_key`` (bearer) guards every route except ``/health``, ``/ping``, ``/version`` and
-  ``/metrics``; ``max_waiting`` bounds the requests waiting for the engine (503 beyond it). Errors
-  use the schema of :mod:`.protocol`.
+  ``/metrics``; ``max_waiting`` bounds the requests waiting for the engine (503 beyond it); a POST
+  body that is not JSON is a 415 before it is read; ``allowed_origins`` (CORS) lists the origins
+  browsers may call from (none by default). Errors use the schema of :mod:`.protocol`.
 """
 from __future__ import annotations
 
