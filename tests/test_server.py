@@ -13,7 +13,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 from dsv4.engine.sampling_params import SamplingParams  # noqa: E402
+from serve_helpers import serve_process  # noqa: E402
 from dsv4.engine.sequence import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,48 +40,15 @@ MODEL = "dsv4-tiny"
 MAX_MODEL_LEN = 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    port = _free_port()
     env = dict(os.environ, DSV4_CACHE_DIR=str(tmp / "cache"), PYTHONUNBUFFERED="1")
     env.pop("DSV4_API_KEY", None)
     log_path = tmp / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsv4.cli", "serve", "--port", str(port), "--api-key", KEY,
-         "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
-         "--disable-access-log", "--uvicorn-log-level", "warning"],
-        cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not come up:\n{log_path.read_text()}")
-            time.sleep(0.3)
-        yield SimpleNamespace(base=base, port=port, log=log_path, proc=proc, tmp=tmp)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with serve_process(["--api-key", KEY, "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
+                        "--disable-access-log", "--uvicorn-log-level", "warning"], env, log_path) as (proc, base):
+        yield SimpleNamespace(base=base, port=int(base.rsplit(":", 1)[1]), log=log_path, proc=proc, tmp=tmp)
     text = log_path.read_text()
     assert "Traceback" not in text and "internal error" not in text, text[-4000:]
 

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -111,37 +110,17 @@ def test_generate_cli_with_two_ranks(tmp_path):
 def test_serve_with_two_ranks_and_a_killed_worker_stops_it(tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from serve_helpers import serve_process
     env = dict(os.environ, DSV4_CACHE_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
     log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "serve", "--port", str(port), "-tp", "2",
-                                 "--max-model-len", "256", "--kv-cache-memory", "64MiB", "--disable-access-log",
-                                 "--uvicorn-log-level", "warning"], cwd=str(ROOT), env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
-        try:
-            base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
-            while True:
-                assert proc.poll() is None, log_path.read_text()
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.3)
-            r = httpx.post(base + "/v1/completions", json={"model": "dsv4-tiny", "prompt": "Hello", "max_tokens": 4,
-                                                            "temperature": 0}, timeout=120)
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-            pid = int(re.search(r"rank 1 pid (\d+)", log_path.read_text()).group(1))
-            t0 = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            assert time.monotonic() - t0 < 30 and proc.returncode != 0
-            assert f"tensor-parallel worker rank 1 (pid {pid}) exited" in log_path.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with serve_process(["-tp", "2", "--max-model-len", "256", "--kv-cache-memory", "64MiB", "--disable-access-log",
+                        "--uvicorn-log-level", "warning"], env, log_path, start_s=240) as (proc, base):
+        r = httpx.post(base + "/v1/completions", json={"model": "dsv4-tiny", "prompt": "Hello", "max_tokens": 4,
+                                                        "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        pid = int(re.search(r"rank 1 pid (\d+)", log_path.read_text()).group(1))
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 30 and proc.returncode != 0
+        assert f"tensor-parallel worker rank 1 (pid {pid}) exited" in log_path.read_text()

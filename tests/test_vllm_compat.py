@@ -8,10 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +15,8 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
+
+from serve_helpers import serve_process  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HUB_ID = "deepseek-ai/DeepSeek-V4-Flash"
@@ -143,53 +141,24 @@ def readme_launch_line() -> list[str]:
     return shlex.split(line)[1:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_server(hub):
     """``dsv4 serve`` started with README's launch line, on the Hub id, offline."""
-    port = _free_port()
     (hub.tmp / "template.jinja").write_text(TEMPLATE)
     env = dict(os.environ, HF_HUB_CACHE=str(hub.cache), HF_HUB_OFFLINE="1", DSV4_CACHE_DIR=str(hub.tmp / "dsv4"),
                PYTHONUNBUFFERED="1")
     env.pop("DSV4_API_KEY", None)
     line = readme_launch_line()
     assert line[:2] == ["serve", HUB_ID] and "--disable-log-requests" in line, line
-    # for this machine (a CPU, one rank, a short model length, a free local port), and the two
-    # flags the README line does not carry (a later value of a flag replaces an earlier one)
+    # for this machine (a CPU, one rank, a short model length; serve_process adds a free local
+    # port), and the two flags the README line does not carry (a later flag replaces an earlier one)
     line += ["--tensor-parallel-size", "1", "--max-model-len", str(MAX_LEN), "--max-num-seqs", "4",
-             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", "--uvicorn-log-level",
-             "warning", "--chat-template", str(hub.tmp / "template.jinja"),
-             "--allowed-origins", '["http://localhost:3000"]']
+             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
+             "--chat-template", str(hub.tmp / "template.jinja"), "--allowed-origins", '["http://localhost:3000"]']
     log_path = hub.tmp / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", *line], cwd=str(ROOT), env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 180
-            while True:
-                assert proc.poll() is None, log_path.read_text()
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.3)
-            yield SimpleNamespace(base=base, log=log_path, client=openai.OpenAI(base_url=base + "/v1", api_key="EMPTY",
-                                                                                max_retries=0, timeout=120))
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with serve_process(line[1:], env, log_path) as (_, base):
+        yield SimpleNamespace(base=base, log=log_path, client=openai.OpenAI(base_url=base + "/v1", api_key="EMPTY",
+                                                                            max_retries=0, timeout=120))
     text = log_path.read_text()
     assert "Traceback" not in text, text[-4000:]
 

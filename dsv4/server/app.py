@@ -616,6 +616,8 @@ class OpenAIServer:
                     return
                 for e in rs.feed(obj):
                     yield R.sse(e)
+            else:
+                return                  # the chat stream ended without [DONE]: the client went away
             for e in rs.finish():
                 yield R.sse(e)
             if conv is not None:
