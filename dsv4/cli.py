@@ -13,7 +13,8 @@ def _engine_kw(a: argparse.Namespace) -> dict:
                 gpu_memory_utilization=a.gpu_memory_utilization, device=a.device,
                 cuda_graphs=not a.enforce_eager, log=not a.quiet, synthetic=a.synthetic,
                 synthetic_layers=a.layers, synthetic_experts=a.experts, synthetic_seed=a.synthetic_seed,
-                tensor_parallel_size=a.tensor_parallel_size, speculative_config=a.speculative_config)
+                tensor_parallel_size=a.tensor_parallel_size, revision=a.revision,
+                speculative_config=a.speculative_config)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -79,13 +80,16 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-seed", type=int, default=0, help='seed of the --synthetic weights')
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks, one process each (GPU i for rank i)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face Hub model id (default: main)")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                         '(drafts with the checkpoint\'s MTP block)')
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face Hub id (default: the embedded tiny model)")
     _engine_flags(p)
     p.add_argument("--seed", type=int, default=None, help='sampling seed (default: random)')
     p.add_argument("-q", "--quiet", action="store_true", help="no progress or timing on stderr")
@@ -122,12 +126,21 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
     if a.max_waiting is not None and a.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
+    if a.max_stored_responses < 0:
+        raise ValueError(f"--max-stored-responses must be >= 0, got {a.max_stored_responses}")
+    template = None
+    if a.chat_template is not None:
+        from .server.jinja_template import load_chat_template
+        template = load_chat_template(a.chat_template)
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=a.model, **_engine_kw(a)))
+    engine = LLMEngine(EngineConfig(model=a.model, seed=a.seed, generation_config=a.generation_config,
+                                    **_engine_kw(a)))
     api_key = a.api_key or os.environ.get("DSV4_API_KEY") or None
     from .engine.llm_engine import parse_bytes
     app = build_app(engine, served_model_name=a.served_model_name, api_key=api_key, max_waiting=a.max_waiting,
-                    log=not a.quiet, max_request_bytes=parse_bytes(a.max_request_bytes))
+                    log=not a.quiet, max_request_bytes=parse_bytes(a.max_request_bytes),
+                    max_stored_responses=a.max_stored_responses, chat_template=template,
+                    allowed_origins=a.allowed_origins, log_requests=a.enable_log_requests)
     name = app.state.server.name
     if not a.quiet:
         print(f"dsv4: loaded {engine.model_path} in {time.perf_counter() - t0:.1f}s; serving {name!r} on "
@@ -142,13 +155,87 @@ def _cmd_bench_serve(a: argparse.Namespace) -> int:
     return main_from_args(a)
 
 
+def _accept(flag: str, accepted: tuple, why: str, kind=str):
+    """An argparse type that takes only ``accepted`` values of ``flag`` and otherwise says why."""
+    def check(v: str):
+        try:
+            value = kind(v)
+        except ValueError:
+            value = None
+        if value not in accepted:
+            raise argparse.ArgumentTypeError(f"{v!r} is not supported: {why} (accepted: "
+                                             f"{', '.join(str(x) for x in accepted)})")
+        return value
+    check.__name__ = flag
+    return check
+
+
+def _origins(v: str) -> list[str]:
+    """``--allowed-origins``: vLLM's JSON list (``'["https://a.example"]'``) or comma-separated origins."""
+    import json
+    if v.strip().startswith("["):
+        try:
+            out = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list of origins: {e}") from None
+        if not isinstance(out, list) or not all(isinstance(o, str) for o in out):
+            raise argparse.ArgumentTypeError("expected a JSON list of origin strings")
+        return out
+    return [o.strip() for o in v.split(",") if o.strip()]
+
+
+def _vllm_args(p: argparse.ArgumentParser) -> None:
+    """The flags V4 launch scripts for vLLM carry, with vLLM's meaning (README: Coming from vLLM)."""
+    g = p.add_argument_group("vLLM compatibility")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the global RNG that requests without their own seed sample from (default: random)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (file, or the template text) rendered as transformers' "
+                        "apply_chat_template does, instead of the built-in V4 encoding")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling parameters: auto (default) takes the model's generation_config.json, "
+                        "vllm ignores it, DIR reads DIR/generation_config.json; request values come first")
+    g.add_argument("--tokenizer-mode", default="auto", metavar="auto|deepseek_v4", type=_accept(
+        "--tokenizer-mode", ("auto", "deepseek_v4"), "the V4 tokenizer and chat encoding are built in"),
+                   help="accepted: the V4 tokenizer and chat encoding are built in")
+    g.add_argument("--tool-call-parser", default="deepseek_v4", metavar="deepseek_v4", type=_accept(
+        "--tool-call-parser", ("deepseek_v4",), "V4's DSML tool-call parser is built in"),
+                   help="accepted: V4's DSML tool-call parser is built in")
+    g.add_argument("--reasoning-parser", default="deepseek_v4", metavar="deepseek_v4", type=_accept(
+        "--reasoning-parser", ("deepseek_v4",), "V4's reasoning parser is built in"),
+                   help="accepted: V4's reasoning parser (<think> ... </think>) is built in")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted; auto tool choice is always on (the V4 tool-call parser is built in)")
+    logs = g.add_mutually_exclusive_group()
+    logs.add_argument("--enable-log-requests", action="store_true",
+                      help="one line per request on stderr (id, prompt tokens, sampling parameters)")
+    logs.add_argument("--disable-log-requests", action="store_true", help="no request lines (the default)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted and ignored: dsv4 runs no code from the checkpoint (V4's model and tokenizer "
+                        "are built in)")
+    g.add_argument("--dtype", default="auto", metavar="auto|bfloat16", type=_accept(
+        "--dtype", ("auto", "bfloat16"), "the engine computes in the checkpoint's own formats (FP8 / FP4 weights, "
+        "bf16 activations), which auto and bfloat16 both mean"),
+                   help="accepted: the engine computes in the checkpoint's own formats (FP8 / FP4 weights, bf16 "
+                        "activations)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="auto|fp8", type=_accept(
+        "--kv-cache-dtype", ("auto", "fp8"), "V4's KV cache is FP8 (584-byte entries), which auto and fp8 both mean"),
+                   help="accepted: V4's KV cache is FP8")
+    g.add_argument("--block-size", default=256, metavar="256", help="accepted: KV blocks are 256 tokens", type=_accept(
+        "--block-size", (256,), "V4's paged KV cache is laid out in 256-token blocks (64 ratio-4 and 2 ratio-128 "
+        "compressed entries each)", int))
+    g.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+                   help='origins browsers may call the API from (CORS): a JSON list as vLLM takes it '
+                        '(\'["https://app.example"]\') or comma-separated; default none')
+
+
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory (default: the embedded tiny model)")
+                   help="checkpoint directory or Hugging Face Hub id (default: the embedded tiny model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help='port (default 8000)')
     p.add_argument("--served-model-name", default=None,
-                   help="model id clients send (default: dsv4-tiny, or the checkpoint dir's name)")
+                   help="model id clients send (default: dsv4-tiny, the checkpoint dir's name, or the Hub id)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and "
                         "/metrics (also env DSV4_API_KEY)")
@@ -156,10 +243,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="when this many requests wait for the engine, new ones get 503 (default: unbounded)")
     p.add_argument("--max-request-bytes", default="8MiB",
                    help="larger request bodies get 413 before they are read in full (default 8MiB)")
+    p.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="/v1/responses kept for previous_response_id and GET /v1/responses/{id}, the most recent "
+                        "first (default 1000; 0 keeps none)")
     _engine_flags(p)
+    _vllm_args(p)
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level (default info)")
-    p.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    p.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
+                   help="no per-request access log lines")
     p.add_argument("-q", "--quiet", action="store_true", help="no engine progress on stderr")
 
 
@@ -220,8 +312,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command_parser(p: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command ``a`` names (``dsv4 serve``, ``dsv4 bench serve``, ...)."""
+    for key in ("cmd", "bench"):
+        subs = [x for x in p._actions if isinstance(x, argparse._SubParsersAction)]
+        name = getattr(a, key, None)
+        if not subs or name not in subs[0].choices:
+            break
+        p = subs[0].choices[name]
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a, extra = p.parse_known_args(argv)
+    if extra:       # named by the command's own parser, with its usage (argparse would print the top one)
+        _command_parser(p, a).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return a.fn(a)
     except (OSError, ValueError) as e:

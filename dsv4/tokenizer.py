@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 _REPLACEMENT_CHAR = "\ufffd"
+_TOKEN_TEXT_CACHE = 200_000       # most single-token texts kept by DSV4Tokenizer.token_text
 
 
 def _packaged_tokenizer_path() -> str:
@@ -63,6 +64,7 @@ class DSV4Tokenizer:
         self.eos_id: int = eos
         # Base vocab + added tokens: 129,280 for the official file (= config vocab_size).
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._token_texts: dict[int, str] = {}
 
     @property
     def backend(self) -> Tokenizer:
@@ -83,6 +85,16 @@ class DSV4Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone (special tokens kept; a token that ends inside a multi-byte
+        character decodes with U+FFFD), as logprobs show it (vLLM's ``decoded_token``); cached."""
+        s = self._token_texts.get(token_id)
+        if s is None:
+            s = self._tok.decode([token_id], skip_special_tokens=False)
+            if len(self._token_texts) < _TOKEN_TEXT_CACHE:
+                self._token_texts[token_id] = s
+        return s
 
     def incremental_detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
@@ -156,6 +168,10 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix = 0
         self._read = 0
+
+    @property
+    def tokenizer(self) -> DSV4Tokenizer:
+        return self._tok
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -51,9 +51,31 @@ def _triton_interpret_unchanged():
                     "compile offline in a subprocess (kernel_helpers.run_aot_script)")
 
 
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "golden", "official-tiny-seed1.json")
+SHARED_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "shared", "tools", "make_tiny_official.py")
+
+
+@pytest.fixture(scope="session")
+def golden() -> dict:
+    """The outputs of DeepSeek's official inference code on the tiny checkpoint of seed 1 (the
+    file's ``about`` says how they were made)."""
+    import json
+    with open(GOLDEN) as fh:
+        return json.load(fh)
+
+
+@pytest.fixture(scope="session")
+def official_seed1_dir(tmp_path_factory) -> str:
+    """The checkpoint the golden outputs were computed on, written by dsv4
+    (``checkpoint.official_tiny``; tests/test_checkpoint.py checks it byte for byte)."""
+    from dsv4.checkpoint.official_tiny import write_official_tiny
+    return write_official_tiny(str(tmp_path_factory.mktemp("official-seed1")), seed=1)
+
+
 def skip_or_fail_without_shared(what: str) -> None:
-    """``../shared`` (spec, golden file, official-layout tool) sits beside every checkout in CI:
-    there a missing file is a failure, elsewhere a skip."""
+    """``../shared`` (spec, official-layout tool) sits beside every checkout in CI: there a missing
+    file is a failure, elsewhere a skip."""
     if os.environ.get("CI"):
         pytest.fail(f"{what} is missing; CI expects ../shared beside the checkout")
     pytest.skip(f"{what} is missing")

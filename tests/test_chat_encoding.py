@@ -747,9 +747,30 @@ def test_parse_dsml_tool_calls():
     assert json.loads(p.tool_calls[0]["function"]["arguments"]) == {"x": "not json"}
 
 
+_SECOND_CALL = DSML_TWO_CALLS.index('<｜DSML｜invoke name="search">')
+# an output that ends inside its tool-call block (max_tokens, or an end of sentence):
+# (text, content, the names of the calls complete before the cut)
+TRUNCATED = [
+    ('Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">x',
+     "Sure.", []),
+    (DSML_TWO_CALLS[: _SECOND_CALL + 30], "Let me check.", ["get_weather"]),
+    (DSML_TWO_CALLS[:_SECOND_CALL], "Let me check.", ["get_weather"]),
+    (DSML_TWO_CALLS[: -len("</｜DSML｜tool_calls>")], "Let me check.", ["get_weather", "search"]),
+    (DSML_TWO_CALLS + "\n\n<｜DSML｜tool_calls>\n<｜DSML｜inv", "Let me check.", ["get_weather", "search"]),
+    ("x\n\n<｜DSML｜tool_calls>", "x", []),
+]
+
+
+@pytest.mark.parametrize("text, content, names", TRUNCATED)
+def test_a_cut_tool_call_block_gives_its_complete_calls_and_no_markup(text, content, names):
+    for thinking, full in ((False, text), (True, "plan</think>" + text), (True, "plan</think>" + text + EOS)):
+        p = parse_completion(full, thinking)
+        assert p.content == content and [c["function"]["name"] for c in p.tool_calls] == names, full
+    p = parse_completion(DSML_TWO_CALLS[: _SECOND_CALL + 30], False)
+    assert json.loads(p.tool_calls[0]["function"]["arguments"])["days"] == 3
+
+
 MALFORMED = [
-    # truncated block (no closing tag)
-    'Sure.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="true">x',
     # bad parameter attribute
     '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="maybe">x</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
@@ -791,6 +812,7 @@ STREAM_CASES = (
     ]
     + [(t, False) for t in MALFORMED]
     + [("r</think>" + t + EOS, True) for t in MALFORMED]
+    + [(t, False) for t, _, _ in TRUNCATED]
 )
 
 

@@ -356,19 +356,37 @@ def test_layout_auto_detection(official_dir, hf_dir, modelopt_dir):
         assert load_checkpoint(d, progress=False).layout == lay
 
 
-def test_make_tiny_official_tool_output_loads(tmp_path):
+def test_official_tiny_writer_reproduces_the_golden_checkpoint(official_seed1_dir, golden):
+    """dsv4's own writer (``checkpoint.official_tiny``) writes the checkpoint the golden outputs were
+    computed on: every file the golden file lists has the sha256 it records; the loader reads it
+    as the official layout of ``preset('tiny')``."""
+    import hashlib
+    sums = golden["checkpoint"]["sha256"]
+    assert len(sums) == 3
+    for name, want in sums.items():
+        with open(os.path.join(official_seed1_dir, name), "rb") as fh:
+            assert hashlib.sha256(fh.read()).hexdigest() == want, name
+    ck = load_checkpoint(official_seed1_dir, progress=False)
+    assert (ck.layout, ck.expert_format, ck.wo_a_format, ck.has_mtp) == ("official", "mxfp4", "fp8", True)
+    assert ck.tensors["layers.0.attn.wo_a.weight"].dtype == torch.float8_e4m3fn
+    assert ck.tensors["layers.0.attn.wo_a.scale"].dtype == torch.float8_e8m0fnu
+    assert ck.config == preset("tiny")
+    assert set(ck.tensors) == set(expected_tensors(preset("tiny"), "mxfp4"))
+
+
+def test_official_tiny_writer_equals_the_shared_tool(official_seed1_dir, tmp_path):
+    """Where ``../shared`` is there, the tool that wrote the golden run's checkpoint and dsv4's
+    writer give identical files (all of them: shards, index, config, generation config)."""
     tool = os.path.normpath(OFFICIAL_TOOL)
     if not os.path.isfile(tool):
         skip_or_fail_without_shared(f"external tool {tool} (<repo>/../shared/tools/make_tiny_official.py)")
     out = tmp_path / "official_tool"
     subprocess.run([sys.executable, tool, str(out), "--seed", "1"], check=True, capture_output=True,
                    timeout=300)
-    ck = load_checkpoint(out, progress=False)
-    assert (ck.layout, ck.expert_format, ck.wo_a_format, ck.has_mtp) == ("official", "mxfp4", "fp8", True)
-    assert ck.tensors["layers.0.attn.wo_a.weight"].dtype == torch.float8_e4m3fn
-    assert ck.tensors["layers.0.attn.wo_a.scale"].dtype == torch.float8_e8m0fnu
-    assert ck.config == preset("tiny")
-    assert set(ck.tensors) == set(expected_tensors(preset("tiny"), "mxfp4"))
+    names = sorted(os.listdir(out))
+    assert names == sorted(os.listdir(official_seed1_dir)) and len(names) == 5
+    _, diff, errors = filecmp.cmpfiles(out, official_seed1_dir, names, shallow=False)
+    assert not diff and not errors, (diff, errors)
 
 
 # ----------------------------------------------------------------------------- writer errors

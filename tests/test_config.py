@@ -1,13 +1,8 @@
 import json
-import os
 
 import pytest
 
 from dsv4.config import ConfigError, ModelConfig, preset, yarn_correction_range
-
-SHARED_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                           "shared", "tools", "make_tiny_official.py")
-
 
 def test_flash_and_pro_presets_match_the_published_configs():
     f, p = preset("flash"), preset("pro")

@@ -236,3 +236,61 @@ def test_engine_thread_rule(monkeypatch):
     assert engine_threads("cpu") == 9 and engine_threads("cpu", world=2) == 4 and engine_threads("cpu", world=16) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert engine_threads("cpu") == 2
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory):
+    """An engine whose model length is 64 tokens, seeded (``--seed``); ``first_draw``: the tokens
+    of the first request without a seed it served."""
+    import os
+    os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    torch.manual_seed(12345)                 # whatever the global RNG held before, the engine reseeds it
+    llm = LLM(None, max_num_seqs=4, max_model_len=64, kv_cache_memory="16MiB", log=False, seed=7)
+    llm.first_draw = llm.generate([{"prompt_token_ids": _prompt(8, 6)}], UNSEEDED)[0].outputs[0].token_ids
+    return llm
+
+
+UNSEEDED = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+
+
+def test_prompt_plus_output_never_exceed_max_model_len(short):
+    """``max_tokens`` larger than what the model length leaves, or none at all: the output stops at
+    ``max_model_len`` with finish_reason 'length' (each sample of n)."""
+    ids = _prompt(60, 3)
+    for sp in (SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+               SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=None, ignore_eos=True)):
+        for o in short.generate([{"prompt_token_ids": ids}], sp)[0].outputs:
+            assert len(ids) + len(o.token_ids) == 64 and o.finish_reason == "length", (sp, len(o.token_ids))
+    o = short.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert len(o[0].outputs[0].token_ids) == 2
+
+
+def test_offline_logprobs_carry_rank_and_decoded_token(short):
+    """vLLM's ``Logprob``: the rank of each listed token in the distribution (1 = the most
+    likely; a sampled token outside the top keeps its own rank) and its text."""
+    tok = short.get_tokenizer()
+    ids = _prompt(12, 4)
+    o = short.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=1.0, seed=5, max_tokens=8,
+                                                                   ignore_eos=True, logprobs=1, prompt_logprobs=1))[0]
+    outside = 0
+    for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs):
+        best = sorted(d.items(), key=lambda kv: -kv[1].logprob)
+        assert best[0][1].rank == 1 and all(v.decoded_token == tok.decode([a], skip_special_tokens=False)
+                                            for a, v in d.items())
+        if len(best) == 2:                    # sampled outside the top 1
+            assert best[1][0] == t and best[1][1].rank >= 2
+            outside += 1
+    assert outside, "temperature 1 on the random model picks a token outside the top 1 within 8 steps"
+    for t, d in zip(ids[1:], o.prompt_logprobs[1:]):
+        assert d[t].decoded_token == tok.decode([t], skip_special_tokens=False) and d[t].rank >= 1
+        assert [v.rank for _, v in sorted(d.items(), key=lambda kv: -kv[1].logprob)][0] == 1
+
+
+def test_seed_seeds_the_sampling_of_requests_without_their_own(short):
+    """``LLM(seed=7)`` (``dsv4 serve --seed 7``): requests without a seed draw from torch's global
+    RNG, which the engine seeds at start; reseeding it with 7 replays the first request's draws."""
+    p = {"prompt_token_ids": _prompt(8, 6)}
+    torch.manual_seed(7)
+    assert short.generate([p], UNSEEDED)[0].outputs[0].token_ids == short.first_draw
+    torch.manual_seed(8)
+    assert short.generate([p], UNSEEDED)[0].outputs[0].token_ids != short.first_draw

@@ -5,6 +5,7 @@ functions beside the kernels), ``dsv4.tools`` and the tests do."""
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "dsv4"
@@ -22,10 +23,15 @@ def _modules():
         yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), f
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(f: pathlib.Path) -> ast.Module:
+    return ast.parse(f.read_text())
+
+
 def _imports(mod: str, f: pathlib.Path):
     """(imported dsv4 module, enclosing function name or None) for every import in ``f``."""
     base = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
-    tree = ast.parse(f.read_text())
+    tree = _tree(f)
     parents = {}
     for node in ast.walk(tree):
         for ch in ast.iter_child_nodes(node):
@@ -89,3 +95,63 @@ def test_the_rule_sees_a_violation(tmp_path):
     f = tmp_path / "mod.py"
     f.write_text("def g():\n    from ..reference.model import ReferenceModel\n")
     assert list(_imports("dsv4.engine.mod", f)) == [("dsv4.reference.model", "g")]
+
+
+# third-party modules dsv4 may import without declaring them: the GPU kernels' triton comes with
+# the CUDA builds of torch (and the test extra), and the ops table imports the kernels only on a GPU
+UNDECLARED_OK = {"triton": "the GPU kernels (CUDA builds of torch bring it)"}
+
+
+def _third_party_imports() -> dict[str, list[str]]:
+    """Top-level third-party module -> the dsv4 modules that import it, except imports inside a
+    ``try`` that handles ImportError (optional features, e.g. matplotlib for ``bench --plot``)."""
+    import sys
+    out: dict[str, list[str]] = {}
+    for mod, f in _modules():
+        tree = _tree(f)
+        guarded = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Try) and any(
+                    "ImportError" in ast.dump(h.type or ast.Name("ImportError")) for h in node.handlers):
+                guarded |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in guarded:
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            for name in names:
+                top = name.split(".")[0]
+                if top != "dsv4" and top not in sys.stdlib_module_names:
+                    out.setdefault(top, []).append(mod)
+    return out
+
+
+def test_every_third_party_import_is_an_install_dependency():
+    """What ``pip install -e .`` installs covers every module dsv4 imports: each is a base
+    dependency in pyproject.toml or required by one (``dsv4 bench serve``'s httpx, the chat
+    template's jinja2, the Hub's huggingface_hub included)."""
+    import importlib.metadata as md
+    import re
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+    deps = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    installed, todo = set(), [norm(Requirement(d).name) for d in deps]
+    while todo:                       # the base dependencies and what they require (no extras)
+        d = todo.pop()
+        if d in installed:
+            continue
+        installed.add(d)
+        for r in md.requires(d) or []:
+            req = Requirement(r)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(norm(req.name))
+    dists = md.packages_distributions()
+    bad = [f"{top} (imported by {', '.join(sorted(set(mods)))}) comes from {dists.get(top)}"
+           for top, mods in _third_party_imports().items()
+           if top not in UNDECLARED_OK and not any(norm(d) in installed for d in dists.get(top, []))]
+    assert not bad, "\n".join(bad)
+    assert {"httpx", "jinja2", "huggingface_hub"} <= set(_third_party_imports())

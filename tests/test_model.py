@@ -2,7 +2,6 @@
 load, the oracle's numbers, and the same tokens from every checkpoint layout."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -178,21 +177,9 @@ def test_every_layout_gives_the_official_layout_s_tokens(tmp_path, monkeypatch, 
 
 # ---------------------------------------------------------------------------------------------
 # the golden outputs of DeepSeek's official inference code, through the production model
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.join(os.path.dirname(REPO), "shared")
-GOLDEN = os.path.join(SHARED, "golden", "official-tiny-seed1.json")
-OFFICIAL_TOOL = os.path.join(SHARED, "tools", "make_tiny_official.py")
-
-
 @pytest.fixture(scope="module")
-def official_seed1(tmp_path_factory):
-    from conftest import skip_or_fail_without_shared
-    if not (os.path.exists(OFFICIAL_TOOL) and os.path.exists(GOLDEN)):
-        skip_or_fail_without_shared("../shared/tools/make_tiny_official.py or the golden file")
-    out = tmp_path_factory.mktemp("official-seed1")
-    subprocess.run([sys.executable, OFFICIAL_TOOL, str(out), "--seed", "1"], check=True, stdout=subprocess.DEVNULL)
-    with open(GOLDEN) as fh:
-        return str(out), json.load(fh)
+def official_seed1(official_seed1_dir, golden):
+    return official_seed1_dir, golden
 
 
 def _golden_step(lg, step, dlps):

@@ -2,14 +2,8 @@
 (the golden file), layouts, mHC and the conditioning of the tiny model."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import skip_or_fail_without_shared
 
 from dsv4.checkpoint.loader import load_checkpoint
 from dsv4.checkpoint.tiny import build_tiny_tensors
@@ -20,10 +14,6 @@ from dsv4.reference.mhc import sinkhorn
 from dsv4.reference.model import ReferenceModel
 from dsv4.reference.numerics import OFFICIAL
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.join(os.path.dirname(REPO), "shared")
-GOLDEN = os.path.join(SHARED, "golden", "official-tiny-seed1.json")
-OFFICIAL_TOOL = os.path.join(SHARED, "tools", "make_tiny_official.py")
 
 
 @pytest.fixture(scope="module")
@@ -89,23 +79,17 @@ def test_batch_of_three_equals_each_alone(tiny, numerics):
 # ---------------------------------------------------------------------------------------------
 # official numerics: the golden outputs of DeepSeek's official inference code
 @pytest.fixture(scope="module")
-def official_seed1(tmp_path_factory):
-    if not (os.path.exists(OFFICIAL_TOOL) and os.path.exists(GOLDEN)):
-        skip_or_fail_without_shared("../shared/tools/make_tiny_official.py or the golden file")
-    out = tmp_path_factory.mktemp("official-seed1")
-    subprocess.run([sys.executable, OFFICIAL_TOOL, str(out), "--seed", "1"], check=True,
-                   stdout=subprocess.DEVNULL)
-    return load_checkpoint(str(out), progress=False)
+def official_seed1(official_seed1_dir):
+    return load_checkpoint(official_seed1_dir, progress=False)
 
 
-def test_reference_matches_official_golden(official_seed1):
+def test_reference_matches_official_golden(official_seed1, golden):
     """Official call pattern (prefill at 0, then 1-token teacher-forced decodes).
 
     Tolerances: the file states a noise floor of ~0.4 in the top token's log-prob (the official
     code's own prefill vs decode paths); we allow 0.8 per step and 0.25 on average, and require
     the same greedy token wherever the official top-1 margin is >= 0.5. Measured here: max
     0.57, mean 0.16, every greedy token equal."""
-    golden = json.load(open(GOLDEN))
     ck = official_seed1
     assert ck.layout == "official"
     m = ReferenceModel(ck.config, ck.tensors, numerics="official")

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 from dsv4.engine.sampling_params import SamplingParams  # noqa: E402
+from serve_helpers import serve_process  # noqa: E402
 from dsv4.engine.sequence import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,48 +40,15 @@ MODEL = "dsv4-tiny"
 MAX_MODEL_LEN = 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    port = _free_port()
     env = dict(os.environ, DSV4_CACHE_DIR=str(tmp / "cache"), PYTHONUNBUFFERED="1")
     env.pop("DSV4_API_KEY", None)
     log_path = tmp / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsv4.cli", "serve", "--port", str(port), "--api-key", KEY,
-         "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
-         "--disable-access-log", "--uvicorn-log-level", "warning"],
-        cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not come up:\n{log_path.read_text()}")
-            time.sleep(0.3)
-        yield SimpleNamespace(base=base, port=port, log=log_path, proc=proc, tmp=tmp)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with serve_process(["--api-key", KEY, "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
+                        "--disable-access-log", "--uvicorn-log-level", "warning"], env, log_path) as (proc, base):
+        yield SimpleNamespace(base=base, port=int(base.rsplit(":", 1)[1]), log=log_path, proc=proc, tmp=tmp)
     text = log_path.read_text()
     assert "Traceback" not in text and "internal error" not in text, text[-4000:]
 
@@ -156,6 +123,10 @@ def test_models_health_tokenize(server, client):
     assert [m.id for m in models.data] == [MODEL]
     raw = httpx.get(server.base + "/v1/models", headers=_h()).json()
     assert raw["object"] == "list" and raw["data"][0]["root"] and raw["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(server.base + f"/v1/models/{MODEL}", headers=_h()).json() == raw["data"][0]
+    assert client.models.retrieve(MODEL).id == MODEL
+    missing = httpx.get(server.base + "/v1/models/gpt-4", headers=_h())
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     t = httpx.post(server.base + "/tokenize", headers=_h(), json={"prompt": "Hello world"}).json()
     assert t["tokens"][0] == 0 and t["count"] == len(t["tokens"]) and t["max_model_len"] == MAX_MODEL_LEN
     d = httpx.post(server.base + "/detokenize", headers=_h(), json={"tokens": t["tokens"][1:]}).json()
@@ -168,8 +139,13 @@ def test_models_health_tokenize(server, client):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count"):
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count", "vllm:iteration_tokens_total_count",
+                 "vllm:request_params_n_count", "vllm:request_params_max_tokens_count"):
         assert any(k.split("{")[0] == name for k in m), name
+    [info] = [k for k in m if k.startswith("vllm:cache_config_info{")]
+    assert 'block_size="256"' in info and 'cache_dtype="fp8"' in info and m[info] == 1.0
 
 
 def test_chat_and_completions_streamed_and_not(server, client):
@@ -267,6 +243,21 @@ def test_n_stop_logprobs_seed(server, client):
     assert r1.choices[0].text == cut and r1.choices[0].finish_reason == "stop"
     assert r1.choices[0].model_extra["stop_reason"] == stop
     assert r2.choices[0].text == cut + stop
+
+
+def test_vllm_request_metrics_add_up(server):
+    """The per-request phase histograms split a request's time as vLLM's do (inference = prefill +
+    decode, one queue time per request the engine served), and the per-step token histogram sums
+    to the prompt and generation token counters."""
+    m = _metrics(server.base)
+    steps = _metric(m, "vllm:iteration_tokens_total_sum")
+    assert steps > 0 and steps == _metric(m, "vllm:prompt_tokens_total") + _metric(m, "vllm:generation_tokens_total")
+    pre, dec, inf = (_metric(m, f"vllm:request_{k}_time_seconds_sum") for k in ("prefill", "decode", "inference"))
+    assert inf > 0 and abs(inf - pre - dec) < 1e-6 * max(1.0, inf)
+    served = _metric(m, "vllm:request_queue_time_seconds_count")
+    assert served >= 10 and _metric(m, "vllm:request_params_n_count") == served
+    assert _metric(m, "vllm:request_params_max_tokens_count") == served
+    assert _metric(m, "vllm:request_params_n_sum") > served                 # the n=2 requests count twice
 
 
 def test_thinking_and_tool_messages_on_the_real_server(server, client):
@@ -405,6 +396,11 @@ BAD = [
      "invalid_request_error", "structured_outputs"),
     ("two constraints", "POST", "/v1/completions", {"guided_choice": ["a"], "structured_outputs": {"regex": "a"}},
      None, 400, "invalid_request_error", "guided_choice"),
+    ("reasoning_effort bogus", "POST", "/v1/chat/completions", {"reasoning_effort": "bogus"}, None, 400,
+     "invalid_request_error", "reasoning_effort"),
+    ("chat_template_kwargs.reasoning_effort bogus", "POST", "/v1/chat/completions",
+     {"chat_template_kwargs": {"reasoning_effort": "huge"}}, None, 400, "invalid_request_error",
+     "chat_template_kwargs"),
     ("tool_choice names no tool", "POST", "/v1/chat/completions",
      {"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, None, 400, "invalid_request_error",
@@ -557,6 +553,8 @@ def test_structured_outputs_with_the_openai_client(server, client):
     c = schema.choices[0]
     assert c.finish_reason == "stop", c.message.content
     _check_person(json.loads(c.message.content))
+    for text in (obj.choices[0].message.content, c.message.content):      # compact: no whitespace outside strings
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)), text
     assert [c.index for c in choice.choices] == [0, 1, 2]
     assert all(c.text in choices and c.finish_reason == "stop" for c in choice.choices), choice.choices
     n = json.loads(num.choices[0].text)
@@ -821,12 +819,14 @@ class FakeEngine:
         self.go = threading.Event()
         self.go.set()
         self.thread_ids: set[int] = set()
+        self.prompts: list[list[int]] = []          # every prompt added, in order
 
     def add_request(self, rid, prompt, params, arrival=None):
         self.thread_ids.add(threading.get_ident())
         seqs = [_FakeSeq(rid, i, params, self.tokenizer.incremental_detokenizer(params.skip_special_tokens))
                 for i in range(params.n)]
         self.requests[rid] = (list(prompt), seqs)
+        self.prompts.append(list(prompt))
         self.scheduler.waiting.extend(seqs)
 
     def abort_request(self, rid):
@@ -962,6 +962,85 @@ def test_tool_calls_and_reasoning_are_parsed_in_process():
     assert ev[-3]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_tool_calls_cut_by_max_tokens_keep_the_complete_calls():
+    """Parallel calls cut by max_tokens inside the second: the first (complete) call comes back in
+    ``tool_calls``, streamed and not; no DSML reaches ``content``; finish_reason stays 'length'."""
+    two = DSML_REPLY.replace("</｜DSML｜tool_calls>", DSML_REPLY[DSML_REPLY.index("<｜DSML｜invoke"):])
+    app, eng = _fake_app(two)
+    n = len(eng.tokenizer.encode(DSML_REPLY)) + 8            # tokens: inside the second call
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "weather?"}], "max_tokens": n,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}
+
+    async def go(c):
+        return (await c.post("/v1/chat/completions", json=body),
+                await c.post("/v1/chat/completions", json={**body, "stream": True}))
+    try:
+        r1, r2 = asyncio.run(_asgi_call(app, go))
+    finally:
+        app.state.server.aeng.shutdown()
+    ch = r1.json()["choices"][0]
+    assert ch["finish_reason"] == "length" and ch["message"]["content"] == "I'll check."
+    assert [json.loads(c["function"]["arguments"]) for c in ch["message"]["tool_calls"]] == [{"city": "Paris", "days": 3}]
+    deltas = [e["choices"][0] for e in _sse_events(r2.text.split("\n\n"))[:-1]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "I'll check."
+    assert deltas[-1]["finish_reason"] == "length"
+    [tc] = deltas[-1]["delta"]["tool_calls"]
+    assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == {"city": "Paris",
+                                                                                                 "days": 3}
+
+
+def test_posts_that_are_not_json_get_415_before_the_body_is_read():
+    """A body sent as text/plain, form data or without a Content-Type (what a cross-site page can
+    send without a CORS preflight) is refused with 415 before the server reads it: nothing reaches
+    the engine; JSON (any charset, or an ``application/*+json`` type) is served."""
+    app, eng = _fake_app("Hi.")
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    read = []
+
+    async def tracked():
+        read.append(True)
+        yield body.encode()
+
+    async def go(c):
+        out = []
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+            out.append(await c.post("/v1/completions", content=body, headers={} if ctype is None else
+                                    {"Content-Type": ctype}))
+        out.append(await c.post("/v1/chat/completions", content=tracked(),
+                                headers={"Content-Type": "text/plain", "Content-Length": str(1 << 30)}))
+        for ctype in ("application/json; charset=utf-8", "application/vnd.api+json"):
+            out.append(await c.post("/v1/completions", content=body, headers={"Content-Type": ctype}))
+        return out
+    try:
+        *bad, ok1, ok2 = asyncio.run(_asgi_call(app, go))
+    finally:
+        app.state.server.aeng.shutdown()
+    for r, got in zip(bad, ("'text/plain'", "'application/x-www-form-urlencoded'", "no Content-Type",
+                            "'text/plain'")):
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+        assert "application/json" in r.json()["error"]["message"] and got in r.json()["error"]["message"]
+    assert not read and len(eng.prompts) == 2
+    assert ok1.status_code == ok2.status_code == 200
+
+
+def test_enable_log_requests_logs_each_request(capsys):
+    """``--enable-log-requests``: one stderr line per request, with its id, prompt length and
+    sampling parameters; nothing without it."""
+    for on in (True, False):
+        app, _ = _fake_app("Hi.", log_requests=on)
+
+        async def go(c):
+            return await c.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2})
+        try:
+            r = asyncio.run(_asgi_call(app, go))
+        finally:
+            app.state.server.aeng.shutdown()
+        err = capsys.readouterr().err
+        assert r.status_code == 200
+        line = f"dsv4 serve: request {r.json()['id']}: 3 prompt tokens [5, 6, 7]; SamplingParams("
+        assert (line in err and "max_tokens=2" in err) == on, err
+
+
 def test_waiting_queue_bound_gives_503_and_recovers():
     app, eng = _fake_app("Hello there, friend.", max_running=1, max_waiting=1)
     srv = app.state.server
@@ -1047,9 +1126,12 @@ def test_structured_outputs_and_logit_bias_mapping_unit():
         "name": "p", "schema": PERSON}}}) == (S(json=PERSON), "response_format")
     assert P.structured_outputs({"guided_json": '{"type": "integer"}'}) == (S(json='{"type": "integer"}'),
                                                                             "guided_json")
-    assert P.structured_outputs({"structured_outputs": {"regex": "a+", "grammar": None,
-                                                        "disable_any_whitespace": False}}) == \
-        (S(regex="a+"), "structured_outputs")
+    assert P.structured_outputs({"structured_outputs": {"regex": "a+", "grammar": None, "disable_fallback": False}}) \
+        == (S(regex="a+"), "structured_outputs")
+    for flag in (True, False):          # vLLM's switch; compact (True) is the default here
+        assert P.structured_outputs({"structured_outputs": {"json_object": True, "disable_any_whitespace": flag}}) \
+            == (S(json_object=True, disable_any_whitespace=flag), "structured_outputs")
+    assert S(json_object=True).disable_any_whitespace
     with pytest.raises(P.APIError) as e:
         P.structured_outputs({"guided_choice": []})
     assert e.value.param == "guided_choice" and "guided_choice must be a non-empty list" in e.value.message
@@ -1129,9 +1211,24 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_asks(server, client, llm):
     assert abs(sum(c["logprobs"]["token_logprobs"][len(ctx):]) - want) < 1e-3
     pl = c["prompt_logprobs"]
     assert pl[0] is None and len(pl) == len(ctx) + len(cont) and str(cont[0]) in pl[len(ctx)]
+    tok = llm.get_tokenizer()
+    assert all(v["decoded_token"] == tok.decode([int(t)], skip_special_tokens=False) for d in pl[1:]
+               for t, v in d.items())
+    # chat (vLLM's top-level prompt_logprobs): the chat prompt's tokens scored as the engine scores them
+    msgs = [{"role": "user", "content": "hi there"}]
     r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), timeout=60, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1})
-    assert r.status_code == 400 and "completions only" in r.text
+        "model": MODEL, "messages": msgs, "prompt_logprobs": 1, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    ids = httpx.post(server.base + "/tokenize", headers=_h(), json={"messages": msgs}).json()["tokens"]
+    pl, want = r.json()["prompt_logprobs"], _prompt_scores(llm, ids)
+    assert pl[0] is None and len(pl) == len(ids)
+    for i in range(1, len(ids)):
+        v = pl[i][str(ids[i])]
+        assert abs(v["logprob"] - want[i][ids[i]].logprob) < 1e-3 and v["rank"] == want[i][ids[i]].rank
+        assert v["decoded_token"] == tok.decode([ids[i]], skip_special_tokens=False)
+    r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), timeout=60, json={
+        "model": MODEL, "messages": msgs, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
 
 
 def _lm_eval_parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:

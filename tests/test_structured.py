@@ -72,19 +72,30 @@ def test_json_schema_walks_give_valid_json(gc):
     for seed in range(4):
         check_person(json.loads(walk(gc, S(json=PERSON), seed)))
     assert json.loads(walk(gc, S(json=json.dumps(PERSON)), 9)) is not None       # the schema as JSON text
-    assert accepts(gc, S(json_object=True), '{"a": [1, {"b": null}], "c": "d"}')
+    assert accepts(gc, S(json_object=True), '{"a":[1,{"b":null}],"c":"d"}')
     assert not accepts(gc, S(json_object=True), "[1]") and not accepts(gc, S(json_object=True), "x")
-    assert accepts(gc, S(json=PERSON), '{"name": "Al", "age": 7}')
-    assert not accepts(gc, S(json=PERSON), '{"name": "Al", "age": 700}')
-    assert not accepts(gc, S(json=PERSON), '{"name": "Al", "age": 7, "x": 1}')
+    assert accepts(gc, S(json=PERSON), '{"name":"Al","age":7}')
+    assert not accepts(gc, S(json=PERSON), '{"name":"Al","age":700}')
+    assert not accepts(gc, S(json=PERSON), '{"name":"Al","age":7,"x":1}')
 
 
-def test_json_whitespace_is_one_space_or_an_indented_newline(gc):
+def test_json_is_compact_by_default_and_flexible_on_request(gc):
+    """By default JSON has no whitespace between its tokens (OpenAI's and vLLM's
+    ``disable_any_whitespace``); ``disable_any_whitespace=False`` allows one space or a newline
+    with up to 20 blanks of indentation wherever JSON allows whitespace, and never longer runs."""
+    for text in ('{"name":"Al","age":7}', '{"name":"Al b","age":7,"pet":null}'):
+        assert accepts(gc, S(json=PERSON), text), text
+    for text in ('{"name": "Al", "age": 7}', '{"name":"Al",\n"age":7}', "{ }", '{"a":\n            \t       "no"}'):
+        assert not accepts(gc, S(json=PERSON if "Al" in text else {"type": "object"}), text), text
+        assert not accepts(gc, S(json_object=True), text) or "Al" in text, text
+    flexible = dict(disable_any_whitespace=False)
     for text in ('{"name": "Al", "age": 7}', '{"name":"Al","age":7}', '{\n  "name": "Al",\n\t"age": 7\n}',
                  "{ }", "{\n" + " " * 20 + "}"):
-        assert accepts(gc, S(json=PERSON if "Al" in text else {"type": "object"}), text), text
+        assert accepts(gc, S(json=PERSON if "Al" in text else {"type": "object"}, **flexible), text), text
     for text in ("{  }", "{\n\n}", "{ \n}", "{\n" + " " * 21 + "}", " {}", "{} "):
-        assert not accepts(gc, S(json_object=True), text), text
+        assert not accepts(gc, S(json_object=True, **flexible), text), text
+    with pytest.raises(ValueError, match="disable_any_whitespace must be a bool"):
+        S(json_object=True, disable_any_whitespace="yes")
 
 
 def test_choice_and_regex(gc):
@@ -100,9 +111,9 @@ def test_choice_and_regex(gc):
 def test_thinking_wrapper_puts_the_constraint_after_think_end(gc):
     tok = gc.tokenizer
     spec = S(json=PERSON, thinking=True)
-    assert accepts(gc, spec, 'I think {so}.</think>{"name": "Al", "age": 7}')
-    assert accepts(gc, spec, '</think>{"name": "Al", "age": 7}')
-    assert not accepts(gc, spec, '{"name": "Al", "age": 7}')                 # the reasoning must be closed
+    assert accepts(gc, spec, 'I think {so}.</think>{"name":"Al","age":7}')
+    assert accepts(gc, spec, '</think>{"name":"Al","age":7}')
+    assert not accepts(gc, spec, '{"name":"Al","age":7}')                 # the reasoning must be closed
     # "</think>" spelled with ordinary tokens is not the end of the reasoning, nor allowed in it
     m = gc.compile(spec).matcher()
     assert not m.consume_tokens(tok.encode("x </") + tok.encode("think>"))
@@ -187,6 +198,9 @@ def test_tool_grammar_accepts_what_the_encoder_renders(gc):
     call = [{"name": "free", "arguments": {"text": "hi there", "n": [1, {"a": None}], "ok": False}}]
     m = gc.compile(free).matcher()
     assert m.consume_tokens(gc.tokenizer.encode("\n\n" + render_tool_calls(call))) and m.is_stopped()
+    # JSON values are spaced as the encoder writes them, without runs of whitespace
+    spaced = render_tool_calls(call).replace('[1, {"a": null}]', '[1,\n        {"a":   null}]')
+    assert not gc.compile(free).matcher().consume_tokens(gc.tokenizer.encode("\n\n" + spaced))
     # one call only unless parallel
     two = "\n\n" + render_tool_calls([{"name": "ping", "arguments": {}}] * 2)
     m = gc.compile(S(grammar=tool_call_grammar([PING], parallel=False))).matcher()

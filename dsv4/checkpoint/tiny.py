@@ -83,9 +83,11 @@ class _Draw:
         return self.normal(dim, std=0.05 * mean, mean=mean)
 
 
-def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1, draft: bool = True) -> dict[str, torch.Tensor]:
+def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1, draft: bool = True,
+                       knobs: dict | None = None) -> dict[str, torch.Tensor]:
     """Canonical official-layout tensors for ``cfg`` (MXFP4 experts unless expert_dtype is fp8/null),
-    one value per unit of ``schema.walk`` in its order; ``draft=False`` leaves out ``mtp.*``.
+    one value per unit of ``schema.walk`` in its order; ``draft=False`` leaves out ``mtp.*``;
+    ``knobs`` overrides entries of ``KNOBS``.
 
     Runs single-threaded by default (the tiny tensors are small; intra-op threads only add overhead
     on a busy machine; real-shaped synthetic layers pass more) and restores the caller's torch
@@ -94,14 +96,13 @@ def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1, draft: boo
     threads, n = torch.get_num_threads(), threads
     torch.set_num_threads(max(1, n))
     try:
-        return _build(cfg, seed, draft)
+        return _build(cfg, seed, draft, {**KNOBS, **(knobs or {})})
     finally:
         torch.set_num_threads(threads)
 
 
-def _build(cfg: ModelConfig, seed: int, draft: bool) -> dict[str, torch.Tensor]:
+def _build(cfg: ModelConfig, seed: int, draft: bool, k: dict) -> dict[str, torch.Tensor]:
     r = _Draw(seed)
-    k = KNOBS
     sd: dict[str, torch.Tensor] = {}
     hc = cfg.hc_mult
 

@@ -29,11 +29,13 @@ class LLM:
         Every prompt is validated before any runs: a bad one raises ``RequestRejected`` naming it.
         ``use_tqdm``: a bar of finished requests on stderr, with the steps and tokens done so far
         redrawn at least every ``_PROGRESS_S`` seconds while requests run (a batch of equal
-        requests finishes all at once, and the count alone would sit at 0 until then)."""
+        requests finishes all at once, and the count alone would sit at 0 until then). Without
+        ``sampling_params`` the model's generation-config defaults apply (vLLM's
+        ``get_default_sampling_params``)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams(**self.engine.default_sampling)
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")

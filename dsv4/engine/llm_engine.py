@@ -58,6 +58,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1            # ranks, one process each (engine.tp_workers)
     # vLLM's speculative_config: {"method": "mtp", "num_speculative_tokens": K} (engine.spec_decode)
     speculative_config: dict | str | None = None
+    seed: int | None = None                  # seeds torch's global RNG, which requests without a seed sample from
+    revision: str | None = None              # of a Hugging Face Hub id given as ``model``
+    generation_config: str = "auto"          # default sampling parameters: auto | vllm | DIR (models.generation_defaults)
 
 
 def engine_threads(device, world: int = 1) -> int:
@@ -115,7 +118,7 @@ class LLMEngine:
         tp = cfg.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        from ..models import resolve_model
+        from ..models import generation_defaults, resolve_model
         from .spec_decode import SpeculativeConfigError, check_draft, parse_speculative_config
         from .tp_workers import build_model
         self.spec = parse_speculative_config(cfg.speculative_config)
@@ -125,7 +128,7 @@ class LLMEngine:
         draft = None if self.spec is None else self.spec.method
         self.workers, group = None, None
         kernels = cfg.kernels
-        spec = dict(path=None if cfg.synthetic or prebuilt is not None else resolve_model(cfg.model),
+        spec = dict(path=None if cfg.synthetic or prebuilt is not None else resolve_model(cfg.model, cfg.revision),
                     synthetic=cfg.synthetic, synthetic_layers=cfg.synthetic_layers,
                     synthetic_experts=cfg.synthetic_experts, synthetic_seed=cfg.synthetic_seed, kernels=kernels,
                     draft=draft)
@@ -169,6 +172,12 @@ class LLMEngine:
         load_s = time.perf_counter() - t0
         weights_mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.tokenizer = load_tokenizer(path)
+        #: vLLM's default sampling parameters (SamplingParams names): what a request leaves unset
+        self.default_sampling = generation_defaults(cfg.generation_config, path)
+        try:
+            SamplingParams(**self.default_sampling)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"generation_config.json of {path}: {e}") from None
         budget = None if cfg.num_kv_blocks is not None else self._kv_budget()
         # the model keeps one private scratch slot and block for padding / non-completing rows
         self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + 1,
@@ -204,6 +213,8 @@ class LLMEngine:
                       # draft tokens, accepted ones, and accepted ones by draft position
                       "spec_num_drafts": 0, "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
                       "spec_accepted_per_pos": [0] * (0 if self.spec is None else self.spec.num_speculative_tokens)}
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
         if cfg.log:
             wb = self.model.weight_bytes()
             extra = f"; weights / checkpoint bytes {wb / disk_bytes:.3f}" if disk_bytes else ""
@@ -221,6 +232,9 @@ class LLMEngine:
                   file=sys.stderr)
             if self.spec is not None:
                 print(f"dsv4: speculative decoding: {self.spec.describe()}", file=sys.stderr)
+            gen = ", ".join(f"{k}={v}" for k, v in self.default_sampling.items()) or "none (vLLM's defaults)"
+            print(f"dsv4: default sampling parameters (--generation-config {cfg.generation_config}): {gen}",
+                  file=sys.stderr)
 
     @staticmethod
     def _check_split(spec: dict, tp: int) -> None:
@@ -325,6 +339,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         touched: dict[str, None] = {}
+        now = time.monotonic()
+        for c in batch:
+            if c.seq.first_scheduled_time is None:
+                c.seq.first_scheduled_time = now
         if batch:
             # speculative decoding (engine.spec_decode): every chunk of a speculating sequence keeps
             # its residual streams for the drafter; a verify chunk returns every row's logits, and
@@ -382,7 +400,7 @@ class LLMEngine:
             sampled = out.token_ids[r0:r0 + c.num_draft + 1]
             a = accept_greedy_draft(sampled, drafts)
             for j in range(a + 1):
-                self._append(s, sampled[j], out.logprobs[r0 + j], out.errors[r0 + j])
+                self._append(s, sampled[j], out.logprobs[r0 + j], out.errors[r0 + j], out.ranks[r0 + j])
                 if s.is_finished:
                     break
             s.draft_ids = []
@@ -426,7 +444,7 @@ class LLMEngine:
         room = self.max_model_len - 1 - s.num_computed
         return max(0, min(self.spec.num_speculative_tokens, left - 1, room))
 
-    def _append(self, s: Sequence, tok: int, lps: dict | None, err: str | None) -> None:
+    def _append(self, s: Sequence, tok: int, lps: dict | None, err: str | None, rank: int | None = None) -> None:
         if s.is_finished:
             return
         if err is not None:
@@ -445,7 +463,10 @@ class LLMEngine:
         s.output_ids.append(tok)
         self.stats["generation_tokens"] += 1
         if s.logprobs is not None and lps is not None:
-            s.logprobs.append({t: Logprob(lp) for t, lp in lps.items()})
+            # the sampler lists the top tokens best first, then the chosen one when it is not among them
+            tt = self.tokenizer.token_text
+            s.logprobs.append({t: Logprob(lp, rank if t == tok else r + 1, tt(t))
+                               for r, (t, lp) in enumerate(lps.items())})
             s.cumulative_logprob += lps[tok]
         delta = s.detok.add(tok)
         s.text += delta
@@ -464,7 +485,8 @@ class LLMEngine:
         seqs = self.requests[rid]
         finished = all(s.is_finished for s in seqs)
         pl = seqs[0].prompt_logprobs
-        metrics = {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time}
+        metrics = {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time,
+                   "first_scheduled_time": seqs[0].first_scheduled_time, "max_tokens": seqs[0].max_tokens}
         if self.spec is not None:
             metrics["num_draft_tokens"] = sum(s.num_draft_tokens for s in seqs)
             metrics["num_accepted_tokens"] = sum(s.num_accepted_tokens for s in seqs)

@@ -64,6 +64,9 @@ class SamplerOutput:
     logprobs: list[Optional[dict[int, float]]]
     #: per row: None, or a message explaining why the row has no token
     errors: list[Optional[str]] = field(default_factory=list)
+    #: per row with logprobs: the chosen token's rank in the logprobs' distribution (1 = the most
+    #: likely; vLLM's ``Logprob.rank``), else None
+    ranks: list[Optional[int]] = field(default_factory=list)
 
     def raise_for_errors(self) -> None:
         """Raise ``NonFiniteLogitsError`` if any row failed."""
@@ -309,6 +312,7 @@ class Sampler:
         token_ids: list[int] = [-1] * B
         logprobs: list[Optional[dict[int, float]]] = [None] * B
         errors: list[Optional[str]] = [None] * B
+        ranks: list[Optional[int]] = [None] * B
 
         # ---- 1. non-finite rows (checked on the raw logits, before any processing) ----------
         finite = torch.isfinite(x)
@@ -323,7 +327,7 @@ class Sampler:
             x = torch.where(row_ok[:, None], x, torch.zeros((), dtype=x.dtype, device=dev))
         good = [i for i in range(B) if errors[i] is None]
         if not good:
-            return SamplerOutput(token_ids, logprobs, errors)
+            return SamplerOutput(token_ids, logprobs, errors, ranks)
 
         # ---- 2a. grammar mask: one bitmask for the constrained rows, applied once -----------
         cons = [i for i in good if matchers[i] is not None]
@@ -341,7 +345,7 @@ class Sampler:
             x[ci] = apply_bitmask(x[ci], bm)
             good = [i for i in good if errors[i] is None]
             if not good:
-                return SamplerOutput(token_ids, logprobs, errors)
+                return SamplerOutput(token_ids, logprobs, errors, ranks)
 
         # ---- 2b. logit_bias: added to the listed tokens' logits -----------------------------
         bias_rows, bias_cols, bias_vals = [], [], []
@@ -433,7 +437,10 @@ class Sampler:
             li = torch.tensor(lp_rows, device=dev)
             lp = torch.log_softmax(x[li], dim=-1)
             k = max(params[i].logprobs for i in lp_rows)
-            chosen_lp = lp.gather(1, chosen[li][:, None])[:, 0].tolist()
+            chosen_lp_t = lp.gather(1, chosen[li][:, None])
+            chosen_lp = chosen_lp_t[:, 0].tolist()
+            for r, rank in zip(lp_rows, ((lp > chosen_lp_t).sum(-1) + 1).tolist()):
+                ranks[r] = int(rank)
             if k > 0:
                 top_v, top_i = torch.topk(lp, min(k, V), dim=-1)
                 top_v, top_i = top_v.tolist(), top_i.tolist()
@@ -446,7 +453,7 @@ class Sampler:
                 d.setdefault(token_ids[i], float(chosen_lp[r]))
                 logprobs[i] = d
 
-        return SamplerOutput(token_ids, logprobs, errors)
+        return SamplerOutput(token_ids, logprobs, errors, ranks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,8 +494,10 @@ class StopChecker:
                  max_tokens: Optional[int] = None):
         self.params = params
         self.eos_token_ids = _as_id_set(eos_token_id)
-        #: effective limit: ``params.max_tokens`` or, when that is None, the engine's value
-        self.max_tokens = params.max_tokens if params.max_tokens is not None else max_tokens
+        #: effective limit: the smaller of ``params.max_tokens`` and the engine's value (what is left
+        #: of the model length after the prompt); either may be None (no limit from that side)
+        limits = [m for m in (params.max_tokens, max_tokens) if m is not None]
+        self.max_tokens = min(limits) if limits else None
 
     def check(self, text_so_far: str, new_token_id: int, num_generated: int,
               new_text_len: Optional[int] = None) -> StopResult:
@@ -530,7 +539,7 @@ def check_stop(text_so_far: str, new_token_id: int, params: SamplingParams,
                new_text_len: Optional[int] = None, max_tokens: Optional[int] = None
                ) -> tuple[bool, Optional[str], str]:
     """Functional form of ``StopChecker.check``: returns ``(finished, finish_reason,
-    trimmed_text)``. ``max_tokens`` is the engine's limit used when ``params.max_tokens`` is None."""
+    trimmed_text)``. ``max_tokens`` is the engine's limit; the smaller of it and ``params.max_tokens`` holds."""
     r = StopChecker(params, eos_token_id, max_tokens).check(
         text_so_far, new_token_id, num_generated, new_text_len)
     return r.finished, r.finish_reason, r.text

@@ -74,7 +74,10 @@ class StructuredOutputsParams:
     * ``grammar``: a Lark grammar in llguidance's dialect (``%json {...}`` sub-schemas, special
       tokens as ``<[id]>``);
     * ``thinking``: the text starts inside V4's ``<think>`` (a chat prompt in thinking mode):
-      free reasoning without ``</think>``, then the ``</think>`` token, then the constrained part.
+      free reasoning without ``</think>``, then the ``</think>`` token, then the constrained part;
+    * ``disable_any_whitespace`` (vLLM's name): JSON without whitespace between its tokens
+      (``{"a":1}``), the default here (vLLM's default is False); False allows a space or an
+      indented newline wherever JSON allows whitespace (``engine.structured.JSON_WHITESPACE``).
     """
     json: Optional[Union[dict, str]] = None
     json_object: bool = False
@@ -82,6 +85,7 @@ class StructuredOutputsParams:
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     thinking: bool = False
+    disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -105,8 +109,9 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                                  f"got {self.choice!r}")
             self.choice = list(self.choice)
-        if not isinstance(self.thinking, bool):
-            raise ValueError(f"structured_outputs.thinking must be a bool, got {self.thinking!r}")
+        for name in ("thinking", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass

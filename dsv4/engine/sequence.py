@@ -48,6 +48,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # arrival, first_scheduled_time, first_token_time (time.monotonic(); of the first sample) and
+    # max_tokens (the limit in force: the request's, clipped to what max_model_len leaves)
     metrics: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: list | None = None      # [None, {token id: Logprob}, ...] when asked for
 
@@ -87,6 +89,7 @@ class Sequence:
         self.error: str | None = None
         self.arrival = arrival
         self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None     # when a step first ran it (monotonic)
         self.num_preemptions = 0
         # structured outputs: this sample's llguidance matcher (set by the engine), advanced by
         # exactly the tokens appended to output_ids; a preempted sequence keeps both, so the
@@ -114,10 +117,11 @@ class Sequence:
 
     def add_prompt_logprobs(self, p0: int, res) -> None:
         tl, rank, top_v, top_i = (x.tolist() for x in res)
+        tt = self.detok.tokenizer.token_text if self.detok is not None else (lambda t: None)
         for j, (lp, rk) in enumerate(zip(tl, rank)):
             tok = self.prompt_ids[p0 + 1 + j]
-            d = {a: Logprob(v, r + 1) for r, (a, v) in enumerate(zip(top_i[j], top_v[j]))}
-            d[tok] = Logprob(lp, rk)
+            d = {a: Logprob(v, r + 1, tt(a)) for r, (a, v) in enumerate(zip(top_i[j], top_v[j]))}
+            d[tok] = Logprob(lp, rk, tt(tok))
             self.prompt_logprobs.append(d)
 
     @property

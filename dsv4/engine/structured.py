@@ -46,13 +46,17 @@ import torch
 from .sampling_params import StructuredOutputsParams
 
 __all__ = ["GrammarCompiler", "CompiledGrammar", "grammar_source", "fill_bitmask", "apply_bitmask",
-           "JSON_WHITESPACE", "first_line"]
+           "JSON_COMPACT", "JSON_FLEXIBLE", "JSON_WHITESPACE", "first_line"]
 
-#: The whitespace allowed at each place JSON allows whitespace: none, one space, or a newline and
-#: up to 20 spaces / tabs of indentation. Compact, one-line (``{"a": 1, "b": 2}``) and
-#: pretty-printed JSON fit; a model cannot pad its output with runs of blanks (llguidance's default
-#: allows any amount, which a weak or random model fills whole outputs with).
+#: JSON whitespace by default: none (``{"a":1,"b":[2,3]}``), as OpenAI's structured outputs and
+#: vLLM's ``disable_any_whitespace`` give it: a model unsure of its next token cannot fill its
+#: output with blanks and newlines (llguidance's own default allows any amount).
+JSON_COMPACT = {"whitespace_flexible": False}
+#: With ``disable_any_whitespace=False``: at each place JSON allows whitespace, none, one space, or
+#: a newline and up to 20 spaces / tabs of indentation (one-line ``{"a": 1}`` and pretty-printed
+#: JSON fit; runs of blanks still do not).
 JSON_WHITESPACE = r"(\x20|\n[\x20\t]{0,20})"
+JSON_FLEXIBLE = {"whitespace_pattern": JSON_WHITESPACE}
 THINK_END = "</think>"
 _MAX_ERROR_CHARS = 2000
 
@@ -62,7 +66,7 @@ def first_line(msg: str) -> str:
     return msg.strip().split("\n", 1)[0]
 
 
-def _json_grammar(schema) -> str:
+def _json_grammar(schema, compact: bool) -> str:
     import llguidance as llg
     if isinstance(schema, str):
         try:
@@ -72,7 +76,7 @@ def _json_grammar(schema) -> str:
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
     try:
-        return llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_COMPACT if compact else JSON_FLEXIBLE)
     except (ValueError, TypeError) as e:
         raise ValueError(f"invalid JSON schema: {e}") from None
 
@@ -82,9 +86,9 @@ def grammar_source(spec: StructuredOutputsParams, think_end_id: Optional[int] = 
     ``spec.thinking`` needs ``think_end_id``, the id of V4's ``</think>`` token."""
     import llguidance as llg
     if spec.json is not None:
-        g = _json_grammar(spec.json)
+        g = _json_grammar(spec.json, spec.disable_any_whitespace)
     elif spec.json_object:
-        g = _json_grammar({"type": "object"})
+        g = _json_grammar({"type": "object"}, spec.disable_any_whitespace)
     elif spec.regex is not None:
         g = llg.LLMatcher.grammar_from_regex(spec.regex)
     elif spec.choice is not None:

@@ -8,7 +8,15 @@ slot, block table of each) on the control group before running them; every worke
 ``ModelRunner.forward`` on its slice and its own copy of the KV cache (same geometry, same slot
 and block ids: the allocator lives on rank 0 only), so the collectives inside the forward pair up.
 
-Failure handling: a watchdog thread in rank 0 polls the workers; when one exits unexpectedly, the
+Workers are started as ``python -m dsv4.engine.tp_workers`` (never by re-importing the caller's
+``__main__``), so ``LLM(tensor_parallel_size=N)`` works from any caller: a script without an
+``if __name__ == "__main__"`` guard, a script read from stdin, a notebook cell.
+
+Failure handling: during start-up (the group forming, then every rank loading its slice until
+``setup``) rank 0 waits for each step while polling the workers: a worker that exits makes
+``TPWorkers`` / ``setup`` raise at once, naming the rank, its exit code and the error it reported
+(each worker writes its exception to a file rank 0 reads), after stopping the other workers.
+Once serving, a watchdog thread in rank 0 polls the workers; when one exits unexpectedly, the
 engine process prints which rank exited with which code and terminates itself (the other
 collectives would block on the missing rank). Each worker exits when its parent process is gone.
 ``TPWorkers.stop`` (also at interpreter exit) tells the workers to finish and joins them.
@@ -16,10 +24,15 @@ collectives would block on the missing rank). Each worker exits when its parent 
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +40,7 @@ import torch
 from ..parallel import Group, free_port
 
 POLL_S = 0.5
+WORKER_MODULE = "dsv4.engine.tp_workers"     # what each worker process runs (``python -m``)
 
 
 @dataclass
@@ -120,34 +134,99 @@ class TPWorkers:
             raise ValueError(f"tensor_parallel_size must be >= 2 for workers, got {world}")
         if kind == "cuda" and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
-        import torch.multiprocessing as mp
         self.world, self.kind = world, kind
-        port = free_port()
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=worker_main, args=(r, world, port, kind, spec, os.getpid()), daemon=True,
-                                  name=f"dsv4-tp-rank{r}") for r in range(1, world)]
-        for p in self.procs:
-            p.start()
-        self.group, self.ctrl = init_group(0, world, port, kind)
         self._stopping = False
-        threading.Thread(target=self._watch, daemon=True).start()
+        self._errors = tempfile.mkdtemp(prefix="dsv4-tp-")
+        port = free_port()
+        # the dsv4 this process runs, whatever put it on sys.path (an install, PYTHONPATH, sys.path.insert)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for r in range(1, world):
+                args = dict(rank=r, world=world, port=port, kind=kind, spec=spec, parent=os.getpid(),
+                            error_file=self._error_file(r))
+                self.procs.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE, json.dumps(args)], env=env))
+            self.group, self.ctrl = self._while_workers_live("forming the process group",
+                                                             lambda: init_group(0, world, port, kind))
+        except BaseException:
+            self._kill()
+            raise
         atexit.register(self.stop)
+
+    def _error_file(self, rank: int) -> str:
+        return os.path.join(self._errors, f"rank{rank}.err")
+
+    def _exited(self) -> tuple[int, subprocess.Popen] | None:
+        for r, p in enumerate(self.procs, start=1):
+            if p.poll() is not None:
+                return r, p
+        return None
+
+    def _death_note(self, r: int, p: subprocess.Popen) -> str:
+        try:
+            with open(self._error_file(r)) as fh:
+                err = fh.read().strip()
+        except OSError:
+            err = ""
+        return (f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.returncode}: " +
+                (err or "it reported no error (see its output above)"))
+
+    def _while_workers_live(self, what: str, fn):
+        """Run the blocking start-up step ``fn`` (a collective every rank must join) on a thread and
+        return its result; if a worker exits first, stop the others and raise naming it (the step
+        itself would wait for the missing rank until torch's timeout)."""
+        box: dict = {}
+
+        def run():
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+        t = threading.Thread(target=run, daemon=True, name=f"dsv4-tp-{what.replace(' ', '-')}")
+        t.start()
+        while True:
+            t.join(POLL_S)
+            if not t.is_alive():
+                if "error" in box:
+                    raise box["error"]
+                return box["result"]
+            dead = self._exited()
+            if dead is not None:
+                note = self._death_note(*dead)
+                self._kill()
+                raise RuntimeError(f"{note} (while {what})")
+
+    def _kill(self) -> None:
+        self._stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        shutil.rmtree(self._errors, ignore_errors=True)
 
     def _watch(self) -> None:
         while not self._stopping:
-            for r, p in enumerate(self.procs, start=1):
-                if not p.is_alive() and not self._stopping:
-                    print(f"dsv4: error: tensor-parallel worker rank {r} (pid {p.pid}) exited with code "
-                          f"{p.exitcode}; stopping", file=sys.stderr, flush=True)
-                    for q in self.procs:
-                        if q.is_alive():
-                            q.kill()
-                    os._exit(1)
+            dead = self._exited()
+            if dead is not None and not self._stopping:
+                print(f"dsv4: error: {self._death_note(*dead)}; stopping", file=sys.stderr, flush=True)
+                for q in self.procs:
+                    if q.poll() is None:
+                        q.kill()
+                os._exit(1)
             time.sleep(POLL_S)
 
     def setup(self, num_blocks: int, max_num_seqs: int, max_model_len: int, graphs: bool) -> None:
+        """Announce the cache geometry; returns once every worker has loaded its slice and taken it
+        (or raises naming a worker that exited meanwhile). Then the serving watchdog starts."""
         import torch.distributed as dist
-        dist.broadcast_object_list([(num_blocks, max_num_seqs, max_model_len, graphs)], src=0, group=self.ctrl)
+        self._while_workers_live("loading the model", lambda: dist.broadcast_object_list(
+            [(num_blocks, max_num_seqs, max_model_len, graphs)], src=0, group=self.ctrl))
+        threading.Thread(target=self._watch, daemon=True).start()
 
     def broadcast_step(self, chunks, scores=None) -> None:
         """Send the step's chunks (and the rows to score) to every worker (before rank 0 runs them)."""
@@ -163,10 +242,27 @@ class TPWorkers:
         try:
             dist.broadcast_object_list([None], src=0, group=self.ctrl)
             for p in self.procs:
-                p.join(timeout=10)
+                p.wait(timeout=10)
             dist.destroy_process_group()
         except Exception:         # a worker already gone: nothing left to tell
             pass
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
+        self._kill()
+
+
+def _worker_entry(argv: list[str]) -> int:
+    """``python -m dsv4.engine.tp_workers ARGS_JSON``: run ``worker_main``; on failure write the
+    exception to the error file rank 0 reads (and the traceback to stderr) and exit 1."""
+    args = json.loads(argv[1])
+    error_file = args.pop("error_file")
+    try:
+        worker_main(**args)
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, then the process ends
+        traceback.print_exc()
+        with open(error_file, "w") as fh:
+            fh.write(f"{type(e).__name__}: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_entry(sys.argv))

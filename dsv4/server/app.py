@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI): ``build_app(engine_or_config, served_model_name, api_key, ...)``.
 
 Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
-(the text and function-call subset of the Responses API over the chat path, :mod:`.responses`),
-``GET /v1/models``,
+and ``GET /v1/responses/{id}`` (the text, reasoning and function-call subset of the Responses API
+over the chat path, streamed or not, with a bounded store: :mod:`.responses`), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus, vLLM names), ``POST /tokenize``,
 ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM shapes; what lm-evaluation-harness's
 ``tokenizer_backend=remote`` calls), ``GET /version``, ``GET|POST /ping``.
@@ -10,7 +10,8 @@ Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``
 * Streaming is OpenAI's SSE: ``data: {json}\\n\\n`` chunks (chat: the first delta of each choice
   carries ``role``), ``finish_reason`` on each choice's last chunk, an optional usage chunk
   (``stream_options.include_usage``, ``choices: []``), then ``data: [DONE]``.
-* Chat prompts go through the V4 encoder (``apply_chat_template``; ``chat_template_kwargs``
+* Chat prompts go through the V4 encoder, or a Jinja ``--chat-template`` (:mod:`.jinja_template`)
+  (``apply_chat_template``; ``chat_template_kwargs``
   thinking / enable_thinking / reasoning_effort, or top-level ``reasoning_effort`` -- which turns
   thinking on unless it is "none" or thinking is given -- and DeepSeek's ``thinking: {"type"}``);
   reasoning comes back as
@@ -23,8 +24,9 @@ Routes (spec §1.1): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``
 * The engine runs on its own thread (:mod:`.async_engine`); the event loop only tokenizes (in a
   worker thread) and formats. A client that disconnects aborts its request, freeing its blocks.
 * ``api_key`` (bearer) guards every route except ``/health``, ``/ping``, ``/version`` and
-  ``/metrics``; ``max_waiting`` bounds the requests waiting for the engine (503 beyond it). Errors
-  use the schema of :mod:`.protocol`.
+  ``/metrics``; ``max_waiting`` bounds the requests waiting for the engine (503 beyond it); a POST
+  body that is not JSON is a 415 before it is read; ``allowed_origins`` (CORS) lists the origins
+  browsers may call from (none by default). Errors use the schema of :mod:`.protocol`.
 """
 from __future__ import annotations
 
@@ -45,12 +47,15 @@ from starlette.requests import ClientDisconnect
 
 from ..engine.llm_engine import EngineConfig, LLMEngine
 from ..engine.sampling_params import StructuredOutputsParams
+from ..formats.paging import BLOCK_TOKENS
+from ..models import is_hub_id
 from ..tokenizer import tokenizer_info
 from . import protocol as P
 from . import responses as R
 from .async_engine import AsyncEngine, EngineError
 from .chat_encoding import ChatEncodingError, StreamingParser, apply_chat_template, detect_effort_profile, \
     parse_completion, resolve_chat_options
+from .jinja_template import ChatTemplateError, JinjaChatTemplate
 from .metrics import ServerMetrics
 from .tool_grammar import tool_call_grammar
 
@@ -113,6 +118,7 @@ def _encoding_error_param(msg: str) -> str | None:
 
 MAX_REQUEST_BYTES = 8 << 20     # default request-body limit (--max-request-bytes)
 MAX_TOKEN_CHARS = 128           # the longest token of the V4 vocabulary, in characters (tests/test_server.py)
+MAX_STORED_RESPONSES = 1000     # default of --max-stored-responses (the /v1/responses store)
 
 
 def _text_chars(value) -> int:
@@ -133,12 +139,15 @@ def _default_name(engine) -> str:
     model = getattr(cfg, "model", None)
     if model is None:
         return DEFAULT_MODEL_NAME
+    if is_hub_id(str(model)):
+        return str(model)               # served under its Hub id, as vLLM serves it
     return os.path.basename(os.path.normpath(str(model))) or DEFAULT_MODEL_NAME
 
 
 class OpenAIServer:
     def __init__(self, engine, served_model_name: str | None, api_key: str | None, max_waiting: int | None,
-                 log: bool = True):
+                 log: bool = True, max_stored_responses: int = MAX_STORED_RESPONSES, chat_template: str | None = None,
+                 log_requests: bool = False):
         self.engine = engine
         self.name = served_model_name or _default_name(engine)
         self.api_key = api_key or None
@@ -146,13 +155,24 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.tt = P.TokenText(engine.tokenizer)
         self.tokenizer_info = tokenizer_info(engine.tokenizer)
+        self.template = None if chat_template is None else JinjaChatTemplate(
+            chat_template, {"bos_token": engine.tokenizer.bos_token, "eos_token": engine.tokenizer.eos_token})
+        if chat_template is not None:
+            self.tokenizer_info["chat_template"] = chat_template
+        self.log_requests = log_requests
         self.vocab_size = int(engine.model_config.vocab_size)
         self.bos = int(engine.model_config.bos_token_id)
         self.max_model_len = int(engine.max_model_len)
+        self.defaults = dict(getattr(engine, "default_sampling", None) or {})     # --generation-config
         self.metrics = ServerMetrics(self.name)
+        cfg = getattr(engine, "cfg", None)
+        self.metrics.cache_config(block_size=BLOCK_TOKENS, cache_dtype="fp8", num_gpu_blocks=engine.cache.num_blocks,
+                                  gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", None),
+                                  enable_prefix_caching=bool(getattr(cfg, "enable_prefix_caching", False)))
         self.aeng = AsyncEngine(engine, self.metrics, log=log)
         self.created = int(time.time())
         self.root = str(getattr(engine, "model_path", None) or self.name)
+        self.stored = R.ResponseStore(max_stored_responses)
         self.effort_profile, why = detect_effort_profile(getattr(engine, "model_path", None))
         if log:
             print(f"dsv4: chat encoding: reasoning-effort profile {self.effort_profile!r} ({why})", file=sys.stderr)
@@ -185,6 +205,22 @@ class OpenAIServer:
                                   f"(--max-waiting {self.max_waiting}); retry later", P.UNAVAILABLE, None,
                              "queue_full")
 
+    def encode_chat(self, opts: P.ChatOptions) -> list[int]:
+        """The prompt ids of a chat request: V4's encoding, or the ``--chat-template``'s rendering
+        (the messages and tools are checked by V4's encoder either way, for the same 400s)."""
+        ids = apply_chat_template(self.tokenizer, opts.messages, opts.tools, opts.template_kwargs,
+                                  opts.add_generation_prompt, self.effort_profile)
+        if self.template is None:
+            return ids
+        return self.template.encode(self.tokenizer, opts.messages, opts.tools, opts.template_kwargs,
+                                    opts.add_generation_prompt)
+
+    async def chat_ids(self, opts: P.ChatOptions) -> list[int]:
+        try:
+            return await asyncio.to_thread(self.encode_chat, opts)
+        except (ChatEncodingError, ChatTemplateError) as e:
+            raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
+
     async def constrain(self, ps: P.ParsedSampling, spec: StructuredOutputsParams, param: str) -> None:
         """Compile ``spec`` (off the event loop; the engine's compile of it is then a cache hit) and
         put it into the request's sampling parameters; a bad schema or grammar is a 400 naming
@@ -202,6 +238,10 @@ class OpenAIServer:
                      param: str) -> None:
         """Add sub-requests (tag = position); on any rejection abort the ones accepted and raise 400."""
         k = 0
+        if self.log_requests:
+            for rid, prompt in zip(rids, prompts):
+                print(f"dsv4 serve: request {rid}: {len(prompt)} prompt tokens {prompt[:16]}"
+                      f"{'...' if len(prompt) > 16 else ''}; {params}", file=sys.stderr, flush=True)
         try:
             for k, (rid, prompt) in enumerate(zip(rids, prompts)):
                 await self.aeng.add(rid, prompt, params, arrival, inbox.queue, tag=k, prompt_tokens=len(prompt))
@@ -261,16 +301,15 @@ class OpenAIServer:
         P.check_model(body, self.name)
         stream = P.opt_bool(body, "stream", False)
         so = P.stream_options(body, stream)
-        opts = P.chat_options(body)
-        ps = P.sampling_params(body, "chat", None, self.vocab_size)
+        opts = P.chat_options(body, self.template is None)
+        ps = P.sampling_params(body, "chat", None, self.vocab_size, self.defaults)
         constraint = P.structured_outputs(body)
         self.precheck_chars(_text_chars(opts.messages), "messages")
         try:
             thinking = resolve_chat_options(opts.template_kwargs, self.effort_profile)[0]
-            ids = await asyncio.to_thread(apply_chat_template, self.tokenizer, opts.messages, opts.tools,
-                                          opts.template_kwargs, opts.add_generation_prompt, self.effort_profile)
         except ChatEncodingError as e:
             raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
+        ids = await self.chat_ids(opts)
         P.check_lengths(len(ids), ps, self.max_model_len, "messages")
         functions = P.forced_tool_functions(opts)
         if functions is not None:
@@ -307,7 +346,8 @@ class OpenAIServer:
                             "logprobs": lp, "finish_reason": P.finish_reason(o.finish_reason, parsed.tool_calls),
                             "stop_reason": o.stop_reason})
         use = P.usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
-        return JSONResponse(P.chat_response(h, choices, use))
+        plp = P.vllm_prompt_logprobs(out.prompt_logprobs, self.tt) if ps.params.prompt_logprobs is not None else None
+        return JSONResponse(P.chat_response(h, choices, use, plp))
 
     async def _chat_stream(self, h, ids, n, thinking, ps, so: P.StreamOptions, inbox: _Inbox, request: Request):
         done = False
@@ -395,7 +435,7 @@ class OpenAIServer:
         for p in prompts:
             if isinstance(p, str):
                 self.precheck_chars(len(p), "prompt")
-        ps = P.sampling_params(body, "completion", 16, self.vocab_size)
+        ps = P.sampling_params(body, "completion", 16, self.vocab_size, self.defaults)
         constraint = P.structured_outputs(body)
         if constraint is not None:
             await self.constrain(ps, *constraint)
@@ -439,7 +479,7 @@ class OpenAIServer:
                                                                   "top_logprobs": [], "text_offset": []})
                 choices.append({"index": k * n + o.index, "text": echo_text[k] + o.text, "logprobs": lp,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                                "prompt_logprobs": P.vllm_prompt_logprobs(out.prompt_logprobs)
+                                "prompt_logprobs": P.vllm_prompt_logprobs(out.prompt_logprobs, self.tt)
                                 if body.get("prompt_logprobs") is not None else None})
         use = P.usage(ptoks, sum(len(o.token_ids) for out in outs for o in out.outputs))
         return JSONResponse(P.completion_response(h, choices, use))
@@ -531,17 +571,69 @@ class OpenAIServer:
                 for rid in rids:
                     self.aeng.abort(rid)
 
+    # ------------------------------------------------------------------ responses
+    async def responses(self, body: dict, request: Request):
+        """``POST /v1/responses`` over the chat path (:mod:`.responses`)."""
+        prior = None
+        pid = body.get("previous_response_id") if isinstance(body, dict) else None
+        if pid is not None:
+            if not isinstance(pid, str):
+                raise P.bad_request("previous_response_id must be a string", "previous_response_id")
+            hit = self.stored.get(pid)
+            if hit is None:
+                raise R.not_found(pid, self.stored.size, "previous_response_id")
+            prior = hit[1]
+        chat, conv = R.to_chat(body, prior)
+        stream = P.opt_bool(body, "stream", False)
+        store = P.opt_bool(body, "store", True)
+        rid = R.new_id("resp")
+        if not stream:
+            r = await self.chat(chat, request)
+            if not isinstance(r, JSONResponse):            # the client went away
+                return r
+            resp = R.from_chat(json.loads(r.body), body, rid)
+            if store:
+                self.stored.put(resp, conv)
+            return JSONResponse(resp)
+        r = await self.chat({**chat, "stream": True, "stream_options": {"include_usage": True}}, request)
+        if not isinstance(r, _SSEResponse):
+            return r
+        return _SSEResponse(self._responses_stream(r.body_iterator, R.ResponseStream(body, rid, self.name),
+                                                   conv if store else None),
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _responses_stream(self, chunks, rs: "R.ResponseStream", conv: list | None):
+        """The chat stream's SSE chunks re-told as Responses events; the answer is stored at the end
+        (``conv``: its conversation, None when ``store`` is false)."""
+        try:
+            for e in rs.start():
+                yield R.sse(e)
+            async for raw in chunks:
+                data = raw[len("data: "):].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    for e in rs.fail(obj["error"]["message"]):
+                        yield R.sse(e)
+                    return
+                for e in rs.feed(obj):
+                    yield R.sse(e)
+            else:
+                return                  # the chat stream ended without [DONE]: the client went away
+            for e in rs.finish():
+                yield R.sse(e)
+            if conv is not None:
+                self.stored.put(rs.response, conv)
+        finally:
+            await chunks.aclose()
+
     # ------------------------------------------------------------------ tokenizer routes
     async def tokenize(self, body: dict) -> dict:
         P.check_model(body, self.name)
         return_strs = P.opt_bool(body, "return_token_strs", False)
         if "messages" in body:
-            opts = P.chat_options(body)
-            try:
-                ids = await asyncio.to_thread(apply_chat_template, self.tokenizer, opts.messages, opts.tools,
-                                              opts.template_kwargs, opts.add_generation_prompt, self.effort_profile)
-            except ChatEncodingError as e:
-                raise P.bad_request(str(e), _encoding_error_param(str(e))) from None
+            ids = await self.chat_ids(P.chat_options(body, self.template is None))
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -608,10 +700,15 @@ class _InternalErrors:
 
 def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_model_name: str | None = None,
               api_key: str | None = None, max_waiting: int | None = None, log: bool = True,
-              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES,
+              max_stored_responses: int = MAX_STORED_RESPONSES, chat_template: str | None = None,
+              allowed_origins: list[str] | None = None, log_requests: bool = False) -> FastAPI:
     """The FastAPI app. ``engine_or_config``: an ``LLMEngine`` (or any object with its interface),
     an ``EngineConfig`` (the engine is built now), or None (the default model, default config).
-    The engine thread starts with the app (lifespan) or on the first request."""
+    The engine thread starts with the app (lifespan) or on the first request. ``chat_template``:
+    Jinja text replacing V4's chat encoding (:mod:`.jinja_template`); ``allowed_origins``: the
+    origins browsers may call the API from (CORS; none by default); ``log_requests``: one line per
+    request on stderr."""
     if engine_or_config is None or isinstance(engine_or_config, EngineConfig):
         engine = LLMEngine(engine_or_config or EngineConfig(log=log))
     else:
@@ -620,7 +717,9 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    srv = OpenAIServer(engine, served_model_name, api_key, max_waiting, log=log)
+    srv = OpenAIServer(engine, served_model_name, api_key, max_waiting, log=log,
+                       max_stored_responses=max_stored_responses, chat_template=chat_template,
+                       log_requests=log_requests)
     srv.max_request_bytes = int(max_request_bytes)
 
     from contextlib import asynccontextmanager
@@ -650,10 +749,22 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
         return _error(400, str(e), P.INVALID_REQUEST)
 
     app.add_middleware(_InternalErrors)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     async def _json(request: Request) -> dict:
-        """The JSON body: refused with 413 past ``max_request_bytes`` (by Content-Length before
-        reading, else while reading), parsed off the event loop."""
+        """The JSON body: refused with 415 unless its Content-Type is JSON and with 413 past
+        ``max_request_bytes`` (both by the headers, before reading; the size also while reading),
+        parsed off the event loop. A cross-site page can POST ``text/plain`` without a CORS
+        preflight; that body is never read, so it cannot start a generation."""
+        ctype = request.headers.get("content-type")
+        media = (ctype or "").split(";", 1)[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise P.APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json'; got "
+                                  f"{'no Content-Type' if ctype is None else repr(ctype)}", P.INVALID_REQUEST, None,
+                             "unsupported_media_type")
         limit = srv.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -687,6 +798,12 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
         srv.auth(request)
         return srv.models()
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        srv.auth(request)
+        P.check_model({"model": model_id}, srv.name)
+        return srv.models()["data"][0]
+
     @app.get("/health")
     async def health():
         if not srv.aeng.alive:
@@ -719,11 +836,15 @@ def build_app(engine_or_config: LLMEngine | EngineConfig | Any = None, served_mo
     @app.post("/v1/responses")
     async def responses(request: Request):
         srv.auth(request)
-        body = await _json(request)
-        r = await srv.chat(R.to_chat(body), request)
-        if not isinstance(r, JSONResponse):            # the client went away
-            return r
-        return JSONResponse(R.from_chat(json.loads(r.body), body))
+        return await srv.responses(await _json(request), request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        srv.auth(request)
+        hit = srv.stored.get(response_id)
+        if hit is None:
+            raise R.not_found(response_id, srv.stored.size)
+        return hit[0]
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info(request: Request):

@@ -41,6 +41,7 @@ class _Route:
     tag: Any
     arrival: float
     prompt_tokens: int = 0
+    n: int = 1
     first_token: float | None = None
     last_token: float | None = None
     last_count: int = 0
@@ -55,6 +56,21 @@ class Snapshot:
     num_blocks: int = 0
     steps: int = 0
     extra: dict = field(default_factory=dict)
+
+
+def _phases(route: _Route, scheduled: float | None) -> dict:
+    """vLLM's per-request intervals (s) that a finished request has: queue (arrival -> first
+    scheduled), prefill (-> first token), decode (first -> last token), inference (first scheduled
+    -> last token)."""
+    out = {}
+    if scheduled is not None:
+        out["queue"] = scheduled - route.arrival
+        if route.first_token is not None:
+            out["prefill"] = route.first_token - scheduled
+            out["inference"] = route.last_token - scheduled
+    if route.first_token is not None:
+        out["decode"] = route.last_token - route.first_token
+    return out
 
 
 def _put(q: asyncio.Queue, item) -> None:
@@ -125,7 +141,7 @@ class AsyncEngine:
         with self._lock:
             self._pending_adds += 1
         self._cmds.put(("add", request_id, prompt, params, arrival, _Route(loop, out_queue, tag, arrival,
-                                                                           prompt_tokens), fut))
+                                                                           prompt_tokens, params.n), fut))
         await fut
 
     def abort(self, request_id: str) -> None:
@@ -167,11 +183,16 @@ class AsyncEngine:
                 continue
             if flush or eng.has_unfinished_requests():
                 flush = False
+                st = eng.stats
+                before = st.get("prompt_tokens", 0) + st.get("generation_tokens", 0)
                 try:
                     outs = eng.step()
                 except Exception as e:  # noqa: BLE001
                     self._step_failed(e)
                     continue
+                done = st.get("prompt_tokens", 0) + st.get("generation_tokens", 0) - before
+                if self.metrics is not None and done > 0:
+                    self.metrics.iteration(done)
                 self._dispatch(outs)
 
     def _do_add(self, rid, prompt, params, arrival, route: _Route, fut) -> bool:
@@ -221,10 +242,13 @@ class AsyncEngine:
                     reason = "error" if "error" in reasons else (reasons[0] if reasons else None)
                     if route is None:
                         reason = "abort"
-                    arrival = out.metrics.get("arrival") if out.metrics else None
+                    om = out.metrics or {}
+                    arrival = om.get("arrival")
                     e2e = now - (route.arrival if route else (arrival or now))
                     ttft = (route.first_token - route.arrival) if route and route.first_token else None
-                    m.finished(reason, e2e, len(out.prompt_token_ids), ntok, ttft)
+                    m.finished(reason, e2e, len(out.prompt_token_ids), ntok, ttft,
+                               _phases(route, om.get("first_scheduled_time")) if route else None,
+                               route.n if route else None, om.get("max_tokens"))
         self._publish()
         for route, out in deliver:
             try:

@@ -408,11 +408,6 @@ def main_from_args(args) -> int:
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0 (inf = all at once)")
     try:
-        import httpx  # noqa: F401
-    except ImportError:
-        print("dsv4: error: bench serve needs httpx (pip install httpx)", file=sys.stderr)
-        return 2
-    try:
         m, results = asyncio.run(run_benchmark(args))
     except Exception as e:  # noqa: BLE001
         print(f"dsv4 bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -152,6 +152,11 @@ class ChatEncodingError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
+#: the ``reasoning_effort`` values a request may give (vLLM's set, any case); the server refuses
+#: others, and :func:`normalize_reasoning_effort` maps these onto the encoder's levels
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 def normalize_reasoning_effort(effort: Any, profile: str = "preview") -> tuple[bool | None, str | None]:
     """Map a client ``reasoning_effort`` onto the encoder's levels, as vLLM's V4 wrapper does.
 
@@ -711,6 +716,20 @@ def _parse_tool_block(text: str, make_id: Callable[[], str]) -> list[dict] | Non
             return calls
 
 
+def _tool_calls_of(block: str, make_id: Callable[[], str]) -> list[dict] | None:
+    """The calls of ``block`` (the text from the first ``<｜DSML｜tool_calls>`` on). A block closed
+    by ``</｜DSML｜tool_calls>``: its calls, or None when it is malformed. Generation ended inside
+    the last block (no closing tag after it; cut by max_tokens or an end of sentence): the calls
+    whose invoke was complete before the cut; the partial one is dropped, and nothing of the
+    block is returned as text ([] when no call was complete or the complete part is malformed)."""
+    start = block.rfind(TOOL_CALLS_START)
+    if block.find(TOOL_CALLS_END, start) >= 0:
+        return _parse_tool_block(block, make_id)
+    k = block.rfind(INVOKE_END)
+    head = block[: k + len(INVOKE_END)] + TOOL_CALLS_END if k > start else block[:start].rstrip()
+    return (_parse_tool_block(head, make_id) or []) if head else []
+
+
 def _strip_block_separator(head: str) -> str:
     # The model writes "\n\n" between content and the tool-call block (reference encoder).
     if head.endswith("\n\n"):
@@ -724,9 +743,9 @@ def _split_content(rest: str, make_id: Callable[[], str]) -> tuple[str, list[dic
     j = rest.find(TOOL_CALLS_START)
     if j < 0:
         return rest, []
-    calls = _parse_tool_block(rest[j:], make_id)
+    calls = _tool_calls_of(rest[j:], make_id)
     if calls is None:
-        return rest, []  # malformed: leave everything as content
+        return rest, []  # a closed but malformed block: leave everything as content
     return _strip_block_separator(rest[:j]), calls
 
 
@@ -741,7 +760,8 @@ def parse_completion(
       ``reasoning_content=None``.
     * A well-formed DSML block (``<｜DSML｜tool_calls>`` ... ``</｜DSML｜tool_calls>`` closing the
       output) becomes OpenAI tool calls: ``string="true"`` values as-is, others parsed as JSON;
-      the "\\n\\n" before the block is dropped. Anything malformed stays in ``content``.
+      the "\\n\\n" before the block is dropped. A closed block that is malformed stays in
+      ``content``; a block the output ends inside gives its complete calls and no text.
     Never raises.
     """
     eos = text.find(EOS)
@@ -869,7 +889,7 @@ class StreamingParser:
             c = self._buf
         elif self._state in ("tools", "tools_done"):
             sep = self._tool_text[: len(self._tool_text) - len(self._tool_text.lstrip("\n"))]
-            calls = _parse_tool_block(self._tool_text[len(sep) :], self._make_id)
+            calls = _tool_calls_of(self._tool_text[len(sep) :], self._make_id)
             if calls is None:
                 c = self._tool_text
             else:

@@ -22,6 +22,14 @@ name                                               kind       meaning
 ``vllm:e2e_request_latency_seconds``               histogram  arrival -> finish
 ``vllm:request_prompt_tokens``                     histogram  prompt length per request
 ``vllm:request_generation_tokens``                 histogram  generated tokens per request
+``vllm:request_queue_time_seconds``                histogram  arrival -> first scheduled
+``vllm:request_prefill_time_seconds``              histogram  first scheduled -> first token
+``vllm:request_decode_time_seconds``               histogram  first token -> last token
+``vllm:request_inference_time_seconds``            histogram  first scheduled -> last token
+``vllm:request_params_n``                          histogram  ``n`` per request
+``vllm:request_params_max_tokens``                 histogram  max_tokens in force per request
+``vllm:iteration_tokens_total``                    histogram  tokens (prefill + decode) per step
+``vllm:cache_config_info``                         gauge      1, the KV cache's configuration as labels
 ``vllm:spec_decode_num_drafts``                    counter    verify steps that carried drafts
 ``vllm:spec_decode_num_draft_tokens``              counter    draft tokens proposed
 ``vllm:spec_decode_num_accepted_tokens``           counter    draft tokens accepted
@@ -46,6 +54,8 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
                   200000, 500000, 1000000)
+
+_STEP_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class ServerMetrics:
@@ -90,6 +100,21 @@ class ServerMetrics:
                                      registry=r).labels(model_name)
         self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by draft position", L + ["position"], registry=r)
+        self.queue_time = hist("vllm:request_queue_time_seconds", "Time waiting before the first step (s)",
+                               _E2E_BUCKETS)
+        self.prefill_time = hist("vllm:request_prefill_time_seconds", "First step to first token (s)", _E2E_BUCKETS)
+        self.decode_time = hist("vllm:request_decode_time_seconds", "First token to last token (s)", _E2E_BUCKETS)
+        self.inference_time = hist("vllm:request_inference_time_seconds", "First step to last token (s)",
+                                   _E2E_BUCKETS)
+        self.params_n = hist("vllm:request_params_n", "n of each request", (1, 2, 5, 10, 20, 50, 100, 128))
+        self.params_max_tokens = hist("vllm:request_params_max_tokens", "max_tokens in force per request",
+                                      _TOKEN_BUCKETS)
+        self.iteration_tokens = hist("vllm:iteration_tokens_total", "Tokens per engine step", _STEP_BUCKETS)
+
+    def cache_config(self, **info) -> None:
+        """``vllm:cache_config_info``: 1, labelled with the cache's configuration (set once)."""
+        Gauge("vllm:cache_config_info", "Information of the KV cache configuration", ["model_name", *info],
+              registry=self.registry).labels(self.model_name, *(str(v) for v in info.values())).set(1)
 
     # -- fed from the engine thread
     def first_token(self, ttft: float) -> None:
@@ -100,7 +125,9 @@ class ServerMetrics:
         self.tpot_alias.observe(max(dt, 0.0))
 
     def finished(self, reason: str | None, e2e: float, prompt_tokens: int, gen_tokens: int,
-                 ttft: float | None) -> None:
+                 ttft: float | None, phases: dict | None = None, n: int | None = None,
+                 max_tokens: int | None = None) -> None:
+        """``phases``: the request's queue / prefill / decode / inference times (s) that it has."""
         if reason == "error":
             self.failures.inc()
             return
@@ -110,6 +137,17 @@ class ServerMetrics:
         self.req_gen.observe(gen_tokens)
         if ttft is not None and gen_tokens > 1:
             self.tpot.observe(max(e2e - ttft, 0.0) / (gen_tokens - 1))
+        hists = {"queue": self.queue_time, "prefill": self.prefill_time, "decode": self.decode_time,
+                 "inference": self.inference_time}
+        for k, v in (phases or {}).items():
+            hists[k].observe(max(v, 0.0))
+        if n is not None:
+            self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
+
+    def iteration(self, tokens: int) -> None:
+        self.iteration_tokens.observe(tokens)
 
     def tokens(self, prompt: int, generation: int, preemptions: int = 0) -> None:
         if prompt > 0:

@@ -16,6 +16,8 @@ status  ``type``                        when
 404     ``invalid_request_error``       unknown model (code ``model_not_found``, as OpenAI)
 404     ``not_found_error``             unknown route
 405     ``invalid_request_error``       wrong HTTP method
+415     ``invalid_request_error``       a POST body that is not ``application/json`` (code
+                                        ``unsupported_media_type``), refused before it is read
 503     ``service_unavailable_error``   bounded waiting queue full (code ``queue_full``) or
                                         engine dead (code ``engine_dead``)
 500     ``server_error``                a request failed inside the engine
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from .chat_encoding import REASONING_EFFORTS
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -184,19 +187,23 @@ def logit_bias(body: dict, vocab_size: int | None) -> dict[int, float] | None:
 
 
 def sampling_params(body: dict, kind: str, default_max_tokens: int | None,
-                    vocab_size: int | None = None) -> ParsedSampling:
+                    vocab_size: int | None = None, defaults: dict | None = None) -> ParsedSampling:
     """Map an OpenAI/vLLM request onto ``SamplingParams``; ``kind`` is 'chat' or 'completion'.
 
-    Unset or null fields take vLLM's defaults (temperature 1, top_p 1, ...). ``max_tokens``
-    defaults to ``default_max_tokens`` (16 for completions, None = up to the model length for
-    chat, as vLLM does). ``logit_bias`` ids are checked against ``vocab_size``. A ValueError from
-    ``SamplingParams`` becomes a 400 naming the field. Structured outputs are read by
-    :func:`structured_outputs`.
+    Unset or null fields take ``defaults`` (the model's generation config, ``--generation-config``),
+    else vLLM's defaults (temperature 1, top_p 1, ...). ``max_tokens`` defaults to
+    ``default_max_tokens`` (16 for completions), else to ``defaults``' max_tokens, else None = up to
+    the model length (chat, as vLLM does). ``logit_bias`` ids are checked against ``vocab_size``. A
+    ValueError from ``SamplingParams`` becomes a 400 naming the field. Structured outputs are read
+    by :func:`structured_outputs`.
     """
+    defaults = defaults or {}
     kw: dict[str, Any] = {}
     for name in _PASSTHROUGH:
         if body.get(name) is not None:
             kw[name] = body[name]
+        elif name in defaults:
+            kw[name] = defaults[name]
     n = body.get("n")
     if n is not None:
         if _is_int(n) and n > MAX_N:
@@ -210,7 +217,8 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None,
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         mt_name, mt = "max_completion_tokens", body["max_completion_tokens"]
     given = mt is not None
-    kw["max_tokens"] = mt if given else default_max_tokens
+    kw["max_tokens"] = mt if given else default_max_tokens if default_max_tokens is not None else \
+        defaults.get("max_tokens")
     if mt == 0 and not isinstance(mt, bool) and not (kind == "completion" and body.get("echo") is True):
         raise bad_request(f"{mt_name} must be >= 1 (0 only with echo, to score the prompt without generating)",
                           mt_name)
@@ -238,8 +246,8 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None,
                 kw["prompt_logprobs"] = lp          # OpenAI: echo + logprobs scores the prompt too
     pl = body.get("prompt_logprobs")
     if pl is not None:
-        if kind == "chat":
-            raise bad_request("prompt_logprobs is supported on /v1/completions only", "prompt_logprobs")
+        if kind == "chat" and body.get("stream") is True:
+            raise bad_request("prompt_logprobs is not available when stream is true (as vLLM)", "prompt_logprobs")
         if not _is_int(pl) or not 0 <= pl <= MAX_LOGPROBS:
             raise bad_request(f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}], got {pl!r}", "prompt_logprobs")
         kw["prompt_logprobs"] = max(pl, kw.get("prompt_logprobs") or 0)
@@ -262,7 +270,7 @@ def sampling_params(body: dict, kind: str, default_max_tokens: int | None,
 
 
 _STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
-_VLLM_SWITCHES = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
+_VLLM_SWITCHES = ("disable_fallback", "disable_additional_properties")
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
            ("guided_grammar", "grammar"))
 
@@ -298,14 +306,15 @@ def structured_outputs(body: dict) -> tuple[StructuredOutputsParams, str] | None
     if so is not None:
         if not isinstance(so, dict):
             raise bad_request(f"structured_outputs must be an object, got {_tname(so)}", "structured_outputs")
-        # vLLM's switches are accepted when they ask for nothing (false), refused when they ask for
-        # something this server does not do
-        unknown = sorted(k for k, v in so.items() if k not in _STRUCTURED_KEYS and v is not None
-                         and not (k in _VLLM_SWITCHES and v is False))
+        # vLLM's other switches are accepted when they ask for nothing (false), refused when they
+        # ask for something this server does not do
+        unknown = sorted(k for k, v in so.items() if k not in _STRUCTURED_KEYS + ("disable_any_whitespace",)
+                         and v is not None and not (k in _VLLM_SWITCHES and v is False))
         if unknown:
             raise bad_request(f"structured_outputs.{unknown[0]} is not supported (supported: "
-                              f"{', '.join(_STRUCTURED_KEYS)})", "structured_outputs")
-        found.append(("structured_outputs", {k: v for k, v in so.items() if k in _STRUCTURED_KEYS and v is not None}))
+                              f"{', '.join(_STRUCTURED_KEYS)}, disable_any_whitespace)", "structured_outputs")
+        found.append(("structured_outputs", {k: v for k, v in so.items()
+                                             if k in _STRUCTURED_KEYS + ("disable_any_whitespace",) and v is not None}))
     for name, key in _GUIDED:
         if body.get(name) is not None:
             found.append((name, {key: body[name]}))
@@ -401,7 +410,10 @@ class ChatOptions:
     parallel_tool_calls: bool = True
 
 
-def chat_options(body: dict) -> ChatOptions:
+def chat_options(body: dict, response_format_in_prompt: bool = True) -> ChatOptions:
+    """The chat request's messages and options; ``response_format_in_prompt``: put a JSON
+    ``response_format`` into the system message, where V4's encoder renders it (not for a Jinja
+    ``--chat-template``)."""
     if "messages" not in body:
         raise bad_request("messages is required", "messages")
     msgs = body["messages"]
@@ -432,6 +444,11 @@ def chat_options(body: dict) -> ChatOptions:
     if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
         raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     kw = dict(opt_dict(body, "chat_template_kwargs") or {})
+    for where, value in (("reasoning_effort", body.get("reasoning_effort")),
+                         ("chat_template_kwargs", kw.get("reasoning_effort"))):
+        if value is not None and (not isinstance(value, str) or value.strip().lower() not in REASONING_EFFORTS):
+            name = "reasoning_effort" if where == "reasoning_effort" else "chat_template_kwargs.reasoning_effort"
+            raise bad_request(f"{name} must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}", where)
     # Top-level spellings (OpenAI reasoning_effort; DeepSeek API thinking={"type": ...}). A client
     # that asks for a reasoning effort other than "none" gets thinking mode unless it says otherwise.
     effort = body.get("reasoning_effort")
@@ -448,7 +465,7 @@ def chat_options(body: dict) -> ChatOptions:
         if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
             raise bad_request("response_format.type must be one of 'text', 'json_object', 'json_schema'",
                               "response_format")
-        if rf["type"] != "text":
+        if rf["type"] != "text" and response_format_in_prompt:
             # V4 renders a "## Response Format" section in the system prompt; structured_outputs() enforces it
             fmt = rf.get("json_schema", rf) if rf["type"] == "json_schema" else rf
             if msgs and isinstance(msgs[0], dict) and msgs[0].get("role") in ("system", "developer"):
@@ -491,19 +508,13 @@ def _finite(x: float) -> float:
 
 
 class TokenText:
-    """Decodes single token ids for logprobs (cached)."""
+    """Decodes single token ids for logprobs (the tokenizer's cached ``token_text``)."""
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
-        self._cache: dict[int, str] = {}
 
     def __call__(self, tid: int) -> str:
-        s = self._cache.get(tid)
-        if s is None:
-            s = self._tok.decode([tid], skip_special_tokens=False)
-            if len(self._cache) < 200_000:
-                self._cache[tid] = s
-        return s
+        return self._tok.token_text(tid)
 
 
 def chat_logprobs(token_ids: list[int], lps: list[dict], top: int, tt: TokenText) -> dict:
@@ -556,12 +567,13 @@ def prompt_completion_logprobs(prompt_ids: list[int], plps: list, k: int, tt: To
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def vllm_prompt_logprobs(plps: list | None) -> list | None:
+def vllm_prompt_logprobs(plps: list | None, tt: TokenText) -> list | None:
     """vLLM's ``prompt_logprobs`` field: [null, {token id: {logprob, rank, decoded_token}}, ...]."""
     if plps is None:
         return None
-    return [None if d is None else {str(t): {"logprob": _finite(v.logprob), "rank": v.rank, "decoded_token": None}
-                                    for t, v in d.items()} for d in plps]
+    return [None if d is None else {str(t): {"logprob": _finite(v.logprob), "rank": v.rank,
+                                             "decoded_token": v.decoded_token if v.decoded_token is not None
+                                             else tt(t)} for t, v in d.items()} for d in plps]
 
 
 def merge_completion_logprobs(a: dict | None, b: dict) -> dict:
@@ -582,9 +594,11 @@ def chat_message(reasoning: str | None, content: str, tool_calls: list[dict]) ->
 
 
 def finish_reason(engine_reason: str | None, tool_calls: list | None) -> str | None:
+    """'tool_calls' for an output that ended after its calls; one cut by the length limit says
+    'length' whatever calls were complete before the cut."""
     if engine_reason is None:
         return None
-    if tool_calls and engine_reason in ("stop", "length"):
+    if tool_calls and engine_reason == "stop":
         return "tool_calls"
     return engine_reason
 
@@ -596,9 +610,9 @@ class ResponseHeader:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def chat_response(h: ResponseHeader, choices: list[dict], use: dict) -> dict:
+def chat_response(h: ResponseHeader, choices: list[dict], use: dict, prompt_logprobs: list | None = None) -> dict:
     return {"id": h.id, "object": "chat.completion", "created": h.created, "model": h.model,
-            "choices": choices, "usage": use, "system_fingerprint": None, "prompt_logprobs": None}
+            "choices": choices, "usage": use, "system_fingerprint": None, "prompt_logprobs": prompt_logprobs}
 
 
 def chat_chunk(h: ResponseHeader, choices: list[dict], use: dict | None = None, with_usage: bool = False) -> dict:

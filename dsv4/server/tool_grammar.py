@@ -24,7 +24,8 @@ Arguments follow the function's ``parameters`` schema:
   raw as one of its values (a local ``$ref`` is followed to see that); every other property with
   ``string="false"`` and its value as JSON constrained by the property's schema (``%json``, with
   the top-level ``$defs`` / ``definitions`` so that ``$ref`` resolves), which the parser reads
-  back with ``json.loads``; a type list with ``"string"`` in it allows either form.
+  back with ``json.loads``; a type list with ``"string"`` in it allows either form. JSON values
+  are spaced as the encoder renders them (``json.dumps``: ", " and ": ", no other whitespace).
 
 Keywords that relate properties to each other (``minProperties``, ``dependentRequired``, ...)
 are not enforced. Names that the DSML parser could not read back (containing ``"``) are refused
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import json
 
-from ..engine.structured import JSON_WHITESPACE
 from .chat_encoding import DSML, INVOKE_END, PARAMETER_END, TOOL_CALLS_END, TOOL_CALLS_START
 
 __all__ = ["tool_call_grammar"]
@@ -43,6 +43,8 @@ __all__ = ["tool_call_grammar"]
 _CONSTRAINED_STRING = ("pattern", "format", "minLength", "maxLength", "enum", "const", "contentEncoding")
 
 
+#: JSON parameter values as the chat encoder writes them (json.dumps's separators, nothing else)
+ENCODER_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 BLOCK_START = "\n\n" + TOOL_CALLS_START + "\n"     # after </think>: a blank line, then the block
 ANY_PARAM_HEAD = f'<{DSML}parameter name="'
 ANY_PARAM_STRING = '" string="true">'
@@ -100,7 +102,7 @@ def _json_value(schema, defs: dict) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise ValueError(f"a property schema must be an object, got {schema!r}")
-    sub = {**defs, **schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    sub = {**defs, **schema, "x-guidance": ENCODER_JSON}
     return "%json " + json.dumps(sub, ensure_ascii=False)
 
 
