@@ -34,15 +34,17 @@ def default_model_dir() -> str:
     path = os.path.join(cache_dir(), f"tiny-official-seed{DEFAULT_SEED}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
+    import fcntl
+
     from .checkpoint.tiny import make_tiny
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    print(f"dsv4: writing the default tiny model to {path} (first use)", file=sys.stderr)
-    try:
-        make_tiny(path, layout="official", seed=DEFAULT_SEED)
-    except FileExistsError:
-        # another process finished it first (the writer renames a complete temp dir into place)
+    # one writer at a time: processes started together on first use (servers, test workers) wait
+    # for the first one's model instead of replacing it while another one loads it
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(os.path.join(path, "config.json")):
-            raise
+            print(f"dsv4: writing the default tiny model to {path} (first use)", file=sys.stderr)
+            make_tiny(path, layout="official", seed=DEFAULT_SEED, overwrite=True)
     return path
 
 
