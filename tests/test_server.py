@@ -32,6 +32,7 @@ pytest.importorskip("prometheus_client")
 
 from dsv4.engine.sampling_params import SamplingParams  # noqa: E402
 from serve_helpers import serve_process  # noqa: E402
+from dsv4.parallel import free_port  # noqa: E402
 from dsv4.engine.sequence import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1471,7 +1472,7 @@ def test_a_500_keeps_the_keep_alive_connection_usable(monkeypatch):
     def boom(body):
         raise RuntimeError("injected fault")
     monkeypatch.setattr(srv, "detokenize", boom)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
     th = threading.Thread(target=server.run, daemon=True)
     th.start()

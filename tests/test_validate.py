@@ -89,7 +89,7 @@ def test_validate_engine_run_catches_a_batching_bug(tmp_path, capsys, monkeypatc
     batched engine run fails and the alone run does not."""
     from dsv4.engine.runner import ModelRunner
     run = ModelRunner.run
-    monkeypatch.setattr(ModelRunner, "run", lambda self, batch: run(self, batch).flip(0))
+    monkeypatch.setattr(ModelRunner, "run", lambda self, batch, *a, **k: run(self, batch, *a, **k)[::-1])
     assert validate.run(_args(tmp_path, steps=3)) == 1
     out = capsys.readouterr().out
     assert "engine (batch of 4): token 0 is" in out and "engine (alone): greedy tokens = the reference's" in out
