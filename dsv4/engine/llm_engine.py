@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..formats.paging import BLOCK_TOKENS
-from .kv_cache import CacheConfig, KVCache
+from .kv_cache import CacheConfig, KVCache, bytes_per_snapshot
+from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -55,6 +56,10 @@ class EngineConfig:
     synthetic_experts: int | None = None     # None: all of the preset's routed experts
     synthetic_seed: int = 0
     tensor_parallel_size: int = 1            # ranks, one process each (engine.tp_workers)
+    enable_prefix_caching: bool = True       # reuse cached prefixes (engine.prefix_cache), as vLLM's flag
+    # prefix-cache snapshots of the window / compressor state at block boundaries; None: 4 per
+    # sequence slot, at most a quarter of a memory budget (engine.prefix_cache)
+    prefix_cache_snapshots: int | None = None
 
 
 def engine_threads(device, world: int = 1) -> int:
@@ -151,10 +156,12 @@ class LLMEngine:
         weights_mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.tokenizer = load_tokenizer(path)
         budget = None if cfg.num_kv_blocks is not None else self._kv_budget()
+        snaps = self._num_snapshots(budget, bytes_per_snapshot(mc))
         # the model keeps one private scratch slot and block for padding / non-completing rows
         self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + 1,
                                              num_blocks=None if cfg.num_kv_blocks is None else cfg.num_kv_blocks + 1,
-                                             memory_bytes=budget, device=str(self.device)))
+                                             memory_bytes=budget, device=str(self.device), num_snapshots=snaps))
+        self.prefix = PrefixCache(self.cache) if snaps else None
         self.seq_blocks = self.cache.num_blocks - 1      # blocks sequences can hold (one is the model's scratch)
         cap = self.seq_blocks * BLOCK_TOKENS
         limit = min(mc.max_position_embeddings, cap)
@@ -164,9 +171,9 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len or limit
         self.model.attach_cache(self.cache, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                                   self.max_model_len), self.cache)
+                                                   self.max_model_len), self.cache, self.prefix)
         if self.workers is not None:
-            self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs)
+            self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs, snaps)
         self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs,
                                   None if self.workers is None else self.workers.broadcast_step)
         self.backend_name = f"{'kernels' if self.model.ops.kernels else 'torch twins'}" + \
@@ -175,7 +182,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
-        self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.stats = {"steps": 0, "step_time": 0.0, "prompt_tokens": 0, "generation_tokens": 0,
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         if cfg.log:
             wb = self.model.weight_bytes()
             extra = f"; weights / checkpoint bytes {wb / disk_bytes:.3f}" if disk_bytes else ""
@@ -189,6 +197,32 @@ class LLMEngine:
             print(f"dsv4: {self.cache.describe()}; max_model_len {self.max_model_len} (model "
                   f"{mc.max_position_embeddings}, KV cache {cap} tokens); backend {self.backend_name}",
                   file=sys.stderr)
+            print(f"dsv4: {self.describe_prefix_caching()}", file=sys.stderr)
+
+    def _num_snapshots(self, budget: int | None, snap_bytes: int) -> int:
+        """Prefix-cache snapshots to allocate: 0 with caching off; else ``prefix_cache_snapshots``,
+        by default 4 per sequence slot and at most a quarter of a memory budget (at least 1)."""
+        cfg = self.cfg
+        if not cfg.enable_prefix_caching:
+            return 0
+        n = cfg.prefix_cache_snapshots
+        if n is not None:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"prefix_cache_snapshots must be a positive integer, got {n!r}")
+            return n
+        n = 4 * cfg.max_num_seqs
+        if budget is not None:
+            n = min(n, budget // 4 // snap_bytes)
+        return max(1, n)
+
+    def describe_prefix_caching(self) -> str:
+        if self.prefix is None:
+            return "prefix caching off"
+        c = self.cache
+        return (f"prefix caching on: cached prefixes share the {self.seq_blocks} KV blocks "
+                f"({self.seq_blocks * BLOCK_TOKENS} tokens), unused ones evicted least recently used first; "
+                f"{c.num_snapshots} snapshots of the window / compressor state at block boundaries "
+                f"x {c.bytes_per_snapshot / 2**20:.2f} MiB")
 
     @staticmethod
     def _check_split(spec: dict, tp: int) -> None:
@@ -250,6 +284,8 @@ class LLMEngine:
         seqs = [Sequence(request_id, i, ids, params, max_tokens, self.model_config.eos_token_id,
                          self.tokenizer.incremental_detokenizer(params.skip_special_tokens), now)
                 for i in range(params.n)]
+        for s in seqs:
+            s.leader = seqs[0]
         if grammar is not None:
             for s in seqs:              # each sample walks the grammar on its own
                 s.matcher = grammar.matcher()
@@ -294,7 +330,17 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         touched: dict[str, None] = {}
         if batch:
-            logits = self.runner.run(batch)
+            try:
+                logits = self.runner.run(batch)
+            except BaseException:
+                if self.prefix is not None:
+                    self.prefix.cancel([x for c in batch for x in c.captures])
+                raise
+            if self.prefix is not None:     # before any release below: finished blocks stay cached
+                for c in batch:
+                    self.prefix.commit(c.seq, c.captures)
+                self.stats["prefix_cache_queries"] = self.prefix.queries
+                self.stats["prefix_cache_hits"] = self.prefix.hits
             rows = [i for i, c in enumerate(batch) if c.samples]
             for i in [i for i in rows if batch[i].seq.max_tokens == 0]:     # scoring only: no token
                 s = batch[i].seq
@@ -364,4 +410,4 @@ class LLMEngine:
         pl = seqs[0].prompt_logprobs
         return RequestOutput(rid, self.prompts[rid], list(seqs[0].prompt_ids), [s.to_output() for s in seqs],
                              finished, {"arrival": seqs[0].arrival, "first_token_time": seqs[0].first_token_time},
-                             None if pl is None else list(pl))
+                             None if pl is None else list(pl), seqs[0].num_cached_tokens or 0)
