@@ -99,7 +99,7 @@ class PrefixCache:
         self.free_snaps = list(range(n - 1, -1, -1))
         self.probation: OrderedDict[int, None] = OrderedDict()
         self.protected: OrderedDict[int, None] = OrderedDict()
-        self.protected_cap = max(1, n // 2)
+        self.protected_cap = n // 2
         self._pending: dict[bytes, int] = {}     # captures planned for the running step
         self.queries = 0                          # tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0                             # tokens found (vLLM's prefix_cache_hits)
@@ -165,14 +165,15 @@ class PrefixCache:
         self.protected.pop(t, None)
 
     def _take_snapshot(self) -> int | None:
+        """A free snapshot, else the least recently used of the probation segment; None when
+        the rest are protected or taken by this step's captures (a capture is then skipped)."""
         if self.free_snaps:
             return self.free_snaps.pop()
-        for seg in (self.probation, self.protected):
-            if seg:
-                t = next(iter(seg))
-                self._forget_snapshot(t)
-                return t
-        return None                     # every snapshot is taken by this step's captures
+        if self.probation:
+            t = next(iter(self.probation))
+            self._forget_snapshot(t)
+            return t
+        return None
 
     def plan_captures(self, seq, p0: int, end: int) -> list[Capture]:
         """Snapshots to take while ``seq`` computes positions p0 .. end-1: every block boundary
