@@ -13,7 +13,7 @@ def _engine_kw(a: argparse.Namespace) -> dict:
                 gpu_memory_utilization=a.gpu_memory_utilization, device=a.device,
                 cuda_graphs=not a.enforce_eager, log=not a.quiet, synthetic=a.synthetic,
                 synthetic_layers=a.layers, synthetic_experts=a.experts, synthetic_seed=a.synthetic_seed,
-                tensor_parallel_size=a.tensor_parallel_size)
+                tensor_parallel_size=a.tensor_parallel_size, enable_prefix_caching=a.enable_prefix_caching)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -79,6 +79,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-seed", type=int, default=0, help='seed of the --synthetic weights')
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks, one process each (GPU i for rank i)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes seen before, in 256-token blocks (default on)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

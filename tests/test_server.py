@@ -134,7 +134,8 @@ def test_serve_help_and_readme():
     assert r.returncode == 0, r.stderr
     for flag in ("--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--api-key", "--kv-cache-memory", "--gpu-memory-utilization",
-                 "--enforce-eager", "--max-waiting", "--device"):
+                 "--enforce-eager", "--max-waiting", "--device", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching"):
         assert flag in r.stdout, flag
     r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--help"], capture_output=True,
                        text=True, cwd=str(ROOT), timeout=60)
@@ -724,6 +725,33 @@ def test_64_concurrent_streams_with_disconnects(server):
     assert _metric(m, "vllm:time_to_first_token_seconds_count") > _metric(m0, "vllm:time_to_first_token_seconds_count")
     r = httpx.post(server.base + "/v1/completions", headers=_h(), json=_GOOD_CMPL, timeout=300)
     assert r.status_code == 200
+
+
+def test_prefix_cache_hits_are_reported(server):
+    """A prompt sent again reads its first block from the prefix cache: usage's
+    ``prompt_tokens_details.cached_tokens`` (completions, streamed chat's usage chunk),
+    ``vllm:prefix_cache_queries`` / ``_hits`` and the cached blocks gauge say so; the start-up log
+    says caching is on and how much it can hold."""
+    assert "prefix caching on" in server.log.read_text()
+    ids = [0] + list(range(2000, 2299))
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    m0 = _metrics(server.base)
+    r1 = httpx.post(server.base + "/v1/completions", headers=_h(), json=body, timeout=120).json()
+    r2 = httpx.post(server.base + "/v1/completions", headers=_h(), json=body, timeout=120).json()
+    assert r1["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert r2["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+    assert r2["choices"][0]["text"] == r1["choices"][0]["text"]
+    m = _metrics(server.base)
+    d = {k: _metric(m, f"vllm:prefix_cache_{k}_total") - _metric(m0, f"vllm:prefix_cache_{k}_total")
+         for k in ("queries", "hits")}
+    assert d == {"queries": 600, "hits": 256}
+    assert _metric(m, "dsv4:kv_cache_blocks", state="cached") >= 1
+    msgs = [{"role": "user", "content": " ".join(["word"] * 300)}]
+    for want in (0, 256):
+        r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), timeout=120, json={
+            "model": MODEL, "messages": msgs, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}})
+        ev = _sse_events(r.text.split("\n\n"))
+        assert ev[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == want
 
 
 # ============================================================================ bench serve

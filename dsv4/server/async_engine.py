@@ -13,7 +13,7 @@ If a step raises, every request in flight gets ``(tag, EngineError)`` and is abo
 failure in a row marks the engine dead (``/health`` then answers 503).
 
 After every batch of commands and every step the thread publishes a snapshot (running / waiting
-requests, KV usage) that ``/metrics``, ``/health`` and the bounded waiting queue read without
+requests, KV usage and used / cached / free blocks) that ``/metrics``, ``/health`` and the bounded waiting queue read without
 touching the engine, and feeds the per-request latency histograms.
 """
 from __future__ import annotations
@@ -54,6 +54,7 @@ class Snapshot:
     num_free_blocks: int = 0
     num_blocks: int = 0
     steps: int = 0
+    blocks: dict = field(default_factory=dict)   # {"used" | "cached" | "free": KV blocks}
     extra: dict = field(default_factory=dict)
 
 
@@ -271,8 +272,10 @@ class AsyncEngine:
             running = len({s.request_id for s in sched.running})
             waiting = len({s.request_id for s in sched.waiting} - {s.request_id for s in sched.running})
             cache = eng.cache
-            snap = Snapshot(running, waiting, float(cache.usage()), int(cache.num_free_blocks),
-                            int(cache.num_blocks), int(eng.stats.get("steps", 0)))
+            free, cached = int(cache.num_free_blocks), int(getattr(cache, "num_cached_free_blocks", 0))
+            used = int(cache.num_blocks) - int(getattr(cache, "reserved_blocks", 0)) - free
+            snap = Snapshot(running, waiting, float(cache.usage()), free, int(cache.num_blocks),
+                            int(eng.stats.get("steps", 0)), {"used": used, "cached": cached, "free": free - cached})
         except Exception:  # noqa: BLE001 - a snapshot must never kill the engine thread
             return
         self.snapshot = snap
@@ -283,5 +286,7 @@ class AsyncEngine:
             self.metrics.tokens(st.get("prompt_tokens", 0) - s0.get("prompt_tokens", 0),
                                 st.get("generation_tokens", 0) - s0.get("generation_tokens", 0),
                                 pre - self._preempt0)
+            self.metrics.prefix_cache(st.get("prefix_cache_queries", 0) - s0.get("prefix_cache_queries", 0),
+                                      st.get("prefix_cache_hits", 0) - s0.get("prefix_cache_hits", 0))
             self._stats0 = dict(st)
             self._preempt0 = pre

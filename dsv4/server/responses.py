@@ -200,7 +200,8 @@ def from_chat(chat: dict, body: dict) -> dict:
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
         "tool_choice": body.get("tool_choice", "auto"), "tools": tools,
         "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
-        "usage": {"input_tokens": use.get("prompt_tokens", 0), "input_tokens_details": {"cached_tokens": 0},
+        "usage": {"input_tokens": use.get("prompt_tokens", 0), "input_tokens_details": {
+                      "cached_tokens": (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
                   "output_tokens": use.get("completion_tokens", 0), "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": use.get("total_tokens", 0)},
     }
