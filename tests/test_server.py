@@ -780,6 +780,34 @@ def test_bench_serve(server):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_serve_shared_prefix_and_multi_turn_workloads(server):
+    """``prefix_repetition``: prompts sharing a 300-token prefix read its first block from the
+    cache (the test request computed it); ``multi_turn``: each later turn resends the conversation
+    and reads the earlier turns' blocks; the report gives the mean TTFT per turn."""
+    def bench(*args):
+        out = server.tmp / f"bench-{args[1]}.json"
+        r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--port", str(server.port),
+                            "--api-key", KEY, "--ignore-eos", "--max-concurrency", "2", "--seed", "3",
+                            "--disable-tqdm", "--result-file", str(out), *args],
+                           capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(out.read_text()), r.stdout
+
+    res, _ = bench("--dataset-name", "prefix_repetition", "--num-prompts", "3", "--prefix-repetition-prefix-len",
+                   "300", "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "1",
+                   "--prefix-repetition-output-len", "2")
+    assert res["completed"] == 3 and res["total_input_tokens"] == 3 * 308 and res["total_output_tokens"] == 6
+    assert res["total_cached_tokens"] == 3 * 256 and res["dataset_name"] == "prefix_repetition"
+    res, text = bench("--dataset-name", "multi_turn", "--num-prompts", "2", "--multi-turn-turns", "2",
+                      "--random-input-len", "260", "--random-output-len", "2", "--multi-turn-user-len", "8")
+    assert res["completed"] == 4 and len(res["mean_ttft_ms_by_turn"]) == 2 and "Mean TTFT turn 2 (ms)" in text
+    assert res["total_cached_tokens"] >= 3 * 256          # both second turns, and conversation 0's first
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--port", str(server.port),
+                        "--dataset-name", "prefix_repetition", "--num-prompts", "5"],
+                       capture_output=True, text=True, cwd=str(ROOT), timeout=60)
+    assert r.returncode == 2 and "multiple of --prefix-repetition-num-prefixes" in r.stderr
+
+
 def test_bench_serve_chat_counts_tokens_after_the_chat_template(server):
     """On /v1/chat/completions the input tokens are the templated prompt's (BOS, role tokens, the
     re-tokenised text), as the server's /tokenize of the messages counts them; the bench's own
