@@ -288,3 +288,27 @@ def test_hits_after_preemption_and_the_pool_drains(off):
     assert _free(eng.cache) == start
     for p, o in zip(prompts[1:], outs[1:]):
         _agree(o.outputs[0], _alone(off, p, 10))
+
+
+@pytest.mark.gpu
+def test_hits_on_the_kernels_give_caching_off_s_greedy_tokens(tmp_path, monkeypatch):
+    """The same cases on the GPU kernels (decode in CUDA graphs, the decode step's snapshot taken
+    after the graph replay): a 1,024-token hit, a hit at 768 captured inside a prefill chunk, and
+    a hit on a boundary passed while decoding give caching off's greedy tokens wherever its top-1
+    margin is clear."""
+    from test_gpu_engine import _margin_agree
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory="2GiB", device="cuda",
+              log=False)
+    on, off = LLM(None, **kw), LLM(None, enable_prefix_caching=False, **kw)
+    assert on.engine.model.ops.kernels and on.engine.runner.graphs is not None
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    first = _gen(on, _prompt(250, 1), sp)                          # crosses 256 while decoding
+    cases = [PREFIX + _prompt(30, 2), PREFIX[:1000] + _prompt(40, 3),
+             first.prompt_token_ids + first.outputs[0].token_ids + _prompt(20, 4)]
+    _gen(on, PREFIX + _prompt(40, 5), sp)
+    got = [_gen(on, ids, sp) for ids in cases]
+    assert [g.num_cached_tokens for g in got] == [1024, 768, 256]
+    want = [_gen(off, ids, sp) for ids in cases]
+    assert _margin_agree(got, want) >= len(cases) * 12 // 2
+    assert _free(on.engine.cache) == (on.engine.seq_blocks, on.engine.cfg.max_num_seqs)
