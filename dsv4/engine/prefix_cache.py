@@ -28,8 +28,9 @@ evicted on their own: segmented LRU (new snapshots enter a probation segment; on
 hit moves to a protected segment of at most half the pool), so a long prompt's many boundaries
 cannot flush the hot ones (a shared system prompt's). A hit is the longest chain of cached blocks
 whose last block boundary has a snapshot; the blocks beyond it are recomputed (and snapshotted).
-A capture costs a copy of those bytes (one gather per layer and step, whatever the number of
-boundaries); a restore the same copy back.
+A capture copies those bytes (after a decode step ~130 small copies for V4-Flash's 43 layers,
+1.2 ms on one CPU core; inside a prefill chunk one gather per layer for all its boundaries); a
+restore copies them back (1.4 ms).
 
 Exactness. A hit's blocks and snapshot hold the bits the computing sequence wrote, so the hit
 continues with the state that sequence had. Against the same request without caching, the
