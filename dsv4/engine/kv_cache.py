@@ -385,11 +385,12 @@ class KVCache:
             raise ValueError(f"snapshots are taken at block boundaries (multiples of {BLOCK_TOKENS}), not {pos}")
 
     def _pending_rows(self, pos: int) -> Tensor:
-        return torch.arange(pos - SNAP_ROWS, pos, device=self.device) % (2 * SNAP_ROWS)
+        """CSA compressor ring rows of positions pos-4 .. pos-1 (position q at row q % 8)."""
+        return torch.arange(pos - SNAP_ROWS, pos, device=self.device) % (_coff(4) * 4)
 
     def capture(self, slot: int, snap: int, pos: int) -> None:
         """Copy the state of the sequence in ``slot``, which stands at block boundary ``pos``, into
-        snapshot ``snap`` (the ring is aligned there: ring row i holds position pos - 128 + i)."""
+        snapshot ``snap`` (the window ring is aligned there: ring row i holds position pos-128+i)."""
         self._snap_check(snap, slot, pos)
         rows = self._pending_rows(pos)
         for lc in self.layers:
