@@ -222,9 +222,10 @@ def test_a_shared_1024_token_prefix_is_reused_and_gives_caching_off_s_output(on,
 
 
 def test_a_hit_on_a_running_sequence_and_n_samples_share_the_prompt(on):
-    """A request reuses the prefix of one still decoding (the blocks are then held twice), and
-    gives that sequence's own tokens; the samples of an n = 2 request wait for sample 0's prompt
-    and reuse it: both give sample 0's greedy tokens, bit for bit."""
+    """A request reuses the prefix of one still decoding (the blocks are then held twice, and an
+    abort of a third sharer gives its reference back), and gives that sequence's own tokens; the
+    samples of an n = 2 request wait for sample 0's prompt and reuse it: both give sample 0's
+    greedy tokens, bit for bit."""
     eng = on.engine
     start = _free(eng.cache)
     ids = _prompt(300, 104)
@@ -234,9 +235,12 @@ def test_a_hit_on_a_running_sequence_and_n_samples_share_the_prompt(on):
         eng.step()
     a = eng.scheduler.running[0]
     eng.add_request("b", {"prompt_token_ids": ids}, sp)
+    eng.add_request("c", {"prompt_token_ids": ids}, sp)
     done = {o.request_id: o for o in eng.step() if o.finished}
     b = next(s for s in eng.scheduler.running if s.request_id == "b")
     assert not a.is_finished and b.num_cached_tokens == 256 and b.block_table[0] == a.block_table[0]
+    assert eng.cache._ref[a.block_table[0]] == 3
+    eng.abort_request("c")
     assert eng.cache._ref[a.block_table[0]] == 2
     while eng.has_unfinished_requests():
         done.update({o.request_id: o for o in eng.step() if o.finished})
