@@ -14,7 +14,7 @@ def _engine_kw(a: argparse.Namespace) -> dict:
                 cuda_graphs=not a.enforce_eager, log=not a.quiet, synthetic=a.synthetic,
                 synthetic_layers=a.layers, synthetic_experts=a.experts, synthetic_seed=a.synthetic_seed,
                 tensor_parallel_size=a.tensor_parallel_size, revision=a.revision,
-                speculative_config=a.speculative_config)
+                speculative_config=a.speculative_config, enable_prefix_caching=a.enable_prefix_caching)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -85,6 +85,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding, vLLM\'s JSON: \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                         '(drafts with the checkpoint\'s MTP block)')
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompt prefixes seen before, in 256-token blocks (default on)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

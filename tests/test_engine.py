@@ -163,8 +163,8 @@ def test_nan_logits_fail_the_request_not_token_zero(llm, monkeypatch):
     eng = llm.engine
     orig = eng.runner.forward
 
-    def poisoned(chunks, scores=None, *rest):
-        out = orig(chunks, scores, *rest)
+    def poisoned(*args, **kw):
+        out = orig(*args, **kw)
         return [torch.full_like(o, float("nan")) for o in out]
     monkeypatch.setattr(eng.runner, "forward", poisoned)
     start = _free(eng.cache)

@@ -102,7 +102,8 @@ def test_serve_help_and_readme():
     assert r.returncode == 0, r.stderr
     for flag in ("--host", "--port", "--served-model-name", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--api-key", "--kv-cache-memory", "--gpu-memory-utilization",
-                 "--enforce-eager", "--max-waiting", "--device"):
+                 "--enforce-eager", "--max-waiting", "--device", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching"):
         assert flag in r.stdout, flag
     r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--help"], capture_output=True,
                        text=True, cwd=str(ROOT), timeout=60)
@@ -725,6 +726,33 @@ def test_64_concurrent_streams_with_disconnects(server):
     assert r.status_code == 200
 
 
+def test_prefix_cache_hits_are_reported(server):
+    """A prompt sent again reads its first block from the prefix cache: usage's
+    ``prompt_tokens_details.cached_tokens`` (completions, streamed chat's usage chunk),
+    ``vllm:prefix_cache_queries`` / ``_hits`` and the cached blocks gauge say so; the start-up log
+    says caching is on and how much it can hold."""
+    assert "prefix caching on" in server.log.read_text()
+    ids = [0] + list(range(2000, 2299))
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    m0 = _metrics(server.base)
+    r1 = httpx.post(server.base + "/v1/completions", headers=_h(), json=body, timeout=120).json()
+    r2 = httpx.post(server.base + "/v1/completions", headers=_h(), json=body, timeout=120).json()
+    assert r1["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert r2["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
+    assert r2["choices"][0]["text"] == r1["choices"][0]["text"]
+    m = _metrics(server.base)
+    d = {k: _metric(m, f"vllm:prefix_cache_{k}_total") - _metric(m0, f"vllm:prefix_cache_{k}_total")
+         for k in ("queries", "hits")}
+    assert d == {"queries": 600, "hits": 256}
+    assert _metric(m, "dsv4:kv_cache_blocks", state="cached") >= 1
+    msgs = [{"role": "user", "content": " ".join(["word"] * 300)}]
+    for want in (0, 256):
+        r = httpx.post(server.base + "/v1/chat/completions", headers=_h(), timeout=120, json={
+            "model": MODEL, "messages": msgs, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}})
+        ev = _sse_events(r.text.split("\n\n"))
+        assert ev[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == want
+
+
 # ============================================================================ bench serve
 
 
@@ -749,6 +777,34 @@ def test_bench_serve(server):
     assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
     if png.exists():
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_serve_shared_prefix_and_multi_turn_workloads(server):
+    """``prefix_repetition``: prompts sharing a 300-token prefix read its first block from the
+    cache (the test request computed it); ``multi_turn``: each later turn resends the conversation
+    and reads the earlier turns' blocks; the report gives the mean TTFT per turn."""
+    def bench(*args):
+        out = server.tmp / f"bench-{args[1]}.json"
+        r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--port", str(server.port),
+                            "--api-key", KEY, "--ignore-eos", "--max-concurrency", "2", "--seed", "3",
+                            "--disable-tqdm", "--result-file", str(out), *args],
+                           capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(out.read_text()), r.stdout
+
+    res, _ = bench("--dataset-name", "prefix_repetition", "--num-prompts", "3", "--prefix-repetition-prefix-len",
+                   "300", "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "1",
+                   "--prefix-repetition-output-len", "2")
+    assert res["completed"] == 3 and res["total_input_tokens"] == 3 * 308 and res["total_output_tokens"] == 6
+    assert res["total_cached_tokens"] == 3 * 256 and res["dataset_name"] == "prefix_repetition"
+    res, text = bench("--dataset-name", "multi_turn", "--num-prompts", "2", "--multi-turn-turns", "2",
+                      "--random-input-len", "260", "--random-output-len", "2", "--multi-turn-user-len", "8")
+    assert res["completed"] == 4 and len(res["mean_ttft_ms_by_turn"]) == 2 and "Mean TTFT turn 2 (ms)" in text
+    assert res["total_cached_tokens"] >= 3 * 256          # both second turns, and conversation 0's first
+    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--port", str(server.port),
+                        "--dataset-name", "prefix_repetition", "--num-prompts", "5"],
+                       capture_output=True, text=True, cwd=str(ROOT), timeout=60)
+    assert r.returncode == 2 and "multiple of --prefix-repetition-num-prefixes" in r.stderr
 
 
 def test_bench_serve_chat_counts_tokens_after_the_chat_template(server):

@@ -1,6 +1,8 @@
 """Tensor parallelism through the engine on CPU (gloo, the tiny model): the engine starts its own
 worker processes; world size 2 (from a script on stdin without a ``__main__`` guard) gives world
-size 1's greedy tokens wherever the top-1 margin is clear, ``generate`` and ``serve`` work with
+size 1's greedy tokens wherever the top-1 margin is clear, a prefix-cache hit gives the tokens
+and log-probs of the same prompt computed without one on either world size (every rank restores
+the snapshot rank 0 picked), ``generate`` and ``serve`` work with
 ``--tensor-parallel-size 2``, a worker dying at start-up fails it at once and a killed worker stops
 the server, each with a message naming its rank, and rank counts the model cannot split are
 refused before anything starts."""
@@ -21,13 +23,20 @@ from dsv4 import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "1, 2, 3,", "def main():"]
+LONG = {"prompt_token_ids": list(range(1000, 1303))}    # 303 tokens: sent again, its first block is a hit
 
 
 def _run(tp):
     llm = LLM(None, tensor_parallel_size=tp, max_model_len=512, kv_cache_memory="64MiB", log=False)
     try:
         sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-        return [o.outputs[0] for o in llm.generate(PROMPTS, sp)]
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS + [LONG], sp)]
+        hit = llm.generate([LONG], sp)[0]
+        assert hit.num_cached_tokens == 256
+        a, b = outs[-1], hit.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids))
+        return outs[:-1]
     finally:
         llm.engine.close()
 

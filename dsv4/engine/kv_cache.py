@@ -37,19 +37,34 @@ constants and ``blocks_needed`` / ``block_table_tensor`` live in ``formats.pagin
 * Draft layers (``CacheConfig.draft_layers``, the MTP block of speculative decoding): a window
   ring per slot each, as a main sliding-window layer's (``KVCache.draft_layers``); the
   reference-state stand-in does not cover them (``PagedSequenceState.mtp is None``).
+* Prefix-cache snapshots (``CacheConfig.num_snapshots``; ``engine.prefix_cache``): the state a
+  sequence needs beyond its blocks to continue at a block boundary ``b`` (a multiple of 256, so of
+  128 and 4): in every main layer the 128-entry window ring (positions b-128 .. b-1 at ring row
+  ``q % 128``, the slot's layout: ``snap_window`` [2 * num_snapshots, page_bytes(64)]) and, in CSA
+  layers, the 4 pending rows of the main and the indexer compressor (positions b-4 .. b-1, the
+  previous window the next entry overlaps: ``snap_comp`` / ``snap_index`` [num_snapshots, 4,
+  2*2*dim] fp32). A ratio-128 compressor has nothing pending at b. ``capture`` / ``restore`` copy
+  a slot's state to / from a snapshot; ``layers.attention`` captures boundaries inside a prefill
+  chunk straight from the chunk's rows.
 
-Memory: ``bytes_per_block`` (all layers' block pages) and ``bytes_per_slot`` (windows + compressor
-states); with ``CacheConfig.memory_bytes`` the cache takes
-``num_blocks = (memory_bytes - max_num_seqs * bytes_per_slot) // bytes_per_block``.
+Memory: ``bytes_per_block`` (all layers' block pages), ``bytes_per_slot`` (windows + compressor
+states) and ``bytes_per_snapshot``; with ``CacheConfig.memory_bytes`` the cache takes
+``num_blocks = (memory_bytes - max_num_seqs * bytes_per_slot - num_snapshots * bytes_per_snapshot)
+// bytes_per_block``.
 
 The engine allocates a slot and blocks, grows the sequence's block table (a Python list, shared
 by reference with its ``PagedSequenceState``) to ``blocks_needed(pos + n)`` before each forward of
-n new tokens, and frees both when the sequence ends. The state checks the table and raises
+n new tokens, and frees both when the sequence ends. Blocks are reference counted (sequences
+sharing a cached prefix hold the same blocks); a block whose count drops to 0 goes back to the
+free stack, or, when it holds a cached prefix (``mark_cached``), to an LRU of evictable cached
+blocks that ``allocate_blocks`` reuses (oldest first, after the free stack runs dry), calling
+``evict_hook(block)`` so the prefix cache forgets it. The state checks the table and raises
 ``KVCacheError`` if it is too short (a programming error: the forward is then aborted midway and
 the states of that batch are no longer usable).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +114,22 @@ def layer_slot_bytes(cfg: ModelConfig, layer: int) -> int:
     return n
 
 
+SNAP_ROWS = 4                    # CSA compressor rows pending at a block boundary (positions b-4 .. b-1)
+
+
+def layer_snapshot_bytes(cfg: ModelConfig, layer: int) -> int:
+    """Bytes of one prefix-cache snapshot in main layer ``layer``: the window ring, plus the CSA
+    compressors' pending rows."""
+    n = (WINDOW // WINDOW_PAGE) * page_bytes(WINDOW_PAGE)
+    if cfg.layer_ratio(layer) == 4:
+        n += SNAP_ROWS * 2 * 2 * (cfg.head_dim + cfg.index_head_dim) * 4
+    return n
+
+
+def bytes_per_snapshot(cfg: ModelConfig) -> int:
+    return sum(layer_snapshot_bytes(cfg, i) for i in range(cfg.num_hidden_layers))
+
+
 def bytes_per_block(cfg: ModelConfig) -> int:
     return sum(layer_block_bytes(cfg, i) for i in range(cfg.num_hidden_layers))
 
@@ -109,13 +140,15 @@ def bytes_per_slot(cfg: ModelConfig) -> int:
 
 @dataclass
 class CacheConfig:
-    """``max_num_seqs`` sequence slots; KV blocks: ``num_blocks``, or as many as fit in
-    ``memory_bytes`` after the slots. ``device``: where the pools live. ``draft_layers``: window-only
-    layers of a speculative drafter (the MTP block), one 128-token ring per slot each."""
+    """``max_num_seqs`` sequence slots; ``num_snapshots`` prefix-cache snapshots; KV blocks:
+    ``num_blocks``, or as many as fit in ``memory_bytes`` after the slots and snapshots.
+    ``device``: where the pools live. ``draft_layers``: window-only layers of a speculative drafter
+    (the MTP block), one 128-token ring per slot each."""
     max_num_seqs: int
     num_blocks: int | None = None
     memory_bytes: int | None = None
     device: str | torch.device = "cpu"
+    num_snapshots: int = 0
     draft_layers: int = 0
 
 
@@ -128,6 +161,9 @@ class LayerCache:
     index_keys:    uint8 [num_blocks, 64 * 68] MXFP4 (CSA layers)
     comp_state:    fp32 [max_num_seqs, coff*m, 2*coff*head_dim] (compressed layers)
     index_state:   fp32 [max_num_seqs, 8, 2*2*index_head_dim] (CSA layers)
+    snap_window:   uint8 [2 * num_snapshots, page_bytes(64)]; snapshot t owns pages 2t, 2t+1
+    snap_comp:     fp32 [num_snapshots, 4, 2*2*head_dim] (CSA layers)
+    snap_index:    fp32 [num_snapshots, 4, 2*2*index_head_dim] (CSA layers)
     """
     ratio: int
     window: Tensor
@@ -136,6 +172,9 @@ class LayerCache:
     index_keys: Tensor | None = None
     comp_state: Tensor | None = None
     index_state: Tensor | None = None
+    snap_window: Tensor | None = None
+    snap_comp: Tensor | None = None
+    snap_index: Tensor | None = None
 
 
 class KVCache:
@@ -146,32 +185,38 @@ class KVCache:
         S = cache_cfg.max_num_seqs
         if not isinstance(S, int) or S < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {S!r}")
-        self.max_num_seqs = S
+        ns = cache_cfg.num_snapshots
+        if not isinstance(ns, int) or ns < 0:
+            raise ValueError(f"num_snapshots must be a non-negative integer, got {ns!r}")
+        self.max_num_seqs, self.num_snapshots = S, ns
         self.bytes_per_block = bytes_per_block(model_cfg)
         self.bytes_per_slot = bytes_per_slot(model_cfg) + cache_cfg.draft_layers * WINDOW // WINDOW_PAGE * \
             page_bytes(WINDOW_PAGE)
-        slot_total = S * self.bytes_per_slot
+        self.bytes_per_snapshot = bytes_per_snapshot(model_cfg)
+        fixed = S * self.bytes_per_slot + ns * self.bytes_per_snapshot
+        what = f"max_num_seqs={S} slots ({self.bytes_per_slot} bytes each)" + (
+            f" and {ns} prefix-cache snapshots ({self.bytes_per_snapshot} bytes each)" if ns else "")
         mem = cache_cfg.memory_bytes
         if cache_cfg.num_blocks is not None:
             nb = cache_cfg.num_blocks
             if not isinstance(nb, int) or nb < 1:
                 raise ValueError(f"num_blocks must be a positive integer, got {nb!r}")
-            if mem is not None and slot_total + nb * self.bytes_per_block > mem:
-                raise ValueError(f"num_blocks={nb} and max_num_seqs={S} need "
-                                 f"{slot_total + nb * self.bytes_per_block} bytes, more than memory_bytes={mem}")
+            if mem is not None and fixed + nb * self.bytes_per_block > mem:
+                raise ValueError(f"num_blocks={nb} and {what} need "
+                                 f"{fixed + nb * self.bytes_per_block} bytes, more than memory_bytes={mem}")
         elif mem is not None and self.bytes_per_block == 0:
             # no compressed layer: blocks hold no bytes, so every slot can reach the full length
-            if mem < slot_total:
-                raise ValueError(f"memory_bytes={mem} is too small: max_num_seqs={S} slots take {slot_total} "
-                                 f"bytes ({self.bytes_per_slot} each); raise memory_bytes or lower max_num_seqs")
+            if mem < fixed:
+                raise ValueError(f"memory_bytes={mem} is too small: {what} take {fixed} bytes; raise "
+                                 f"memory_bytes or lower max_num_seqs")
             nb = S * -(-model_cfg.max_position_embeddings // BLOCK_TOKENS)
         elif mem is not None:
-            if mem < slot_total + self.bytes_per_block:
+            if mem < fixed + self.bytes_per_block:
                 raise ValueError(
-                    f"memory_bytes={mem} is too small: max_num_seqs={S} slots take {slot_total} bytes "
-                    f"({self.bytes_per_slot} each) and one KV block of {BLOCK_TOKENS} tokens takes "
-                    f"{self.bytes_per_block} bytes; raise memory_bytes or lower max_num_seqs")
-            nb = (mem - slot_total) // self.bytes_per_block
+                    f"memory_bytes={mem} is too small: {what} take {fixed} bytes and one KV block of "
+                    f"{BLOCK_TOKENS} tokens takes {self.bytes_per_block} bytes; raise memory_bytes or lower "
+                    f"max_num_seqs")
+            nb = (mem - fixed) // self.bytes_per_block
         else:
             raise ValueError("CacheConfig needs num_blocks or memory_bytes")
         self.num_blocks = nb
@@ -181,6 +226,7 @@ class KVCache:
         for i in range(model_cfg.num_hidden_layers):
             r = model_cfg.layer_ratio(i)
             lc = LayerCache(r, torch.zeros(2 * S, page_bytes(WINDOW_PAGE), dtype=torch.uint8, device=dev))
+            lc.snap_window = torch.zeros(2 * ns, page_bytes(WINDOW_PAGE), dtype=torch.uint8, device=dev)
             if r:
                 if BLOCK_TOKENS % r:
                     raise ValueError(f"compress ratio {r} of layer {i} does not divide {BLOCK_TOKENS}")
@@ -193,13 +239,20 @@ class KVCache:
                                                 dtype=torch.uint8, device=dev)
                     lc.index_state = torch.zeros(S, c * r, 2 * c * model_cfg.index_head_dim,
                                                  dtype=torch.float32, device=dev)
+                    lc.snap_comp = torch.zeros(ns, SNAP_ROWS, lc.comp_state.shape[2], dtype=torch.float32,
+                                               device=dev)
+                    lc.snap_index = torch.zeros(ns, SNAP_ROWS, lc.index_state.shape[2], dtype=torch.float32,
+                                                device=dev)
             self.layers.append(lc)
         self.draft_layers = [LayerCache(0, torch.zeros(2 * S, page_bytes(WINDOW_PAGE), dtype=torch.uint8, device=dev))
                              for _ in range(cache_cfg.draft_layers)]
         # free lists: stacks, lowest id handed out first
         self._free_blocks = list(range(nb - 1, -1, -1))
         self.reserved_blocks = 0
-        self._block_used = [False] * nb
+        self._ref = [0] * nb                  # sequences (or the model's scratch) holding each block
+        self._cacheable = [False] * nb        # the block holds a cached prefix (``mark_cached``)
+        self._evictable: OrderedDict[int, None] = OrderedDict()   # cached blocks at ref 0, oldest first
+        self.evict_hook = None                # called with a cached block when it is reused
         self._free_slots = list(range(S - 1, -1, -1))
         self._slot_used = [False] * S
 
@@ -210,16 +263,19 @@ class KVCache:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block + self.max_num_seqs * self.bytes_per_slot
+        return (self.num_blocks * self.bytes_per_block + self.max_num_seqs * self.bytes_per_slot
+                + self.num_snapshots * self.bytes_per_snapshot)
 
     def describe(self) -> str:
         gib = 2.0 ** 30
+        snaps = (f" + {self.num_snapshots} prefix-cache snapshots x {self.bytes_per_snapshot / 2**20:.2f} MiB "
+                 f"({self.num_snapshots * self.bytes_per_snapshot / gib:.3f} GiB)" if self.num_snapshots else "")
         return (f"KV cache: {self.num_blocks} blocks x {BLOCK_TOKENS} tokens = {self.capacity_tokens} tokens, "
                 f"{self.bytes_per_block / BLOCK_TOKENS:.0f} B/token compressed "
                 f"({self.num_blocks * self.bytes_per_block / gib:.3f} GiB) + {self.max_num_seqs} sequence slots "
                 f"x {self.bytes_per_slot / 2**20:.2f} MiB window+compressor state "
-                f"({self.max_num_seqs * self.bytes_per_slot / gib:.3f} GiB); total {self.total_bytes / gib:.3f} GiB "
-                f"on {self.device}")
+                f"({self.max_num_seqs * self.bytes_per_slot / gib:.3f} GiB){snaps}; total "
+                f"{self.total_bytes / gib:.3f} GiB on {self.device}")
 
     # ------------------------------------------------------------------ allocation
     @staticmethod
@@ -229,19 +285,26 @@ class KVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks an allocation can take now: empty ones plus unreferenced cached ones."""
+        return len(self._free_blocks) + len(self._evictable)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Unreferenced blocks that hold a cached prefix (reused, oldest first, when needed)."""
+        return len(self._evictable)
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
     def can_allocate(self, n_blocks: int) -> bool:
-        return 0 <= n_blocks <= len(self._free_blocks)
+        return 0 <= n_blocks <= self.num_free_blocks
 
     def usage(self) -> float:
-        """Fraction of the sequences' KV blocks in use (reserved blocks not counted)."""
+        """Fraction of the sequences' KV blocks in use (reserved blocks not counted; unreferenced
+        cached blocks count as free)."""
         usable = self.num_blocks - self.reserved_blocks
-        return (usable - len(self._free_blocks)) / max(1, usable)
+        return (usable - self.num_free_blocks) / max(1, usable)
 
     def reserve_block(self) -> int:
         """A block taken out of the sequences' pool for good (a model's scratch writes)."""
@@ -265,27 +328,94 @@ class KVCache:
         self._free_slots.append(slot)
 
     def allocate_blocks(self, n: int) -> list[int]:
+        """``n`` blocks at reference count 1: empty ones first, then the least recently released
+        cached ones (``evict_hook`` is told of each)."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free_blocks):
-            raise KVCacheError(f"out of KV blocks: need {n}, {len(self._free_blocks)} of {self.num_blocks} free")
-        out = [self._free_blocks.pop() for _ in range(n)]
-        for b in out:
-            self._block_used[b] = True
+        if n > self.num_free_blocks:
+            raise KVCacheError(f"out of KV blocks: need {n}, {self.num_free_blocks} of {self.num_blocks} free")
+        out = []
+        for _ in range(n):
+            if self._free_blocks:
+                b = self._free_blocks.pop()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                self._cacheable[b] = False
+                if self.evict_hook is not None:
+                    self.evict_hook(b)
+            self._ref[b] = 1
+            out.append(b)
         return out
 
+    def share_blocks(self, blocks: list[int]) -> None:
+        """One more reference to each of ``blocks`` (cached blocks a sequence reuses); an
+        unreferenced one leaves the evictable LRU."""
+        for b in blocks:
+            if not (self._ref[b] > 0 or b in self._evictable):
+                raise ValueError(f"block {b} is neither in use nor cached")
+        for b in blocks:
+            self._evictable.pop(b, None)
+            self._ref[b] += 1
+
+    def mark_cached(self, block: int) -> None:
+        """``block`` (in use) holds a cached prefix: at reference count 0 it stays reusable."""
+        if self._ref[block] < 1:
+            raise ValueError(f"block {block} is not allocated")
+        self._cacheable[block] = True
+
     def free_blocks(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; at 0 a block is free, or evictable if it is cached.
+        The table's tail goes first into the LRU, so a prefix's deepest blocks are reused first."""
         blocks = list(blocks)
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"free_blocks: repeated block ids in {blocks}")
         for b in blocks:   # validate everything before changing anything
             if not (isinstance(b, int) and 0 <= b < self.num_blocks):
                 raise ValueError(f"block {b!r} out of range [0, {self.num_blocks})")
-            if not self._block_used[b]:
+            if self._ref[b] < 1:
                 raise ValueError(f"block {b} is not allocated (double free?)")
         for b in reversed(blocks):
-            self._block_used[b] = False
-            self._free_blocks.append(b)
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._cacheable[b]:
+                    self._evictable[b] = None
+                else:
+                    self._free_blocks.append(b)
+
+    # ------------------------------------------------------------------ prefix-cache snapshots
+    def _snap_check(self, snap: int, slot: int, pos: int) -> None:
+        if not (0 <= snap < self.num_snapshots):
+            raise ValueError(f"snapshot {snap!r} out of range [0, {self.num_snapshots})")
+        if not (0 <= slot < self.max_num_seqs):
+            raise ValueError(f"slot {slot!r} out of range [0, {self.max_num_seqs})")
+        if pos <= 0 or pos % BLOCK_TOKENS:
+            raise ValueError(f"snapshots are taken at block boundaries (multiples of {BLOCK_TOKENS}), not {pos}")
+
+    def _pending_rows(self, pos: int) -> Tensor:
+        """CSA compressor ring rows of positions pos-4 .. pos-1 (position q at row q % 8)."""
+        return torch.arange(pos - SNAP_ROWS, pos, device=self.device) % (_coff(4) * 4)
+
+    def capture(self, slot: int, snap: int, pos: int) -> None:
+        """Copy the state of the sequence in ``slot``, which stands at block boundary ``pos``, into
+        snapshot ``snap`` (the window ring is aligned there: ring row i holds position pos-128+i)."""
+        self._snap_check(snap, slot, pos)
+        rows = self._pending_rows(pos)
+        for lc in self.layers:
+            lc.snap_window[2 * snap:2 * snap + 2] = lc.window[2 * slot:2 * slot + 2]
+            if lc.ratio == 4:
+                lc.snap_comp[snap] = lc.comp_state[slot, rows]
+                lc.snap_index[snap] = lc.index_state[slot, rows]
+
+    def restore(self, snap: int, slot: int, pos: int) -> None:
+        """Put snapshot ``snap`` (taken at block boundary ``pos``) into ``slot``: the sequence there
+        continues at ``pos`` as the one the snapshot was taken from."""
+        self._snap_check(snap, slot, pos)
+        rows = self._pending_rows(pos)
+        for lc in self.layers:
+            lc.window[2 * slot:2 * slot + 2] = lc.snap_window[2 * snap:2 * snap + 2]
+            if lc.ratio == 4:
+                lc.comp_state[slot, rows] = lc.snap_comp[snap]
+                lc.index_state[slot, rows] = lc.snap_index[snap]
 
     def block_tables_tensor(self, tables: list[list[int]], width: int | None = None) -> Tensor:
         return block_table_tensor(tables, width, self.device)
@@ -347,7 +477,7 @@ def _entry_slots(cache: KVCache, block_table: list[int], first: int, n: int, per
             f"blocks_needed(pos + n) before the forward")
     blocks = block_table[first // per_block:last_block + 1]
     for b in blocks:
-        if not (isinstance(b, int) and 0 <= b < cache.num_blocks and cache._block_used[b]):
+        if not (isinstance(b, int) and 0 <= b < cache.num_blocks and cache._ref[b] > 0):
             raise KVCacheError(f"{what}: block {b!r} in the block table is not an allocated block")
     j = torch.arange(first, first + n)
     bt = torch.tensor(blocks, dtype=torch.int64)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..formats.paging import BLOCK_TOKENS
-from .kv_cache import CacheConfig, KVCache
+from .kv_cache import CacheConfig, KVCache, bytes_per_snapshot
+from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -61,6 +62,10 @@ class EngineConfig:
     seed: int | None = None                  # seeds torch's global RNG, which requests without a seed sample from
     revision: str | None = None              # of a Hugging Face Hub id given as ``model``
     generation_config: str = "auto"          # default sampling parameters: auto | vllm | DIR (models.generation_defaults)
+    enable_prefix_caching: bool = True       # reuse cached prefixes (engine.prefix_cache), as vLLM's flag
+    # prefix-cache snapshots of the window / compressor state at block boundaries; None: 4 per
+    # sequence slot, at most a quarter of a memory budget (engine.prefix_cache)
+    prefix_cache_snapshots: int | None = None
 
 
 def engine_threads(device, world: int = 1) -> int:
@@ -179,11 +184,13 @@ class LLMEngine:
         except (TypeError, ValueError) as e:
             raise ValueError(f"generation_config.json of {path}: {e}") from None
         budget = None if cfg.num_kv_blocks is not None else self._kv_budget()
+        snaps = self._num_snapshots(budget, bytes_per_snapshot(mc))
         # the model keeps one private scratch slot and block for padding / non-completing rows
         self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + 1,
                                              num_blocks=None if cfg.num_kv_blocks is None else cfg.num_kv_blocks + 1,
-                                             memory_bytes=budget, device=str(self.device),
+                                             memory_bytes=budget, device=str(self.device), num_snapshots=snaps,
                                              draft_layers=int(draft is not None)))
+        self.prefix = PrefixCache(self.cache) if snaps else None
         self.seq_blocks = self.cache.num_blocks - 1      # blocks sequences can hold (one is the model's scratch)
         cap = self.seq_blocks * BLOCK_TOKENS
         limit = min(mc.max_position_embeddings, cap)
@@ -193,9 +200,9 @@ class LLMEngine:
         self.max_model_len = cfg.max_model_len or limit
         self.model.attach_cache(self.cache, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                                   self.max_model_len), self.cache)
+                                                   self.max_model_len), self.cache, self.prefix)
         if self.workers is not None:
-            self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs)
+            self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs, snaps)
         self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs,
                                   None if self.workers is None else self.workers.broadcast_step)
         self.backend_name = f"{'kernels' if self.model.ops.kernels else 'torch twins'}" + \
@@ -212,7 +219,8 @@ class LLMEngine:
                       # speculative decoding (vLLM's spec_decode metrics): verify steps with drafts,
                       # draft tokens, accepted ones, and accepted ones by draft position
                       "spec_num_drafts": 0, "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
-                      "spec_accepted_per_pos": [0] * (0 if self.spec is None else self.spec.num_speculative_tokens)}
+                      "spec_accepted_per_pos": [0] * (0 if self.spec is None else self.spec.num_speculative_tokens),
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
         if cfg.log:
@@ -235,6 +243,37 @@ class LLMEngine:
             gen = ", ".join(f"{k}={v}" for k, v in self.default_sampling.items()) or "none (vLLM's defaults)"
             print(f"dsv4: default sampling parameters (--generation-config {cfg.generation_config}): {gen}",
                   file=sys.stderr)
+            print(f"dsv4: {self.describe_prefix_caching()}", file=sys.stderr)
+
+    def _num_snapshots(self, budget: int | None, snap_bytes: int) -> int:
+        """Prefix-cache snapshots to allocate: 0 with caching off or speculative decoding on; else
+        ``prefix_cache_snapshots``, by default 4 per sequence slot and at most a quarter of a memory
+        budget (at least 1)."""
+        cfg = self.cfg
+        if not cfg.enable_prefix_caching or self.spec is not None:
+            return 0
+        n = cfg.prefix_cache_snapshots
+        if n is not None:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"prefix_cache_snapshots must be a positive integer, got {n!r}")
+            return n
+        n = 4 * cfg.max_num_seqs
+        if budget is not None:
+            n = min(n, budget // 4 // snap_bytes)
+        return max(1, n)
+
+    def describe_prefix_caching(self) -> str:
+        if self.prefix is None:
+            if self.cfg.enable_prefix_caching and self.spec is not None:
+                # a snapshot holds the main layers' state only: the MTP block's window ring of a hit
+                # would be missing, and a verify chunk may cross a block boundary on draft tokens
+                return "prefix caching off: not supported together with speculative decoding"
+            return "prefix caching off"
+        c = self.cache
+        return (f"prefix caching on: cached prefixes share the {self.seq_blocks} KV blocks "
+                f"({self.seq_blocks * BLOCK_TOKENS} tokens), unused ones evicted least recently used first; "
+                f"{c.num_snapshots} snapshots of the window / compressor state at block boundaries "
+                f"x {c.bytes_per_snapshot / 2**20:.2f} MiB")
 
     @staticmethod
     def _check_split(spec: dict, tp: int) -> None:
@@ -296,6 +335,8 @@ class LLMEngine:
         seqs = [Sequence(request_id, i, ids, params, max_tokens, self.model_config.eos_token_id,
                          self.tokenizer.incremental_detokenizer(params.skip_special_tokens), now)
                 for i in range(params.n)]
+        for s in seqs:
+            s.leader = seqs[0]
         if grammar is not None:
             for s in seqs:              # each sample walks the grammar on its own
                 s.matcher = grammar.matcher()
@@ -353,7 +394,17 @@ class LLMEngine:
             p0 = [c.seq.num_computed for c in batch]
             saved = {i: self.cache.save_positions(batch[i].seq.slot, p0[i], p0[i] + batch[i].num_tokens)
                      for i in verify}
-            logits = self.runner.run(batch, verify, keep)
+            try:
+                logits = self.runner.run(batch, verify, keep)
+            except BaseException:
+                if self.prefix is not None:
+                    self.prefix.cancel([x for c in batch for x in c.captures])
+                raise
+            if self.prefix is not None:     # before any release below: finished blocks stay cached
+                for c in batch:
+                    self.prefix.commit(c.seq, c.captures)
+                self.stats["prefix_cache_queries"] = self.prefix.queries
+                self.stats["prefix_cache_hits"] = self.prefix.hits
             rows = [i for i, c in enumerate(batch) if c.samples]
             for i in [i for i in rows if batch[i].seq.max_tokens == 0]:     # scoring only: no token
                 s = batch[i].seq
@@ -491,4 +542,4 @@ class LLMEngine:
             metrics["num_draft_tokens"] = sum(s.num_draft_tokens for s in seqs)
             metrics["num_accepted_tokens"] = sum(s.num_accepted_tokens for s in seqs)
         return RequestOutput(rid, self.prompts[rid], list(seqs[0].prompt_ids), [s.to_output() for s in seqs],
-                             finished, metrics, None if pl is None else list(pl))
+                             finished, metrics, None if pl is None else list(pl), seqs[0].num_cached_tokens or 0)

@@ -6,6 +6,11 @@ graph per batch-size bucket where the model's ops allow it (``DeepseekV4.graph_s
 ``enforce_eager``). The step's host-side inputs (positions, slots, block tables) are built once,
 as int64 tensors in pinned memory on a GPU, and copied without blocking.
 
+Prefix caching: a step first restores the snapshots of the sequences it admitted on a cache hit
+(``KVCache.restore``), then runs; the snapshots it takes at block boundaries come from inside the
+prefill forward (``Segment.snaps``, ``layers.attention``) or, for decode rows, from the slot after
+the forward (``KVCache.capture``).
+
 On the torch twins (CPU) each sequence's chunk runs as its own forward: the twins' vectorised
 elementwise ops (rsqrt, exp, ...) round a value's last ulp by where it sits in the batch tensor,
 so a request's tokens would otherwise depend on what it is batched with (n > 1 greedy samples
@@ -21,8 +26,8 @@ from .scheduler import ScheduledChunk
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4, max_num_seqs: int, cuda_graphs: bool = True, broadcast=None):
-        """``broadcast(chunks, scores)``: called with each step's chunks before they run (tensor
-        parallelism: rank 0 sends them to the workers, ``engine.tp_workers``)."""
+        """``broadcast(chunks, scores, restores, captures)``: called with each step's chunks before
+        they run (tensor parallelism: rank 0 sends them to the workers, ``engine.tp_workers``)."""
         self.model, self.device = model, model.device
         self.broadcast = broadcast
         self.graphs = None
@@ -38,19 +43,25 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     def forward(self, chunks: list[tuple[torch.Tensor, object]], scores: dict | None = None,
-                all_rows: set | frozenset = frozenset(), keep: set | frozenset = frozenset()) -> list[torch.Tensor]:
+                all_rows: set | frozenset = frozenset(), keep: set | frozenset = frozenset(),
+                restores: list | None = None, captures: dict | None = None) -> list[torch.Tensor]:
         """Run each (token ids, sequence state) chunk; fp32 logits of each chunk's last token.
         Advances every state's position. ``scores`` {chunk index: (next-token ids of its first
         rows, k)}: those rows are scored (``PrefillContext.score``); the results land in
         ``self.scored`` {chunk index: (logprob, rank, top-k logprobs, top-k ids)}. Speculative
         decoding: the chunks in ``all_rows`` (verify chunks) return the logits of every row [n, V];
         those in ``keep`` (every chunk of a speculating sequence; a superset of ``all_rows``) leave
-        their final residual streams in ``self.hidden`` {chunk index: [n, hc, d]} for the drafter."""
-        model = self.model
-        scores = scores or {}
+        their final residual streams in ``self.hidden`` {chunk index: [n, hc, d]} for the drafter.
+        Prefix caching: ``restores`` [(snapshot, slot, position)] are put into the slots before
+        anything runs; ``captures`` {chunk index: [(block boundary, snapshot)]} are taken as the
+        chunk passes them."""
+        model, cache = self.model, self.model.cache
+        scores, restores, captures = scores or {}, restores or [], captures or {}
         self.scored, self.hidden = {}, {}
         if self.broadcast is not None:
-            self.broadcast(chunks, scores)
+            self.broadcast(chunks, scores, restores, captures)
+        for snap, slot, pos in restores:
+            cache.restore(snap, slot, pos)
         dec = [i for i, (ids, st) in enumerate(chunks)
                if ids.numel() == 1 and st.pos > 0 and i not in scores and i not in keep]
         is_dec = set(dec)
@@ -59,7 +70,7 @@ class ModelRunner:
         groups = [[i] for i in rest] if self.per_sequence else ([rest] if rest else [])
         for g in groups:
             part = [chunks[i] for i in g]
-            ctx = model.prefill_context(part, [i in all_rows for i in g])
+            ctx = model.prefill_context(part, [i in all_rows for i in g], snaps=[captures.get(i, []) for i in g])
             ctx.keep_hidden = any(i in keep for i in g)
             asked, r0 = [], 0
             for i in g:
@@ -91,6 +102,8 @@ class ModelRunner:
             for r, (i, st) in enumerate(zip(rows, sts)):
                 out[i] = logits[r]
                 st.advance_to(st.pos + 1)
+                for pos, snap in captures.get(i, []):
+                    cache.capture(st.slot, snap, pos)
         return out
 
     def run(self, batch: list[ScheduledChunk], all_rows: set | frozenset = frozenset(),
@@ -98,7 +111,7 @@ class ModelRunner:
         """Advance every scheduled sequence by its chunk (a speculating sequence's decode chunk
         carries its draft tokens); per chunk fp32 logits: [V] of its last row, or [n, V] of every
         row for the chunks in ``all_rows`` (see ``forward``)."""
-        chunks, scores = [], {}
+        chunks, scores, restores, captures = [], {}, [], {}
         for i, c in enumerate(batch):
             s = c.seq
             p0 = s.num_computed
@@ -106,7 +119,11 @@ class ModelRunner:
             nxt = s.prompt_targets(p0, c.num_tokens)
             if nxt:
                 scores[i] = (nxt, s.params.prompt_logprobs)
-        logits = self.forward(chunks, scores, all_rows, keep)
+            if c.restore is not None:
+                restores.append((c.restore, s.slot, p0))
+            if c.captures:
+                captures[i] = [(x.pos, x.snap) for x in c.captures]
+        logits = self.forward(chunks, scores, all_rows, keep, restores, captures)
         for i, res in self.scored.items():
             batch[i].seq.add_prompt_logprobs(batch[i].seq.num_computed, res)
         for c in batch:

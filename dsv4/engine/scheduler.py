@@ -9,14 +9,21 @@ Policy, per step, under a budget of ``max_num_batched_tokens`` tokens:
 3. every scheduled sequence must hold KV blocks up to its new end; when the pool runs dry the
    most recently admitted running sequence is preempted (recompute: its slot and blocks are
    freed, it goes back to the front of the waiting queue and later re-prefills prompt + output).
-Prefix caching: not implemented (each sample of ``n > 1`` prefills its own prompt).
+Prefix caching (``prefix``: an ``engine.prefix_cache.PrefixCache``, None = off): an admitted
+sequence starts with the longest cached prefix it can continue from (its blocks shared, the
+snapshot restored into its slot by the runner before the step's forward: ``ScheduledChunk.restore``);
+a preempted one finds its own blocks again. Every scheduled chunk carries the snapshots to take at
+the block boundaries it passes (``captures``), registered by ``commit`` after the step. Samples
+1.. of an ``n > 1`` request wait while sample 0 prefills their shared prompt, then reuse it.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ..formats.paging import BLOCK_TOKENS
 from .kv_cache import KVCache, PagedSequenceState
+from .prefix_cache import Capture, PrefixCache
 from .sequence import Sequence, SequenceStatus
 
 
@@ -33,6 +40,8 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool = False   # the chunk reaches the end of the sequence: its logits give a token
     num_draft: int = 0      # draft tokens it carries after the pending token (speculative verify)
+    restore: int | None = None          # snapshot to put into the slot first (a prefix-cache hit)
+    captures: list[Capture] = field(default_factory=list)
 
     def __post_init__(self):
         self.num_draft = max(0, self.seq.num_computed + self.num_tokens - self.seq.num_tokens)
@@ -40,8 +49,8 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, cache: KVCache):
-        self.cfg, self.cache = cfg, cache
+    def __init__(self, cfg: SchedulerConfig, cache: KVCache, prefix: PrefixCache | None = None):
+        self.cfg, self.cache, self.prefix = cfg, cache, prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # in admission order
         self.num_preemptions = 0
@@ -122,18 +131,49 @@ class Scheduler:
                 budget -= n
         out = [c for c in out if c.seq in self.running]
         # 2b. admit waiting sequences
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
-                and self.cache.num_free_slots > 0:
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if not self.cache.can_allocate(self.cache.blocks_needed(n)):
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.cfg.max_num_seqs or self.cache.num_free_slots == 0:
+                break
+            if self._held(seq):
+                continue
+            hit = self._lookup(seq)
+            start = hit.tokens if hit else 0
+            n = min(seq.num_tokens - start, budget)
+            need = self.cache.blocks_needed(start + n) - (len(hit.blocks) if hit else 0)
+            taken = self.prefix.evictable_among(hit) if hit else 0
+            if need + taken > self.cache.num_free_blocks:
                 break                            # wait for blocks; never preempt to admit
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.slot = self.cache.allocate_slot()
-            seq.block_table = self.cache.allocate_blocks(self.cache.blocks_needed(n))
+            if self.prefix is not None:
+                self.prefix.admit(seq, hit)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = start
+            seq.block_table = (list(hit.blocks) if hit else []) + self.cache.allocate_blocks(need)
             seq.state = PagedSequenceState(self.cache, seq.slot, seq.block_table)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.append(ScheduledChunk(seq, n))
+            if start:
+                seq.num_computed = start
+                seq.state.advance_to(start)
+            out.append(ScheduledChunk(seq, n, restore=hit.snapshot if start else None))
             budget -= n
+        if self.prefix is not None:
+            for c in out:
+                c.captures = self.prefix.plan_captures(c.seq, c.seq.num_computed, c.seq.num_computed + c.num_tokens)
         return out
+
+    def _lookup(self, seq: Sequence):
+        """The prefix-cache hit ``seq`` starts from (a ``Hit``, maybe empty), or None when it does
+        not read the cache (caching off, or prompt logprobs to compute)."""
+        if self.prefix is None or seq.prompt_logprobs is not None:
+            return None
+        return self.prefix.match(seq)
+
+    def _held(self, seq: Sequence) -> bool:
+        """Sample i > 0 of a request waits while sample 0 is still to compute a block of their
+        shared prompt it could reuse."""
+        lead = seq.leader
+        return (self.prefix is not None and lead is not seq and lead.status != SequenceStatus.FINISHED
+                and lead.num_computed < len(lead.prompt_ids)
+                and (len(seq.prompt_ids) - 1) // BLOCK_TOKENS > lead.num_computed // BLOCK_TOKENS)

@@ -52,6 +52,7 @@ class RequestOutput:
     # max_tokens (the limit in force: the request's, clipped to what max_model_len leaves)
     metrics: dict[str, Any] = field(default_factory=dict)
     prompt_logprobs: list | None = None      # [None, {token id: Logprob}, ...] when asked for
+    num_cached_tokens: int = 0               # prompt tokens read from the prefix cache (vLLM's name)
 
 
 _seq_ids = itertools.count()
@@ -74,6 +75,13 @@ class Sequence:
         self.slot: int | None = None
         self.block_table: list[int] = []
         self.state = None                       # the cache-backed model state while RUNNING
+        # prefix caching (engine.prefix_cache): the hash chain of the full blocks, how many of the
+        # table's blocks are registered, the tokens the first admission read from the cache, and
+        # sample 0 of the request (the other samples wait for its prompt, then reuse it)
+        self.block_hashes: list[bytes] = []
+        self.num_registered = 0
+        self.num_cached_tokens: int | None = None
+        self.leader: Sequence = self
         seed = params.seed if params.seed is None else (params.seed + index) % 2 ** 64   # sample i: seed + i
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.stop = StopChecker(params, eos_token_id, max_tokens)
@@ -123,6 +131,15 @@ class Sequence:
             d = {a: Logprob(v, r + 1, tt(a)) for r, (a, v) in enumerate(zip(top_i[j], top_v[j]))}
             d[tok] = Logprob(lp, rk, tt(tok))
             self.prompt_logprobs.append(d)
+
+    def token_slice(self, a: int, b: int) -> list[int]:
+        """Tokens a .. b-1 of prompt + output."""
+        P = len(self.prompt_ids)
+        if b <= P:
+            return self.prompt_ids[a:b]
+        if a >= P:
+            return self.output_ids[a - P:b - P]
+        return self.prompt_ids[a:] + self.output_ids[:b - P]
 
     @property
     def all_ids(self) -> list[int]:

@@ -4,7 +4,8 @@ Rank 0 is the engine's own process: it holds the scheduler, the sampler and its 
 ``TPWorkers.start`` spawns ranks 1..N-1 (``spawn`` context), each loading its slice of the same
 model; all join one ``torch.distributed`` group (NCCL on GPUs, gloo on CPUs; rank r on cuda:r) and a
 gloo control group. Every model step, rank 0 broadcasts the step's chunks (token ids, position,
-slot, block table of each) on the control group before running them; every worker runs the same
+slot, block table of each, and the prefix-cache snapshots to restore and take) on the control
+group before running them; every worker runs the same
 ``ModelRunner.forward`` on its slice and its own copy of the KV cache (same geometry, same slot
 and block ids: the allocator lives on rank 0 only), so the collectives inside the forward pair up.
 
@@ -96,8 +97,9 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
     model = build_model(spec, dev, Ops(dev, spec["kernels"]), group)
     setup = [None]
     dist.broadcast_object_list(setup, src=0, group=ctrl)
-    num_blocks, max_num_seqs, max_model_len, graphs = setup[0]
-    cache = KVCache(model.cfg, CacheConfig(max_num_seqs=max_num_seqs + 1, num_blocks=num_blocks, device=str(dev)))
+    num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots = setup[0]
+    cache = KVCache(model.cfg, CacheConfig(max_num_seqs=max_num_seqs + 1, num_blocks=num_blocks, device=str(dev),
+                                           num_snapshots=num_snapshots))
     model.attach_cache(cache, max_model_len)
     runner = ModelRunner(model, max_num_seqs, graphs)
     while True:
@@ -105,9 +107,9 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
         dist.broadcast_object_list(msg, src=0, group=ctrl)
         if msg[0] is None:
             break
-        chunks, scores = msg[0]
+        chunks, scores, restores, captures = msg[0]
         runner.forward([(torch.tensor(ids, dtype=torch.long), StepState(pos, slot, bt)) for ids, pos, slot, bt in chunks],
-                       scores)
+                       scores, restores=restores, captures=captures)
     dist.destroy_process_group()
 
 
@@ -220,18 +222,20 @@ class TPWorkers:
                 os._exit(1)
             time.sleep(POLL_S)
 
-    def setup(self, num_blocks: int, max_num_seqs: int, max_model_len: int, graphs: bool) -> None:
+    def setup(self, num_blocks: int, max_num_seqs: int, max_model_len: int, graphs: bool, num_snapshots: int) -> None:
         """Announce the cache geometry; returns once every worker has loaded its slice and taken it
         (or raises naming a worker that exited meanwhile). Then the serving watchdog starts."""
         import torch.distributed as dist
         self._while_workers_live("loading the model", lambda: dist.broadcast_object_list(
-            [(num_blocks, max_num_seqs, max_model_len, graphs)], src=0, group=self.ctrl))
+            [(num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots)], src=0, group=self.ctrl))
         threading.Thread(target=self._watch, daemon=True).start()
 
-    def broadcast_step(self, chunks, scores=None) -> None:
-        """Send the step's chunks (and the rows to score) to every worker (before rank 0 runs them)."""
+    def broadcast_step(self, chunks, scores=None, restores=None, captures=None) -> None:
+        """Send the step's chunks, the rows to score and the prefix-cache snapshots to restore and
+        take to every worker (before rank 0 runs them)."""
         import torch.distributed as dist
-        msg = [([(ids.tolist(), st.pos, st.slot, list(st.block_table)) for ids, st in chunks], scores or {})]
+        msg = [([(ids.tolist(), st.pos, st.slot, list(st.block_table)) for ids, st in chunks], scores or {},
+                restores or [], captures or {})]
         dist.broadcast_object_list(msg, src=0, group=self.ctrl)
 
     def stop(self) -> None:

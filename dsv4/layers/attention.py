@@ -234,6 +234,14 @@ class Attention(nn.Module):
         q, kv = ops.kv_insert(q, kv, cos, sin, scratch, chunk_ids, WINDOW_PAGE, self.eps)
         q = trace(L + "q", q)
         trace(L + "kv", kv)
+        snaps = [(s, off, b, t) for s, off in zip(segs, offs) for b, t in s.snaps]
+        if snaps:
+            # prefix-cache snapshots: the window at boundary b (a multiple of 128) is positions
+            # b-128 .. b-1, ring row i = position b-128+i, all in the scratch source
+            i = torch.arange(WINDOW, device=dev)
+            src = torch.cat([off + (b - WINDOW - (s.p0 - s.w_prev)) + i for s, off, b, _t in snaps])
+            dst = torch.cat([t * WINDOW + i for _s, _o, _b, t in snaps])
+            _copy_entries(lc.snap_window, dst, scratch, src, WINDOW_PAGE)
         # window lists: positions max(0, p-127) .. p, -1 beyond p. Width 128, except a batch of first
         # chunks shorter than the window: their longest chunk's length (the official prefill's
         # min(s, 128)). The attention's 64-entry softmax blocks run over [window | compressed], so the
@@ -257,12 +265,21 @@ class Attention(nn.Module):
                           WINDOW_PAGE)
         return self._output(o, cos, sin, trace)
 
-    def _compress_chunk(self, ctx, comp, ring, s, k, sc, pages, per_block, name):
+    def _compress_chunk(self, ctx, comp, ring, s, k, sc, pages, per_block, name, snap_rows=None):
         """Chunk update of one compressor of one sequence: entries completed by the chunk pooled,
         post-processed and written into the paged cache, the ring left holding the pending rows
-        (positions [start, end) at pos % R, the layout the decode kernel reads)."""
+        (positions [start, end) at pos % R, the layout the decode kernel reads). ``snap_rows``
+        (overlapping compressors): the snapshots' pending rows, filled for ``s.snaps``."""
         dev, m = k.device, comp.ratio
         R = ring.shape[1]
+        if comp.overlap and s.snaps:
+            # rows of positions b-m .. b-1 of each snapshot boundary b: the ring's pending rows
+            # before the chunk, then the chunk's own
+            lo = max(0, s.p0 - m)
+            rows = torch.cat([ring[s.slot, torch.arange(lo, s.p0, device=dev) % R], torch.cat([k, sc], dim=1)])
+            q = torch.tensor([b - m + j - lo for b, _t in s.snaps for j in range(m)], device=dev)
+            dst = torch.tensor([t for _b, t in s.snaps], device=dev)
+            snap_rows[dst] = rows[q].view(len(s.snaps), m, -1)
         first, last = s.p0 // m, s.end // m
         if last > first:
             # rows from the previous window's first position (overlap) or the window's own
@@ -298,9 +315,9 @@ class Attention(nn.Module):
             if self.index_comp is not None:
                 ik, isc = rows["index"]
                 self._compress_chunk(ctx, self.index_comp, lc.index_state, s, ik[r], isc[r], lc.index_keys,
-                                     INDEX_PAGE, L + "indexer_compressor")
+                                     INDEX_PAGE, L + "indexer_compressor", lc.snap_index)
             self._compress_chunk(ctx, self.compressor, lc.comp_state, s, ck[r], cs[r], lc.entries, epb,
-                                 L + "compressor")
+                                 L + "compressor", lc.snap_comp)
             n_e = s.end // self.ratio                    # entries complete at the chunk's end
             p = ctx.pos[r]
             if n_e == 0:

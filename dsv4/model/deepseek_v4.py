@@ -155,12 +155,15 @@ class _Trace:
 @dataclass
 class Segment:
     """One prefill chunk: rows [r0, r1) of the batch, positions p0 .. end-1 of the sequence in
-    ``slot`` whose block table is ``bt`` [1, max_blocks] (int64, -1 padded)."""
+    ``slot`` whose block table is ``bt`` [1, max_blocks] (int64, -1 padded). ``snaps``
+    [(block boundary b, snapshot)], p0 < b <= end: prefix-cache snapshots of the sequence's state
+    at b to take from the chunk (``engine.kv_cache``)."""
     r0: int
     n: int
     p0: int
     slot: int
     bt: torch.Tensor
+    snaps: list = field(default_factory=list)
 
     @property
     def r1(self) -> int:
@@ -217,13 +220,13 @@ class DecodeContext:
     decode = True
 
 
-def prefill_context(chunks, max_blocks: int, scratch_block: int, device, tables, all_logits=False
-                    ) -> PrefillContext:
+def prefill_context(chunks, max_blocks: int, scratch_block: int, device, tables, all_logits=False,
+                    snaps: list | None = None) -> PrefillContext:
     """chunks: [(token ids [n], state with .pos, .slot, .block_table)] -> the step's context.
     ``all_logits``: True for the logits of every row, or per chunk (a speculative verify chunk
-    needs every row's, a prefill chunk its last row's)."""
+    needs every row's, a prefill chunk its last row's); ``snaps``: each chunk's ``Segment.snaps``."""
     ids, segs, r0 = [], [], 0
-    for tok, st in chunks:
+    for k, (tok, st) in enumerate(chunks):
         n = tok.numel()
         if n == 0:
             raise ValueError("every chunk needs at least one token")
@@ -231,7 +234,12 @@ def prefill_context(chunks, max_blocks: int, scratch_block: int, device, tables,
             raise ValueError(f"sequence in slot {st.slot}: block table too short for {st.pos + n} tokens")
         bt = torch.full((1, max_blocks), -1, dtype=torch.long)
         bt[0, :len(st.block_table)] = torch.tensor(st.block_table, dtype=torch.long)
-        segs.append(Segment(r0, n, st.pos, st.slot, bt.to(device)))
+        sn = list(snaps[k]) if snaps else []
+        for b, _t in sn:
+            if not (st.pos < b <= st.pos + n and b % BLOCK_TOKENS == 0):
+                raise ValueError(f"sequence in slot {st.slot}: a snapshot at {b} is not a block boundary in "
+                                 f"({st.pos}, {st.pos + n}]")
+        segs.append(Segment(r0, n, st.pos, st.slot, bt.to(device), sn))
         ids.append(tok.reshape(-1))
         r0 += n
     ids = torch.cat(ids).to(device=device, dtype=torch.long)
@@ -413,8 +421,9 @@ class DeepseekV4(nn.Module):
     def decode_context(self, tokens, pos, slots, bt) -> DecodeContext:
         return DecodeContext(tokens, pos, slots, bt, self.max_blocks)
 
-    def prefill_context(self, chunks, all_logits=False) -> PrefillContext:
-        return prefill_context(chunks, self.max_blocks, self.scratch_block, self.device, self.rope_rows, all_logits)
+    def prefill_context(self, chunks, all_logits=False, snaps: list | None = None) -> PrefillContext:
+        return prefill_context(chunks, self.max_blocks, self.scratch_block, self.device, self.rope_rows, all_logits,
+                               snaps)
 
     def rope_rows(self, rope: Rope, positions: torch.Tensor):
         """(cos, sin) fp32 [n, 32] of ``rope`` at ``positions`` from the tables the decode step reads:

@@ -345,17 +345,18 @@ class OpenAIServer:
                             "message": P.chat_message(parsed.reasoning_content, parsed.content, parsed.tool_calls),
                             "logprobs": lp, "finish_reason": P.finish_reason(o.finish_reason, parsed.tool_calls),
                             "stop_reason": o.stop_reason})
-        use = P.usage(len(ids), sum(len(o.token_ids) for o in out.outputs))
+        use = P.usage(len(ids), sum(len(o.token_ids) for o in out.outputs), out.num_cached_tokens)
         plp = P.vllm_prompt_logprobs(out.prompt_logprobs, self.tt) if ps.params.prompt_logprobs is not None else None
         return JSONResponse(P.chat_response(h, choices, use, plp))
 
     async def _chat_stream(self, h, ids, n, thinking, ps, so: P.StreamOptions, inbox: _Inbox, request: Request):
         done = False
         ntok = [0] * n
+        cached = [0]
         with_usage = so.include_usage
 
         def cont_usage():
-            return P.usage(len(ids), sum(ntok)) if so.continuous_usage_stats else None
+            return P.usage(len(ids), sum(ntok), cached[0]) if so.continuous_usage_stats else None
 
         try:
             for i in range(n):
@@ -378,6 +379,7 @@ class OpenAIServer:
                     latest = out
                 if latest is None:
                     continue
+                cached[0] = latest.num_cached_tokens
                 for o in latest.outputs:
                     i = o.index
                     if finished[i]:
@@ -414,7 +416,7 @@ class OpenAIServer:
             if error is not None:
                 yield P.sse(P.error_body(str(error), P.SERVER_ERROR))
             elif so.include_usage:
-                yield P.sse(P.chat_chunk(h, [], P.usage(len(ids), sum(ntok)), True))
+                yield P.sse(P.chat_chunk(h, [], P.usage(len(ids), sum(ntok), cached[0]), True))
             yield P.sse("[DONE]")
             done = True
         finally:
@@ -481,7 +483,8 @@ class OpenAIServer:
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                                 "prompt_logprobs": P.vllm_prompt_logprobs(out.prompt_logprobs, self.tt)
                                 if body.get("prompt_logprobs") is not None else None})
-        use = P.usage(ptoks, sum(len(o.token_ids) for out in outs for o in out.outputs))
+        use = P.usage(ptoks, sum(len(o.token_ids) for out in outs for o in out.outputs),
+                      sum(out.num_cached_tokens for out in outs))
         return JSONResponse(P.completion_response(h, choices, use))
 
     async def _completion_stream(self, h, rids, ptoks, n, echo_text, ps, so, inbox: _Inbox, request: Request,
@@ -495,10 +498,11 @@ class OpenAIServer:
         text_len = [0] * (m * n)
         offsets = [len(echo_text[k]) for k in range(m) for _ in range(n)]
         finished = [False] * (m * n)
+        cached = [0] * m
         with_usage = so.include_usage
 
         def cont_usage():
-            return P.usage(ptoks, sum(ntok)) if so.continuous_usage_stats else None
+            return P.usage(ptoks, sum(ntok), sum(cached)) if so.continuous_usage_stats else None
 
         echoed = [not echo_text[k] for k in range(m)]
 
@@ -527,6 +531,7 @@ class OpenAIServer:
                         break
                     latest[tag] = out
                 for tag, out in sorted(latest.items()):
+                    cached[tag] = out.num_cached_tokens
                     if not echoed[tag]:
                         plps = out.prompt_logprobs
                         if plps is not None and len(plps) >= len(scored[tag]):
@@ -562,7 +567,7 @@ class OpenAIServer:
             if error is not None:
                 yield P.sse(P.error_body(str(error), P.SERVER_ERROR))
             elif so.include_usage:
-                yield P.sse(P.completion_chunk(h, [], P.usage(ptoks, sum(ntok)), True))
+                yield P.sse(P.completion_chunk(h, [], P.usage(ptoks, sum(ntok), sum(cached)), True))
             yield P.sse("[DONE]")
             done = True
         finally:
@@ -660,7 +665,7 @@ class OpenAIServer:
 
     def metrics_response(self) -> Response:
         s = self.aeng.snapshot
-        self.metrics.set_state(s.running, s.waiting, s.kv_usage)
+        self.metrics.set_state(s.running, s.waiting, s.kv_usage, s.blocks)
         data, ctype = self.metrics.render()
         return Response(data, media_type=ctype)
 

@@ -13,7 +13,7 @@ If a step raises, every request in flight gets ``(tag, EngineError)`` and is abo
 failure in a row marks the engine dead (``/health`` then answers 503).
 
 After every batch of commands and every step the thread publishes a snapshot (running / waiting
-requests, KV usage) that ``/metrics``, ``/health`` and the bounded waiting queue read without
+requests, KV usage and used / cached / free blocks) that ``/metrics``, ``/health`` and the bounded waiting queue read without
 touching the engine, and feeds the per-request latency histograms.
 """
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Snapshot:
     num_free_blocks: int = 0
     num_blocks: int = 0
     steps: int = 0
+    blocks: dict = field(default_factory=dict)   # {"used" | "cached" | "free": KV blocks}
     extra: dict = field(default_factory=dict)
 
 
@@ -300,8 +301,10 @@ class AsyncEngine:
             running = len({s.request_id for s in sched.running})
             waiting = len({s.request_id for s in sched.waiting} - {s.request_id for s in sched.running})
             cache = eng.cache
-            snap = Snapshot(running, waiting, float(cache.usage()), int(cache.num_free_blocks),
-                            int(cache.num_blocks), int(eng.stats.get("steps", 0)))
+            free, cached = int(cache.num_free_blocks), int(getattr(cache, "num_cached_free_blocks", 0))
+            used = int(cache.num_blocks) - int(getattr(cache, "reserved_blocks", 0)) - free
+            snap = Snapshot(running, waiting, float(cache.usage()), free, int(cache.num_blocks),
+                            int(eng.stats.get("steps", 0)), {"used": used, "cached": cached, "free": free - cached})
         except Exception:  # noqa: BLE001 - a snapshot must never kill the engine thread
             return
         self.snapshot = snap
@@ -316,5 +319,7 @@ class AsyncEngine:
             self.metrics.spec_decode(*(st.get(k, 0) - s0.get(k, 0) for k in
                                        ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")),
                                      [a - (pos0[i] if i < len(pos0) else 0) for i, a in enumerate(pos)])
+            self.metrics.prefix_cache(st.get("prefix_cache_queries", 0) - s0.get("prefix_cache_queries", 0),
+                                      st.get("prefix_cache_hits", 0) - s0.get("prefix_cache_hits", 0))
             self._stats0 = _copy_stats(st)
             self._preempt0 = pre

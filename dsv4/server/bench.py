@@ -21,6 +21,22 @@ tokens after the V4 chat template (what the server prefills, not the random ids 
 Prompts are random token ids below 128000 (no special tokens), seeded by ``--seed``: sent as
 token-id lists to ``/v1/completions``, or decoded to text for ``/v1/chat/completions``. The saved
 JSON names the model served (``model_id``: ``--model``, else the first of ``GET /v1/models``).
+
+Datasets (``--dataset-name``):
+
+* ``random``: ``--num-prompts`` prompts of ``--random-input-len`` tokens;
+* ``prefix_repetition`` (vLLM's): ``--prefix-repetition-num-prefixes`` random prefixes of
+  ``--prefix-repetition-prefix-len`` tokens, each followed by unique random suffixes of
+  ``--prefix-repetition-suffix-len`` tokens in ``num-prompts / num-prefixes`` prompts, shuffled,
+  asking for ``--prefix-repetition-output-len`` tokens;
+* ``multi_turn``: ``--num-prompts`` conversations of ``--multi-turn-turns`` turns replayed in
+  order: turn 1 sends a user message of ``--random-input-len`` tokens, each later turn the whole
+  conversation so far (the previous prompt, the reply the server streamed, a new user message of
+  ``--multi-turn-user-len`` tokens); ``--request-rate`` paces the conversations' starts and
+  ``--max-concurrency`` bounds the requests in flight. The report adds the mean TTFT of each turn.
+
+The server's ``usage.prompt_tokens_details.cached_tokens`` (its prefix cache) is summed into
+``total_cached_tokens``.
 """
 from __future__ import annotations
 
@@ -49,6 +65,8 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     generated_text: str = ""
     error: str = ""
+    cached_tokens: int = 0             # usage.prompt_tokens_details.cached_tokens
+    turn: int = 0                      # multi_turn: the turn's index in its conversation
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -60,12 +78,24 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="/v1/completions (default) or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=None, help="bearer key (default: env DSV4_API_KEY or OPENAI_API_KEY)")
-    p.add_argument("--dataset-name", default="random", choices=["random"], help="only 'random' prompts")
+    p.add_argument("--dataset-name", default="random", choices=["random", "prefix_repetition", "multi_turn"],
+                   help="random prompts (default), prompts sharing prefixes, or multi-turn conversations")
     p.add_argument("--num-prompts", type=int, default=32, help='requests to send (default 32)')
     p.add_argument("--random-input-len", type=int, default=64, help='prompt tokens per request (default 64)')
     p.add_argument("--random-output-len", type=int, default=16, help='tokens asked for per request (default 16)')
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="prefix_repetition: prefix tokens "
+                   "(default 256)")
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="prefix_repetition: unique suffix "
+                   "tokens per prompt (default 256)")
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10, help="prefix_repetition: prefixes; "
+                   "each starts num-prompts / num-prefixes prompts (default 10)")
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128, help="prefix_repetition: tokens asked "
+                   "for per request (default 128)")
+    p.add_argument("--multi-turn-turns", type=int, default=4, help="multi_turn: turns per conversation (default 4)")
+    p.add_argument("--multi-turn-user-len", type=int, default=64, help="multi_turn: tokens of each user message after "
+                   "the first (default 64)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second (Poisson arrivals); inf (default) sends all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
@@ -95,6 +125,30 @@ def make_prompts(num: int, input_len: int, output_len: int, ratio: float, seed: 
     return [([rng.randrange(100, SPECIAL_START) for _ in range(i)], o) for i, o in zip(ins, outs)]
 
 
+def _check_prefix_repetition(num: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int) -> None:
+    if min(prefix_len, output_len) < 1 or suffix_len < 0:
+        raise ValueError("--prefix-repetition-prefix-len and --prefix-repetition-output-len must be >= 1, "
+                         "--prefix-repetition-suffix-len >= 0")
+    if num_prefixes < 1 or num % num_prefixes:
+        raise ValueError(f"--num-prompts ({num}) must be a positive multiple of --prefix-repetition-num-prefixes "
+                         f"({num_prefixes})")
+
+
+def make_prefix_repetition(num: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int,
+                           seed: int) -> list[tuple[list[int], int]]:
+    """vLLM's prefix_repetition dataset: ``num_prefixes`` random prefixes, each followed by unique
+    random suffixes in ``num // num_prefixes`` prompts, shuffled."""
+    _check_prefix_repetition(num, prefix_len, suffix_len, num_prefixes, output_len)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prefixes):
+        prefix = [rng.randrange(100, SPECIAL_START) for _ in range(prefix_len)]
+        for _ in range(num // num_prefixes):
+            out.append((prefix + [rng.randrange(100, SPECIAL_START) for _ in range(suffix_len)], output_len))
+    rng.shuffle(out)
+    return out
+
+
 async def _arrivals(n: int, rate: float, burstiness: float, rng: random.Random):
     for i in range(n):
         yield i
@@ -104,11 +158,11 @@ async def _arrivals(n: int, rate: float, burstiness: float, rng: random.Random):
         await asyncio.sleep(rng.gammavariate(burstiness, theta))
 
 
-def chat_messages(ids: list[int], tok) -> tuple[list[dict], int]:
-    """The chat request's messages for the random prompt ``ids`` (decoded to text) and their token
-    count after the V4 chat template."""
+def chat_messages(ids: list[int], tok, history: list[dict] | None = None) -> tuple[list[dict], int]:
+    """The chat request's messages for the random prompt ``ids`` (decoded to text) after
+    ``history`` (earlier turns), and their token count after the V4 chat template."""
     from .chat_encoding import apply_chat_template
-    msgs = [{"role": "user", "content": tok.decode(ids)}]
+    msgs = list(history or []) + [{"role": "user", "content": tok.decode(ids)}]
     return msgs, len(apply_chat_template(tok, msgs))
 
 
@@ -142,6 +196,7 @@ async def _one(client, url: str, headers: dict, payload: dict, chat: bool, promp
                     usage_tokens = obj["usage"].get("completion_tokens")
                     if isinstance(obj["usage"].get("prompt_tokens"), int):
                         r.prompt_len = obj["usage"]["prompt_tokens"]
+                    r.cached_tokens = int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                     continue
                 text = ""
                 for ch in obj.get("choices", []):
@@ -195,6 +250,7 @@ def calculate_metrics(results: list[RequestResult], duration: float, percentiles
     out = {
         "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": total_out / duration if duration > 0 else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
@@ -218,6 +274,9 @@ def calculate_metrics(results: list[RequestResult], duration: float, percentiles
     for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         for k, v in _stats(xs, percentiles).items():
             out[f"{k}_{name}_ms"] = v
+    turns = sorted({r.turn for r in ok})
+    if turns != [0]:
+        out["mean_ttft_ms_by_turn"] = [_stats([r.ttft for r in ok if r.turn == t], [])["mean"] for t in turns]
     return out
 
 
@@ -230,6 +289,7 @@ def print_report(m: dict, args, metrics: list[str], percentiles: list[float]) ->
             ("Maximum request concurrency:", args.max_concurrency if args.max_concurrency else "none"),
             ("Benchmark duration (s):", f"{m['duration']:.2f}"),
             ("Total input tokens:", m["total_input_tokens"]), ("Total generated tokens:", m["total_output_tokens"]),
+            ("Total cached input tokens:", m.get("total_cached_tokens", 0)),
             ("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
             ("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
             ("Peak output token throughput (tok/s):", f"{m.get('max_output_tokens_per_s', 0.0):.2f}"),
@@ -246,6 +306,9 @@ def print_report(m: dict, args, metrics: list[str], percentiles: list[float]) ->
         print(f"{'Median ' + upper + ' (ms):':<40}{m[f'median_{name}_ms']:<10.2f}")
         for p in percentiles:
             print(f"{'P' + _pword(p) + ' ' + upper + ' (ms):':<40}{m[f'p{_pword(p)}_{name}_ms']:<10.2f}")
+        if name == "ttft":
+            for t, v in enumerate(m.get("mean_ttft_ms_by_turn", [])):
+                print(f"{f'Mean TTFT turn {t + 1} (ms):':<40}{v:<10.2f}")
     if "spec_decode_num_drafts" in m:
         print("{s:{c}^{n}}".format(s="Speculative Decoding", n=w, c="-"))
         for k, v in (("Acceptance rate (%):", f"{100 * m['spec_decode_acceptance_rate']:.2f}"),
@@ -290,6 +353,7 @@ async def run_benchmark(args) -> tuple[dict, list[RequestResult]]:
 
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     chat = "chat" in args.endpoint
+    multi = args.dataset_name == "multi_turn"
     url = base + args.endpoint
     key = args.api_key or os.environ.get("DSV4_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -300,21 +364,27 @@ async def run_benchmark(args) -> tuple[dict, list[RequestResult]]:
             r = await client.get(base + "/v1/models", headers=headers)
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
-        prompts = make_prompts(args.num_prompts, args.random_input_len, args.random_output_len,
-                               args.random_range_ratio, args.seed)
+        if args.dataset_name == "prefix_repetition":
+            prompts = make_prefix_repetition(args.num_prompts, args.prefix_repetition_prefix_len,
+                                             args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+                                             args.prefix_repetition_output_len, args.seed)
+        else:
+            prompts = make_prompts(args.num_prompts, args.random_input_len, args.random_output_len,
+                                   args.random_range_ratio, args.seed)
         tok = None
-        if chat:
+        if chat or multi:
             from ..tokenizer import load_tokenizer
             tok = load_tokenizer(None)
 
-        def request(ids: list[int], out_len: int) -> tuple[dict, int]:
-            """The request body and its prompt's token count (chat: after the chat template)."""
+        def request(ids: list[int], out_len: int, history: list[dict] | None = None) -> tuple[dict, int]:
+            """The request body and its prompt's token count (chat: after the chat template);
+            ``history``: the conversation before the user message ``ids`` (chat)."""
             d = {"model": model, "max_tokens": out_len, "temperature": args.temperature, "stream": True,
                  "stream_options": {"include_usage": True}}
             if args.ignore_eos:
                 d["ignore_eos"] = True
             if chat:
-                d["messages"], n = chat_messages(ids, tok)
+                d["messages"], n = chat_messages(ids, tok, history)
             else:
                 d["prompt"], n = ids, len(ids)
             return d, n
@@ -325,8 +395,8 @@ async def run_benchmark(args) -> tuple[dict, list[RequestResult]]:
                           reqs[0][1], args.timeout)
         if not test.success:
             raise RuntimeError(f"the test request failed: {test.error}")
-        print(f"dsv4 bench serve: {args.num_prompts} prompts -> {url} (model {model}); test request ok",
-              file=sys.stderr)
+        print(f"dsv4 bench serve: {args.num_prompts} {'conversations' if multi else 'prompts'} -> {url} "
+              f"(model {model}); test request ok", file=sys.stderr)
 
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed)
@@ -338,17 +408,39 @@ async def run_benchmark(args) -> tuple[dict, list[RequestResult]]:
                 return await _one(client, url, headers, body, chat, prompt_len, args.timeout)
 
         spec0 = await _spec_counters(client, base, headers)
+        async def conversation(i: int) -> list[RequestResult]:
+            """Conversation ``i``'s turns in order, each resending everything before it."""
+            crng = random.Random(args.seed * 1_000_003 + i)
+            ids, out_len = prompts[i]
+            history: list[dict] = []
+            out = []
+            for t in range(args.multi_turn_turns):
+                r = await limited(*request(ids, out_len, history))
+                r.turn = t
+                out.append(r)
+                if not r.success:
+                    break
+                new = [crng.randrange(100, SPECIAL_START) for _ in range(args.multi_turn_user_len)]
+                if chat:
+                    history += [{"role": "user", "content": tok.decode(ids)},
+                                {"role": "assistant", "content": r.generated_text}]
+                    ids = new
+                else:
+                    ids = ids + tok.encode(r.generated_text) + new
+            return out
+
         t0 = time.perf_counter()
         tasks = []
         async for i in _arrivals(len(reqs), args.request_rate, args.burstiness, rng):
-            tasks.append(asyncio.create_task(limited(*reqs[i])))
-        results = await asyncio.gather(*tasks)
+            tasks.append(asyncio.create_task(conversation(i) if multi else limited(*reqs[i])))
+        done = await asyncio.gather(*tasks)
+        results = [r for x in done for r in x] if multi else list(done)
         duration = time.perf_counter() - t0
         spec1 = await _spec_counters(client, base, headers)
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    m = {"model_id": model, **calculate_metrics(list(results), duration, percentiles)}
+    m = {"model_id": model, **calculate_metrics(results, duration, percentiles)}
     m.update(spec_decode_metrics(spec0, spec1))
-    return m, list(results)
+    return m, results
 
 
 _SPEC = "vllm:spec_decode_num_"
@@ -405,6 +497,11 @@ def main_from_args(args) -> int:
         raise ValueError(f"--percentile-metrics: unknown {bad} (choose from ttft,tpot,itl,e2el)")
     if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
         raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
+    if args.dataset_name == "prefix_repetition":
+        _check_prefix_repetition(args.num_prompts, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+                                 args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len)
+    if args.dataset_name == "multi_turn" and (args.multi_turn_turns < 1 or args.multi_turn_user_len < 1):
+        raise ValueError("--multi-turn-turns and --multi-turn-user-len must be >= 1")
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0 (inf = all at once)")
     try:
@@ -423,6 +520,7 @@ def main_from_args(args) -> int:
     if args.save_result or args.result_file:
         result = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai-chat" if "chat" in args.endpoint
                   else "openai", "endpoint": args.endpoint, "num_prompts": args.num_prompts,
+                  "dataset_name": args.dataset_name,
                   "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
                   "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
                   "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed, **m}

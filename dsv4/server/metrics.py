@@ -13,6 +13,10 @@ name                                               kind       meaning
 ``vllm:prompt_tokens_total``                       counter    prefill tokens computed
 ``vllm:generation_tokens_total``                   counter    tokens generated
 ``vllm:num_preemptions_total``                     counter    sequences preempted (recompute)
+``vllm:prefix_cache_queries_total``                counter    prompt tokens looked up in the prefix cache
+``vllm:prefix_cache_hits_total``                   counter    of those, tokens found cached
+``dsv4:kv_cache_blocks{state}``                    gauge      KV blocks ``used`` by sequences, ``cached``
+                                                              (idle, holding a reusable prefix), ``free``
 ``vllm:request_success_total{finished_reason}``    counter    finished requests (stop/length/abort)
 ``vllm:request_failure_total``                     counter    requests failed in the engine
 ``vllm:time_to_first_token_seconds``               histogram  arrival -> first token
@@ -79,6 +83,12 @@ class ServerMetrics:
                                          registry=r).labels(model_name)
         self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted", L,
                                    registry=r).labels(model_name)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens", L,
+                                      registry=r).labels(model_name)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens", L,
+                                   registry=r).labels(model_name)
+        self._blocks = Gauge("dsv4:kv_cache_blocks", "KV blocks: used by sequences, cached (idle, reusable "
+                             "prefixes, evicted least recently used first) or free", L + ["state"], registry=r)
         self._success = Counter("vllm:request_success", "Finished requests", L + ["finished_reason"],
                                 registry=r)
         self.failures = Counter("vllm:request_failure", "Requests failed in the engine", L,
@@ -168,11 +178,20 @@ class ServerMetrics:
             if n > 0:
                 self._spec_per_pos.labels(self.model_name, str(pos)).inc(n)
 
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        if queries > 0:
+            self.prefix_queries.inc(queries)
+        if hits > 0:
+            self.prefix_hits.inc(hits)
+
     # -- at scrape time
-    def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
+    def set_state(self, running: int, waiting: int, kv_usage: float, blocks: dict | None = None) -> None:
+        """``blocks``: {"used" | "cached" | "free": count}."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)
+        for state, n in (blocks or {}).items():
+            self._blocks.labels(self.model_name, state).set(n)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -497,9 +497,12 @@ def forced_tool_functions(opts: ChatOptions) -> list[dict] | None:
 # --------------------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: the prompt tokens read from
+    the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": None}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _finite(x: float) -> float:

@@ -244,7 +244,8 @@ def response_object(body: dict, rid: str, created: int, model: str, output: list
         "tool_choice": body.get("tool_choice", "auto"), "tools": tools,
         "text": body.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
         "usage": None if usage is None else {
-            "input_tokens": use.get("prompt_tokens", 0), "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens": use.get("prompt_tokens", 0), "input_tokens_details": {
+                "cached_tokens": (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
             "output_tokens": use.get("completion_tokens", 0), "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": use.get("total_tokens", 0)},
     }
