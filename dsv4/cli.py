@@ -1,5 +1,5 @@
-"""``dsv4`` command line: ``generate``, ``serve``, ``bench throughput``, ``bench serve``, ``make-tiny``,
-``make-synthetic``."""
+"""``dsv4`` command line: ``generate``, ``serve``, ``bench throughput``, ``bench serve``, ``validate``, ``check``,
+``make-tiny``, ``make-synthetic``."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ def _engine_kw(a: argparse.Namespace) -> dict:
                 gpu_memory_utilization=a.gpu_memory_utilization, device=a.device,
                 cuda_graphs=not a.enforce_eager, log=not a.quiet, synthetic=a.synthetic,
                 synthetic_layers=a.layers, synthetic_experts=a.experts, synthetic_seed=a.synthetic_seed,
-                tensor_parallel_size=a.tensor_parallel_size)
+                tensor_parallel_size=a.tensor_parallel_size, kernel_check=a.kernel_check)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -79,6 +79,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--synthetic-seed", type=int, default=0, help='seed of the --synthetic weights')
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many ranks, one process each (GPU i for rank i)")
+    p.add_argument("--kernel-check", choices=["fast", "full", "off"], default="fast",
+                   help="at start-up, check every op's kernel against its twin on this GPU; an op that fails "
+                        "falls back to a portable kernel or its twin (default fast; `dsv4 check` prints the table)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -187,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(fn=_cmd_serve)
     from .tools.validate import add_parser as add_validate
     add_validate(sub)
+    from .tools.check import add_parser as add_check
+    add_check(sub)
     t = sub.add_parser("make-tiny", help="write the deterministic tiny V4 checkpoint")
     t.add_argument("dir", help='output directory (must not exist or be empty, unless --overwrite)')
     t.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official", help='checkpoint layout to write (default official)')
