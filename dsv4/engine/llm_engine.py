@@ -165,8 +165,7 @@ class LLMEngine:
                              f"{mc.max_position_embeddings}")
         self.max_model_len = cfg.max_model_len or limit
         self.model.attach_cache(self.cache, self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                                   self.max_model_len), self.cache)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.cache)
         if self.workers is not None:
             self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs)
         self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs,
