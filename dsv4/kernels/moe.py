@@ -42,16 +42,13 @@ agrees within bf16 rounding (GEMM fp32 summation order differs; a one-ulp flip o
 output can move h by one FP8 step), so the layer output is compared at FP8/bf16 tolerance (H200:
 the GPU tests at V4-Flash dims pass on both paths).
 
-Measured (H200, BENCHMARKS.md session 4): 29-158x faster than the Python expert loop at decode;
-GEMV path 21% (Flash) / 30% (Pro) of the weight-bytes floor at batch 1, 26% / 33% at batch 64
-(tensor-core path: 9-24%); prefill (4096 tokens, V4-Flash): MMA path 31986 us (3%), prefill path
-8267 us (10%; session 5).
-
 Weights: ``MoEWeights`` holds the stacked packed experts ``w13 [E, 2I, d/2]`` (w1 rows then w3 rows
 of each expert), ``w2 [E, d, I/2]``, their scales, and the FP8 shared expert. Built once from the
 reference object (``MoEWeights.from_reference``: the reference keeps dequantised fp32 weights; they
 are re-quantised to MXFP4, which is lossless for MXFP4-born weights and checked) or from packed
 checkpoint tensors (``MoEWeights.from_packed``, MXFP4 or NVFP4).
+
+Measurements: BENCHMARKS.md ("MoE layer at decode"), docs/kernel-measurements.md.
 """
 from __future__ import annotations
 

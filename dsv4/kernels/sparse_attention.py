@@ -32,12 +32,7 @@ Heads: H in {8, 64, 128} (any H works): 64 heads per program, padded (H = 8 -> a
 mma.sync; H = 128 -> two 64-head programs per row, each gathering the row's entries: the second
 mostly from L2).
 
-Performance (H200, Triton 3.6, BENCHMARKS.md): at 64 heads the tile needs 255 registers with
-~50 spilled (one program of 8 warps per SM), the gathers are not overlapped with the MMAs (no warp
-specialisation), so decode reaches ~60% of FlashMLA's TFLOPS for V4-Flash at batch 128-256 and
-~45% for V4-Pro; prefill ~32%. ``num_stages=2`` and the ``prefetch`` option (index list loaded one
-block ahead) measured slower and stay off. On sm_100 the output dims are split over two launches
-(``d_parts``: tensor memory), each recomputing S.
+Performance on the H200: BENCHMARKS.md, docs/kernel-measurements.md.
 """
 from __future__ import annotations
 

@@ -25,23 +25,10 @@ block sum is scaled by 2^6 * sA, the final sum by the global scale (``gemv.py`` 
 its scale; here the exact scaled products are summed). Products are exact, sums are fp32 in
 tensor-core order.
 
-H200 measurements (BENCHMARKS.md sessions 6 and 8, ``experiments/exp_fp4_mma.py``): 56-73% of copy
-bandwidth on the V4 expert shapes with one or more rows per expert (GEMV: 28-46%), 44% for the six
-experts of batch 1. Nsight Compute (one row per expert, 32 Flash experts): DRAM 55% busy, the ALU pipe
-74% (the e2m1 / e4m3 decodes: ~130 of the ~220 instructions per K block and warp), issue slots 59%,
-occupancy 8 programs per SM (64 registers). The L2 128-byte prefetch hint gained ~15%; a cp.async ring,
-K-loop unrolling, 128-row tiles and a register prefetch of the next block (its loop-carried bytes cost
-~100 byte shuffles) did not. An FP8 ``mma.sync`` (m16n8k32 e4m3, one mma per scale group, no f16
-weights) is no way out on sm_90: ptxas lowers it to e4m3 -> f16 conversions and two f16 mmas (its SASS
-held 234 instructions per block); Hopper's native FP8 MMA is wgmma. Two operand forms cut instructions
-and are kept as options: ``band_layout`` weights (a warp load reads 512 contiguous bytes; helps NVFP4's
-8-byte scale rows most) and the ``act_f16_split`` f16 activation (no activation decode); together 62-79%
-with 32+ experts (46% at batch 1) where the default gives 56-70% (44%). The engine keeps the
-checkpoint's row layout (the prefill FP4 kernels read it too) and the e4m3 activation (the f16 form
-alone was slower at 8 rows per expert).
-
 Gluon has no CPU interpreter: CPU CI compiles this kernel for sm_90 and sm_100; the GPU tests run it
 against the dequantised reference. Needs sm_89+ (e4m3 -> f16 conversion).
+
+H200 measurements: docs/kernel-measurements.md, BENCHMARKS.md.
 """
 from __future__ import annotations
 

@@ -40,28 +40,7 @@ through ``common.fp4_epilogue``), MXFP4 and NVFP4; only the inner loop differs:
 The grouped tile enumeration (``tcum``) must be built for this kernel's ``BM``
 (``moe.sort_pairs(eflat, E, bm)``), as for ``fp4_launch``.
 
-Static comparison (AOT for sm_90a with Triton 3.6.0, ``ptxas -v`` and ``nvdisasm``; loop = SASS
-instructions of the K loop, i.e. per 128-K block; tile BN 128):
-
-  =========================================  ====  =====  ======  ====  ===========  ===  ====  ====
-  kernel                                     regs  spill  smem    loop  HGMMA/loop   BAR  F2FP  PRMT
-  =========================================  ====  =====  ======  ====  ===========  ===  ====  ====
-  old SwiGLU BM 64, 8 warps, 3 stages        237   0      56 KB   1200  30 64x64x16  52   64    150
-  new SwiGLU BM 64, 8 w, 3 s, cvt, natural   230   0      112 KB  661   16 64x64x16  12   64    66
-  new SwiGLU BM 64, 8 w, 3 s, cvt, split     232   0      112 KB  597   16 64x64x16  12   64    2
-  new SwiGLU BM 64, 8 w, 3 s, alu, split     230   0      112 KB  677   16 64x64x16  12   0     34
-  old plain BM 64, 4 warps, 3 stages         214   0      29 KB   997   8 64x128x16  10   64    137
-  new plain BM 64, 4 w, 3 s, cvt, natural    246   0      97 KB   662   8 64x128x16  4    64    68
-  new plain BM 64, 4 w, 3 s, cvt, split      246   0      97 KB   598   8 64x128x16  4    64    4
-  new plain BM 128, 8 w, 3 s, cvt, split     241   0      144 KB  428   8 64x128x16  6    32    1
-  =========================================  ====  =====  ======  ====  ===========  ===  ====  ====
-
-(The old loop also does 66 / 36 plain global loads (stride-2 activation) and ~240 / ~250 shared
-loads+stores for its 16 / 8 operand conversions; the new one loads the activation with cp.async.)
-Left as is: every wgmma is still waited for right after it is issued (Triton makes a wgmma
-asynchronous only when its result feeds the next iteration's MMA as the accumulator, which the
-per-128 promotion rules out), so MMA and decode overlap only across CTAs: 2 per SM for the plain
-BM 64 / 4-warp tile (regs and smem allow it), 1 for the SwiGLU tiles.
+Measurements and static facts: docs/kernel-measurements.md.
 """
 from __future__ import annotations
 

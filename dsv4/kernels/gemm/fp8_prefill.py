@@ -43,23 +43,11 @@ Variants, selected through ``config`` (keys of ``DEFAULT_CONFIG``):
   base or row stride is not 16-byte aligned, e.g. N % 8 != 0).
 * ``num_warps`` / ``num_stages``, ``GROUP_M`` (grouped-ordering height).
 
-Static facts (Triton 3.6.0 AOT for sm_90a, ptxas -v, cuobjdump; experiments/exp_fp8_prefill.py --static
-prints them): every variant uses ``QGMMA.64xNx32.F32.E4M3.E4M3``; TMA variants ``UTMALDG.2D``. Per
-K block each consumer warpgroup waits for its wgmma chain (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) before
-the promotion FFMAs: Triton keeps a wgmma asynchronous past non-dot users only behind a ``wait(0)``
-(WGMMAPipeline rule 3b), and a software-pipelined promotion (the partial of block k-1 promoted while
-block k's wgmma runs, a loop-carried copy of the partial) made ptxas serialise every wgmma
-(C7514: "non wgmma instructions reading accumulator registers"); that variant was dropped. MMA/FFMA
-overlap therefore comes from the two independent consumer warpgroups of the ``WS`` variant.
-H200 (triton 3.6, BENCHMARKS.md sessions 5 and 8): the non-specialised TMA variants reach 860-890
-TFLOP/s (57-61% of the measured 1454 TFLOP/s ``_scaled_mm`` peak) on the square-ish prefill shapes with
-4 stages and 750-810 (51-56%) on wq_b (N >> K); 3 stages (three CTAs per SM) with the TMA store: 854-917
-(59-63%) on all six shapes; the pointer-load tile of ``fp8.py`` 440-560. Session 9 (7 rounds in
-shuffled order, the spread of one run shows in BENCHMARKS.md): 64-row-block groups 57-68%, Flash wq_b
-and Pro wo_b still 57-59% (session 11: 60.7% and 61.9%, same code). ``route.fp8_prefill_config`` holds the
-measured best; ``linear.fp8_gemm`` routes prefill-sized calls (``route.PREFILL_MIN_ROWS``) here. A hand-written
-warp-specialized version of the same math (Gluon, ``experiments/fp8_ws.py``) gives the same bits; it measured level
-with this kernel where N >> K and slower at K >= 7168, so it is not routed to.
+Current choice: ``route.fp8_prefill_config`` (TMA loads, 64 x 128 tiles, 3 stages, the TMA store
+epilogue, grouped order over 64 row blocks); ``linear.fp8_gemm`` routes prefill-sized calls
+(``route.PREFILL_MIN_ROWS``, sm_90) here. The warp-specialized Gluon version of the same math
+(``experiments/fp8_ws.py``) is not routed to. Measurements and static facts:
+docs/kernel-measurements.md.
 """
 from __future__ import annotations
 
