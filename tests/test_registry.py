@@ -100,6 +100,11 @@ def test_compare_tolerances():
     three = base.clone()
     three[:3] = 1.25
     assert "differ beyond one rounding step" in compare(three, base, Tol(max_rel=0.5, flips=0.02))[2]
+    # per row: each row against its own largest value (a small row's error is not hidden by a large one)
+    rows = torch.tensor([[100.0, 1.0], [1.0, 2.0]])
+    moved = rows + torch.tensor([[0.0, 0.0], [0.0, 0.2]])
+    assert compare(moved, rows, Tol(max_rel=0.05))[2] == ""
+    assert "max error 0.1" in compare(moved, rows, Tol(max_rel=0.05, per_row=True))[2]
 
 
 def test_twins_only_device_checks_nothing():

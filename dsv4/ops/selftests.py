@@ -52,6 +52,7 @@ class Tol:
     exact: bool = False
     flips: float = 0.0
     flip_rel: float = 2.0 ** -7
+    per_row: bool = False      # max_rel per row (first dim) of the twin: a token's error against its own scale
 
     def describe(self) -> str:
         if self.exact:
@@ -97,6 +98,10 @@ def compare(k: torch.Tensor, t: torch.Tensor, tol: Tol) -> tuple[float, float, s
         frac = float(off.float().mean())
         if frac > tol.flips:
             return frac, tol.flips, f"{frac:.2%} of the values differ beyond one rounding step"
+    if tol.per_row and k.dim() > 1:
+        rows_k, rows_t = k.reshape(k.shape[0], -1), t.reshape(t.shape[0], -1)
+        dr = (rows_k - rows_t).abs().nan_to_num(0.0).amax(1)
+        err = float((dr / rows_t.abs().nan_to_num(0.0).amax(1).clamp(min=1e-30)).max())
     return err, tol.max_rel, "" if err <= tol.max_rel else f"max error {err:.3g} > {tol.max_rel:.3g}"
 
 
@@ -500,7 +505,8 @@ def linear(ctx: Context):
             def make(members=members, K=K, M=M):
                 g = _Gen(ctx, f"linear{members[0][0]}{M}")
                 return (_fp8_lin(g, members, K), g.randn(M, K, dtype=torch.bfloat16)), {}
-            out.append(Case(f"{label} M={M}", make, _both("y"), {"y": BF16}))
+            # one bf16 rounding, plus the FP8 MMA's ~14-bit 128-K partials on Hopper (tests/test_gemm.py)
+            out.append(Case(f"{label} M={M}", make, _both("y"), {"y": Tol(max_rel=2.0 ** -5, per_row=True)}))
 
     def make_bf16(M=rows[0]):                     # the fp32-output GEMM of a bf16-stored linear (compressor proj)
         g = _Gen(ctx, f"linear_bf16{M}")
@@ -508,7 +514,7 @@ def linear(ctx: Context):
         lin = _Lin(kind="fp32", weight=g.randn(N, c.hidden_size, scale=0.05, dtype=torch.bfloat16), scale=None,
                    members=[("proj", N)], out_features=N, in_features=c.hidden_size)
         return (lin, g.randn(M, c.hidden_size, dtype=torch.bfloat16)), {}
-    out.append(Case(f"bf16->fp32 M={rows[0]}", make_bf16, _both("y"), {"y": Tol(max_rel=1e-5)}))
+    out.append(Case(f"bf16->fp32 M={rows[0]}", make_bf16, _both("y"), {"y": Tol(max_rel=1e-4)}))
     return out
 
 
@@ -524,7 +530,7 @@ def wo_a(ctx: Context):
             lin = _fp8_lin(g, [("wo_a", G * c.o_lora_rank)], D)
             grp = SimpleNamespace(groups=G, rank=c.o_lora_rank, fmt="fp8", lin=lin)
             return (grp, g.randn(T, G, D, dtype=torch.bfloat16)), {}
-        return Case(f"T={T} G={G}", make, _both("z"), {"z": BF16})
+        return Case(f"T={T} G={G}", make, _both("z"), {"z": Tol(max_rel=2.0 ** -5, per_row=True)})
     return [case(T) for T in _rows(ctx, (2,), (1, 2, 64, 256))]
 
 
@@ -552,9 +558,10 @@ def moe(ctx: Context):
             g = _Gen(ctx, f"moe{T}{hash_layer}")
             return (layer(g, hash_layer), g.randn(T, d, dtype=torch.bfloat16), g.randint(0, 64, (T,))), {}
         # routing ids equal (barring a near-tie within an ulp of the scores), each expert output within
-        # bf16 rounding (a one-ulp flip of a bf16 w1 / w3 output can move h by one FP8 step)
+        # bf16 rounding (a one-ulp flip of a bf16 w1 / w3 output can move h by one FP8 step, which moves
+        # the whole row a little): each token within 5% of its largest value (tests/test_moe.py's bound)
         return Case(f"T={T} E={E}{' hash' if hash_layer else ''} {fmt}", make, _both("y"),
-                    {"y": Tol(max_rel=0.05, flips=0.02, flip_rel=2.0 ** -5)})
+                    {"y": Tol(max_rel=0.05, per_row=True)})
     return [case(T, h) for T, h in _rows(ctx, ((2, False),), ((1, False), (2, True), (16, False), (256, False)))]
 
 
