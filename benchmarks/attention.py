@@ -119,8 +119,35 @@ def run_triton(c, cfg, prefill=False):
     return fn(c["q"], c["widx"], c["wpages"], PAGE, c["eidx"], c["epages"], PAGE, c["sinks"], config=cfg)
 
 
+def sparse_attention_torch_fast(q, window_idx, window_pages, window_page_size, extra_idx=None, extra_pages=None,
+                                extra_page_size: int = 64, sinks=None, scale: float = 512 ** -0.5):
+    """The pure-PyTorch workaround (what an engine without these kernels runs; the speed baseline): gather +
+    dequant the listed entries to bf16, bf16 batched matmuls, one fp32 softmax with the sink in the
+    denominator. Not block-exact (one max over the whole row)."""
+    from dsv4.formats.kv_entry import decode_kv_entries, page_views
+    T, H, D = q.shape
+    if sinks is None:
+        sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    parts, valid = [], []
+    for idx, pages, psz in ((window_idx, window_pages, window_page_size), (extra_idx, extra_pages, extra_page_size)):
+        if idx is None or idx.shape[1] == 0:
+            continue
+        data_v, scale_v = page_views(pages, psz)
+        s = idx.reshape(-1).long().clamp(min=0)
+        rows = decode_kv_entries(data_v[s // psz, s % psz], scale_v[s // psz, s % psz]).view(*idx.shape, D)
+        parts.append(rows * (idx >= 0).unsqueeze(-1).to(rows.dtype))
+        valid.append(idx >= 0)
+    rows, valid = torch.cat(parts, 1), torch.cat(valid, 1)
+    z = torch.bmm(q, rows.transpose(1, 2)).float() * scale               # [T, H, K]
+    z = z.masked_fill(~valid[:, None, :], float("-inf"))
+    m = z.amax(-1, keepdim=True).clamp(min=-1e30)
+    e = torch.exp(z - m)
+    den = e.sum(-1, keepdim=True) + torch.exp(sinks.float()[None, :, None] - m)
+    return torch.bmm((e / den).to(torch.bfloat16), rows)
+
+
 def run_torch(c):
-    return sa.sparse_attention_torch_fast(c["q"], c["widx"], c["wpages"], PAGE, c["eidx"], c["epages"],
+    return sparse_attention_torch_fast(c["q"], c["widx"], c["wpages"], PAGE, c["eidx"], c["epages"],
                                           PAGE, c["sinks"])
 
 

@@ -102,3 +102,34 @@ def gpu_experiment(script: str, why: str = ""):
     copy_bw, _ = roofline(dev, False)
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     return dev, torch.Generator(device=dev).manual_seed(0), copy_bw
+
+
+GEMV_MAX_ROWS = 4     # rows up to which the benchmarks sweep the decode GEMV
+
+
+def fp8_gemm(xq, xs, w, ws, config=None):
+    """The FP8 GEMM the benchmarks time: routed (``kernels.gemm.linear``) without ``config``, else the
+    tile kernel with it."""
+    from dsv4.kernels.gemm import fp8 as G8
+    from dsv4.kernels.gemm import linear as GL
+    return GL.fp8_gemm(xq, xs, w, ws) if config is None else G8.fp8_gemm(xq, xs, w, ws, config=config)
+
+
+def fp8_linear(x, w, ws, config=None, gemv=False):
+    """The FP8 linear the benchmarks time: routed without ``config``; with it the tile kernel (the
+    quantisation fused in its prologue up to 64 rows, a separate act quant above) or, with ``gemv``,
+    the CUDA-core GEMV."""
+    from dsv4.kernels.gemm import fp8 as G8
+    from dsv4.kernels.gemm import gemv as V
+    from dsv4.kernels.gemm import linear as GL
+    if config is None and not gemv:
+        return GL.fp8_linear(x, w, ws)
+    K, N = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, K).to(torch.bfloat16).contiguous()
+    if gemv:
+        y = V.fp8_gemv(x2, w, ws, config=config)
+    elif x2.shape[0] <= 64:
+        y = G8.fp8_gemm_bf16(x2, w, ws, config=config)
+    else:
+        y = G8.fp8_gemm(*G8.act_quant_fp8(x2), w, ws, config=config)
+    return y.reshape(*x.shape[:-1], N)

@@ -40,9 +40,12 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import fp8_peak, graph_time  # noqa: E402
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
+from dsv4.kernels.gemm import fp4 as G4, fp8 as G8, route as GR  # noqa: E402
 from dsv4.kernels import moe as Mo  # noqa: E402
-from dsv4.kernels.gemv import gemv_launch, rows_tile  # noqa: E402
+from dsv4.kernels.gemm.gemv import gemv_launch  # noqa: E402
+from dsv4.kernels.gemm.route import rows_tile  # noqa: E402
+from benchmarks.common import GEMV_MAX_ROWS, fp8_gemm, fp8_linear  # noqa: E402
+from dsv4.kernels.lib import target, u8  # noqa: E402
 
 MODELS = {"flash": dict(d=4096, I=2048, E=256, k=6, rs=1.5), "pro": dict(d=7168, I=3072, E=384, k=6, rs=2.5)}
 
@@ -112,7 +115,7 @@ FP8_CONFIGS = {"bm128.bn128.w8.s4": dict(BM=128, BN=128, num_warps=8, num_stages
 def fp8_case(M, N, K, dev, gen):
     x = (torch.randn(M, K, device=dev, generator=gen) * 2).bfloat16()
     wq, ws = quant_fp8_weight(torch.randn(N, K, device=dev, generator=gen) * 0.02)
-    xq, xs = G.act_quant_fp8(x)
+    xq, xs = G8.act_quant_fp8(x)
     return x, xq, xs, wq, ws
 
 
@@ -136,9 +139,9 @@ def bench_fp8(dev, gen, timer, smoke, fp8_peak, bf16_rate, sweep_rows):
     best, best_t = None, None
     for cname, cfg in (FP8_CONFIGS.items() if not smoke else [("default", None)]):
         try:
-            y = G.fp8_gemm(xq, xs, wq, ws, config=cfg)
+            y = fp8_gemm(xq, xs, wq, ws, config=cfg)
             err = fp8_check(y, xq, xs, wq, ws)
-            t = timer(lambda: G.fp8_gemm(xq, xs, wq, ws, config=cfg))
+            t = timer(lambda: fp8_gemm(xq, xs, wq, ws, config=cfg))
             ok = err < 5e-3
             sweep_rows.append((f"fp8 {name} M{M}", cname, t * 1e3, err, "ok" if ok else "WRONG"))
             log(f"fp8 sweep {cname}: {t * 1e3:.1f} us err {err:.1e}")
@@ -155,10 +158,10 @@ def bench_fp8(dev, gen, timer, smoke, fp8_peak, bf16_rate, sweep_rows):
     for (name, N, K), M in plan:
         try:
             x, xq, xs, wq, ws = fp8_case(M, N, K, dev, gen)
-            y = G.fp8_gemm(xq, xs, wq, ws, config=best)
+            y = fp8_gemm(xq, xs, wq, ws, config=best)
             err = fp8_check(y, xq, xs, wq, ws)
-            t = timer(lambda: G.fp8_gemm(xq, xs, wq, ws, config=best))
-            tl_ = timer(lambda: G.fp8_linear(x, wq, ws, config=best))
+            t = timer(lambda: fp8_gemm(xq, xs, wq, ws, config=best))
+            tl_ = timer(lambda: fp8_linear(x, wq, ws, config=best))
             fl = 2.0 * M * N * K
             row = dict(name=name, M=M, N=N, K=K, us=t * 1e3, tf=fl / (t * 1e-3) / 1e12, lin_us=tl_ * 1e3, err=err)
             if not smoke:
@@ -193,21 +196,21 @@ def bench_fp8_decode(dev, gen, timer, copy_bw, Ms=(1, 4, 8, 64)):
     """fp8_linear (act quant fused into the GEMM) at decode batch sizes over the V4-Flash decode
     linears: weight bytes / time against the copy bandwidth, default tile vs an in-run sweep (the
     MMA tiles, the CUDA-core GEMV, and at <= 8 rows the tensor-core kernel's variants)."""
-    from dsv4.kernels import fp8_mma as F8
+    from dsv4.kernels.gemm import fp8_mma as F8
     rows = []
     for name, N, K in FP8_DECODE_SHAPES:
         for M in Ms:
             x, xq, xs, wq, ws = fp8_case(M, N, K, dev, gen)
             nbytes = wq.numel() + ws.numel() * 4 + x.numel() * 2 + M * N * 2
             res = {}
-            calls = [("default", lambda: G.fp8_linear(x, wq, ws))]
+            calls = [("default", lambda: fp8_linear(x, wq, ws))]
             for cname, cfg in list(FP8_DECODE_CONFIGS.items()) + (
-                    list(FP8_GEMV_CONFIGS.items()) if M <= G.GEMV_MAX_ROWS else []):
+                    list(FP8_GEMV_CONFIGS.items()) if M <= GEMV_MAX_ROWS else []):
                 if M > 16 and not cname.startswith("gemv"):
                     cfg = dict(cfg, BM=64)
-                calls.append((cname, lambda cfg=cfg, g=cname.startswith("gemv"): G.fp8_linear(x, wq, ws, config=cfg,
+                calls.append((cname, lambda cfg=cfg, g=cname.startswith("gemv"): fp8_linear(x, wq, ws, config=cfg,
                                                                                                gemv=g)))
-            if M <= F8.MAX_ROWS and F8.available(dev):
+            if M <= GR.MMA_MAX_ROWS and target(dev).gluon_mma:
                 for cname, kw in (("mma.bn32.w2", dict(config=dict(BN=32, num_warps=2))),
                                   ("mma.k1", dict(split=1)), ("mma.k2", dict(split=2)), ("mma.k4", dict(split=4)),
                                   ("mma.k8", dict(split=8)), ("mma.k16", dict(split=16))):
@@ -249,7 +252,7 @@ FP4_SHAPES = [("Flash w1|w3", 4096, 4096, 32), ("Flash w2", 4096, 2048, 64),
 def fp4_variants(m):
     gemv = {f"gemv.bn{bn}.w{w}": (dict(BM=rows_tile(m), BN=bn, num_warps=w, num_stages=1),
                                   "gemv", True)
-            for bn, w in ((64, 4), (64, 8), (128, 8), (256, 8), (128, 16))} if m <= G.GEMV_MAX_ROWS else {}
+            for bn, w in ((64, 4), (64, 8), (128, 8), (256, 8), (128, 16))} if m <= GEMV_MAX_ROWS else {}
     big = m > 32
     bm = 64 if big else (32 if m > 16 else 16)
     base = dict(BM=bm)
@@ -274,7 +277,7 @@ class Fp4Case:
             self.w, self.s, self.s2 = rand_nv(E, N, K, dev, gen)
         R = E * m
         x = (torch.randn(R, K, device=dev, generator=gen)).bfloat16()
-        self.xq, self.xs, self.a16 = G.act_quant_fp8(x, with_f16=True)
+        self.xq, self.xs, self.a16 = G8.act_quant_fp8(x, with_f16=True)
         self.R = R
         self.offs = (torch.arange(E + 1, device=dev) * m).to(torch.int64)
         self.out = torch.empty(R, N, dtype=torch.bfloat16, device=dev)
@@ -286,11 +289,11 @@ class Fp4Case:
         tcum = (torch.arange(self.E + 1, device=self.w.device) * tiles).to(torch.int64)
         if path == "gemv":
             c = {k: v for k, v in cfg.items() if k != "BM"}
-            return gemv_launch(G._u8(self.xq), self.xs, self.w, self.s, self.s2, self.R, self.N, self.K, wfmt=self.fmt,
+            return gemv_launch(u8(self.xq), self.xs, self.w, self.s, self.s2, self.R, self.N, self.K, wfmt=self.fmt,
                                out=self.out, offs=self.offs, tcum=tcum, n_groups=self.E, n_tiles=self.E * tiles,
                                bm=bm, config=c)
-        a = self.a16 if path == "dequant" else G._u8(self.xq)
-        G.fp4_launch(a, self.xs, self.w, self.s, self.s2, self.out, None, self.R, self.N, self.K, 0,
+        a = self.a16 if path == "dequant" else u8(self.xq)
+        G4.fp4_launch(a, self.xs, self.w, self.s, self.s2, self.out, None, self.R, self.N, self.K, 0,
                      fmt=self.fmt, offs=self.offs, tcum=tcum, n_groups=self.E, n_tiles=self.E * tiles,
                      path=path, config=dict(cfg), use_asm=asm)
         return self.out
@@ -356,7 +359,7 @@ def bench_fp4(dev, gen, timer, smoke, copy_bw, sweep_rows, quick=False):
         del case
     def pick(m):
         b = best.get(1 if m <= 16 else 64) or best.get(1)
-        if b[1] == "gemv" and m > G.GEMV_MAX_ROWS:
+        if b[1] == "gemv" and m > GEMV_MAX_ROWS:
             b = best_mma.get(1 if m <= 16 else 64)
         return b
     for name, N, K, E in shapes:
@@ -414,6 +417,42 @@ def make_moe(model, dev, gen, smoke):
     return w, dense, c
 
 
+def moe_loop_torch(x: torch.Tensor, ids, w, dense: dict) -> torch.Tensor:
+    """Plain-PyTorch baseline on the device (the speed reference of ``bench_moe``): the reference's Python
+    loop over experts (same numerics: FP8 QDQ of x and h, bf16-rounded w1/w3 outputs, fp32 SwiGLU, weight
+    before w2, fp32 accumulation in increasing expert order), with bf16 matmuls on dequantised weights
+    (``dense``: {'w13': [E, 2I, d], 'w2': [E, d, I], 'sh13': [2I, d], 'sh2': [d, I]} bf16; QDQ'd
+    activations are exact in bf16, the products exact in fp32)."""
+    import torch.nn.functional as F
+
+    from dsv4.reference.linear import dequant_activation_fp8
+    idx, rw = Mo.route(x, ids, w)
+    T, d = x.shape
+    xq = dequant_activation_fp8(x).bfloat16()
+    y = torch.zeros(T, d, dtype=torch.float32, device=x.device)
+
+    def expert(xe, w13, w2, weight):
+        gu = (xe @ w13.T).float()
+        Ie = gu.shape[1] // 2
+        g, u = gu[:, :Ie], gu[:, Ie:].clamp(-w.limit, w.limit)
+        hh = F.silu(g.clamp(max=w.limit)) * u
+        if weight is not None:
+            hh = weight[:, None] * hh
+        hq = dequant_activation_fp8(hh.to(torch.bfloat16)).bfloat16()
+        return (hq @ w2.T).float()
+
+    for e in range(w.n_experts):
+        hit = idx == e
+        rows = hit.any(dim=1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        col = hit[rows].float().argmax(dim=1)
+        y[rows] += expert(xq[rows], dense["w13"][e], dense["w2"][e], rw[rows, col])
+    if "sh13" in dense:
+        y += expert(xq, dense["sh13"], dense["sh2"], None)
+    return y.to(torch.bfloat16)
+
+
 def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
     rows = []
     for model in (("flash", "pro") if not smoke else ("flash",)):
@@ -432,7 +471,7 @@ def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
             try:
                 x = torch.randn(T, d, device=dev, generator=gen).bfloat16()
                 y = Mo.moe_forward(x, None, w)
-                yl = Mo.moe_loop_torch(x, None, w, dense)
+                yl = moe_loop_torch(x, None, w, dense)
                 err = relerr(y, yl)
                 idx, _ = Mo.route(x, None, w)
                 active = int(torch.unique(idx).numel())
@@ -440,11 +479,11 @@ def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
                 floor = nbytes / copy_bw * 1e6
                 tg = None if timer.smoke else graph_time(lambda: Mo.moe_forward(x, None, w))
                 te = timer(lambda: Mo.moe_forward(x, None, w), rep=100)
-                tl_ = timer(lambda: Mo.moe_loop_torch(x, None, w, dense), rep=200)
+                tl_ = timer(lambda: moe_loop_torch(x, None, w, dense), rep=200)
                 best = tg * 1e3 if tg is not None else te * 1e3
                 variants = {}
                 if T <= 1024 and not timer.smoke:   # the decode kernels vs the MMA kernels, tile rows
-                    paths = [("mma", dict(path=G.fp4_path(w.fmt, dev))), ("gemv.tensor-core", dict(path="gemv"))]
+                    paths = [("mma", dict(path=GR.fp4_path(w.fmt, target(dev)))), ("gemv.tensor-core", dict(path="gemv"))]
                     if T <= 64:
                         paths += [(f"gemv.cuda-core.bm{r}", dict(path="gemv", config={"kernel": "cuda-core", "BM": r}))
                                   for r in (1, 2, 4)]

@@ -33,6 +33,9 @@ from dsv4.kernels import compressor as cp  # noqa: E402
 from dsv4.kernels import indexer as ix  # noqa: E402
 from dsv4.kernels import interpreting  # noqa: E402
 from dsv4.kernels import mhc  # noqa: E402
+from dsv4.twins import compressor as cp_twin  # noqa: E402
+from dsv4.twins import indexer as ix_twin  # noqa: E402
+from dsv4.twins import mhc as mhc_twin  # noqa: E402
 from dsv4.formats.kv_entry import page_bytes  # noqa: E402
 
 MODELS = {"Flash": 4096, "Pro": 7168}
@@ -97,7 +100,7 @@ def mhc_cases(dev, gen, smoke, sweep=False):
             scale = torch.rand(3, generator=gen, device=dev) + 0.5
             fh, bh, sh = fn[:4].contiguous(), base[:4].contiguous(), scale[:1].contiguous()
             y = _r(gen, T, d, dev=dev).bfloat16()
-            _, post, comb = mhc.hc_pre_torch(x, fn, base, scale)
+            _, post, comb = mhc_twin.hc_pre(x, fn, base, scale)
             xb = T * 4 * d * 2
             pre_bytes, pre_flops = xb + 24 * 4 * d * 4 + T * d * 2 + T * 80, 2 * T * 4 * d * 24
             post_bytes = T * d * 2 + 2 * xb + T * 80
@@ -118,11 +121,11 @@ def mhc_cases(dev, gen, smoke, sweep=False):
                            None, post_bytes, 0)
                 continue
             yield (f"hc_pre {name} d{d}", T, lambda: mhc.hc_pre(x, fn, base, scale),
-                   lambda: mhc.hc_pre_torch(x, fn, base, scale), pre_bytes, pre_flops)
+                   lambda: mhc_twin.hc_pre(x, fn, base, scale), pre_bytes, pre_flops)
             yield (f"hc_post {name} d{d}", T, lambda: mhc.hc_post(y, x, post, comb),
-                   lambda: mhc.hc_post_torch(y, x, post, comb), post_bytes, 0)
+                   lambda: mhc_twin.hc_post(y, x, post, comb), post_bytes, 0)
             yield (f"hc_head {name} d{d}", T, lambda: mhc.hc_head(x, fh, bh, sh),
-                   lambda: mhc.hc_head_torch(x, fh, bh, sh), xb + 4 * 4 * d * 4 + T * d * 2, 2 * T * 4 * d * 4)
+                   lambda: mhc_twin.hc_head(x, fh, bh, sh), xb + 4 * 4 * d * 4 + T * d * 2, 2 * T * 4 * d * 4)
 
 
 def _entry_outputs(n, c, ratio, indexer, gen, dev):
@@ -166,7 +169,7 @@ def comp_cases(dev, gen, smoke, sweep=False):
             yield (f"compress {label} (c{c}, m{ratio}), all rows complete", B,
                    lambda: cp.compress_decode(state, slots, pos, k, s, w, cos, sin, pages=pages, page_slots=pslots,
                                               page_size=ps, **kw),
-                   lambda: cp.compress_decode_torch(state, slots, pos, k, s, w, cos, sin, **kw), nbytes, 0)
+                   lambda: cp_twin.compress_decode(state, slots, pos, k, s, w, cos, sin, **kw), nbytes, 0)
 
 
 def comp_prefill_cases(dev, gen, smoke):
@@ -184,7 +187,7 @@ def comp_prefill_cases(dev, gen, smoke):
             yield (f"compress prefill {label} (c{c}, m{ratio}), T={T}", n,
                    lambda: cp.compress_prefill(rows_k, rows_s, 0, 0, n, w, cos, sin, pages=pages, page_slots=pslots,
                                                page_size=ps, **kw),
-                   lambda: cp.compress_prefill_torch(rows_k, rows_s, 0, 0, n, w, cos, sin, **kw), nbytes, 0)
+                   lambda: cp_twin.compress_prefill(rows_k, rows_s, 0, 0, n, w, cos, sin, **kw), nbytes, 0)
 
 
 def _score_case(B, N, gen, dev, H=64):
@@ -193,7 +196,7 @@ def _score_case(B, N, gen, dev, H=64):
     pages[:, 64 * 64:] = torch.randint(118, 127, (nb, 256), dtype=torch.uint8, generator=gen, device=dev)
     bt = torch.randperm(nb, generator=gen, device=dev).view(B, N // 64).int()
     pos = torch.full((B,), 4 * N - 1, dtype=torch.int64, device=dev)
-    q = ix.index_q_prologue_torch(_r(gen, B, H, 128, dev=dev).bfloat16(), torch.ones(B, 32, device=dev),
+    q = ix_twin.index_q_prologue(_r(gen, B, H, 128, dev=dev).bfloat16(), torch.ones(B, 32, device=dev),
                                   torch.zeros(B, 32, device=dev))
     w = (_r(gen, B, H, dev=dev) * 0.1).bfloat16()
     return q, w, pages, bt, pos
@@ -216,7 +219,7 @@ def topk_cases(dev, gen, smoke, sweep=False):
                 yield (f"top-k k={k} over N={N} {name}", B, lambda kw=kw: ix.index_topk(sc, k, **kw),
                        None, nbytes, 0)
             continue
-        yield (f"top-k k={k} over N={N}", B, lambda: ix.index_topk(sc, k), lambda: ix.index_topk_torch(sc, k),
+        yield (f"top-k k={k} over N={N}", B, lambda: ix.index_topk(sc, k), lambda: ix_twin.index_topk(sc, k),
                nbytes, 0)
 
 
@@ -234,7 +237,7 @@ def index_cases(dev, gen, smoke, sweep=False):
                                                                      num_warps=nw, direct=dr), None, nbytes, flops)
             continue
         yield (f"indexer scores (64 heads, MXFP4 keys, N={N})", B, lambda: ix.index_scores(q, w, pages, bt, pos),
-               lambda: ix.index_scores_torch(q, w, pages, bt, pos), nbytes, flops)
+               lambda: ix_twin.index_scores(q, w, pages, bt, pos), nbytes, flops)
     for T in ([3] if smoke else [128, 4096]):
         if sweep and smoke:
             continue
@@ -249,7 +252,7 @@ def index_cases(dev, gen, smoke, sweep=False):
                    lambda: ix.index_q_prologue(q, cos, sin, load_h=False), None, 2 * T * H * 128 * 2 + T * 256, 0)
             continue
         yield ("indexer q prologue (64 heads)", T, lambda: ix.index_q_prologue(q, cos, sin),
-               lambda: ix.index_q_prologue_torch(q, cos, sin), 2 * T * H * 128 * 2 + T * 256, 0)
+               lambda: ix_twin.index_q_prologue(q, cos, sin), 2 * T * H * 128 * 2 + T * 256, 0)
 
 
 def main():

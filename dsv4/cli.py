@@ -1,5 +1,5 @@
-"""``dsv4`` command line: ``generate``, ``serve``, ``bench throughput``, ``bench serve``, ``make-tiny``,
-``make-synthetic``."""
+"""``dsv4`` command line: ``generate``, ``serve``, ``bench throughput``, ``bench serve``, ``validate``, ``check``,
+``make-tiny``, ``make-synthetic``."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,8 @@ def _engine_kw(a: argparse.Namespace) -> dict:
                 cuda_graphs=not a.enforce_eager, log=not a.quiet, synthetic=a.synthetic,
                 synthetic_layers=a.layers, synthetic_experts=a.experts, synthetic_seed=a.synthetic_seed,
                 tensor_parallel_size=a.tensor_parallel_size, revision=a.revision,
-                speculative_config=a.speculative_config, enable_prefix_caching=a.enable_prefix_caching)
+                speculative_config=a.speculative_config, enable_prefix_caching=a.enable_prefix_caching,
+                kernel_check=a.kernel_check)
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
@@ -87,6 +88,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         '(drafts with the checkpoint\'s MTP block)')
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompt prefixes seen before, in 256-token blocks (default on)")
+    p.add_argument("--kernel-check", choices=["fast", "full", "off"], default="fast",
+                   help="at start-up, check every op's kernel against its twin on this GPU; an op that fails "
+                        "falls back to a portable kernel or its twin (default fast; `dsv4 check` prints the table)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -290,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(fn=_cmd_serve)
     from .tools.validate import add_parser as add_validate
     add_validate(sub)
+    from .tools.check import add_parser as add_check
+    add_check(sub)
     t = sub.add_parser("make-tiny", help="write the deterministic tiny V4 checkpoint")
     t.add_argument("dir", help='output directory (must not exist or be empty, unless --overwrite)')
     t.add_argument("--layout", choices=["official", "hf", "modelopt-nvfp4"], default="official", help='checkpoint layout to write (default official)')

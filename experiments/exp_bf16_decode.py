@@ -39,7 +39,7 @@ def main():
             fl = W.numel() * 2 / copy_bw * 1e6
             print(f"| {name} | {B} | {a * 1e3:.1f} | {b * 1e3:.1f} | {fl:.1f} |  (max diff {d.item():.1e})", flush=True)
     from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight
-    from dsv4.kernels import fp8_mma as F8
+    from dsv4.kernels.gemm import fp8_mma as F8
     G, R, D = 8, 1024, 4096
     q, s = quant_fp8_weight(torch.randn(G * R, D, device=dev, generator=gen) * 0.02)
     Wa = dequant_fp8_weight(q, s).bfloat16().view(G, R, D)      # the official bf16 form of the FP8 weight

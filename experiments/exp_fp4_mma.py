@@ -14,9 +14,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import graph_time, roofline  # noqa: E402
 from benchmarks.gemm_moe import rand_mx, rand_nv, relerr  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
-from dsv4.kernels.fp4_mma import BM_ROWS, act_f16_split, band_layout, mma_gemv_launch  # noqa: E402
-from dsv4.kernels.gemv import gemv_launch  # noqa: E402
+from dsv4.kernels.gemm import fp8 as G8  # noqa: E402
+from dsv4.kernels.gemm.fp4_mma import BM_ROWS, act_f16_split, band_layout, mma_gemv_launch  # noqa: E402
+from dsv4.kernels.gemm.gemv import gemv_launch  # noqa: E402
+from dsv4.kernels.lib import u8  # noqa: E402
 
 # (name, experts, N, K, rows per expert)
 CASES = [("Flash w1|w3 32 exp x1", 32, 4096, 4096, 1), ("Flash w2 32 exp x1", 32, 4096, 2048, 1),
@@ -44,8 +45,8 @@ def main():
         w, s, s2 = rand_nv(E, N, K, dev, gen) if fmt == "nvfp4" else (*rand_mx(E, N, K, dev, gen), None)
         R = E * m
         x = torch.randn(R, K, device=dev, generator=gen).bfloat16()
-        xq, xs = G.act_quant_fp8(x)
-        xq = G._u8(xq)
+        xq, xs = G8.act_quant_fp8(x)
+        xq = u8(xq)
         offs = (torch.arange(E + 1, device=dev) * m).to(torch.int64)
         wbytes = E * (N * K // 2 + N * s.shape[-1])
 

@@ -30,9 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import graph_time  # noqa: E402
-from dsv4.kernels import fp4_prefill as FP  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
+from dsv4.kernels.gemm import fp4_prefill as FP  # noqa: E402
+from dsv4.kernels.gemm import common as GC, fp4 as G4, fp8 as G8, route as GR  # noqa: E402
 from dsv4.kernels import moe as Mo  # noqa: E402
+from dsv4.kernels.lib import target  # noqa: E402
 
 T0 = time.time()
 BUDGET_S = 80.0            # stop starting new variants past this (the H200 run must end < 90 s)
@@ -65,7 +66,7 @@ class Case:
         self.w13, self.s13 = rand_mx(E, 2 * I, d, dev, gen)
         self.w2, self.s2 = rand_mx(E, d, I, dev, gen)
         x = torch.randn(T, d, device=dev, generator=gen).bfloat16()
-        self.xq, self.xs, self.a16 = G.act_quant_fp8(x, with_f16=True)
+        self.xq, self.xs, self.a16 = G8.act_quant_fp8(x, with_f16=True)
         self.a16s = FP.f16_operand_split(self.xq)
         idx = torch.rand(T, E, device=dev, generator=gen).topk(k, dim=1).indices
         self.eflat = idx.reshape(-1).to(torch.int32)
@@ -102,7 +103,7 @@ class Case:
 
 
 def old_launch(*args, **kw):
-    G.fp4_launch(*args, path="dequant", **kw)
+    G4.fp4_launch(*args, path="dequant", **kw)
 
 
 def rows_valid(offs, P):
@@ -171,14 +172,14 @@ def main():
     else:
         c = Case(T=4096, d=4096, I=2048, E=256, k=6, dev=dev, gen=gen)
         v1, v2 = VARIANTS_1, VARIANTS_2
-        old_cfg = {"BM": G.fp4_config(c.P / min(c.E, c.P), dev)["BM"]}     # as moe_forward picks it
+        old_cfg = {"BM": GR.fp4_config(c.P / min(c.E, c.P), target(dev))["BM"]}     # as moe_forward picks it
     log(f"case: {c.T} tokens, top-{c.k} of {c.E} experts, d {c.d}, inter {c.I}; old path tile BM {old_cfg['BM']}")
     rows = []
     fl1 = 2.0 * c.P * (2 * c.I) * c.d
     fl2 = 2.0 * c.P * c.d * c.I
     # activation operand preparation (both paths need one f16 copy of x and of h)
     if not smoke:
-        rows.append(("prep", "f16_operand(x) (natural)", graph_time(lambda: G.f16_operand(c.xq)) * 1e3, None, "-"))
+        rows.append(("prep", "f16_operand(x) (natural)", graph_time(lambda: GC.f16_operand(c.xq)) * 1e3, None, "-"))
         rows.append(("prep", "f16_operand_split(x)", graph_time(lambda: FP.f16_operand_split(c.xq)) * 1e3, None, "-"))
     h_old = None
     if "1" in args.only or "2" in args.only:
@@ -196,9 +197,9 @@ def main():
     if "2" in args.only:
         hq = h_old[0].view(torch.float8_e4m3fn)
         hs = h_old[1]
-        a2, a2s = G.f16_operand(hq), FP.f16_operand_split(hq)
+        a2, a2s = GC.f16_operand(hq), FP.f16_operand_split(hq)
         if not smoke:
-            rows.append(("prep", "f16_operand(h) (natural)", graph_time(lambda: G.f16_operand(hq)) * 1e3, None, "-"))
+            rows.append(("prep", "f16_operand(h) (natural)", graph_time(lambda: GC.f16_operand(hq)) * 1e3, None, "-"))
             rows.append(("prep", "f16_operand_split(h)", graph_time(lambda: FP.f16_operand_split(hq)) * 1e3, None, "-"))
         run, y0, offs = c.gemm2(old_launch, a2, hs, old_cfg)
         run()

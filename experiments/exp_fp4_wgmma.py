@@ -52,7 +52,7 @@ from collections import Counter
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dsv4.kernels.gemm import QBLOCK  # noqa: E402
+from dsv4.kernels.lib import QBLOCK, u8  # noqa: E402
 
 try:
     import triton
@@ -61,9 +61,9 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
                                                                    warpgroup_mma_wait)
 
-    from dsv4.kernels.fp4_mma import _act_rows
-    from dsv4.kernels.fp8_mma import _cta_barrier      # thread_barrier (triton 3.6) / barrier (3.9)
-    from dsv4.kernels.gemm import _tile_rows
+    from dsv4.kernels.gemm.fp4_mma import _act_rows
+    from dsv4.kernels.gemm.fp8_mma import _cta_barrier      # thread_barrier (triton 3.6) / barrier (3.9)
+    from dsv4.kernels.lib import tile_rows as _tile_rows
     GLUON = True
 except ImportError:
     GLUON = False
@@ -181,11 +181,12 @@ def wg_launch(a, sa, w, ws, M, N, K, *, offs, tcum, n_groups, n_tiles, split=Non
     """MXFP4 grouped decode GEMM on wgmma: a e4m3 bytes [rows, K], sa fp32 [rows, K/128], w uint8
     [G, N, K/2], ws e8m0 bytes [G, N, K/32]; tiles of BM rows (``tcum`` / ``offs`` as for fp4_mma).
     Returns bf16 [M, N] (split partials summed by ``gemv.sum_splits``)."""
-    from dsv4.kernels.gemv import launch_plan, sum_splits
+    from dsv4.kernels.gemm.common import launch_plan, sum_splits
+    from dsv4.kernels.lib import target
     if K % QBLOCK or N % ROWS:
         raise ValueError(f"wg_launch: K={K} must be a multiple of 128 and N={N} of {ROWS}")
     grid, kps, dst = launch_plan(M, N, K, BM, ROWS, grouped=True, n_tiles=n_tiles, n_groups=n_groups, split=split,
-                                 partial=False, out=None, dev=w.device)
+                                 partial=False, out=None, dev=w.device, t=target(w.device))
     _wg_kernel[grid](a, sa, w, ws, dst, sa, offs, tcum, M, N, K, n_groups, 1, kps,
                      a.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), dst.stride(-2),
                      GROUPED=True, GATHER=False, BM=BM, KPS=kps, LOG2G=max(1, max(n_groups, 1).bit_length()),
@@ -230,9 +231,9 @@ def main():
         return
     from benchmarks.common import graph_time, roofline
     from benchmarks.gemm_moe import rand_mx, relerr
-    from dsv4.kernels import gemm as G
-    from dsv4.kernels.fp4_mma import BM_ROWS, mma_gemv_launch
-    from dsv4.kernels.gemv import gemv_launch
+    from dsv4.kernels.gemm import fp8 as G8
+    from dsv4.kernels.gemm.fp4_mma import BM_ROWS, mma_gemv_launch
+    from dsv4.kernels.gemm.gemv import gemv_launch
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     copy_bw, _ = roofline(dev, False)
@@ -243,8 +244,8 @@ def main():
     for name, E, N, K, m in cases:
         w, s = rand_mx(E, N, K, dev, gen)
         R = E * m
-        xq, xs = G.act_quant_fp8(torch.randn(R, K, device=dev, generator=gen).bfloat16())
-        xq = G._u8(xq)
+        xq, xs = G8.act_quant_fp8(torch.randn(R, K, device=dev, generator=gen).bfloat16())
+        xq = u8(xq)
         offs = (torch.arange(E + 1, device=dev) * m).to(torch.int64)
         tiles = dict(offs=offs, tcum=(torch.arange(E + 1, device=dev) * -(-m // BM_ROWS)).to(torch.int64),
                      n_groups=E, n_tiles=E * -(-m // BM_ROWS))

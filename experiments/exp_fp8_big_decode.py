@@ -28,7 +28,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import graph_time, roofline  # noqa: E402
 from benchmarks.gemm_moe import fp8_case, fp8_check  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
+from dsv4.kernels.gemm import fp8 as G8, route as GR  # noqa: E402
+from benchmarks.common import fp8_linear  # noqa: E402
+from dsv4.kernels.lib import target  # noqa: E402
 
 SHAPES = [("Flash wq_b", 32768, 1024), ("Flash wo_b", 4096, 8192), ("Pro wq_b", 65536, 1536),
           ("Pro wo_b", 7168, 16384)]
@@ -49,13 +51,13 @@ def rule():
         x, xq, xs, wq, ws = fp8_case(M, N, K, dev, gen)
         if "partials" in name:          # timed alone; checked summed
             def run(cfg=None):
-                return G.fp8_gemm_partials(xq, xs, wq, ws, config=cfg)
+                return G8.fp8_gemm_partials(xq, xs, wq, ws, config=cfg)
 
             def value(cfg=None):
                 return run(cfg).sum(0)
         else:
             def run(cfg=None):
-                return G.fp8_linear(x, wq, ws, config=cfg)
+                return fp8_linear(x, wq, ws, config=cfg)
             value = run
         err = max(fp8_check(value(), xq, xs, wq, ws), fp8_check(value(OLD_TILE), xq, xs, wq, ws))
         t_old = graph_time(lambda: run(OLD_TILE)) * 1e3
@@ -85,12 +87,12 @@ def main():
         for bn, w, st in itertools.product((32, 64, 128, 256), (4, 8), (3, 4, 6)):
             if bm == 64 and bn == 256:
                 continue
-            base = G._split_k(M, N, K, bm, bn, torch.device(dev), False)
+            base = GR.fp8_split_k(M, N, K, bm, bn, target(dev))
             for s in sorted({base, 2 * base}):
                 tiles[f"bn{bn}.w{w}.s{st}.k{s}"] = dict(BM=bm, BN=bn, GROUP_M=8, num_warps=w, num_stages=st, SPLIT_K=s)
         res = {}
-        for cname, fn in [("default", lambda: G.fp8_linear(x, wq, ws))] + [
-                (c, lambda cfg=cfg: G.fp8_linear(x, wq, ws, config=cfg)) for c, cfg in tiles.items()]:
+        for cname, fn in [("default", lambda: fp8_linear(x, wq, ws))] + [
+                (c, lambda cfg=cfg: fp8_linear(x, wq, ws, config=cfg)) for c, cfg in tiles.items()]:
             try:
                 err = fp8_check(fn(), xq, xs, wq, ws)
                 if err < 5e-3:

@@ -29,8 +29,10 @@ def main():
         return
     dev, gen, copy_bw = setup
     from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight
-    from dsv4.kernels import fp8_mma as F8
-    from dsv4.kernels import gemm as G
+    from dsv4.kernels.gemm import fp8_mma as F8
+    from dsv4.kernels.gemm import route as GR
+    from benchmarks.common import fp8_linear
+    from dsv4.kernels.lib import target
     print("| linear | M | floor us | Triton tile (+ sum) us | " + " | ".join(VARIANTS) + " |")
     print("|---|---|---|---|" + "---|" * len(VARIANTS))
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
@@ -42,7 +44,7 @@ def main():
             x = torch.randn(M, g * K, device=dev, generator=gen).bfloat16()
             act = "bf16" if g > 1 else "fp8"
             if g == 1:
-                tri = graph_time(lambda: G.fp8_linear(x, q, s, config=G._fp8_config(M, N, K, x.device)))
+                tri = graph_time(lambda: fp8_linear(x, q, s, config=GR.fp8_tiles(M, N, K, target(x.device))))
                 tri_s = f"{tri * 1e3:.1f}"
             else:
                 Wb = dequant_fp8_weight(q, s).bfloat16().view(g, N // g, K)

@@ -132,8 +132,8 @@ def _aot_worker(job):
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         if cfg == "baseline":
-            from dsv4.kernels import gemm as G
-            fn = G._fp8_gemm_kernel
+            from dsv4.kernels.gemm import fp8 as G8, linear as GL
+            fn = G8._fp8_gemm_kernel
             const = dict(SB_SHIFT=7, A_BF16=False, SB_E8M0=True, SWIGLU=False, BM=128, BN=128, GROUP_M=8, SPLIT=False,
                          SUM=False, INTERP=False)
             types = dict(A="*u8", SA="*fp32", B="*u8", SB="*u8", C="*bf16", CS="*fp32", limit="fp32")
@@ -144,7 +144,7 @@ def _aot_worker(job):
                      if n not in const and (types.get(n, "").startswith("*") or n in div)}
             opts = {"num_warps": 8, "num_stages": 4}
         else:
-            from dsv4.kernels.fp8_prefill import aot_spec
+            from dsv4.kernels.gemm.fp8_prefill import aot_spec
             fn, sig, const, attrs, opts = aot_spec(cfg)
         k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32), options=opts)
         res = dict(name=name, cap=cap, ok=True, secs=round(time.time() - t0, 1), smem=k.metadata.shared,
@@ -224,8 +224,8 @@ import sys, json, os
 sys.path[:0] = [%r]
 import torch
 from dsv4.formats.fp8 import quant_fp8_weight
-from dsv4.kernels import gemm as G
-from dsv4.kernels.fp8_prefill import fp8_gemm_prefill
+from dsv4.kernels.gemm import fp8 as G8, linear as GL
+from dsv4.kernels.gemm.fp8_prefill import fp8_gemm_prefill
 cfg = json.loads(sys.argv[1])
 if "GLUON_WS" in cfg:
     from experiments.fp8_ws import fp8_gemm_ws as fp8_gemm_prefill
@@ -233,10 +233,10 @@ if "GLUON_WS" in cfg:
 M, N, K = 256, 512, 512          # sizes / strides multiples of 16 like the benchmark shapes: same JIT key
 x = torch.randn(M, K, device="cuda").bfloat16()
 wq, ws = quant_fp8_weight(torch.randn(N, K, device="cuda") * 0.02)
-xq, xs = G.act_quant_fp8(x)
+xq, xs = G8.act_quant_fp8(x)
 y = fp8_gemm_prefill(xq, xs, wq, ws, config=cfg)
 torch.cuda.synchronize()
-rel = ((y.double() - G.fp8_gemm(xq, xs, wq, ws).double()).norm() / y.double().norm()).item()
+rel = ((y.double() - GL.fp8_gemm(xq, xs, wq, ws).double()).norm() / y.double().norm()).item()
 print("REL", rel)
 """
 
@@ -307,13 +307,14 @@ def static_report(configs, caps, md, jobs=None):
 def _case(M, N, K, dev, gen):
     import torch
 
+    from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref
     from dsv4.formats.fp8 import quant_fp8_weight
-    from dsv4.kernels import gemm as G
+    from dsv4.kernels.gemm import fp8 as G8, linear as GL
     x = (torch.randn(M, K, device=dev, generator=gen) * 2).bfloat16()
     W = torch.randn(N, K, device=dev, generator=gen) * 0.02
     W[:, : min(K, 256)] *= 16                                 # spread of block scales
     wq, ws = quant_fp8_weight(W)
-    xq, xs = G.act_quant_fp8(x) if dev == "cuda" else G.act_quant_fp8_torch(x)
+    xq, xs = G8.act_quant_fp8(x) if dev == "cuda" else act_quant_ref(x)
     return xq, xs, wq, ws
 
 
@@ -332,14 +333,14 @@ def _variant(cfg):
     if "GLUON_WS" in cfg:
         from experiments.fp8_ws import fp8_gemm_ws
         return fp8_gemm_ws, cfg["GLUON_WS"]
-    from dsv4.kernels.fp8_prefill import fp8_gemm_prefill
+    from dsv4.kernels.gemm.fp8_prefill import fp8_gemm_prefill
     return fp8_gemm_prefill, cfg
 
 
 def run(configs, smoke, md, out, jobs=None, shapes=None, rounds=1):
     import torch
 
-    from dsv4.kernels import gemm as G
+    from dsv4.kernels.gemm import fp8 as G8, linear as GL
     dev = "cpu" if smoke else "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     t_start = time.time()
@@ -368,7 +369,7 @@ def run(configs, smoke, md, out, jobs=None, shapes=None, rounds=1):
     for name, M, N, K in plan:
         xq, xs, wq, ws = _case(M, N, K, dev, gen)
         fl = 2.0 * M * N * K
-        ref = G.fp8_gemm(xq, xs, wq, ws)
+        ref = GL.fp8_gemm(xq, xs, wq, ws)
         calls = []          # (variant, fn, rel, same): checked first, then timed in rounds
 
         def add(variant, fn, y=None):
@@ -380,7 +381,7 @@ def run(configs, smoke, md, out, jobs=None, shapes=None, rounds=1):
             wt = wq.T
             add("torch._scaled_mm (per-tensor)", lambda: torch._scaled_mm(xq, wt, scale_a=one, scale_b=one,
                                                                           out_dtype=torch.bfloat16))
-        add("fp8_gemm (default)", lambda: G.fp8_gemm(xq, xs, wq, ws), ref)
+        add("fp8_gemm (default)", lambda: GL.fp8_gemm(xq, xs, wq, ws), ref)
         for vname, cfg in configs.items():
             if vname in failed:
                 continue

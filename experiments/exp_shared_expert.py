@@ -16,15 +16,18 @@ import dsv4.kernels.moe as Mo  # noqa: E402
 from benchmarks.common import graph_time  # noqa: E402
 from benchmarks.decode_step import real_moe  # noqa: E402
 from dsv4.config import preset  # noqa: E402
-from dsv4.kernels.gemm import act_quant_fp8  # noqa: E402
+from dsv4.kernels.gemm.fp8 import act_quant_fp8  # noqa: E402
+from dsv4.kernels.gemm import route as GR  # noqa: E402
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)
 
 
 def gemv_shared(xq, xs, w):
     """The shared expert as it ran at 1-4 tokens before session 13: w1|w3 partials from the FP8 GEMV."""
-    from dsv4.kernels.gemm import _u8, fp8_gemm
-    from dsv4.kernels.gemv import gemv_launch, rows_tile, swiglu_quant
+    from dsv4.kernels.gemm.gemv import gemv_launch, swiglu_quant
+    from dsv4.kernels.gemm.linear import fp8_gemm
+    from dsv4.kernels.gemm.route import rows_tile
+    from dsv4.kernels.lib import u8 as _u8
     T, d = xq.shape
     part = gemv_launch(_u8(xq), xs, w.sh13, w.sh13_s, None, T, w.sh13.shape[0], d, wfmt="fp8", partial=True,
                        bm=rows_tile(T))
@@ -53,10 +56,10 @@ for model in ("flash", "pro"):
         res = []
         outs = []
         for lim in (4, 64):
-            Mo.SHARED_SPLIT_MAX_ROWS = lim
+            GR.SHARED_SPLIT_MAX_ROWS = lim
             outs.append(Mo._shared_expert(xq, xs, w))
             res.append(graph_time(lambda: Mo._shared_expert(xq, xs, w)) * 1e3)
-        Mo.SHARED_SPLIT_MAX_ROWS = 64
+        GR.SHARED_SPLIT_MAX_ROWS = 64
         diff = (outs[0].float() - outs[1].float()).abs().max().item() / outs[0].float().abs().max().item()
         nb = w.sh13.numel() + w.sh2.numel()
         print(f"{model} shared expert T={T:4d}: old {res[0]:7.1f} us  new {res[1]:7.1f} us  "

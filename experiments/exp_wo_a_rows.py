@@ -1,16 +1,16 @@
 """wo_a (the grouped bf16 einsum on an FP8-stored weight) per row count: ``fp8_mma`` reading the FP8
 weight vs dequantising it to bf16 per call and one batched GEMM (the model keeps only the FP8 form).
-Decides ``kernels.fp8_mma.WO_A_MAX_ROWS``. Flash shapes: 8 groups, rank 1024, 4096 inputs per group."""
+Decides ``kernels.gemm.route.WO_A_MAX_ROWS``. Flash shapes: 8 groups, rank 1024, 4096 inputs per group."""
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
 from benchmarks.common import graph_time  # noqa: E402
-from dsv4.kernels import fp8_mma  # noqa: E402
+from dsv4.kernels.gemm import fp8_mma  # noqa: E402
 from dsv4.layers.linear import GroupedFp8  # noqa: E402
 from dsv4.ops import Ops  # noqa: E402
-from dsv4.ops.gpu import dequant_bf16  # noqa: E402
+from dsv4.kernels.layer_ops import dequant_bf16  # noqa: E402
 
 dev = torch.device("cuda")
 G, R, K = 8, 1024, 4096

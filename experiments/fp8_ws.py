@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.kernels import interpreting, triton_available
-from dsv4.kernels.gemm import QBLOCK as BK      # the scale block: one K block per stage
+from dsv4.kernels.lib import QBLOCK as BK      # the scale block: one K block per stage
 
 BM_HALF = 64        # rows per consumer warpgroup (one wgmma M)
 
@@ -231,7 +231,7 @@ def supports(xq: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: torch.Ten
     """Whether a call fits this kernel (``fp8_prefill`` takes every call that does not): an sm_90 GPU,
     128 x 128 block weight scales, K % 128 == 0 and TMA-legal operands (16-byte aligned bases and row
     strides)."""
-    from dsv4.kernels.fp8_prefill import _tma_ok
+    from dsv4.kernels.gemm.fp8_prefill import tma_ok as _tma_ok
     K = xq.shape[1]
     if K % BK or ws.dim() != 2 or ws.shape[0] != -(-w.shape[0] // 128) or not available(xq.device):
         return False
@@ -243,8 +243,9 @@ def fp8_gemm_ws(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     """bf16 [M, N] = the block-scaled FP8 GEMM (``gemm.fp8_gemm`` contract, plain mode) on sm_90: xq e4m3
     [M, K], xs fp32 [M, K/128], w e4m3 [N, K], ws e8m0 / fp32 [N/128, K/128]; ``out`` an optional bf16
     [M, N] destination. Raises ValueError for what ``supports`` rejects."""
-    from dsv4.kernels.fp8_prefill import check_args
-    from dsv4.kernels.gemm import _sm_count, _u8
+    from dsv4.kernels.gemm.fp8_prefill import check_args
+    from dsv4.kernels.lib import target
+    from dsv4.kernels.lib import u8 as _u8
     M, N, K, out = check_args("fp8_gemm_ws", xq, xs, w, ws, out)
     a = _u8(xq).view(torch.float8_e4m3fn)
     b = _u8(w).view(torch.float8_e4m3fn)
@@ -265,7 +266,7 @@ def fp8_gemm_ws(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     c_desc = TensorDescriptor.from_tensor(out, [BM_HALF, BN],
                                           gl.NVMMASharedLayout.get_default_for([BM_HALF, BN], gl.bfloat16))
     tiles = triton.cdiv(M, 2 * BM_HALF) * triton.cdiv(N, BN)
-    grid = (min(tiles, cfg["GRID"] or _sm_count(xq.device)),)
+    grid = (min(tiles, cfg["GRID"] or target(xq.device).sm_count),)
     _fp8_ws_kernel[grid](a_desc, b_desc, c_desc, sa, wsv, M, N, K, wsv.stride(0),
                          GROUP_M=cfg["GROUP_M"], STAGES=cfg["STAGES"], SB_E8M0=sb_e8m0, AHEAD=bool(cfg["AHEAD"]),
                          CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, e8m0_to_fp32, quant_fp8_weight  # noqa: E402
-from dsv4.kernels import fp8_prefill as P  # noqa: E402
+from dsv4.kernels.gemm import fp8_prefill as P  # noqa: E402
 from experiments import fp8_ws as WS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,11 +136,11 @@ def test_gpu_fp8_ws_matches_triton_kernel(M, N, K, cfg):
 def test_gpu_fp8_ws_prefill_shapes(N, K):
     """V4 prefill shapes at 4096 tokens: the Triton kernel's bits."""
     _need_sm90()
-    from dsv4.kernels import gemm as G
+    from dsv4.kernels.gemm import fp8 as G8
     gen = torch.Generator().manual_seed(N + K)
     x = (torch.randn(4096, K, generator=gen) * 2).bfloat16().cuda()
     wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.02)
-    xq, xs = G.act_quant_fp8(x)
+    xq, xs = G8.act_quant_fp8(x)
     wq, ws = wq.cuda(), ws.cuda()
     y = WS.fp8_gemm_ws(xq, xs, wq, ws)
     ref = P.fp8_gemm_prefill(xq, xs, wq, ws)

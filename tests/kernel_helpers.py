@@ -31,12 +31,14 @@ def need_gpu() -> None:
         pytest.skip("needs a CUDA GPU with TRITON_INTERPRET=0")
 
 
-def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int | None = None, div=()):
+def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int | None = None, div=(),
+                shared: bool = False):
     """Compile a Triton kernel for GPUTarget('cuda', cap, 32) without a GPU (called inside the AOT
     scripts, TRITON_INTERPRET=0). Arguments not in ``const`` take ``types`` (default i32); pointer
     arguments and those named in ``div`` get the divisibility-16 hint the runtime would give.
     Asserts a non-empty cubin and no lone ``trap`` (what an over-subscribed resource, e.g. sm_100
-    tensor memory, compiles to). -> (ptx, the tensor-core MMA instructions it uses)."""
+    tensor memory, compiles to). -> (ptx, the tensor-core MMA instructions it uses[, the shared
+    memory bytes per block it launches with, with ``shared``])."""
     import re
     import time
 
@@ -62,7 +64,7 @@ def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int 
     assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"
     mma = sorted(set(re.findall(r"(wgmma\.mma_async\.\S*|tcgen05\.mma\S*|mma\.sync\.\S*)", ptx)))
     print(f"sm_{cap} {fn.__name__} {const}: {time.time() - t0:.1f}s {mma[:2]}")
-    return ptx, mma
+    return (ptx, mma, k.metadata.shared) if shared else (ptx, mma)
 
 
 def kernel_device() -> str:

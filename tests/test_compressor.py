@@ -13,8 +13,9 @@ triton = pytest.importorskip("triton")
 
 from dsv4.formats.index_key import write_index_entries  # noqa: E402
 from dsv4.formats.kv_entry import page_bytes, write_kv_entries  # noqa: E402
-from dsv4.kernels.compressor import (compress_decode, compress_decode_torch, compress_prefill,  # noqa: E402
-                                     compress_prefill_torch)
+from dsv4.kernels.compressor import compress_decode, compress_prefill  # noqa: E402
+from dsv4.twins.compressor import compress_decode as compress_decode_twin  # noqa: E402
+from dsv4.twins.compressor import compress_prefill as compress_prefill_twin  # noqa: E402
 
 DEV = kernel_device()
 
@@ -53,13 +54,13 @@ def _check_compress(ratio, indexer, positions, gen, device=DEV, with_ape=True, p
     kw = dict(ratio=ratio, indexer=indexer, ape=ape, page_size=page_size, return_pooled=True)
     out, done, pooled = compress_decode(st1, slots, pos, k, s, w, cos, sin, pages=p1, page_slots=pslots, **kw,
                                         **extra)
-    ref, done_r, pooled_r = compress_decode_torch(st2, slots, pos, k, s, w, cos, sin, pages=p2,
+    ref, done_r, pooled_r = compress_decode_twin(st2, slots, pos, k, s, w, cos, sin, pages=p2,
                                                   page_slots=pslots, **kw)
     assert torch.equal(st1, st2)                                     # ring rows written, nothing else
     assert torch.equal(done.cpu(), done_r.cpu())
     assert _rel(pooled, pooled_r) < 1e-5
     # post-processing: bit-exact on the same pooled vector up to rare summation-order flips
-    out2 = compress_decode_torch(state.clone(), slots, pos, k, s, w, cos, sin, **dict(kw, return_pooled=False))[0]
+    out2 = compress_decode_twin(state.clone(), slots, pos, k, s, w, cos, sin, **dict(kw, return_pooled=False))[0]
     mism = (out.float() != ref.float()).float().mean().item()
     assert mism < 2e-3, f"{mism:.2e} of the entry values differ"
     assert torch.equal(out2.cpu(), ref.cpu())
@@ -178,7 +179,7 @@ def _check_compress_prefill(ratio, indexer, base, first, last, gen, tail=0, devi
     kw = dict(ratio=ratio, indexer=indexer, page_size=page_size, return_pooled=True)
     out, pooled = compress_prefill(rk, rs, base, first, last, w, cos, sin, pages=p1, page_slots=pslots, **kw,
                                    **extra)
-    ref, pooled_r = compress_prefill_torch(rk, rs, base, first, last, w, cos, sin, pages=p2, page_slots=pslots,
+    ref, pooled_r = compress_prefill_twin(rk, rs, base, first, last, w, cos, sin, pages=p2, page_slots=pslots,
                                            **kw)
     assert out.shape == ref.shape == (last - first, w.shape[0]) and out.dtype == torch.bfloat16
     assert _rel(pooled, pooled_r) < 1e-5
@@ -273,7 +274,7 @@ def test_compress_prefill_errors():
     with pytest.raises(ValueError, match="cover"):                          # entry 4 needs positions up to 19
         compress_prefill(rk[:-1], rs[:-1], 4, 2, 5, w, cos, sin, **kw)
     with pytest.raises(ValueError, match="cover"):                          # the twin checks the same
-        compress_prefill_torch(rk[:-1], rs[:-1], 4, 2, 5, w, cos, sin, **kw)
+        compress_prefill_twin(rk[:-1], rs[:-1], 4, 2, 5, w, cos, sin, **kw)
     with pytest.raises(ValueError, match="cover"):                          # CSA: the previous window too
         compress_prefill(rk[4:], rs[4:], 8, 2, 5, w, cos, sin, **kw)
     with pytest.raises(ValueError, match="cos"):

@@ -10,7 +10,9 @@ pytest.importorskip("triton")
 
 from dsv4.config import preset  # noqa: E402
 from dsv4.formats import paging  # noqa: E402
+from dsv4.formats import decode_plan as dp  # noqa: E402
 from dsv4.kernels import decode_meta as dm  # noqa: E402
+from dsv4.twins import decode_meta as dm_twin  # noqa: E402
 from dsv4.reference.rope import RopeTable  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,8 +21,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _setup(W, B, seed, dev=DEV):
     cfg = preset("flash")
     L = W * 256
-    tabs = torch.stack([dm.rope_table(RopeTable(cfg, 0, dev), L), dm.rope_table(RopeTable(cfg, 4, dev), L)])
-    plan = dm.MetaPlan([(0, 0), (1, 0), (1, -3), (1, -127)], [(4, 64), (128, 2)], [(128, 2), (4, 64)], W, dev)
+    tabs = torch.stack([dp.rope_table(RopeTable(cfg, 0, dev), L), dp.rope_table(RopeTable(cfg, 4, dev), L)])
+    plan = dp.MetaPlan([(0, 0), (1, 0), (1, -3), (1, -127)], [(4, 64), (128, 2)], [(128, 2), (4, 64)], W, dev)
     g = torch.Generator().manual_seed(seed)
     pos = torch.randint(0, L, (B,), generator=g)
     pos[:4] = torch.tensor([0, 3, 127, L - 1])[:B]
@@ -43,7 +45,7 @@ def _assert_equal(a, b):
 def test_decode_meta_equals_twin(W, B):
     cfg, tabs, plan, pos, slots, bt = _setup(W, B, seed=W)
     got = dm.decode_meta(pos, slots, bt, tabs, plan, scratch_block=77)
-    _assert_equal(got, dm.decode_meta_torch(pos, slots, bt, tabs, plan, scratch_block=77))
+    _assert_equal(got, dm_twin.decode_meta(pos, slots, bt, tabs, plan, scratch_block=77))
     # spot facts of the layout, independent of the twin
     assert torch.equal(got.widx[:, -1].long() >= 0, pos >= 127)
     b = int(pos.argmax())
@@ -61,8 +63,8 @@ def test_rope_rows_are_rope_table_values():
     cfg = preset("flash")
     for ratio, fp64 in ((0, False), (4, False), (4, True)):
         rope = RopeTable(cfg, ratio, DEV, fp64)
-        tab = dm.rope_table(rope, 4096)[None]
-        plan = dm.MetaPlan([(0, 0), (0, 1 - 128)], [], [], 16, DEV)
+        tab = dp.rope_table(rope, 4096)[None]
+        plan = dp.MetaPlan([(0, 0), (0, 1 - 128)], [], [], 16, DEV)
         pos = torch.tensor([0, 1, 126, 127, 4095, 3000], device=DEV)
         bt = torch.zeros(pos.shape[0], 16, dtype=torch.long, device=DEV)
         m = dm.decode_meta(pos, torch.zeros_like(pos), bt, tab, plan, 0)
@@ -82,13 +84,9 @@ def test_decode_meta_rejects_bad_input():
     with pytest.raises(ValueError, match="table 1 of 1"):
         dm.decode_meta(pos, slots, bt, tabs[:1], plan, 0)
     with pytest.raises(ValueError, match="not a cache layout"):
-        dm.MetaPlan([], [(4, 32)], [], 4, DEV)
+        dp.MetaPlan([], [(4, 32)], [], 4, DEV)
     with pytest.raises(ValueError, match="at most 2"):
-        dm.MetaPlan([], [], [(128, 2)] * 3, 4, DEV)
-
-
-def test_constants_match_the_cache_layout():
-    assert dm.WINDOW == paging.WINDOW and dm.BLOCK_TOKENS == paging.BLOCK_TOKENS
+        dp.MetaPlan([], [], [(128, 2)] * 3, 4, DEV)
 
 
 @pytest.mark.gpu
@@ -96,4 +94,4 @@ def test_gpu_decode_meta_equals_twin():
     for W, B in ((4096, 64), (40, 1), (4, 128)):
         cfg, tabs, plan, pos, slots, bt = _setup(W, B, seed=B)
         _assert_equal(dm.decode_meta(pos, slots, bt, tabs, plan, 5),
-                      dm.decode_meta_torch(pos, slots, bt, tabs, plan, 5))
+                      dm_twin.decode_meta(pos, slots, bt, tabs, plan, 5))

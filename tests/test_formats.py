@@ -545,7 +545,7 @@ def test_requantising_a_qdq_block_keeps_or_halves_its_scale():
     re-derived scale is the QDQ scale or half of it, and at half the scale every value the block can
     hold (|v| <= half the format's range) re-encodes as its code doubled exactly
     (e4m3 magnitude m -> 2m below 8, else m + 8; e2m1 c -> 2c up to 2, else c + 2)."""
-    from dsv4.formats.fp4 import _magnitude_codes
+    from dsv4.formats.fp4 import magnitude_codes
     mant = torch.arange(1 << 23, dtype=torch.int32) | (127 << 23)
     one_binade = mant.view(torch.float32)                               # every fp32 in [1, 2)
     for qmax, floor in ((FP8_MAX, 1e-4), (6.0, 6.0 * 2.0 ** -126)):
@@ -556,7 +556,7 @@ def test_requantising_a_qdq_block_keeps_or_halves_its_scale():
             if qmax == FP8_MAX:
                 q = v.to(torch.float8_e4m3fn).float()
             else:
-                q = E2M1_VALUES[_magnitude_codes(v)]
+                q = E2M1_VALUES[magnitude_codes(v)]
             s2 = ue8m0_scale((q * s).clamp(min=floor), qmax)
             assert bool(((s2 == s) | (s2 == s / 2)).all()), (qmax, e)
             assert bool((s2 == s / 2).any())                            # both cases occur
@@ -568,5 +568,5 @@ def test_requantising_a_qdq_block_keeps_or_halves_its_scale():
     assert torch.equal(doubled, torch.where(m < 8, 2 * m, m + 8))
     c = torch.arange(8)
     fits = E2M1_VALUES[c] <= 3.0
-    assert torch.equal(_magnitude_codes(E2M1_VALUES[c[fits]] * 2), torch.where(c[fits] <= 2, 2 * c[fits],
+    assert torch.equal(magnitude_codes(E2M1_VALUES[c[fits]] * 2), torch.where(c[fits] <= 2, 2 * c[fits],
                                                                                   c[fits] + 2))

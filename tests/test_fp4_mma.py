@@ -12,7 +12,10 @@ import torch
 pytest.importorskip("triton")
 
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
+from dsv4.kernels.gemm import fp8 as G8  # noqa: E402
+from dsv4.kernels import lib as L  # noqa: E402
+from dsv4.kernels.lib import target, u8  # noqa: E402
+from dsv4.twins import gemm as GT  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -30,7 +33,7 @@ def test_gpu_mma_gemv_flash_shapes(M, fmt, spread):
     folded f16 weights' exact limit (2^16 here; 2^32 in general) and past it (2^40: small groups
     round), NVFP4 with its e4m3 group and fp32 global scales."""
     _need_gpu()
-    from dsv4.kernels import fp4_mma as F
+    from dsv4.kernels.gemm import fp4_mma as F
     gen = torch.Generator().manual_seed(M)
     for N, K in [(4096, 4096), (4096, 2048), (200, 1024)]:      # w1|w3, w2, N not a multiple of 64
         x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
@@ -46,8 +49,8 @@ def test_gpu_mma_gemv_flash_shapes(M, fmt, spread):
             wp, sc, s2 = quant_nvfp4(W)
             Wd = dequant_nvfp4(wp, sc, s2)
             s2 = s2.float().reshape(-1).expand(N).contiguous()[None].cuda()
-        xq, xs = G.act_quant_fp8(x.cuda())
-        args = (G._u8(xq), xs, G._u8(wp).cuda()[None], sc.view(torch.uint8).cuda()[None], M, N, K)
+        xq, xs = G8.act_quant_fp8(x.cuda())
+        args = (u8(xq), xs, u8(wp).cuda()[None], sc.view(torch.uint8).cuda()[None], M, N, K)
         y = F.mma_gemv_launch(*args, fmt=fmt, ws2=s2)
         check_gemm(y, xq, xs, Wd)
         part = F.mma_gemv_launch(*args, fmt=fmt, ws2=s2, partial=True, split=4)

@@ -22,8 +22,11 @@ triton = pytest.importorskip("triton")
 
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
-from dsv4.kernels import fp4_prefill as P  # noqa: E402
+from dsv4.kernels.gemm import common as GC, fp4 as G4  # noqa: E402
+from dsv4.kernels import lib as L  # noqa: E402
+from dsv4.kernels.lib import target, u8  # noqa: E402
+from dsv4.twins import gemm as GT  # noqa: E402
+from dsv4.kernels.gemm import fp4_prefill as P  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEV = kernel_device()
@@ -44,18 +47,18 @@ def _weight(fmt, N, K, gen, spread=0):
 
 
 def _operand(xq, v):
-    return P.f16_operand_split(xq) if v["KSPLIT"] else G.f16_operand(xq)
+    return P.f16_operand_split(xq) if v["KSPLIT"] else GC.f16_operand(xq)
 
 
 def _plain(xq, xs, wp, s, s2, fmt, cfg, old=False):
     M, K = xq.shape
     N = wp.shape[0]
-    w = G._u8(wp).contiguous().to(DEV)[None]
-    ws = G._u8(s).contiguous().to(DEV)[None]
+    w = u8(wp).contiguous().to(DEV)[None]
+    ws = u8(s).contiguous().to(DEV)[None]
     ws2 = None if s2 is None else s2.float().reshape(-1).expand(N).contiguous().to(DEV)[None]
     out = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
     if old:
-        G.fp4_launch(G.f16_operand(xq.to(DEV)), xs.float().to(DEV), w, ws, ws2, out, None, M, N, K, 0, fmt=fmt,
+        G4.fp4_launch(GC.f16_operand(xq.to(DEV)), xs.float().to(DEV), w, ws, ws2, out, None, M, N, K, 0, fmt=fmt,
                      path="dequant", config=cfg)
     else:
         P.fp4_prefill_launch(_operand(xq.to(DEV), cfg), xs.float().to(DEV), w, ws, ws2, out, None, M, N, K, 0,
@@ -78,7 +81,7 @@ def test_plain_against_exact_twin_and_old(fmt, v):
     cfg = dict(v, BM=64, BN=64)
     y = _plain(xq, xs, wp, s, s2, fmt, cfg)
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-    check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2))
+    check_gemm(y, xq, xs, Wd, GT.fp4_gemm(xq, xs, wp, s, fmt, s2))
     check_gemm(y, xq, xs, Wd, _plain(xq, xs, wp, s, s2, fmt, dict(BM=64, BN=64), old=True))
 
 
@@ -94,7 +97,7 @@ def test_mxfp4_scale_spread(spread, v):
     sb = s.view(torch.uint8).int().view(64, 2, 4)
     assert (sb.amax(-1) - sb.amin(-1)).max() >= spread - 1
     y = _plain(xq, xs, wp, s, None, "mxfp4", dict(v, BM=64, BN=64))
-    check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s))
+    check_gemm(y, xq, xs, Wd, GT.fp4_gemm(xq, xs, wp, s))
 
 
 def test_split_operand_is_a_permutation():
@@ -117,7 +120,7 @@ def test_decode_bit_trick_all_codes():
         if DEC == 1:
             lo, hi = P._e2m1_f16_alu(b[None, :], USE_ASM)
         else:
-            lo, hi = G._e2m1_f16(b[None, :], USE_ASM)
+            lo, hi = L.e2m1_f16(b[None, :], USE_ASM)
         tl.store(LO + i[None, :], lo)
         tl.store(HI + i[None, :], hi)
 
@@ -152,7 +155,7 @@ def _grouped_case(E, counts, d, I, top_k, fmt, gen):
         w13.append(a), s13.append(b_), g13.append(c), W13.append(Wa)
         a, b_, c, Wa = _weight(fmt, d, I, gen)
         w2.append(a), s2.append(b_), g2.append(c), W2.append(Wa)
-    st = lambda v: torch.stack([G._u8(t) for t in v])
+    st = lambda v: torch.stack([u8(t) for t in v])
     gl = (lambda v, n: None if v[0] is None else torch.stack([t.float().reshape(1).expand(n) for t in v]))
     return dict(xq=xq, xs=xs, perm=perm, offs=offs, pw=pw, w13=st(w13), s13=st(s13), g13=gl(g13, 2 * I), W13=W13,
                 w2=st(w2), s2=st(s2), g2=gl(g2, d), W2=W2, P=P_, T=T)
@@ -222,14 +225,14 @@ def test_grouped_swiglu_and_w2(fmt, v):
     h, hs = _launch_grouped(c, P.fp4_prefill_launch, a, cfg, fmt, I, d, top_k, E, limit, 1)
     hq_ref, hs_ref = _swiglu_twin(c, I, top_k, limit)
     _check_h(h, hs, hq_ref, hs_ref)
-    ho, hso = _launch_grouped(c, G.fp4_launch, G.f16_operand(c["xq"].to(DEV)), dict(BM=64, BN=128), fmt, I, d,
+    ho, hso = _launch_grouped(c, G4.fp4_launch, GC.f16_operand(c["xq"].to(DEV)), dict(BM=64, BN=128), fmt, I, d,
                               top_k, E, limit, 1)
     _check_h(h, hs, ho.cpu().view(torch.float8_e4m3fn), hso.cpu())
     # w2 on the kernel's own h
     hq = h.view(torch.float8_e4m3fn)
     out = _launch_grouped(c, P.fp4_prefill_launch, _operand(hq, v), dict(v, BM=64, BN=64), fmt, I, d, top_k, E,
                           limit, (2, hs))
-    old = _launch_grouped(c, G.fp4_launch, G.f16_operand(hq), dict(BM=64, BN=64), fmt, I, d, top_k, E, limit,
+    old = _launch_grouped(c, G4.fp4_launch, GC.f16_operand(hq), dict(BM=64, BN=64), fmt, I, d, top_k, E, limit,
                           (2, hs))
     hq_c, hs_c = hq.cpu(), hs.cpu()
     for e in range(E):
@@ -256,7 +259,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "0"
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
     from kernel_helpers import aot_compile
-    from dsv4.kernels import fp4_prefill as F
+    from dsv4.kernels.gemm import fp4_prefill as F
 
     DIV = ("K", "N_out", "n_half", "stride_am", "stride_sam", "stride_we", "stride_wn", "stride_wse",
            "stride_wsn", "stride_w2e", "stride_cm", "stride_csm")
@@ -314,7 +317,7 @@ def test_gpu_flash_prefill_dims(v):
         hq = h.view(torch.float8_e4m3fn)
         out = _launch_grouped(c, P.fp4_prefill_launch, _operand(hq, v), dict(cfg, num_warps=cfg["BM"] // 16),
                               "mxfp4", I, d, top_k, E, limit, (2, hs))
-        old = _launch_grouped(c, G.fp4_launch, G.f16_operand(hq), dict(BM=64, BN=128, num_warps=4, num_stages=3),
+        old = _launch_grouped(c, G4.fp4_launch, GC.f16_operand(hq), dict(BM=64, BN=128, num_warps=4, num_stages=3),
                               "mxfp4", I, d, top_k, E, limit, (2, hs))
         hq_c, hs_c = hq.cpu(), hs.cpu()
         for e in (0, 1, 3, 7):

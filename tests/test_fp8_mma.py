@@ -13,8 +13,11 @@ from kernel_helpers import check_gemm, need_gpu  # noqa: E402
 pytest.importorskip("triton")
 
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
-from dsv4.kernels import fp8_mma as F  # noqa: E402
+from dsv4.kernels.gemm import fp8 as G8, linear as GL  # noqa: E402
+from dsv4.kernels import lib as L  # noqa: E402
+from dsv4.kernels.lib import target, u8  # noqa: E402
+from dsv4.twins import gemm as GT  # noqa: E402
+from dsv4.kernels.gemm import fp8_mma as F  # noqa: E402
 
 
 def _weight(N, K, gen, per_row=False, e8m0=True):
@@ -32,7 +35,7 @@ def test_fp8_mma_argument_errors():
     gen = torch.Generator().manual_seed(0)
     q, s, _ = _weight(256, 256, gen)
     x = torch.randn(2, 256).bfloat16()
-    xq, xs = G.act_quant_fp8_torch(x)
+    xq, xs = GT.act_quant_fp8(x)
     with pytest.raises(ValueError, match="either xq and xs"):
         F.fp8_mma(q, s, xq, xs, x_bf16=x)
     with pytest.raises(ValueError, match="x_bf16 must be bf16"):
@@ -55,7 +58,7 @@ def test_fp8_mma_argument_errors():
         F.fp8_mma(q, s, x_bf16=x, groups=3)
     with pytest.raises(ValueError, match=r"x_bf16 must be bf16 \[M, 512\]"):
         F.fp8_mma(q, s, x_bf16=x, act="bf16", groups=2)
-    if not F.available(q.device):
+    if not target(q.device).gluon_mma:
         with pytest.raises(RuntimeError, match="sm_89"):
             F.fp8_mma(q, s, xq, xs)
 
@@ -71,7 +74,7 @@ def test_gpu_fp8_mma_flash_shapes(M):
     for N, K in [(1536, 4096), (32768, 1024), (4096, 8192), (200, 1024)]:
         q, s, Wd = _weight(N, K, gen)
         x = (torch.randn(M, K, generator=gen) * 3).bfloat16().cuda()
-        xq, xs = G.act_quant_fp8(x)
+        xq, xs = G8.act_quant_fp8(x)
         qc, sc = q.cuda(), s.cuda()
         y = F.fp8_mma(qc, sc, xq, xs)
         check_gemm(y, xq, xs, Wd, acc=2.0 ** -16)
@@ -99,7 +102,7 @@ def test_gpu_fp8_mma_scale_forms(per_row, e8m0):
     gen = torch.Generator().manual_seed(7)
     q, s, Wd = _weight(4096, 2048, gen, per_row=per_row, e8m0=e8m0)
     x = torch.randn(4, 2048, generator=gen).bfloat16().cuda()
-    xq, xs = G.act_quant_fp8(x)
+    xq, xs = G8.act_quant_fp8(x)
     check_gemm(F.fp8_mma(q.cuda(), s.cuda(), xq, xs), xq, xs, Wd)
 
 
@@ -126,7 +129,7 @@ def test_gpu_fp8_mma_cuda_graph_and_linear_route():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref)
-    assert torch.equal(G.fp8_linear(x, qc, sc), ref)
+    assert torch.equal(GL.fp8_linear(x, qc, sc), ref)
 
 
 @pytest.mark.gpu

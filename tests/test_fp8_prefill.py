@@ -19,8 +19,11 @@ triton = pytest.importorskip("triton")
 
 from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, e8m0_to_fp32, quant_fp8_weight  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
-from dsv4.kernels import fp8_prefill as P  # noqa: E402
+from dsv4.kernels.gemm import fp8 as G8, linear as GL  # noqa: E402
+from dsv4.kernels import lib as L  # noqa: E402
+from dsv4.kernels.lib import target, u8  # noqa: E402
+from dsv4.twins import gemm as GT  # noqa: E402
+from dsv4.kernels.gemm import fp8_prefill as P  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEV = kernel_device()
@@ -83,8 +86,8 @@ def test_prefill_variants_match_twin(name, M, N, K):
     xq, xs, wq, ws, Wd = _inputs(M, N, K, seed=M + N + K)
     y = P.fp8_gemm_prefill(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config=CONFIGS[name])
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-    twin = G.fp8_gemm_torch(xq, xs, wq, ws)
-    ref = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV))
+    twin = GT.fp8_gemm(xq, xs, wq, ws)
+    ref = GL.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV))
     if DEV == "cpu":
         assert torch.equal(_bits(y), _bits(twin))
         assert torch.equal(_bits(y), _bits(ref))
@@ -100,7 +103,7 @@ def test_prefill_default_config_and_scale_formats():
     xq, xs, wq, ws, Wd = _inputs(M, N, K, seed=3)
     d = lambda t: t.to(DEV)   # noqa: E731
     y = P.fp8_gemm_prefill(d(xq), d(xs), d(wq), d(ws))
-    twin = G.fp8_gemm_torch(xq, xs, wq, ws)
+    twin = GT.fp8_gemm(xq, xs, wq, ws)
     if DEV == "cpu":
         assert torch.equal(_bits(y), _bits(twin))
     else:
@@ -177,7 +180,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from dsv4.kernels.fp8_prefill import aot_spec
+    from dsv4.kernels.gemm.fp8_prefill import aot_spec
 
     def comp(cfg, cap):
         fn, sig, const, attrs, opts = aot_spec(cfg)
@@ -236,9 +239,9 @@ def test_gpu_prefill_shapes(N, K):
     gen = torch.Generator().manual_seed(N + K)
     x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
     wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.02)
-    xq, xs = G.act_quant_fp8(x.cuda())
+    xq, xs = G8.act_quant_fp8(x.cuda())
     wq, ws = wq.cuda(), ws.cuda()
-    ref = G.fp8_gemm(xq, xs, wq, ws)
+    ref = GL.fp8_gemm(xq, xs, wq, ws)
     ex, mag = gemm_exact(xq[:r].cpu(), xs[:r].cpu(), dequant_fp8_weight(wq.cpu(), ws.cpu()))
     bound = 2.0 ** -8 * ex.abs() + FP8_ACC * mag + 1e-30
     # the warp-specialized variants are left out here: on the H200 (triton 3.6) they produced no

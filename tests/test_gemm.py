@@ -1,9 +1,10 @@
-"""FP8 / FP4 GEMM kernels (dsv4/kernels/gemm.py: act_quant, fp8_gemm, fp4_gemm) against their torch twins.
+"""FP8 / FP4 GEMM kernels (dsv4/kernels/gemm/: act_quant, fp8_gemm, fp4_gemm, the routed FP8 linear) against
+their torch twins (dsv4/twins/gemm.py).
 
 On a CPU machine the kernels run under the Triton interpreter (the conftest sets TRITON_INTERPRET=1
 when no CUDA device is present) at tiny shapes. On a GPU machine a plain ``pytest`` runs the same tests
 compiled on CUDA and the ``gpu``-marked tests add V4-Flash shapes. The AOT test compiles every
-GEMM / GEMV / MoE kernel (gemm.py, gemv.py, fp4_mma.py, fp8_mma.py, moe.py) for sm_90 and sm_100
+GEMM / GEMV / MoE kernel (gemm/fp8.py, fp4.py, gemv.py, fp4_mma.py, fp8_mma.py, moe.py) for sm_90 and sm_100
 without a GPU.
 
 Tolerances (documented in the modules): ``act_quant`` is bit-exact; GEMMs are held to the
@@ -22,7 +23,9 @@ triton = pytest.importorskip("triton")
 
 from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
+from dsv4.kernels.gemm import common as GC, fp4 as G4, fp8 as G8, linear as GL, route as GR  # noqa: E402
+from dsv4.kernels.lib import target, u8  # noqa: E402
+from dsv4.twins import gemm as GT  # noqa: E402
 from dsv4.reference.linear import Linear  # noqa: E402
 from dsv4.reference.numerics import OFFICIAL  # noqa: E402
 
@@ -34,6 +37,21 @@ DEV = kernel_device()
 # report; the official kernel promotes to fp32 per 128-K block for that reason, as fp8_gemm does):
 # on CUDA the FP8 GEMM's summation term is 2^-12 sum|products| instead of fp32's 2^-16.
 FP8_ACC = 2.0 ** -12 if DEV == "cuda" else 2.0 ** -16
+
+
+
+
+def _gemm(xq, xs, w, ws, config=None):
+    """The routed FP8 GEMM, or the tile kernel with ``config``."""
+    return GL.fp8_gemm(xq, xs, w, ws) if config is None else G8.fp8_gemm(xq, xs, w, ws, config=config)
+
+
+def _linear(x, w, ws, fuse_quant=True, config=None):
+    """The FP8 linear: quantisation fused into the kernel (routed, or the tile kernel with ``config``)
+    or ``act_quant_fp8`` + the routed GEMM."""
+    if not fuse_quant:
+        return GL.fp8_gemm(*G8.act_quant_fp8(x), w, ws)
+    return GL.fp8_linear(x, w, ws) if config is None else G8.fp8_gemm_bf16(x, w, ws, config=config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -57,13 +75,13 @@ def _act_inputs(M, K, gen):
 def test_act_quant_bit_exact(M, K):
     gen = torch.Generator().manual_seed(M + K)
     x = _act_inputs(M, K, gen)
-    q, s, a16 = G.act_quant_fp8(x.to(DEV), with_f16=True)
+    q, s, a16 = G8.act_quant_fp8(x.to(DEV), with_f16=True)
     qr, sr = act_quant_ref(x)
     assert torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s.cpu(), sr)
     assert a16.dtype == torch.float16 and torch.equal(a16.cpu().float(), qr.float())
     # leading dims are kept
-    q3, s3 = G.act_quant_fp8(x.view(1, M, K).to(DEV))
+    q3, s3 = G8.act_quant_fp8(x.view(1, M, K).to(DEV))
     assert q3.shape == (1, M, K) and s3.shape == (1, M, K // 128)
     assert torch.equal(q3.cpu().view(torch.uint8).view(M, K), qr.view(torch.uint8))
 
@@ -80,17 +98,17 @@ def test_fp8_gemm(M, N, K):
     wq, ws = quant_fp8_weight(W)
     Wd = dequant_fp8_weight(wq, ws)
     xq, xs = act_quant_ref(x)
-    y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV))
+    y = _gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV))
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
-    twin = G.fp8_gemm_torch(xq, xs, wq, ws)
+    twin = GT.fp8_gemm(xq, xs, wq, ws)
     ref = Linear(Wd, "fp8", OFFICIAL)(x)              # the reference Linear (official numerics)
     check_gemm(y, xq, xs, Wd, twin, acc=FP8_ACC)
     check_gemm(ref, xq, xs, Wd)
     # fp32 scales and e8m0 scales give the same bits; fused quant == two-step quant
-    y32 = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.float().to(DEV))
+    y32 = _gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.float().to(DEV))
     assert torch.equal(y32.cpu().view(torch.int16), y.cpu().view(torch.int16))
     for fuse in (True, False):
-        yl = G.fp8_linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=fuse)
+        yl = _linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=fuse)
         assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
 
 
@@ -104,7 +122,7 @@ def test_fp8_gemm_partials_sum_to_fp8_gemm(M, N, K, S):
     wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.05)
     xq, xs = act_quant_ref(x)
     cfg = None if S is None else {"SPLIT_K": S}
-    part = G.fp8_gemm_partials(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config=cfg)
+    part = G8.fp8_gemm_partials(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config=cfg)
     n_split = part.shape[0]
     assert part.dtype == torch.float32 and part.shape[1:] == (M, N)
     assert n_split == S if S else n_split > 1          # the default splits at this size
@@ -113,9 +131,9 @@ def test_fp8_gemm_partials_sum_to_fp8_gemm(M, N, K, S):
         acc = acc + p
     # fp8_gemm sums the same partials in its tiles' last arriving programs; twice: the counters reset
     for _ in range(2):
-        y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config={"SPLIT_K": n_split})
+        y = _gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config={"SPLIT_K": n_split})
         assert torch.equal(acc.bfloat16().cpu().view(torch.int16), y.cpu().view(torch.int16))
-    check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), G.fp8_gemm_torch(xq, xs, wq, ws), acc=FP8_ACC)
+    check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), GT.fp8_gemm(xq, xs, wq, ws), acc=FP8_ACC)
 
 
 @pytest.mark.parametrize("M,N,K,S", [(1, 96, 1024, None), (3, 64, 768, 3), (9, 160, 512, 4)])
@@ -129,13 +147,13 @@ def test_fp8_gemm_split_k(M, N, K, S):
     wq, ws = quant_fp8_weight(W)
     xq, xs = act_quant_ref(x)
     if S is None:
-        assert G._split_k(M, N, K, 16, 64, torch.device(DEV), False) > 1    # the default splits here
+        assert GR.fp8_split_k(M, N, K, 16, 64, target(DEV)) > 1    # the default splits here
     cfg = None if S is None else {"SPLIT_K": S}
-    y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config=cfg)
-    y1 = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config={"SPLIT_K": 1})
-    check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), G.fp8_gemm_torch(xq, xs, wq, ws), acc=FP8_ACC)
+    y = _gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config=cfg)
+    y1 = _gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), config={"SPLIT_K": 1})
+    check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), GT.fp8_gemm(xq, xs, wq, ws), acc=FP8_ACC)
     check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), y1.cpu(), acc=FP8_ACC)
-    yl = G.fp8_linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=True, config=cfg)
+    yl = _linear(x.to(DEV), wq.to(DEV), ws.to(DEV), fuse_quant=True, config=cfg)
     assert torch.equal(yl.cpu().view(torch.int16), y.cpu().view(torch.int16))
 
 
@@ -145,8 +163,8 @@ def test_fp8_gemm_matches_official_order_twin_closely():
     x = torch.randn(8, 256, generator=gen).bfloat16()
     wq, ws = quant_fp8_weight(torch.randn(64, 256, generator=gen) * 0.1)
     xq, xs = act_quant_ref(x)
-    y = G.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV)).cpu()
-    t = G.fp8_gemm_torch(xq, xs, wq, ws)
+    y = _gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV)).cpu()
+    t = GT.fp8_gemm(xq, xs, wq, ws)
     b = lambda v: v.view(torch.int16).int()
     if DEV == "cpu":
         assert ((b(y) - b(t)).abs() <= 1).all()
@@ -164,8 +182,8 @@ def test_fp4_gemm(fmt, M, N, K):
     x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
     wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
     xq, xs = act_quant_ref(x)
-    y = G.fp4_gemm(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV))
-    twin = G.fp4_gemm_torch(xq, xs, wp, s, fmt, s2)
+    y = G4.fp4_gemm(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), fmt, None if s2 is None else s2.to(DEV))
+    twin = GT.fp4_gemm(xq, xs, wp, s, fmt, s2)
     ref = Linear(Wd, "fp4", OFFICIAL)(x)
     check_gemm(y, xq, xs, Wd, twin)
     check_gemm(ref, xq, xs, Wd)
@@ -178,8 +196,8 @@ def test_fp4_gemm_mxfp4_scale_spread(bm):
     x = (torch.randn(6, 256, generator=gen) * 2).bfloat16()
     wp, s, _, Wd = _fp4_weight("mxfp4", 64, 256, gen, spread=True)
     xq, xs = act_quant_ref(x)
-    y = G.fp4_gemm(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), "mxfp4", config={"BM": bm})
-    check_gemm(y, xq, xs, Wd, G.fp4_gemm_torch(xq, xs, wp, s))
+    y = G4.fp4_gemm(xq.to(DEV), xs.to(DEV), wp.to(DEV), s.to(DEV), "mxfp4", config={"BM": bm})
+    check_gemm(y, xq, xs, Wd, GT.fp4_gemm(xq, xs, wp, s))
 
 
 def test_fp4_gemm_pure_triton_decode_path():
@@ -190,9 +208,9 @@ def test_fp4_gemm_pure_triton_decode_path():
     xq, xs = act_quant_ref(x)
     outs = []
     for use_asm in ((False, True) if DEV == "cuda" else (False,)):
-        a16 = G.f16_operand(xq.to(DEV))
+        a16 = GC.f16_operand(xq.to(DEV))
         out = torch.empty(4, 32, dtype=torch.bfloat16, device=DEV)
-        G.fp4_launch(a16, xs.to(DEV), G._u8(wp).to(DEV)[None], s.view(torch.uint8).to(DEV)[None], None,
+        G4.fp4_launch(a16, xs.to(DEV), u8(wp).to(DEV)[None], s.view(torch.uint8).to(DEV)[None], None,
                      out, None, 4, 32, 128, 0, fmt="mxfp4", path="dequant", use_asm=use_asm)
         outs.append(out.cpu())
     assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs)
@@ -206,7 +224,8 @@ _AOT_SCRIPT = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "0"
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
     from kernel_helpers import aot_compile
-    from dsv4.kernels import gemm as G, gemv as V, moe as Mo
+    from dsv4.kernels.gemm import common as GC, fp4 as G4, fp8 as G8, gemv as V
+    from dsv4.kernels import moe as Mo
 
     DIV = ("K", "N_out", "n_half", "stride_am", "stride_sam", "stride_we", "stride_wn", "stride_wse",
            "stride_wsn", "stride_w2e", "stride_cm", "stride_csm", "stride_bn", "stride_sbn", "stride_x",
@@ -222,29 +241,29 @@ _AOT_SCRIPT = textwrap.dedent("""
     sct = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), C=P("bf16"), CS=P("fp32"), PERM=P("i64"),
                OFFS=P("i64"), TCUM=P("i64"), PW=P("fp32"), limit="fp32")
     for cap in (90, 100):
-        comp(G._act_quant_kernel, dict(X=P("bf16"), Q=P("u8"), S=P("fp32")), dict(BLOCKS=8, INTERP=False), cap, 4)
-        ptx = comp(G._fp8_gemm_kernel, fp8t, dict(SB_SHIFT=7, A_BF16=False, SB_E8M0=False, SWIGLU=False,
+        comp(G8._act_quant_kernel, dict(X=P("bf16"), Q=P("u8"), S=P("fp32")), dict(BLOCKS=8, INTERP=False), cap, 4)
+        ptx = comp(G8._fp8_gemm_kernel, fp8t, dict(SB_SHIFT=7, A_BF16=False, SB_E8M0=False, SWIGLU=False,
                                                   BM=128, BN=128, GROUP_M=8, SPLIT=False, SUM=False, INTERP=False), cap, 8, 4)
         if cap == 90:
             assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, "expected fp8 wgmma"
         else:
             assert "tcgen05.mma" in ptx
-        comp(G._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("u8")),
+        comp(G8._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("u8")),
              dict(SB_SHIFT=7, A_BF16=True, SB_E8M0=True, SWIGLU=True, BM=16, BN=128, GROUP_M=8, SPLIT=False,
                   SUM=False, INTERP=False), cap, 4)
         # decode: split-K partials (fp32 workspace) summed by each tile's last arriving program
-        ptx = comp(G._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("fp32"), OUT=P("bf16"), CNT=P("i32")),
+        ptx = comp(G8._fp8_gemm_kernel, dict(fp8t, A=P("bf16"), SB=P("u8"), C=P("fp32"), OUT=P("bf16"), CNT=P("i32")),
                    dict(SB_SHIFT=7, A_BF16=True, SB_E8M0=True, SWIGLU=False, BM=16, BN=32, GROUP_M=8, SPLIT=True,
                         SUM=True, INTERP=False), cap, 4, 5)
         assert "atom.global.gpu.acq_rel.add" in ptx, "expected the tile's acq_rel arrival"
-        comp(G._splitk_sum, dict(WS=P("fp32"), C=P("bf16")), dict(BLOCK=1024, INTERP=False), cap, 4)
+        comp(GC.splitk_sum_kernel, dict(WS=P("fp32"), C=P("bf16")), dict(BLOCK=1024, INTERP=False), cap, 4)
         for fmt, bm in ((0, 16), (1, 16), (2, 64), (1, 64)):
-            comp(G._fp4_gemm_kernel, fp4t, dict(FMT=fmt, GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False,
+            comp(G4._fp4_gemm_kernel, fp4t, dict(FMT=fmt, GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False,
                                                 USE_ASM=True, BM=bm, BN=128, LOG2G=9, INTERP=False), cap, 4, 3)
-        comp(G._fp4_gemm_kernel, dict(fp4t, C=P("u8")), dict(FMT=0, GROUPED=True, GATHER=True, SWIGLU=True,
+        comp(G4._fp4_gemm_kernel, dict(fp4t, C=P("u8")), dict(FMT=0, GROUPED=True, GATHER=True, SWIGLU=True,
              HAS_PW=True, USE_ASM=True, BM=16, BN=128, LOG2G=9, INTERP=False), cap, 4, 3)
         for sw in (False, True):
-            ptx = comp(G._fp4_scaled_kernel, dict(sct, C=P("u8") if sw else P("bf16")),
+            ptx = comp(G4._fp4_scaled_kernel, dict(sct, C=P("u8") if sw else P("bf16")),
                        dict(GROUPED=True, GATHER=True, SWIGLU=sw, HAS_PW=sw, BM=128, BN=128, LOG2G=9, INTERP=False),
                        cap, 8, 3)
             if cap == 100:
@@ -259,7 +278,7 @@ _AOT_SCRIPT = textwrap.dedent("""
              A_BF16=True, GROUPED=False, GATHER=False, USE_ASM=True, BM=1, BN=32, NG=8, GB=16, LOG2G=1, SPLIT=False,
              INTERP=False), cap, 4, 1)
         # decode FP4 on tensor cores (Gluon): grouped split-K partials with the pair gather, plain bf16
-        from dsv4.kernels import fp4_mma as F
+        from dsv4.kernels.gemm import fp4_mma as F
         mmt = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("fp32"), PERM=P("i64"),
                    OFFS=P("i64"), TCUM=P("i64"))
         for nv, grouped, split, band in ((False, True, True, True), (False, False, False, False),
@@ -271,7 +290,7 @@ _AOT_SCRIPT = textwrap.dedent("""
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
             assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
         # decode FP8 on tensor cores (Gluon): in-kernel act quant + in-kernel split-K sum, pre-quantised
-        from dsv4.kernels import fp8_mma as F8
+        from dsv4.kernels.gemm import fp8_mma as F8
         for act, reduce in ((1, True), (0, True), (0, False), (2, True)):
             ptx = comp(F8._fp8_mma_kernel, dict(A=P("bf16") if act else P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"),
                        C=P("bf16"), PART=P("fp32"), CNT=P("i32")),
@@ -317,10 +336,10 @@ def test_gpu_fp8_gemm_flash_shapes(M, N, K):
     gen = torch.Generator().manual_seed(M + N)
     x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
     wq, ws = quant_fp8_weight(torch.randn(N, K, generator=gen) * 0.02)
-    xq, xs = G.act_quant_fp8(x.cuda())
-    y = G.fp8_gemm(xq, xs, wq.cuda(), ws.cuda())
+    xq, xs = G8.act_quant_fp8(x.cuda())
+    y = _gemm(xq, xs, wq.cuda(), ws.cuda())
     check_gemm(y, xq, xs, dequant_fp8_weight(wq, ws), acc=FP8_ACC)
-    yl = G.fp8_linear(x.cuda(), wq.cuda(), ws.cuda())
+    yl = _linear(x.cuda(), wq.cuda(), ws.cuda())
     assert torch.equal(yl.view(torch.int16), y.view(torch.int16))
 
 
@@ -333,13 +352,13 @@ def test_gpu_fp4_gemm_flash_shapes(fmt, M):
     N, K = 4096, 4096                                  # w1|w3 of one V4-Flash expert
     x = (torch.randn(M, K, generator=gen) * 2).bfloat16()
     wp, s, s2, Wd = _fp4_weight(fmt, N, K, gen)
-    xq, xs = G.act_quant_fp8(x.cuda())
-    y = G.fp4_gemm(xq, xs, wp.cuda(), s.cuda(), fmt, None if s2 is None else s2.cuda())
+    xq, xs = G8.act_quant_fp8(x.cuda())
+    y = G4.fp4_gemm(xq, xs, wp.cuda(), s.cuda(), fmt, None if s2 is None else s2.cuda())
     check_gemm(y, xq, xs, Wd)
     if fmt == "mxfp4":   # the portable decode and the dot_scaled path give the same products
         for path, asm in (("dequant", False), ("scaled", None)):
             out = torch.empty_like(y)
-            a = G.f16_operand(xq) if path == "dequant" else G._u8(xq)
-            G.fp4_launch(a, xs, G._u8(wp).cuda()[None], s.view(torch.uint8).cuda()[None], None, out, None,
+            a = GC.f16_operand(xq) if path == "dequant" else u8(xq)
+            G4.fp4_launch(a, xs, u8(wp).cuda()[None], s.view(torch.uint8).cuda()[None], None, out, None,
                          M, N, K, 0, fmt=fmt, path=path, use_asm=asm)
             check_gemm(out, xq, xs, Wd)

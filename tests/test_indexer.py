@@ -12,8 +12,10 @@ import torch
 triton = pytest.importorskip("triton")
 
 from dsv4.formats.index_key import write_index_entries  # noqa: E402
-from dsv4.kernels.indexer import (index_q_prologue, index_q_prologue_torch, index_scores,  # noqa: E402
-                                  index_scores_torch, index_topk, index_topk_torch)
+from dsv4.kernels.indexer import index_q_prologue, index_scores, index_topk  # noqa: E402
+from dsv4.twins.indexer import index_q_prologue as index_q_prologue_twin  # noqa: E402
+from dsv4.twins.indexer import index_scores as index_scores_twin  # noqa: E402
+from dsv4.twins.indexer import index_topk as index_topk_twin  # noqa: E402
 
 DEV = kernel_device()
 
@@ -27,7 +29,7 @@ def test_index_q_prologue(T, H):
     q = (torch.randn(T, H, 128, generator=gen) * torch.rand(T, H, 1, generator=gen) * 4).bfloat16()
     q[0, 0, :32] = 0                                                  # an all-zero FP4 block
     cos, sin = _rope(T, gen, "cpu")
-    ref = index_q_prologue_torch(q, cos, sin)
+    ref = index_q_prologue_twin(q, cos, sin)
     first = None
     for hpp in (16, 64):
         for load_h in (True, False):       # Hadamard operand read from a tensor or built in the kernel: same bits
@@ -42,7 +44,7 @@ def _index_cache(n_blocks, gen, device=DEV):
     n = n_blocks * 64
     keys = (torch.randn(n, 1, 128, generator=gen) * torch.rand(n, 1, 1, generator=gen)).bfloat16().to(device)
     ones, zeros = torch.ones(n, 32, device=device), torch.zeros(n, 32, device=device)
-    keys = index_q_prologue_torch(keys, ones, zeros)[:, 0]            # FP4-QDQ'd, as the cache holds
+    keys = index_q_prologue_twin(keys, ones, zeros)[:, 0]            # FP4-QDQ'd, as the cache holds
     pages = torch.randint(0, 256, (n_blocks, 64 * 68), dtype=torch.uint8, generator=gen).to(device)
     write_index_entries(pages, torch.arange(n, device=device), keys)
     return pages
@@ -50,7 +52,7 @@ def _index_cache(n_blocks, gen, device=DEV):
 
 def _score_inputs(B, H, gen, device=DEV):
     q = (torch.randn(B, H, 128, generator=gen)).bfloat16()
-    q = index_q_prologue_torch(q, torch.ones(B, 32), torch.zeros(B, 32))
+    q = index_q_prologue_twin(q, torch.ones(B, 32), torch.zeros(B, 32))
     w = (torch.randn(B, H, generator=gen) * 0.1).bfloat16()
     return q.to(device), w.to(device)
 
@@ -74,7 +76,7 @@ def test_index_scores():
     pos = torch.tensor([700, 2, 300]).to(DEV)
     q, w = _score_inputs(3, H, gen)
     sc = index_scores(q, w, pages, bt, pos)
-    ref = index_scores_torch(q, w, pages, bt, pos)
+    ref = index_scores_twin(q, w, pages, bt, pos)
     assert sc.shape == (3, 256)
     _check_scores(sc, ref)
     assert torch.isinf(sc[1]).all()
@@ -100,7 +102,7 @@ def test_index_topk(B, N, k, tie_every, path):
     if B == 2:
         nv[1] = 13 if N < k else N // 3
     out = index_topk(s.to(DEV), k, nv.to(DEV), **_TOPK_PATHS[path]).cpu()
-    ref = index_topk_torch(s, k, nv)
+    ref = index_topk_twin(s, k, nv)
     assert torch.equal(out, ref)
 
 
@@ -112,18 +114,18 @@ def test_index_topk_many_rows_sort_in_kernel():
     s[3, ::2] = 0.25                                                 # ties across the threshold
     nv = torch.randint(500, 1501, (32,), generator=gen).int()
     out = index_topk(s.to(DEV), 600, nv.to(DEV), single_max=0).cpu()
-    assert torch.equal(out, index_topk_torch(s, 600, nv))
+    assert torch.equal(out, index_topk_twin(s, 600, nv))
 
 
 def test_index_topk_no_valid_and_small_k():
     gen = torch.Generator().manual_seed(6)
     s = torch.randn(2, 777, generator=gen).bfloat16()
     out = index_topk(s.to(DEV), 1).cpu()
-    assert torch.equal(out, index_topk_torch(s, 1))
+    assert torch.equal(out, index_topk_twin(s, 1))
     out = index_topk(s.to(DEV), 20, torch.zeros(2, dtype=torch.int32, device=DEV)).cpu()
     assert (out == -1).all()
     out = index_topk(s.to(DEV), 40, chunks=7).cpu()
-    assert torch.equal(out, index_topk_torch(s, 40))
+    assert torch.equal(out, index_topk_twin(s, 40))
 
 
 def test_index_topk_workspace_reset():
@@ -140,7 +142,7 @@ def test_index_topk_workspace_reset():
         for n_valid in (nv, None):
             out = index_topk(s.to(DEV), k, None if n_valid is None else n_valid.to(DEV), single_max=0,
                              sort_max=sort_max).cpu()
-            assert torch.equal(out, index_topk_torch(s, k, n_valid))
+            assert torch.equal(out, index_topk_twin(s, k, n_valid))
             ws = arrival_counters(DEV, B * _TOPK_WS)[:B * _TOPK_WS]
             assert not ws.any(), "index_topk left its workspace dirty"
 
@@ -155,7 +157,7 @@ def test_index_scores_topk_match_the_reference_rule():
     sc = index_scores(q, w, pages, bt, pos)
     vis = ((pos + 1) // 4).to(torch.int32)
     idx = index_topk(sc, 64, vis).cpu()
-    ref_sc = index_scores_torch(q, w, pages, bt, pos).cpu()
+    ref_sc = index_scores_twin(q, w, pages, bt, pos).cpu()
     ref = ref_sc.sort(dim=-1, descending=True, stable=True).indices[:, :64]
     ref = ref.masked_fill(ref >= vis.cpu().long()[:, None], -1)
     if torch.equal(sc.cpu().float(), ref_sc.float()):
@@ -204,7 +206,7 @@ def test_gpu_indexer_real_shapes():
     q = (torch.randn(T, H, 128, generator=gen) * 3).bfloat16()
     cos, sin = _rope(T, gen, "cpu")
     out = index_q_prologue(q.cuda(), cos.cuda(), sin.cuda()).cpu()
-    ref = index_q_prologue_torch(q, cos, sin)
+    ref = index_q_prologue_twin(q, cos, sin)
     assert (out.float() != ref.float()).float().mean() < 2e-3
     # scores over 256K candidates (1M context) for 2 rows, one of them shorter
     n_blocks = 4096
@@ -213,23 +215,23 @@ def test_gpu_indexer_real_shapes():
     pos = torch.tensor([4 * 262144 - 1, 123457]).cuda()
     q, w = _score_inputs(2, H, gen, device="cuda")
     sc = index_scores(q, w, pages, bt, pos)
-    ref = index_scores_torch(q, w, pages, bt, pos)
+    ref = index_scores_twin(q, w, pages, bt, pos)
     _check_scores(sc, ref)
     # top-k 512 / 2048 over 256K candidates, batch 1 and 2
     vis = ((pos + 1) // 4).int()
     for k in (512, 2048):
         idx = index_topk(sc, k, vis)
-        assert torch.equal(idx.cpu(), index_topk_torch(sc.cpu(), k, vis.cpu()))
+        assert torch.equal(idx.cpu(), index_topk_twin(sc.cpu(), k, vis.cpu()))
         idx1 = index_topk(sc[:1], k)
-        assert torch.equal(idx1.cpu(), index_topk_torch(sc[:1].cpu(), k))
+        assert torch.equal(idx1.cpu(), index_topk_twin(sc[:1].cpu(), k))
     # heavy ties: quantised scores (few distinct values)
     s = (torch.randint(-3, 4, (4, 262144), generator=gen).float() * 0.25).bfloat16().cuda()
     idx = index_topk(s, 1024)
-    assert torch.equal(idx.cpu(), index_topk_torch(s.cpu(), 1024))
+    assert torch.equal(idx.cpu(), index_topk_twin(s.cpu(), 1024))
     for n, k in ((4096, 512), (2048, 2048), (4096, 1024)):             # one-program rows, incl. ties
         for sc_ in (s[:, :n].contiguous(), sc[:, :n].contiguous()):
-            assert torch.equal(index_topk(sc_, k).cpu(), index_topk_torch(sc_.cpu(), k))
+            assert torch.equal(index_topk(sc_, k).cpu(), index_topk_twin(sc_.cpu(), k))
     # 64 rows: picks above 512 sorted inside the last pass (uint32 codes), not by the rank launch
     s64 = torch.randn(64, 65536, generator=gen).bfloat16().cuda()
     for k in (1024, 2048):
-        assert torch.equal(index_topk(s64, k).cpu(), index_topk_torch(s64.cpu(), k))
+        assert torch.equal(index_topk(s64, k).cpu(), index_topk_twin(s64.cpu(), k))

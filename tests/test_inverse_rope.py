@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from dsv4.kernels.inverse_rope import inverse_rope, inverse_rope_torch  # noqa: E402
+from dsv4.kernels.inverse_rope import inverse_rope  # noqa: E402
+from dsv4.twins.inverse_rope import inverse_rope as inverse_rope_twin  # noqa: E402
 
 DEV = kernel_device()
 
@@ -24,9 +25,9 @@ def test_inverse_rope(H):
     o[0, 0, :128] *= 1e-6
     cos, sin = _rope_tables(T, gen, "cpu")
     y = inverse_rope(o.to(DEV), cos.to(DEV), sin.to(DEV)).cpu()
-    assert torch.equal(y.view(torch.int16), inverse_rope_torch(o, cos, sin).view(torch.int16))
+    assert torch.equal(y.view(torch.int16), inverse_rope_twin(o, cos, sin).view(torch.int16))
     yq, ys = inverse_rope(o.to(DEV), cos.to(DEV), sin.to(DEV), fp8=True)
-    rq, rs = inverse_rope_torch(o, cos, sin, fp8=True)
+    rq, rs = inverse_rope_twin(o, cos, sin, fp8=True)
     assert torch.equal(yq.cpu().view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(ys.cpu(), rs)
 
@@ -45,8 +46,8 @@ def test_gpu_inverse_rope_real_shapes():
     o = (torch.randn(T, H, 512, generator=gen) * 2).bfloat16()
     cos, sin = _rope_tables(T, gen, "cpu")
     y = inverse_rope(o.cuda(), cos.cuda(), sin.cuda()).cpu()
-    assert torch.equal(y.view(torch.int16), inverse_rope_torch(o, cos, sin).view(torch.int16))
+    assert torch.equal(y.view(torch.int16), inverse_rope_twin(o, cos, sin).view(torch.int16))
     yq, ys = inverse_rope(o.cuda(), cos.cuda(), sin.cuda(), fp8=True)
-    rq, rs = inverse_rope_torch(o, cos, sin, fp8=True)
+    rq, rs = inverse_rope_twin(o, cos, sin, fp8=True)
     assert torch.equal(yq.cpu().view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(ys.cpu(), rs)

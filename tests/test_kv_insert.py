@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 
 from dsv4.formats.kv_entry import encode_kv_entries, page_bytes  # noqa: E402
 from dsv4.formats.kv_entry import page_views  # noqa: E402
-from dsv4.kernels.kv_insert import kv_insert, kv_insert_torch  # noqa: E402
+from dsv4.kernels.kv_insert import kv_insert  # noqa: E402
+from dsv4.twins.kv_insert import kv_insert as kv_insert_twin  # noqa: E402
 
 DEV = kernel_device()
 
@@ -40,7 +41,7 @@ def _check_insert(T, H, B, n_pages, slots, gen, device=DEV):
     slots = torch.tensor(slots, dtype=torch.int64)
 
     pages_ref = pages0.clone()
-    q_ref, kv_ref = kv_insert_torch(q, kv, cos, sin, pages_ref, slots, B)
+    q_ref, kv_ref = kv_insert_twin(q, kv, cos, sin, pages_ref, slots, B)
 
     pages = pages0.to(device)
     q_out, kv_out = kv_insert(q.to(device), kv.to(device), cos.to(device), sin.to(device), pages,

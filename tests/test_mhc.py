@@ -15,7 +15,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from dsv4.kernels.mhc import hc_head, hc_head_torch, hc_post, hc_post_torch, hc_pre, hc_pre_torch  # noqa: E402
+from dsv4.kernels.mhc import hc_head, hc_post, hc_pre  # noqa: E402
+from dsv4.twins.mhc import hc_head as hc_head_twin, hc_post as hc_post_twin, hc_pre as hc_pre_twin  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,7 @@ def _hc_inputs(T, D, gen, nmix=24, device=DEV):
 def _check_hc_pre(T, D, gen, device=DEV, noise=2 ** -20, **kw):
     x, fn, base, scale = _hc_inputs(T, D, gen, device=device)
     y, post, comb = hc_pre(x, fn, base, scale, **kw)
-    yr, pr, cr = hc_pre_torch(x, fn, base, scale)
+    yr, pr, cr = hc_pre_twin(x, fn, base, scale)
     assert _rel(post, pr) < 1e-5 and _rel(comb, cr) < 1e-5
     assert torch.isfinite(comb).all()
     # Sinkhorn: columns sum to 1 (the last normalisation), as in the reference
@@ -82,7 +83,7 @@ def _check_hc_post(T, D, gen, device=DEV):
     comb = torch.rand(T, 4, 4, generator=gen).to(device)
     comb = comb / comb.sum(-2, keepdim=True)
     out = hc_post(y, res, post, comb)
-    ref = hc_post_torch(y, res, post, comb)
+    ref = hc_post_twin(y, res, post, comb)
     _close_bf16(out, ref, 2 * y.float().abs()[:, None] + res.float().abs().sum(1, keepdim=True))
 
 
@@ -93,7 +94,7 @@ def test_hc_post():
 def _check_hc_head(T, D, gen, device=DEV, noise=2 ** -20, **kw):
     x, fn, base, scale = _hc_inputs(T, D, gen, nmix=4, device=device)
     y = hc_head(x, fn, base, scale, **kw)
-    yr = hc_head_torch(x, fn, base, scale)
+    yr = hc_head_twin(x, fn, base, scale)
     _close_bf16(y, yr, x.float().abs().sum(1), noise)
 
 

@@ -15,14 +15,15 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from dsv4.ops.twins import reference_moe  # noqa: E402
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
-from dsv4.kernels import gemm as G  # noqa: E402
+from dsv4.kernels.gemm import fp8 as G8, route as GR  # noqa: E402
+from dsv4.kernels.lib import target  # noqa: E402
 from dsv4.kernels import moe as Mo  # noqa: E402
 from dsv4.reference.linear import Linear  # noqa: E402
 from dsv4.reference.moe import Expert, MoE  # noqa: E402
 from dsv4.reference.numerics import OFFICIAL  # noqa: E402
+from dsv4.twins import moe as twin  # noqa: E402
 
 DEV = kernel_device()
 
@@ -82,7 +83,7 @@ def test_route_exact(hash_layer):
     x = x * torch.logspace(-3, 1, 256).bfloat16()          # blocks of very different scales
     i2, w2, e2, xq, xs = Mo._route(x.to(DEV), ids.to(DEV), w, quant=True)
     i3, w3, e3, nq, ns = Mo._route(x.to(DEV), ids.to(DEV), w)
-    q0, s0 = G.act_quant_fp8(x.to(DEV))
+    q0, s0 = G8.act_quant_fp8(x.to(DEV))
     assert nq is None and ns is None
     assert torch.equal(xq, q0.view(torch.uint8)) and torch.equal(xs, s0)
     assert torch.equal(i2, i3) and torch.equal(w2, w3) and torch.equal(e2, e3)
@@ -129,7 +130,7 @@ def test_sort_pairs_stable(P, E):
 def test_combine_sums_split_partials(S):
     """The MoE combine on the w2 GEMM's unsummed fp32 split partials (the decode path's one launch
     fewer) equals the combine on their ``sum_splits`` bf16 rows bit for bit, masked pairs included."""
-    from dsv4.kernels.gemv import sum_splits
+    from dsv4.kernels.gemm.common import sum_splits
     gen = torch.Generator().manual_seed(S)
     T, k, E, d = 5, 3, 8, 96
     eflat = torch.randint(0, E, (T * k,), generator=gen)
@@ -171,9 +172,8 @@ def test_moe_forward(hash_layer, T, path, bm):
     # the default takes the decode kernels up to GEMV_ROWS_PER_EXPERT rows per active expert (T x 2
     # pairs, 8 experts), MMA_GEMV_ROWS_PER_EXPERT where the tensor-core one runs (sm_89+)
     P = T * 2
-    from dsv4.kernels import fp4_mma
-    gemv_max = Mo.MMA_GEMV_ROWS_PER_EXPERT if fp4_mma.available(torch.device(DEV)) else Mo.GEMV_ROWS_PER_EXPERT
-    assert parts["path"] == (path or ("gemv" if P / min(8, P) <= gemv_max else G.fp4_path("mxfp4", DEV)))
+    gemv_max = GR.MMA_GEMV_ROWS_PER_EXPERT if target(DEV).gluon_mma else GR.GEMV_ROWS_PER_EXPERT
+    assert parts["path"] == (path or ("gemv" if P / min(8, P) <= gemv_max else GR.fp4_path("mxfp4", target(DEV))))
     # pairs sorted by expert: offsets are the cumulative counts (duplicates dropped)
     idx = parts["idx"].cpu()
     first = torch.ones_like(idx, dtype=torch.bool)
@@ -235,10 +235,10 @@ def test_moe_weights_pick_the_checkpoint_fp4_format():
     ref.experts = [_nv_expert(128, 256, gen) for _ in range(4)]
     w = Mo.MoEWeights.from_reference_exact(ref, layer=3)
     assert w.fmt == "nvfp4"
-    back = reference_moe(w)
-    for e0, e1 in zip(ref.experts, back.experts):
-        for n in ("w1", "w2", "w3"):
-            assert torch.equal(getattr(e0, n).weight, getattr(e1, n).weight)
+    for e, ex in enumerate(ref.experts):        # the twin reads the packed experts back exactly
+        back = twin.stacked_expert(w.w13, w.w13_s, w.w13_s2, w.w2, w.w2_s, w.w2_s2, w.fmt, e)
+        for n, b in zip(("w1", "w3", "w2"), back):
+            assert torch.equal(getattr(ex, n).weight, b)
     x = (torch.randn(5, 256, generator=gen) * 1.5).bfloat16()
     _check_moe(Mo.moe_forward(x.to(DEV), None, w.to(DEV)), ref(x, None))
     ref.experts[1].w2.weight = ref.experts[1].w2.weight * 1.001          # no longer on either grid
@@ -284,9 +284,8 @@ def test_moe_nvfp4_packed():
     w = Mo.MoEWeights.from_packed(torch.randn(E, d, generator=gen) * 0.1, torch.zeros(E), None, k, 1.5, 10.0,
                                   "nvfp4", st["w1"], st["s1"], st["w3"], st["s3"], st["w2"], st["s2"],
                                   w1_s2=st["g1"], w3_s2=st["g3"], w2_s2=st["g2"], shared=sh)
-    ref = reference_moe(w)
     x = torch.randn(6, d, generator=gen).bfloat16()
-    _check_moe(Mo.moe_forward(x.to(DEV), None, w.to(DEV)), ref(x, None))
+    _check_moe(Mo.moe_forward(x.to(DEV), None, w.to(DEV)), twin.moe_forward(x, None, w))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -312,16 +311,15 @@ def test_gpu_moe_flash_dims(hash_layer, T):
     y, parts = Mo.moe_forward(x.cuda(), ids.cuda(), w, return_parts=True)
     _check_moe(y, ref(x, ids))
     rows = T * 6 / 8
-    from dsv4.kernels import fp4_mma
-    gemv_max = Mo.MMA_GEMV_ROWS_PER_EXPERT if fp4_mma.available("cuda") else Mo.GEMV_ROWS_PER_EXPERT
+    gemv_max = GR.MMA_GEMV_ROWS_PER_EXPERT if target("cuda").gluon_mma else GR.GEMV_ROWS_PER_EXPERT
     assert parts["path"] == ("gemv" if rows <= gemv_max else
-                             "prefill" if rows > Mo.PREFILL_ROWS_PER_EXPERT else "dequant")
+                             "prefill" if rows > GR.PREFILL_ROWS_PER_EXPERT else "dequant")
     if parts["path"] == "gemv":
-        assert parts["kernel"] == ("mma" if fp4_mma.available("cuda") else "cuda-core")
+        assert parts["kernel"] == ("mma" if target("cuda").gluon_mma else "cuda-core")
         y2, parts2 = Mo.moe_forward(x.cuda(), ids.cuda(), w, config={"kernel": "cuda-core"}, return_parts=True)
         assert parts2["kernel"] == "cuda-core"
         _check_moe(y2, ref(x, ids))
-    if Mo.GEMV_ROWS_PER_EXPERT < rows <= Mo.PREFILL_ROWS_PER_EXPERT:   # the MMA kernels' own range
+    if GR.GEMV_ROWS_PER_EXPERT < rows <= GR.PREFILL_ROWS_PER_EXPERT:   # the MMA kernels' own range
         y3, parts3 = Mo.moe_forward(x.cuda(), ids.cuda(), w, path="dequant", return_parts=True)
         assert parts3["path"] == "dequant"
         _check_moe(y3, ref(x, ids))

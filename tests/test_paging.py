@@ -16,14 +16,14 @@ DEV = kernel_device()
 def _check_entry_ids(device=DEV):
     from dsv4.formats.paging import BLOCK_TOKENS
     from dsv4.kernels import paging
-    assert paging.BLOCK_TOKENS == BLOCK_TOKENS
+    from dsv4.twins.paging import entry_ids as entry_ids_twin
     gen = torch.Generator().manual_seed(5)
     bt = torch.randint(-1, 50, (3, 9), generator=gen)
     bt[:, 7:] = -1                                        # unallocated tail blocks
     for ratio, per_block, dtype in ((4, 64, torch.int32), (128, 2, torch.int64)):
         e = torch.randint(-3, 9 * BLOCK_TOKENS // ratio + 5, (3, 1100), generator=gen)   # past the table too
         got = paging.entry_ids(bt.to(device), e.to(dtype).to(device), per_block, ratio)
-        want = paging.entry_ids_torch(bt, e, per_block, ratio)
+        want = entry_ids_twin(bt, e, per_block, ratio)
         assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want)
         assert (want >= 0).any() and (want < 0).any()
 

@@ -17,8 +17,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from dsv4.formats.kv_entry import page_bytes, write_kv_entries  # noqa: E402
-from dsv4.kernels.sparse_attention import (sparse_attention_torch, sparse_decode,  # noqa: E402
-                                           sparse_prefill)
+from dsv4.kernels.sparse_attention import sparse_decode, sparse_prefill  # noqa: E402
+from dsv4.twins.sparse_attention import sparse_decode as sparse_attention_twin  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def _run_decode(cache, q, widx, eidx, sinks, device=DEV, **kw):
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=device)  # poison
     o = sparse_decode(q.to(device), widx.to(device), cache.wp, cache.wB, eidx.to(device), cache.ep,
                       cache.eB, sinks.to(device), out=out, **kw)
-    ref = sparse_attention_torch(q, widx, cache.wp_cpu, cache.wB, eidx, cache.ep_cpu, cache.eB, sinks)
+    ref = sparse_attention_twin(q, widx, cache.wp_cpu, cache.wB, eidx, cache.ep_cpu, cache.eB, sinks)
     return o, ref
 
 
@@ -143,7 +143,7 @@ def test_sparse_decode_block32_dsplit_and_no_extra():
         _compare(o, ref)
     # SWA layer: no extra cache at all
     o = sparse_decode(q.to(DEV), widx.to(DEV), cache.wp, cache.wB, None, None, 64, sinks.to(DEV))
-    ref = sparse_attention_torch(q, widx, cache.wp_cpu, cache.wB, None, None, 64, sinks)
+    ref = sparse_attention_twin(q, widx, cache.wp_cpu, cache.wB, None, None, 64, sinks)
     _compare(o, ref)
 
 
@@ -175,7 +175,7 @@ def test_sparse_prefill():
     q = (torch.randn(n, H, 512, generator=gen) * 0.5).bfloat16()
     sinks = torch.randn(H, generator=gen)
     o = sparse_prefill(q.to(DEV), widx.to(DEV), cache.wp, 16, eidx.to(DEV), cache.ep, 8, sinks.to(DEV))
-    ref = sparse_attention_torch(q, widx, cache.wp_cpu, 16, eidx, cache.ep_cpu, 8, sinks)
+    ref = sparse_attention_twin(q, widx, cache.wp_cpu, 16, eidx, cache.ep_cpu, 8, sinks)
     _compare(o, ref)
 
 
@@ -256,5 +256,5 @@ def test_gpu_sparse_prefill_real_shapes():
     q = (torch.randn(n, H, 512, generator=gen) * 0.5).bfloat16()
     sinks = torch.randn(H, generator=gen)
     o = sparse_prefill(q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda(), cache.ep, 64, sinks.cuda())
-    ref = sparse_attention_torch(q, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks)
+    ref = sparse_attention_twin(q, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks)
     _compare(o, ref)

@@ -67,8 +67,10 @@ def _inject(monkeypatch, bug):
                 self.sh2.copy_(keep)
         monkeypatch.setattr(MoE, "forward", no_shared)
     else:                      # an attention op that silently returns zeros (the original failure)
-        from dsv4.kernels import sparse_attention as sa
-        monkeypatch.setattr(sa, "sparse_attention_torch", lambda q, *a, **k: torch.zeros_like(q))
+        from dsv4.twins import sparse_attention as sa
+        zeros = lambda q, *a, **k: torch.zeros_like(q)     # noqa: E731
+        monkeypatch.setattr(sa, "sparse_decode", zeros)
+        monkeypatch.setattr(sa, "sparse_prefill", zeros)
 
 
 @pytest.mark.parametrize("bug", ["attn", "moe", "sparse_attn"])
@@ -108,8 +110,10 @@ def test_gpu_validate_synthetic_flash(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_gpu_validate_names_a_broken_kernel(tmp_path, capsys, monkeypatch):
+    """With the start-up check off the broken kernel runs, and validate names its module (with the
+    check on it falls back to its twin first: tests/test_registry.py)."""
     from dsv4.kernels import sparse_attention as sa
     monkeypatch.setattr(sa, "sparse_decode", lambda q, *a, **k: torch.zeros_like(q))
-    assert validate.run(_args(tmp_path, "--no-engine", steps=1)) == 1
+    assert validate.run(_args(tmp_path, "--no-engine", "--kernel-check", "off", steps=1)) == 1
     bad = _flagged(capsys.readouterr().out)
     assert bad and all(name.endswith(".sparse_attn") and not name.startswith("prefill.") for name in bad), bad

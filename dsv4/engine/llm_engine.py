@@ -47,7 +47,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9      # on CUDA when kv_cache_memory is not given
     num_kv_blocks: int | None = None         # override: exact number of 256-token KV blocks
     cuda_graphs: bool = True                 # capture the decode step per batch-size bucket (CUDA); False = eager
-    kernels: bool | None = None              # None: the op table's choice per device; False: torch twins
+    kernels: bool | None = None              # None: the op table's choice per device; False: torch twins;
+                                             # op names: those ops' kernels only (tests, debugging)
+    kernel_check: str = "fast"               # the start-up self-check of the ops (engine.build): fast | full | off
     device: str | None = None                # None: cuda if available else cpu
     log: bool = True
     # random weights at real shapes instead of a checkpoint (``dsv4 serve --synthetic flash``):
@@ -104,8 +106,6 @@ class LLMEngine:
         it has just compared with the reference); otherwise the model comes from ``cfg.model`` (a
         checkpoint directory, streamed in) or ``cfg.synthetic``."""
         cfg = cfg or EngineConfig(**kw)
-        from ..model.deepseek_v4 import DeepseekV4
-        from ..ops import Ops
         from ..tokenizer import load_tokenizer
 
         self.cfg = cfg
@@ -124,19 +124,21 @@ class LLMEngine:
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         from ..models import generation_defaults, resolve_model
+        from .build import KERNEL_CHECKS, build_model
         from .spec_decode import SpeculativeConfigError, check_draft, parse_speculative_config
-        from .tp_workers import build_model
+        if cfg.kernel_check not in KERNEL_CHECKS:
+            raise ValueError(f"kernel_check must be one of {', '.join(KERNEL_CHECKS)}, got {cfg.kernel_check!r}")
         self.spec = parse_speculative_config(cfg.speculative_config)
         if self.spec is not None and tp > 1:
             raise SpeculativeConfigError("speculative_config: speculative decoding with tensor_parallel_size > 1 "
                                          "is not supported yet")
         draft = None if self.spec is None else self.spec.method
         self.workers, group = None, None
-        kernels = cfg.kernels
         spec = dict(path=None if cfg.synthetic or prebuilt is not None else resolve_model(cfg.model, cfg.revision),
                     synthetic=cfg.synthetic, synthetic_layers=cfg.synthetic_layers,
-                    synthetic_experts=cfg.synthetic_experts, synthetic_seed=cfg.synthetic_seed, kernels=kernels,
-                    draft=draft)
+                    synthetic_experts=cfg.synthetic_experts, synthetic_seed=cfg.synthetic_seed, kernels=cfg.kernels,
+                    draft=draft, kernel_check=cfg.kernel_check, log=cfg.log)
+        log = (lambda line: print(f"dsv4: {line}", file=sys.stderr, flush=True)) if cfg.log else None
         if tp > 1:
             if prebuilt is not None:
                 raise ValueError("a prebuilt model cannot be split over tensor-parallel ranks")
@@ -154,7 +156,7 @@ class LLMEngine:
             if draft is not None and prebuilt.mtp is None:
                 raise SpeculativeConfigError("speculative_config.method: the prebuilt model has no MTP block")
         elif cfg.synthetic is not None:
-            self.model = build_model(spec, self.device, Ops(self.device, kernels), group)
+            self.model = build_model(spec, self.device, group, log=log)
             mc, path = self.model.cfg, None
             source = (f"synthetic {cfg.synthetic} ({mc.num_hidden_layers} layers, {mc.n_routed_experts} experts, "
                       f"seed {cfg.synthetic_seed})")
@@ -164,8 +166,7 @@ class LLMEngine:
             reader = open_checkpoint(path)
             if self.spec is not None:
                 check_draft(self.spec, reader.draft)
-            self.model = DeepseekV4.from_checkpoint(reader, self.device, Ops(self.device, kernels),
-                                                    progress=cfg.log, group=group, draft=draft)
+            self.model = build_model(dict(spec, progress=cfg.log), self.device, group, reader=reader, log=log)
             disk_bytes = reader.total_bytes
             source = f"{path} ({reader.layout}, {disk_bytes / 1e9:.2f} GB on disk)"
             draft_note = reader.describe_draft() + (
@@ -199,8 +200,8 @@ class LLMEngine:
                              f"{mc.max_position_embeddings}")
         self.max_model_len = cfg.max_model_len or limit
         self.model.attach_cache(self.cache, self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                                   self.max_model_len), self.cache, self.prefix)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.cache,
+                                   self.prefix)
         if self.workers is not None:
             self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs, snaps)
         self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs,

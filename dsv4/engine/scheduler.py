@@ -31,7 +31,6 @@ from .sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    max_model_len: int = 4096
 
 
 @dataclass

@@ -86,7 +86,7 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
     """Rank ``rank`` >= 1: load the slice, build the cache rank 0 announces, run every step."""
     import torch.distributed as dist
 
-    from ..ops import Ops
+    from .build import build_model
     from .kv_cache import CacheConfig, KVCache
     from .runner import ModelRunner
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
@@ -94,7 +94,8 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
     torch.set_num_threads(engine_threads(kind, world))
     group, ctrl = init_group(rank, world, port, kind)
     dev = _device(kind, rank)
-    model = build_model(spec, dev, Ops(dev, spec["kernels"]), group)
+    log = (lambda line: print(f"dsv4: rank {rank}: {line}", file=sys.stderr, flush=True)) if spec.get("log") else None
+    model = build_model(spec, dev, group, log=log)
     setup = [None]
     dist.broadcast_object_list(setup, src=0, group=ctrl)
     num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots = setup[0]
@@ -111,21 +112,6 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
         runner.forward([(torch.tensor(ids, dtype=torch.long), StepState(pos, slot, bt)) for ids, pos, slot, bt in chunks],
                        scores, restores=restores, captures=captures)
     dist.destroy_process_group()
-
-
-def build_model(spec: dict, dev, ops, group):
-    """The rank's slice of the model ``spec`` names (a checkpoint directory or a synthetic preset)."""
-    from ..model.deepseek_v4 import DeepseekV4
-    if spec.get("synthetic"):
-        from ..checkpoint.schema import expert_format_of_config
-        from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
-        mc = synthetic_config(spec["synthetic"], spec["synthetic_layers"], spec["synthetic_experts"])
-        draft = spec.get("draft")
-        model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", dev, ops, group, draft)
-        model.load(iter_synthetic_tensors(mc, spec["synthetic_seed"], dev, draft=draft is not None))
-        return model
-    return DeepseekV4.from_checkpoint(spec["path"], dev, ops, progress=spec.get("progress", False), group=group,
-                                      draft=spec.get("draft"))
 
 
 class TPWorkers:

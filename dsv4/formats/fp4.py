@@ -7,7 +7,7 @@ the magnitude grid {0, .5, 1, 1.5, 2, 3, 4, 6}. Packing: element 2k in the LOW n
 import torch
 from torch import Tensor
 
-from .fp8 import FP8_MAX, _exp2i, e8m0_to_fp32, fp32_to_e8m0, pow2_ceil, ue8m0_scale
+from .fp8 import FP8_MAX, exp2i, e8m0_to_fp32, fp32_to_e8m0, pow2_ceil, ue8m0_scale
 
 E2M1_MAX = 6.0
 E2M1_VALUES = torch.tensor(
@@ -41,7 +41,7 @@ _PACKED = (torch.uint8, torch.int8) + ((torch.float4_e2m1fn_x2,) if hasattr(torc
 _E4M3_POW2_MIN, _E4M3_POW2_MAX = -9, 8
 
 
-def _magnitude_codes(x: Tensor) -> Tensor:
+def magnitude_codes(x: Tensor) -> Tensor:
     """Round |x| (fp32) to the nearest e2m1 magnitude code 0..7, ties to even, saturating at 6."""
     a = x.abs()
     codes = torch.bucketize(a, _on(_BOUNDS, a.device))  # #(bounds < a); inf -> 7
@@ -54,7 +54,7 @@ def e2m1_encode(x: Tensor) -> Tensor:
     if bool(torch.isnan(x).any()):
         raise ValueError("e2m1_encode: input contains NaN")
     sign = torch.signbit(x).to(torch.uint8) << 3
-    return _magnitude_codes(x).to(torch.uint8) | sign
+    return magnitude_codes(x).to(torch.uint8) | sign
 
 
 def e2m1_decode(codes: Tensor) -> Tensor:
@@ -88,7 +88,7 @@ def fp4_qdq(x: Tensor, block: int = 32) -> Tensor:
     s = ue8m0_scale(amax, E2M1_MAX)
     v = (xb / s).clamp(-E2M1_MAX, E2M1_MAX)
     # no NaN check here (hot path): a NaN block stays NaN through amax -> s
-    q = _on(E2M1_VALUES, x.device)[_magnitude_codes(v)].copysign(v)
+    q = _on(E2M1_VALUES, x.device)[magnitude_codes(v)].copysign(v)
     return (q * s).reshape(x.shape).to(x.dtype)
 
 
@@ -197,6 +197,6 @@ def mxfp4_to_nvfp4(packed: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tenso
     k = e_max - _E4M3_POW2_MAX
     # 2^k >= 2^-135 is an exact (possibly subnormal) fp32, and code * 2^(e-k) is exact, so
     # dequant's (code * bs) * 2^k rounds the same real number code * 2^e as MXFP4 dequant does
-    ws2 = _exp2i(torch.tensor(k, device=e.device))
-    bs = _exp2i((e - k).clamp(_E4M3_POW2_MIN, _E4M3_POW2_MAX)).to(torch.float8_e4m3fn)
+    ws2 = exp2i(torch.tensor(k, device=e.device))
+    bs = exp2i((e - k).clamp(_E4M3_POW2_MIN, _E4M3_POW2_MAX)).to(torch.float8_e4m3fn)
     return packed.view(torch.uint8), bs.repeat_interleave(2, dim=-1), ws2

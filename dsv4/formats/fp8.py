@@ -14,7 +14,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn magnitude
 _E8M0_MIN_EXP, _E8M0_MAX_EXP = -127, 127
 
 
-def _exp2i(e: Tensor) -> Tensor:
+def exp2i(e: Tensor) -> Tensor:
     """Exact fp32 2^e for integer e, built from fp64 exponent bits (no pow/ldexp rounding).
 
     Exact down to fp32 subnormals (2^-149); overflows to inf past 2^127.
@@ -31,7 +31,7 @@ def pow2_ceil(x: Tensor) -> Tensor:
     x = x.float()
     m, e = torch.frexp(x)  # x = m * 2^e, m in [0.5, 1)
     e = torch.where(m == 0.5, e - 1, e)  # exact powers of two stay themselves
-    p = _exp2i(e)
+    p = exp2i(e)
     # 0 -> 0, inf -> inf, negative / NaN -> NaN (what 2^log2(x) gives) instead of frexp garbage
     ok = (x > 0) & torch.isfinite(x)
     return torch.where(ok, p, x.log2().exp2())

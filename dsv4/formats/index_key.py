@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fp4 import E2M1_MAX, MXFP4_BLOCK, _magnitude_codes, e2m1_decode, pack_fp4, unpack_fp4
+from .fp4 import E2M1_MAX, MXFP4_BLOCK, magnitude_codes, e2m1_decode, pack_fp4, unpack_fp4
 from .fp8 import e8m0_to_fp32, fp32_to_e8m0, ue8m0_scale
 from .paging import INDEX_PAGE
 
@@ -48,7 +48,7 @@ def _scale_blocks(keys: Tensor) -> tuple[Tensor, Tensor]:
 def _pack(v: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
     """Sync-free: (scaled values, scales) -> (packed codes uint8 [N, D/2], e8m0 bytes uint8 [N, D/32])
     (e2m1 codes: RNE magnitude | sign bit, as ``e2m1_encode`` without its NaN check)."""
-    codes = _magnitude_codes(v).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+    codes = magnitude_codes(v).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
     return pack_fp4(codes.flatten(1)), s.to(torch.float8_e8m0fnu).view(torch.uint8)
 
 

@@ -33,3 +33,12 @@ def block_table_tensor(tables: list[list[int]], width: int | None = None, device
         if t:
             out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
     return out.to(device)
+
+
+def block_entry_ids(bt: Tensor, e: Tensor, per_block: int, ratio: int) -> tuple[Tensor, Tensor]:
+    """(global ids of compressed entries max(e, 0), their block numbers: -1 = unallocated) through the
+    block tables bt [B, W]: entry e (covering tokens e * ratio ..) lives in block bt[b, e * ratio // 256]
+    at offset e % per_block, global id block * per_block + e % per_block."""
+    blk_idx = (e.clamp(min=0) * ratio) // BLOCK_TOKENS
+    blk = bt.gather(1, blk_idx.view(bt.shape[0], -1).clamp(max=bt.shape[1] - 1)).view_as(e)
+    return blk * per_block + e.clamp(min=0) % per_block, blk

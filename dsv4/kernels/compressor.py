@@ -33,7 +33,7 @@ c``): ``_comp_pool`` grid (B, c / CB) writes its channels of the ring row and po
 through an L2-resident workspace). The choice per variant is the faster one measured on the H200. The current token's own row comes from registers, never read back. Non-completing
 tokens only write their ring row (and a zero entry).
 
-Numerics vs the twin (``compress_decode_torch`` = the reference's pooling +
+Numerics vs the twin (``twins.compressor.compress_decode`` = the reference's pooling +
 ``Compressor.postprocess`` with official numerics): the pooled fp32 vector agrees to fp32 rounding
 (softmax/sum order, exp ulps); with the same pooled vector the post-processing is bit-exact except
 where the 512-term square sum or the Hadamard's summation order moves a bf16 rounding (rare), and a
@@ -52,24 +52,24 @@ and indexer): ``_pref_pool`` with ``POST``, grid (entries,), all c channels of a
 post-processing in one program; HCA (m x c = 128 x 512 does not fit one program): ``_pref_pool`` grid
 (entries, c / 32) writes the pooled fp32 vectors and the entry's last-arriving program (an arrival
 counter, ``counters.py``) post-processes it: one launch either way. Same numerics as the decode step vs
-``compress_prefill_torch`` (``Compressor.pool`` + ``Compressor.postprocess``, official numerics). The
+``twins.compressor.compress_prefill`` (the reference's ``pool`` + ``postprocess``, official numerics). The
 default path choice is by construction, not measured on the H200.
 """
 from __future__ import annotations
 
 import torch
 
-from . import interpreting, triton_available
+from ..formats.contracts import check_compress_decode, check_compress_prefill, check_compressor_pages
+from .lib import interpreting, triton_available
 from .counters import arrival_counters
 
-ROPE_DIM = 64
 
 if triton_available():
     import triton
     import triton.language as tl
 
     from .counters import arrive
-    from .kv_insert import _e4m3_bits, _exp2i, _rne_bf16, _ue8m0_exp
+    from .lib import e4m3_bits, exp2i, fp4_qdq_blocks, rne_bf16, ue8m0_exp, ue8m0_exp6
 
     @triton.jit
     def _pool_part(STATE, SLOTS, POS, KIN, SIN_, APE, b, cb, stride_ss, stride_sr, stride_kb, stride_sb,
@@ -150,11 +150,11 @@ if triton_available():
     @triton.jit
     def _bf16r(x, FAST: tl.constexpr):
         """fp32 -> the fp32 value of its bf16 round-to-nearest-even: a cvt.rn when compiled, the
-        bit arithmetic of ``_rne_bf16`` under the interpreter (whose bf16 cast truncates)."""
+        bit arithmetic of ``rne_bf16`` under the interpreter (whose bf16 cast truncates)."""
         if FAST:
             return x.to(tl.bfloat16).to(tl.float32)
         else:
-            return _rne_bf16(x)
+            return rne_bf16(x)
 
     @triton.jit
     def _pool_rows(RK, RS, j, base, cb, stride_rk, stride_rs,
@@ -225,37 +225,6 @@ if triton_available():
         return x
 
     @triton.jit
-    def _e2m1_code(a):
-        """|v| (<= 6) -> e2m1 magnitude code 0..7, nearest, ties to the even code (fp4_qdq's rule)."""
-        c = (a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
-            + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32) \
-            + (a > 5.0).to(tl.int32)
-        c += ((a == 0.75) | (a == 1.75) | (a == 3.5)).to(tl.int32)
-        return c
-
-    @triton.jit
-    def _e2m1_value(c):
-        cf = c.to(tl.float32)
-        return tl.where(c < 4, cf * 0.5, tl.where(c < 7, cf - 2.0, 6.0))
-
-    @triton.jit
-    def _ue8m0_exp6(amax):
-        """e with 2^e = pow2_ceil(max(amax, 6*2^-126) * fp32(1/6)) (fp4_qdq's scale), from the bits."""
-        v = tl.maximum(amax, 6.0 * 2.0 ** -126) * (1.0 / 6.0)
-        bits = v.to(tl.int32, bitcast=True)
-        return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-
-    @triton.jit
-    def _fp4_qdq_blocks(xb):
-        """fp4_qdq of xb [NB, 32] fp32 (bf16 values): returns (qdq fp32, code|sign<<3 int32, scale exp)."""
-        e = _ue8m0_exp6(tl.max(tl.abs(xb), axis=1))
-        v = tl.minimum(tl.maximum(xb * _exp2i(-e)[:, None], -6.0), 6.0)
-        code = _e2m1_code(tl.abs(v))
-        sgn = v.to(tl.uint32, bitcast=True) & 0x80000000
-        q = (_e2m1_value(code).to(tl.uint32, bitcast=True) | sgn).to(tl.float32, bitcast=True)
-        return q * _exp2i(e)[:, None], code | (sgn >> 28).to(tl.int32), e
-
-    @triton.jit
     def _entry(x, b64, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, stride_ob, page_size, page_nbytes, eps,
                C: tl.constexpr, INDEXER: tl.constexpr, WRITE: tl.constexpr, FAST: tl.constexpr):
         """Post-process the pooled vector x [C] fp32 of token b, store the bf16 entry (and its cache bytes).
@@ -275,13 +244,13 @@ if triton_available():
         x = _bf16r(_rope_vec(x, COS + b64 * 32, SIN_ + b64 * 32, C), FAST)
         if INDEXER:
             x = _bf16r(_fwht128(x) * 0.08838834764831845, FAST)
-            q, code, e = _fp4_qdq_blocks(tl.reshape(x, [C // 32, 32]))
+            q, code, e = fp4_qdq_blocks(tl.reshape(x, [C // 32, 32]))
             out = tl.reshape(q, [C])
             tl.store(OUT + b64 * stride_ob + d, out.to(tl.bfloat16))
             if WRITE:
                 slot = tl.load(PSLOTS + b64)
                 if slot >= 0:
-                    e2 = _ue8m0_exp6(tl.max(tl.abs(q), axis=1))
+                    e2 = ue8m0_exp6(tl.max(tl.abs(q), axis=1))
                     mag = code & 7
                     mag = tl.where((e2 < e)[:, None], tl.where(mag <= 2, 2 * mag, mag + 2), mag)
                     code = (code & 8) | mag
@@ -297,18 +266,18 @@ if triton_available():
         else:
             xb = tl.reshape(x, [8, 64])                       # block 7 = the 64 rope dims
             blk = tl.arange(0, 8)
-            e = _ue8m0_exp(tl.max(tl.abs(xb), axis=1))
-            qv = tl.minimum(tl.maximum(xb * _exp2i(-e)[:, None], -448.0), 448.0)
-            code = _e4m3_bits(qv)
+            e = ue8m0_exp(tl.max(tl.abs(xb), axis=1))
+            qv = tl.minimum(tl.maximum(xb * exp2i(-e)[:, None], -448.0), 448.0)
+            code = e4m3_bits(qv)
             deq = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            deq = deq * _exp2i(e)[:, None]
+            deq = deq * exp2i(e)[:, None]
             is_nope = (blk < 7)[:, None]
             out = tl.where(is_nope, deq, xb)
             tl.store(OUT + b64 * stride_ob + d, tl.reshape(out, [C]).to(tl.bfloat16))
             if WRITE:
                 slot = tl.load(PSLOTS + b64)
                 if slot >= 0:
-                    e2 = _ue8m0_exp(tl.max(tl.abs(deq), axis=1))
+                    e2 = ue8m0_exp(tl.max(tl.abs(deq), axis=1))
                     mag = code & 0x7F
                     mag = tl.where((e2 < e)[:, None], tl.where(mag < 8, 2 * mag, mag + 8), mag)
                     q8 = ((code & 0x80) | mag).to(tl.uint8)
@@ -388,48 +357,11 @@ if triton_available():
                     tl.store(CNT + i64, 0)
 
 
-def _dims(state: torch.Tensor, ratio: int) -> tuple[int, int, bool]:
-    overlap = ratio == 4
-    coff = 2 if overlap else 1
-    if state.dim() != 3 or state.dtype != torch.float32 or state.shape[1] != coff * ratio \
-            or state.shape[2] % (2 * coff) != 0:
-        raise ValueError(f"state: expected fp32 [slots, {coff * ratio}, 2*{coff}*c], got {state.dtype} "
-                         f"{tuple(state.shape)}")
-    c = state.shape[2] // (2 * coff)
-    return c, coff, overlap
-
-
-def _check_pages(pages, page_slots, page_size, indexer, n):
-    """The paged cache a kernel writes: main 584-byte entries or indexer 68-byte MXFP4 keys."""
-    from ..formats.kv_entry import page_bytes
-    want = page_size * 68 if indexer else page_bytes(page_size)
-    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != want:
-        raise ValueError(f"pages: expected uint8 [num_pages, {want}], got {pages.dtype} {tuple(pages.shape)}")
-    if page_slots is None or page_slots.shape != (n,):
-        raise ValueError(f"page_slots: expected [{n}] slot ids with pages")
-
-
 def _norm_weight(w: torch.Tensor) -> torch.Tensor:
     """The norm weight as the kernels read it: bf16 or fp32 as given (converted in the kernel: a host-side
     ``.float()`` is one more launch per call), other dtypes as fp32."""
     w = w if w.dtype in (torch.bfloat16, torch.float32) else w.float()
     return w.contiguous()
-
-
-def _check(state, slots, pos, k, s, cos, sin, ratio, indexer):
-    c, coff, _ = _dims(state, ratio)
-    B = pos.shape[0]
-    if c != (128 if indexer else 512):
-        raise ValueError(f"{'indexer' if indexer else 'main'} compressor needs c = {128 if indexer else 512}, got {c}")
-    for name, t in (("k", k), ("s", s)):
-        if t.shape != (B, coff * c) or t.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"{name}: expected fp32 or bf16 [{B}, {coff * c}], got {t.dtype} {tuple(t.shape)}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (B, ROPE_DIM // 2) or t.dtype != torch.float32:
-            raise ValueError(f"{name}: expected fp32 [{B}, 32], got {t.dtype} {tuple(t.shape)}")
-    if slots.shape != (B,) or pos.shape != (B,):
-        raise ValueError(f"slots/pos: expected [{B}], got {tuple(slots.shape)} / {tuple(pos.shape)}")
-    return c, coff
 
 
 def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
@@ -445,7 +377,7 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
     position pos + 1 - m; ape fp32 [m, coff*c] (optional: added to s in the kernel).
     -> (entries bf16 [B, c], complete bool [B][, pooled fp32 [B, c]]).
     """
-    c, coff = _check(state, slots, pos, k, s, cos, sin, ratio, indexer)
+    c, coff = check_compress_decode(state, slots, pos, k, s, cos, sin, ratio, indexer)
     B = pos.shape[0]
     dev = state.device
     out = torch.empty(B, c, dtype=torch.bfloat16, device=dev)
@@ -467,7 +399,7 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
         raise ValueError(f"ape: expected [{ratio}, {coff * c}], got {tuple(ape.shape)}")
     write = pages is not None
     if write:
-        _check_pages(pages, page_slots, page_size, indexer, B)
+        check_compressor_pages(pages, page_slots, page_size, indexer, B)
     pg, ps_t, pnb = (pages, page_slots, pages.shape[1]) if write else (out, pos, 0)
     nw = fused_warps if CB == c else 4
     kw = {} if interp else {"num_warps": nw, "enable_fp_fusion": False}
@@ -491,41 +423,6 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
     return res + (pooled,) if return_pooled else res
 
 
-def _check_prefill(rows_k, rows_s, base, first, last, norm_w, cos, sin, ratio, indexer):
-    """Validate a prefill chunk's arguments (host ints and shapes); -> (c, coff, n entries)."""
-    if ratio not in (4, 128):
-        raise ValueError(f"ratio must be 4 (CSA) or 128 (HCA), got {ratio}")
-    overlap = ratio == 4
-    coff = 2 if overlap else 1
-    c = 128 if indexer else 512
-    base, first, last = int(base), int(first), int(last)
-    for name, t in (("rows_k", rows_k), ("rows_s", rows_s)):
-        if t.dim() != 2 or t.dtype != torch.float32 or t.shape[1] != coff * c:
-            raise ValueError(f"{name}: {'indexer' if indexer else 'main'} compressor (ratio {ratio}) needs fp32 "
-                             f"[R, {coff * c}], got {t.dtype} {tuple(t.shape)}")
-        if t.shape[0] and t.stride(1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dim")
-    if rows_s.shape[0] != rows_k.shape[0]:
-        raise ValueError(f"rows_k / rows_s: {rows_k.shape[0]} vs {rows_s.shape[0]} rows")
-    if norm_w.shape != (c,):
-        raise ValueError(f"norm_w: expected [{c}], got {tuple(norm_w.shape)}")
-    if base < 0 or first < 0 or last < first:
-        raise ValueError(f"need 0 <= base and 0 <= first <= last, got base={base}, first={first}, last={last}")
-    n = last - first
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (n, ROPE_DIM // 2) or t.dtype != torch.float32:
-            raise ValueError(f"{name}: expected fp32 [{n}, 32] (rows for positions j*{ratio}, j = first .. last-1), "
-                             f"got {t.dtype} {tuple(t.shape)}")
-    if n:
-        lo = (first - 1) * ratio if overlap and first > 0 else first * ratio
-        hi = last * ratio
-        R = rows_k.shape[0]
-        if base > lo or base + R < hi:
-            raise ValueError(f"rows cover positions [{base}, {base + R}) but entries {first} .. {last - 1} "
-                             f"(ratio {ratio}{', overlapping windows' if overlap else ''}) need [{lo}, {hi})")
-    return c, coff, n
-
-
 def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, first: int, last: int,
                      norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, ratio: int,
                      indexer: bool = False, eps: float = 1e-6, pages: torch.Tensor | None = None,
@@ -541,13 +438,13 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
     post-processing it. ``num_warps``: warps per program (a tuning knob; default 2 for the fused
     c = 512 kernel, 1 for the fused indexer, else 4).
     """
-    c, coff, n = _check_prefill(rows_k, rows_s, base, first, last, norm_w, cos, sin, ratio, indexer)
+    c, coff, n = check_compress_prefill(rows_k, rows_s, base, first, last, norm_w, cos, sin, ratio, indexer)
     dev = rows_k.device
     out = torch.empty(n, c, dtype=torch.bfloat16, device=dev)
     pooled = torch.empty(n, c, dtype=torch.float32, device=dev)
     write = pages is not None
     if write:
-        _check_pages(pages, page_slots, page_size, indexer, n)
+        check_compressor_pages(pages, page_slots, page_size, indexer, n)
     if n == 0:
         return (out, pooled) if return_pooled else out
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -579,80 +476,4 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
     return (out, pooled) if return_pooled else out
 
 
-# ------------------------------------------------------------------------------ torch twin
-def _write_pages_torch(pages, slots, entries, page_size, indexer):
-    """The twins' paged write: main entries as 584-byte FP8 entries, indexer keys as MXFP4 (slot -1: skip)."""
-    if indexer:
-        from ..formats.index_key import write_index_entries
-        sel = slots >= 0
-        if bool(sel.any()):
-            write_index_entries(pages, slots[sel], entries[sel], page_size)
-    else:
-        from ..formats.kv_entry import write_kv_entries
-        write_kv_entries(pages, slots, entries, page_size)
-
-
-def compress_decode_torch(state, slots, pos, k, s, norm_w, cos, sin, *, ratio, indexer=False, ape=None,
-                          eps=1e-6, pages=None, page_slots=None, page_size=64, return_pooled=False, **_):
-    """The reference's window pooling + ``Compressor.postprocess`` (official numerics) with the same API."""
-    from ..reference.compressor import Compressor
-    from ..reference.numerics import OFFICIAL
-    c, coff = _check(state, slots, pos, k, s, cos, sin, ratio, indexer)
-    m = ratio
-    slots, pos = slots.long(), pos.long()
-    if ape is not None:
-        s = s + ape.float()[pos % m]
-    R = state.shape[1]
-    state[slots, pos % R] = torch.cat([k, s], dim=1)
-    complete = (pos + 1) % m == 0
-    start = pos + 1 - m
-    cur = start[:, None] + torch.arange(m, device=pos.device)
-    rows = state[slots[:, None], cur.clamp(min=0) % R]
-    w = rows.shape[-1] // 2
-    ck, cs = rows[..., :w], rows[..., w:]
-    if m == 4:
-        prev = cur - m
-        prows = state[slots[:, None], prev.clamp(min=0) % R]
-        valid = (prev >= 0)[..., None]
-        pk = torch.where(valid, prows[..., :c], 0.0)
-        ps = torch.where(valid, prows[..., w:w + c], float("-inf"))
-        ck = torch.cat([pk, ck[..., c:]], dim=1)
-        cs = torch.cat([ps, cs[..., c:]], dim=1)
-    pooled = OFFICIAL.fn(lambda a, b: (a * b.softmax(dim=1)).sum(dim=1), ck, cs)
-    freqs = torch.complex(cos.float(), sin.float())
-    comp = Compressor(None, None, torch.zeros(m, coff * c), norm_w, m, c, lambda _p: freqs, eps, OFFICIAL, indexer)
-    out = comp.postprocess(pooled, start.clamp(min=0))
-    out = torch.where(complete[:, None], out, torch.zeros_like(out))
-    pooled = torch.where(complete[:, None], pooled, torch.zeros_like(pooled))
-    if pages is not None:
-        _write_pages_torch(pages, torch.where(complete & (page_slots >= 0), page_slots.long(), -1), out,
-                           page_size, indexer)
-    return (out, complete, pooled) if return_pooled else (out, complete)
-
-
-def compress_prefill_torch(rows_k, rows_s, base, first, last, norm_w, cos, sin, *, ratio, indexer=False, eps=1e-6,
-                           pages=None, page_slots=None, page_size=64, return_pooled=False, **_):
-    """``Compressor.pool`` + ``Compressor.postprocess`` (official numerics) with ``compress_prefill``'s API."""
-    from ..reference.compressor import Compressor
-    from ..reference.numerics import OFFICIAL
-    c, coff, n = _check_prefill(rows_k, rows_s, base, first, last, norm_w, cos, sin, ratio, indexer)
-    m = ratio
-    dev = rows_k.device
-    freqs = torch.complex(cos.float(), sin.float())
-    comp = Compressor(None, None, torch.zeros(m, coff * c), norm_w, m, c, lambda _p: freqs, eps, OFFICIAL, indexer)
-    j = torch.arange(int(first), int(last), device=dev)
-    cur = (j * m - int(base))[:, None] + torch.arange(m, device=dev)          # [n, m]
-    ck, cs = rows_k[cur], rows_s[cur]
-    if m == 4:
-        prev = (cur - m).clamp(min=0)
-        pk, ps = rows_k[prev], rows_s[prev]
-    else:
-        pk, ps = ck, cs                                                         # unused without overlap
-    pooled = comp.pool(ck, cs, pk, ps, (j > 0)[:, None, None])
-    out = comp.postprocess(pooled, j * m)
-    if pages is not None:
-        _write_pages_torch(pages, page_slots.long(), out, page_size, indexer)
-    return (out, pooled) if return_pooled else out
-
-
-__all__ = ["compress_decode", "compress_decode_torch", "compress_prefill", "compress_prefill_torch"]
+__all__ = ["compress_decode", "compress_prefill"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_available
+from .lib import triton_available
 
 _CNT_MIN = 1024       # counters kept per device (grown on demand)
 _COUNTERS: dict = {}

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.paging import INDEX_PAGE      # keys per page
-from . import interpreting, triton_available
+from .lib import interpreting, target, triton_available
 from .counters import arrival_counters
 
 HEAD_DIM = 128
@@ -57,9 +57,9 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .compressor import _e2m1_value, _fp4_qdq_blocks
+    from .lib import e2m1_value, fp4_qdq_blocks
     from .counters import arrive
-    from .kv_insert import _rne_bf16
+    from .lib import rne_bf16
 
     WS_P2 = tl.constexpr(512)     # _TOPK_WS rounded up to a power of two (the workspace reset's arange)
 
@@ -98,13 +98,13 @@ if triton_available():
         y1 = x0 * s[None, :] + x1 * c[None, :]
         y0 = tl.where(is_rope[None, :], y0, x0)
         y1 = tl.where(is_rope[None, :], y1, x1)
-        x = _rne_bf16(tl.reshape(tl.join(y0, y1), [HB, 128]))
+        x = rne_bf16(tl.reshape(tl.join(y0, y1), [HB, 128]))
         if INTERP:
             y = tl.dot(x, hmat.to(tl.float32), input_precision="ieee")
         else:
             y = tl.dot(x.to(tl.bfloat16), hmat)
-        y = _rne_bf16(y * 0.08838834764831845)
-        q, _code, _e = _fp4_qdq_blocks(tl.reshape(y, [HB * 4, 32]))
+        y = rne_bf16(y * 0.08838834764831845)
+        q, _code, _e = fp4_qdq_blocks(tl.reshape(y, [HB * 4, 32]))
         tl.store(OUT + t64 * stride_ot + h[:, None] * stride_oh + d[None, :],
                  tl.reshape(q, [HB, 128]).to(tl.bfloat16), mask=hm[:, None])
 
@@ -141,14 +141,14 @@ if triton_available():
                     byte = tl.load(page + e[:, None] * 64 + (col // 2)[None, :]).to(tl.int32)
                     cdd = (byte >> ((col % 2) * 4)[None, :]) & 15
                     scd = tl.load(page + 64 * 64 + e[:, None] * 4 + (col // 32)[None, :]).to(tl.int32)
-                    vald = _e2m1_value(cdd & 7)
+                    vald = e2m1_value(cdd & 7)
                     vald = tl.where((cdd & 8) != 0, -vald, vald)
                     kv = vald * (scd << 23).to(tl.float32, bitcast=True)                     # 2^(byte-127)
                 else:
                     codes = tl.load(page + e[:, None] * 64 + cb[None, :]).to(tl.int32)        # [64, 64]
                     sc = tl.load(page + 64 * 64 + e[:, None] * 4 + sb[None, :]).to(tl.int32)  # [64, 4]
                     cd = tl.reshape(tl.join(codes & 15, codes >> 4), [64, 128])
-                    val = _e2m1_value(cd & 7)
+                    val = e2m1_value(cd & 7)
                     val = tl.where((cd & 8) != 0, -val, val)
                     scale = (sc << 23).to(tl.float32, bitcast=True)                          # 2^(byte-127)
                     kv = tl.reshape(tl.reshape(val, [64, 4, 32]) * scale[:, :, None], [64, 128])
@@ -156,9 +156,9 @@ if triton_available():
                     s = tl.dot(q, tl.trans(kv), input_precision="ieee")
                 else:
                     s = tl.dot(q, tl.trans(kv.to(tl.bfloat16)))                              # [HP, 64]
-                s = tl.maximum(_rne_bf16(s), 0.0)
-                s = _rne_bf16(s * w[:, None])
-                tot = _rne_bf16(tl.sum(s, axis=0))
+                s = tl.maximum(rne_bf16(s), 0.0)
+                s = rne_bf16(s * w[:, None])
+                tot = rne_bf16(tl.sum(s, axis=0))
                 tot = tl.where(t < vis, tot, float("-inf"))
                 tl.store(out_ptr, tot.to(OUT.dtype.element_ty), mask=t < N)
             else:
@@ -367,12 +367,6 @@ def _kw(num_warps=4, **extra):
     return {} if interpreting() else {"num_warps": num_warps, **extra}
 
 
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 # ------------------------------------------------------------------------------ q prologue
 _HMAT: dict = {}
 
@@ -415,15 +409,6 @@ def index_q_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     return out
 
 
-def index_q_prologue_torch(q, cos, sin, **_):
-    from ..formats.fp4 import fp4_qdq
-    from ..reference.hadamard import hadamard_128
-    from ..reference.numerics import OFFICIAL
-    from ..reference.rope import apply_rope
-    x = apply_rope(q, torch.complex(cos.float(), sin.float()))
-    return fp4_qdq(hadamard_128(x, OFFICIAL), 32)
-
-
 # ------------------------------------------------------------------------------ scores
 def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                  pos: torch.Tensor, n: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
@@ -445,46 +430,13 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_ta
     if B == 0 or n == 0:
         return out
     n_tiles = triton.cdiv(n, INDEX_PAGE)
-    tpp = pages_per_program or (1 if interpreting() else max(1, min(8, n_tiles * B // (8 * _num_sms(q.device)))))
+    tpp = pages_per_program or (1 if interpreting() else max(1, min(8, n_tiles * B // (8 * target(q.device).sm_count))))
     grid = (B, triton.cdiv(n_tiles, tpp))
     _index_scores_kernel[grid](q, w, pages, block_table, pos, out, H, n, n_bt, q.stride(0), q.stride(1),
                                w.stride(0), block_table.stride(0), out.stride(0), pages.shape[1],
                                TPP=tpp, HP=max(16, triton.next_power_of_2(H)), INTERP=interpreting(),
                                DIRECT=direct, **_kw(num_warps))
     return out
-
-
-def index_scores_torch(q, w, pages, block_table, pos, n=None, out_dtype=torch.bfloat16, **_):
-    """The scoring part of ``reference.indexer.Indexer.select`` on the paged cache (official numerics).
-    Only the entries some row can see are decoded and scored (the reference's own key count; the
-    rest are -inf): the table may span ``max_model_len`` while the sequences hold a few entries."""
-    from ..formats.index_key import read_index_keys
-    from ..reference.numerics import OFFICIAL as num
-    B = q.shape[0]
-    n_bt = block_table.shape[1]
-    n_out = INDEX_PAGE * n_bt if n is None else n
-    n = min(n_out, int((pos.long().max() + 1) // 4)) if B else 0        # the twin synchronises anyway
-    if n < n_out:
-        out = torch.full((B, n_out), float("-inf"), dtype=out_dtype, device=q.device)
-        if n:
-            out[:, :n] = index_scores_torch(q, w, pages, block_table, pos, n, out_dtype)
-        return out
-    j = torch.arange(n, device=q.device)[None, :].expand(B, -1)
-    blk = block_table.long().gather(1, (j // INDEX_PAGE).clamp(max=n_bt - 1))
-    ids = torch.where(blk >= 0, blk * INDEX_PAGE + j % INDEX_PAGE, -1)
-    r = num.round
-    if B > 1 and (block_table.stride(0) == 0 or bool((block_table == block_table[:1]).all())):
-        # one sequence's rows (a prefill chunk): its keys once, the reference's "nhd,td->nht"
-        keys = read_index_keys(pages, ids[0])                            # [n, 128] bf16
-        sc = r(num.einsum("bhd,td->bht", q.float(), keys.float()))
-    else:
-        keys = read_index_keys(pages, ids)                               # [B, n, 128] bf16
-        sc = r(num.einsum("bhd,btd->bht", q.float(), keys.float()))
-    sc = r(sc.relu() * w.bfloat16().unsqueeze(-1))
-    sc = r(sc.float().sum(dim=1))
-    visible = ((pos.long() + 1) // 4)[:, None]
-    sc = sc.masked_fill((j >= visible) | (blk < 0), float("-inf"))
-    return sc.to(out_dtype)
 
 
 # ------------------------------------------------------------------------------ top-k
@@ -525,7 +477,7 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
         return out
     TILE = min(2048 if not interp else 256, triton.next_power_of_2(max(N, 16)))
     n_tiles = triton.cdiv(max(N, 1), TILE)
-    NC = chunks or max(1, min(n_tiles, 128 if B == 1 else triton.cdiv(4 * _num_sms(dev), B)))
+    NC = chunks or max(1, min(n_tiles, 128 if B == 1 else triton.cdiv(4 * target(dev).sm_count, B)))
     CH = triton.cdiv(triton.cdiv(max(N, 1), NC), TILE) * TILE
     NC = triton.cdiv(max(N, 1), CH)
     G = min(32, triton.next_power_of_2(NC))
@@ -551,20 +503,4 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
     return out
 
 
-def index_topk_torch(scores, k, n_valid=None, out_dtype=torch.int32, **_):
-    """Stable descending sort (the reference's tie rule), -1 past min(k, n_valid)."""
-    B, N = scores.shape
-    if n_valid is None:
-        n_valid = torch.full((B,), N, device=scores.device)
-    nv = n_valid.long()[:, None]
-    j = torch.arange(N, device=scores.device)[None, :]
-    s = scores.float().masked_fill(j >= nv, float("-inf"))
-    idx = s.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-    idx = idx.masked_fill(idx >= nv, -1)
-    if idx.shape[1] < k:
-        idx = torch.cat([idx, idx.new_full((B, k - idx.shape[1]), -1)], dim=1)
-    return idx.to(out_dtype)
-
-
-__all__ = ["index_q_prologue", "index_q_prologue_torch", "index_scores", "index_scores_torch",
-           "index_topk", "index_topk_torch"]
+__all__ = ["index_q_prologue", "index_scores", "index_topk"]

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from . import interpreting, triton_available
+from ..formats.contracts import check_inverse_rope
+from .lib import interpreting, triton_available
 
 if triton_available():
     import triton
     import triton.language as tl
 
-    from .kv_insert import _e4m3_bits, _exp2i, _rne_bf16, _rope_rows, _ue8m0_exp
+    from .lib import e4m3_bits, exp2i, rne_bf16, rope_rows, ue8m0_exp
 
     @triton.jit
     def _inverse_rope_kernel(O, COS, SIN, Y, YQ, YS, H, stride_ot, stride_oh, stride_yt,
@@ -35,14 +36,14 @@ if triton_available():
         d = tl.arange(0, 512)
         x = tl.load(O + t64 * stride_ot + h[:, None] * stride_oh + d[None, :], mask=hm[:, None],
                     other=0.0).to(tl.float32)
-        y = _rne_bf16(_rope_rows(x, COS + t * 32, SIN + t * 32, HPB, True))
+        y = rne_bf16(rope_rows(x, COS + t * 32, SIN + t * 32, HPB, True))
         col = h[:, None] * 512 + d[None, :]
         if FP8:
             yb = tl.reshape(y, [HPB * 4, 128])
-            e = _ue8m0_exp(tl.max(tl.abs(yb), axis=1))
-            s = _exp2i(e)
-            qv = tl.minimum(tl.maximum(yb * _exp2i(-e)[:, None], -448.0), 448.0)
-            q8 = tl.reshape(_e4m3_bits(qv).to(tl.uint8), [HPB, 512])
+            e = ue8m0_exp(tl.max(tl.abs(yb), axis=1))
+            s = exp2i(e)
+            qv = tl.minimum(tl.maximum(yb * exp2i(-e)[:, None], -448.0), 448.0)
+            q8 = tl.reshape(e4m3_bits(qv).to(tl.uint8), [HPB, 512])
             tl.store(YQ + t64 * stride_yt + col, q8, mask=hm[:, None])
             sidx = hb * HPB * 4 + tl.arange(0, HPB * 4)
             tl.store(YS + t64 * (H * 4) + sidx, s, mask=sidx < H * 4)
@@ -50,20 +51,11 @@ if triton_available():
             tl.store(Y + t64 * stride_yt + col, y.to(Y.dtype.element_ty), mask=hm[:, None])
 
 
-def _check(o, cos, sin):
-    if o.dim() != 3 or o.shape[2] != 512 or o.dtype != torch.bfloat16:
-        raise ValueError(f"o: expected bf16 [T, H, 512], got {o.dtype} {tuple(o.shape)}")
-    T = o.shape[0]
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (T, 32) or t.dtype != torch.float32:
-            raise ValueError(f"{name}: expected fp32 [{T}, 32], got {t.dtype} {tuple(t.shape)}")
-
-
 def inverse_rope(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp8: bool = False,
                  out: torch.Tensor | None = None, heads_per_program: int = 4):
     """Triton. ``fp8=False``: bf16 [T, H*512]. ``fp8=True``: (float8_e4m3fn [T, H*512], fp32
     power-of-two scales [T, H*4]). cos/sin: fp32 [T, 32] of each row's query position."""
-    _check(o, cos, sin)
+    check_inverse_rope(o, cos, sin)
     T, H, _ = o.shape
     if o.stride(2) != 1:
         raise ValueError("o needs a contiguous last dim")
@@ -85,15 +77,4 @@ def inverse_rope(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp8: boo
     return y
 
 
-def inverse_rope_torch(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp8: bool = False, **_):
-    """Twin: dsv4.reference.rope.apply_rope(inverse=True), flattened, then act_quant_fp8(., 128)."""
-    from ..formats.fp8 import act_quant_fp8
-    from ..reference.rope import apply_rope
-    _check(o, cos, sin)
-    y = apply_rope(o, torch.complex(cos.float(), sin.float()), inverse=True).flatten(1)
-    if fp8:
-        return act_quant_fp8(y, 128)
-    return y
-
-
-__all__ = ["inverse_rope", "inverse_rope_torch"]
+__all__ = ["inverse_rope"]

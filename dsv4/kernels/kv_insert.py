@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.kv_entry import (ENTRY_BYTES, KV_DIM, NOPE_DIM, ROPE_DIM, TOKEN_DATA_BYTES,
-                                page_bytes, write_kv_entries)
-from . import triton_available, interpreting
+from ..formats.contracts import check_kv_insert
+from ..formats.kv_entry import KV_DIM
+from .lib import interpreting, triton_available
 
 HEAD_DIM = KV_DIM  # 512
 
@@ -42,62 +42,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    NOPE_DIM_C = tl.constexpr(NOPE_DIM)
-
-    @triton.jit
-    def _rne_bf16(x):
-        """fp32 -> the fp32 value of its bf16 round-to-nearest-even (finite inputs). Written on the
-        bits so that the GPU and the CPU interpreter (whose bf16 cast truncates) agree."""
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _e4m3_bits(v):
-        """fp32 v (|v| <= 448, finite) -> e4m3fn byte (int32) with round-to-nearest-even, in integer
-        arithmetic: the same bytes as ``torch.float8_e4m3fn`` casts and the GPU's cvt.rn.satfinite,
-        and also right under the CPU interpreter (whose fp8 cast mis-rounds exponent carries)."""
-        b = v.to(tl.uint32, bitcast=True)
-        sign = ((b >> 31) << 7).to(tl.int32)
-        a = tl.abs(v)
-        ab = a.to(tl.int32, bitcast=True)
-        # normal range (|v| >= 2^-6): round the fp32 mantissa to 3 bits; carries move the exponent
-        r = ab + 0x7FFFF + ((ab >> 20) & 1)
-        normal = (r >> 20) - ((127 - 7) << 3)
-        # subnormal range: an integer multiple of 2^-9 (exact product; + 2^23 rounds to even)
-        sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-        mag = tl.where(a < 0.015625, sub, normal)
-        return sign | mag
-
-    @triton.jit
-    def _ue8m0_exp(amax):
-        """e with 2^e = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))), read off the fp32 bits (exact)."""
-        v = tl.maximum(amax, 1e-4) * (1.0 / 448.0)          # fp32 product, as the official code
-        bits = v.to(tl.int32, bitcast=True)
-        return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-
-    @triton.jit
-    def _exp2i(e):
-        """exact fp32 2^e for integer e in [-126, 127]."""
-        return ((127 + e) << 23).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _rope_rows(x, cos_ptr, sin_ptr, ROWS: tl.constexpr, NEG_SIN: tl.constexpr):
-        """Rotate the interleaved pairs of the last 64 of 512 dims of x [ROWS, 512] fp32; returns
-        fp32 [ROWS, 512] (dims 0..447 untouched, also the sign of zeros)."""
-        x2 = tl.reshape(x, [ROWS, 256, 2])
-        x0, x1 = tl.split(x2)                               # [ROWS, 256] even / odd dims
-        j = tl.arange(0, 256)
-        is_rope = j >= (NOPE_DIM_C // 2)
-        c = tl.load(cos_ptr + (j - NOPE_DIM_C // 2), mask=is_rope, other=1.0)
-        s = tl.load(sin_ptr + (j - NOPE_DIM_C // 2), mask=is_rope, other=0.0)
-        if NEG_SIN:
-            s = -s
-        y0 = x0 * c[None, :] - x1 * s[None, :]
-        y1 = x0 * s[None, :] + x1 * c[None, :]
-        y0 = tl.where(is_rope[None, :], y0, x0)
-        y1 = tl.where(is_rope[None, :], y1, x1)
-        return tl.reshape(tl.join(y0, y1), [ROWS, 512])
+    from .lib import e4m3_bits, exp2i, rne_bf16, rope_rows, ue8m0_exp
 
     @triton.jit
     def _kv_insert_kernel(Q, KV, COS, SIN, PAGES, SLOTS, QO, KVO,
@@ -116,30 +61,30 @@ if triton_available():
             hm = h < H
             q = tl.load(Q + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :],
                         mask=hm[:, None], other=0.0).to(tl.float32)
-            sq = _rne_bf16(q * q)
-            ms = _rne_bf16(tl.sum(sq, axis=1) / 512.0)
-            ms = _rne_bf16(ms + eps)
-            r = _rne_bf16(tl.math.div_rn(tl.full([HPB], 1.0, tl.float32), tl.sqrt_rn(ms)))
-            qn = _rne_bf16(q * r[:, None])
-            y = _rope_rows(qn, cos_ptr, sin_ptr, HPB, False)
-            y = _rne_bf16(y)
+            sq = rne_bf16(q * q)
+            ms = rne_bf16(tl.sum(sq, axis=1) / 512.0)
+            ms = rne_bf16(ms + eps)
+            r = rne_bf16(tl.math.div_rn(tl.full([HPB], 1.0, tl.float32), tl.sqrt_rn(ms)))
+            qn = rne_bf16(q * r[:, None])
+            y = rope_rows(qn, cos_ptr, sin_ptr, HPB, False)
+            y = rne_bf16(y)
             tl.store(QO + t.to(tl.int64) * stride_qot + h[:, None] * stride_qoh + d[None, :],
                      y.to(QO.dtype.element_ty), mask=hm[:, None])
         else:
             # ---- kv: RoPE, FP8 QDQ of the nope dims in 64-blocks, paged insert
             x = tl.load(KV + t.to(tl.int64) * stride_kvt + d).to(tl.float32)
-            x = _rne_bf16(_rope_rows(tl.reshape(x, [1, 512]), cos_ptr, sin_ptr, 1, False))
+            x = rne_bf16(rope_rows(tl.reshape(x, [1, 512]), cos_ptr, sin_ptr, 1, False))
             xb = tl.reshape(x, [8, 64])                       # block 7 = the 64 rope dims
             blk = tl.arange(0, 8)
-            e = _ue8m0_exp(tl.max(tl.abs(xb), axis=1))
-            qv = tl.minimum(tl.maximum(xb * _exp2i(-e)[:, None], -448.0), 448.0)
-            deq = _e4m3_bits(qv).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            deq = deq * _exp2i(e)[:, None]                   # the QDQ'd row (exact product)
+            e = ue8m0_exp(tl.max(tl.abs(xb), axis=1))
+            qv = tl.minimum(tl.maximum(xb * exp2i(-e)[:, None], -448.0), 448.0)
+            deq = e4m3_bits(qv).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            deq = deq * exp2i(e)[:, None]                   # the QDQ'd row (exact product)
             # the bytes are those of encode_kv_entries(QDQ'd row): its scale comes from the QDQ'd
             # block max, which rounding can lower below a power of two (then the scale halves and
             # the codes move up one binade: an exact re-encoding, same decoded values)
-            e = _ue8m0_exp(tl.max(tl.abs(deq), axis=1))
-            q8 = _e4m3_bits(deq * _exp2i(-e)[:, None]).to(tl.uint8)
+            e = ue8m0_exp(tl.max(tl.abs(deq), axis=1))
+            q8 = e4m3_bits(deq * exp2i(-e)[:, None]).to(tl.uint8)
             is_nope = (blk < 7)[:, None]
             out = tl.where(is_nope, deq, xb)
             tl.store(KVO + t.to(tl.int64) * stride_kvot + d, tl.reshape(out, [512]).to(KVO.dtype.element_ty))
@@ -157,28 +102,12 @@ if triton_available():
                 tl.store(base + page_size * 576 + off * 8 + blk, sb)
 
 
-def _check(q, kv, cos, sin, pages, slot_mapping, page_size):
-    T = kv.shape[0]
-    if q.dim() != 3 or q.shape[0] != T or q.shape[2] != HEAD_DIM or q.dtype != torch.bfloat16:
-        raise ValueError(f"q: expected bf16 [T={T}, H, 512], got {q.dtype} {tuple(q.shape)}")
-    if kv.dim() != 2 or kv.shape[1] != HEAD_DIM or kv.dtype != torch.bfloat16:
-        raise ValueError(f"kv: expected bf16 [T, 512], got {kv.dtype} {tuple(kv.shape)}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (T, ROPE_DIM // 2) or t.dtype != torch.float32:
-            raise ValueError(f"{name}: expected fp32 [{T}, 32], got {t.dtype} {tuple(t.shape)}")
-    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != page_bytes(page_size):
-        raise ValueError(f"pages: expected uint8 [num_pages, {page_bytes(page_size)}], got "
-                         f"{pages.dtype} {tuple(pages.shape)}")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (T,):
-        raise ValueError(f"slot_mapping: expected int64 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-
-
 def kv_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               pages: torch.Tensor, slot_mapping: torch.Tensor, page_size: int, eps: float = 1e-6,
               q_out: torch.Tensor | None = None, kv_out: torch.Tensor | None = None,
               heads_per_program: int = 8, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton: q-norm + RoPE on q, RoPE + FP8 QDQ on kv, paged insert; one launch. See module doc."""
-    _check(q, kv, cos, sin, pages, slot_mapping, page_size)
+    check_kv_insert(q, kv, cos, sin, pages, slot_mapping, page_size)
     T, H, _ = q.shape
     if q.stride(2) != 1 or kv.stride(1) != 1:
         raise ValueError("q and kv need a contiguous last dim")
@@ -197,21 +126,4 @@ def kv_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q_out, kv_out
 
 
-def kv_insert_torch(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    pages: torch.Tensor, slot_mapping: torch.Tensor, page_size: int, eps: float = 1e-6
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of :func:`kv_insert`, built from dsv4.reference and dsv4.formats."""
-    from ..formats.fp8 import fp8_qdq
-    from ..reference.norm import head_rms_norm
-    from ..reference.numerics import OFFICIAL
-    from ..reference.rope import apply_rope
-    _check(q, kv, cos, sin, pages, slot_mapping, page_size)
-    freqs = torch.complex(cos.float(), sin.float())
-    q_out = apply_rope(head_rms_norm(q, eps, OFFICIAL), freqs)
-    kvr = apply_rope(kv, freqs)
-    kv_out = torch.cat([fp8_qdq(kvr[:, :NOPE_DIM], 64), kvr[:, NOPE_DIM:]], dim=-1)
-    write_kv_entries(pages, slot_mapping, kv_out, page_size)
-    return q_out, kv_out
-
-
-__all__ = ["kv_insert", "kv_insert_torch", "ENTRY_BYTES", "TOKEN_DATA_BYTES"]
+__all__ = ["kv_insert"]

@@ -76,7 +76,7 @@ import weakref
 
 import torch
 
-from . import interpreting, triton_available
+from .lib import interpreting, target, triton_available
 from .counters import arrival_counters
 
 HC = 4
@@ -87,7 +87,7 @@ if triton_available():
     import triton.language as tl
 
     from .counters import arrive
-    from .kv_insert import _rne_bf16
+    from .lib import rne_bf16
 
     @triton.jit
     def _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP: tl.constexpr, MODE: tl.constexpr,
@@ -195,7 +195,7 @@ if triton_available():
         dm = d < D
         xv = tl.load(X + t64 * stride_xt + j4[:, None] * D + d[None, :], mask=dm[None, :], other=0.0)
         y = tl.sum(pre[:, None] * xv.to(tl.float32), axis=0)
-        tl.store(Y + t64 * stride_yt + d, _rne_bf16(y).to(tl.bfloat16), mask=dm)
+        tl.store(Y + t64 * stride_yt + d, rne_bf16(y).to(tl.bfloat16), mask=dm)
 
     @triton.jit
     def _hc_post_kernel(Yin, RES, POST, COMB, OUT, D, stride_yt, stride_rt, stride_ot, BD: tl.constexpr):
@@ -214,7 +214,7 @@ if triton_available():
             comb_j = tl.load(COMB + t64 * 16 + j * 4 + k4)                              # comb[j, :]
             mixed += comb_j[:, None] * res_j[None, :]
         out = post[:, None] * y[None, :] + mixed
-        tl.store(OUT + t64 * stride_ot + k4[:, None] * D + d[None, :], _rne_bf16(out).to(tl.bfloat16),
+        tl.store(OUT + t64 * stride_ot + k4[:, None] * D + d[None, :], rne_bf16(out).to(tl.bfloat16),
                  mask=dm[None, :])
 
 
@@ -360,7 +360,7 @@ if triton_available():
         y += p1 * tl.load(xp + D, mask=dm, other=0.0).to(tl.float32)
         y += p2 * tl.load(xp + 2 * D, mask=dm, other=0.0).to(tl.float32)
         y += p3 * tl.load(xp + 3 * D, mask=dm, other=0.0).to(tl.float32)
-        tl.store(Y + ti.to(tl.int64) * stride_yt + d, _rne_bf16(y).to(tl.bfloat16), mask=dm)
+        tl.store(Y + ti.to(tl.int64) * stride_yt + d, rne_bf16(y).to(tl.bfloat16), mask=dm)
 
     # ---------------------------------------------------------------- v2 decode: one launch
     @triton.jit
@@ -476,12 +476,6 @@ if triton_available():
                       tl.load(PRE + ti * 4 + 2), tl.load(PRE + ti * 4 + 3), db * BD, BD)
 
 
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _check_x(x, fn, nmix):
     if x.dim() != 3 or x.shape[1] != HC or x.dtype != torch.bfloat16:
         raise ValueError(f"x: expected bf16 [T, {HC}, d], got {x.dtype} {tuple(x.shape)}")
@@ -533,7 +527,7 @@ def _mix_launch(x, fn, nmix, np_, config):
     n_chunks = triton.cdiv(K, BK)
     S = cfg.get("splits")
     if S is None:   # ~8 programs per SM, >= 2 K blocks each
-        S = 2 if interp else max(1, min(max(1, n_chunks // 2), triton.cdiv(8 * _num_sms(x.device), n_tb)))
+        S = 2 if interp else max(1, min(max(1, n_chunks // 2), triton.cdiv(8 * target(x.device).sm_count, n_tb)))
     k_per_split = triton.cdiv(n_chunks, S) * BK
     S = triton.cdiv(K, k_per_split)
     part = torch.empty(S, T, np_, dtype=torch.float32, device=x.device)
@@ -566,7 +560,7 @@ def _splits(n_units: int, n_tb: int, min_units: int, device, cfg: dict, per_sm: 
     at least ``min_units`` K blocks."""
     S = cfg.get("splits")
     if S is None:
-        S = max(1, min(max(1, n_units // min_units), (per_sm * _num_sms(device)) // n_tb))
+        S = max(1, min(max(1, n_units // min_units), (per_sm * target(device).sm_count) // n_tb))
     return max(1, min(S, n_units))
 
 
@@ -743,24 +737,4 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
     return out
 
 
-# ------------------------------------------------------------------------------ torch twins
-def hc_pre_torch(x, fn, base, scale, iters: int = 20, hc_eps: float = 1e-6, rms_eps: float = 1e-6, **_):
-    from ..reference.mhc import HyperConnection
-    from ..reference.numerics import OFFICIAL
-    return HyperConnection(fn, base, scale, HC, iters, hc_eps, rms_eps, OFFICIAL).pre(x)
-
-
-def hc_post_torch(y, res, post, comb, **_):
-    from ..reference.mhc import HyperConnection
-    from ..reference.numerics import OFFICIAL
-    hc = HyperConnection(torch.zeros(1), torch.zeros(1), torch.zeros(1), HC, 1, 0.0, 0.0, OFFICIAL)
-    return hc.post(y, res, post, comb)
-
-
-def hc_head_torch(x, fn, base, scale, hc_eps: float = 1e-6, rms_eps: float = 1e-6, **_):
-    from ..reference.mhc import HyperHead
-    from ..reference.numerics import OFFICIAL
-    return HyperHead(fn, base, scale, hc_eps, rms_eps, OFFICIAL)(x)
-
-
-__all__ = ["hc_pre", "hc_post", "hc_head", "hc_pre_torch", "hc_post_torch", "hc_head_torch"]
+__all__ = ["hc_head", "hc_post", "hc_pre"]

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layer on the GPU hot path (spec §8), beside its twin ``reference.moe.MoE``.
+"""Mixture-of-experts layer on the GPU hot path (spec §8); twin ``twins.moe`` (the reference MoE's math).
 
 ``moe_forward(x, ids, weights)`` = ``MoE.__call__`` (official numerics) with no Python loop over
 experts and no host synchronisation (CUDA-graph capturable; every launch size follows from shapes):
@@ -13,7 +13,7 @@ experts and no host synchronisation (CUDA-graph capturable; every launch size fo
    a counting sort over 64-pair programs), above that ``torch.sort`` + ``_moe_prep``. Duplicate / masked pairs get the
    sentinel expert ``E`` and sort last.
 3. act quant of x once per token (FP8 1x128, plus the f16 operand of the FP4 MMA kernel).
-4. grouped FP4 GEMM over the active experts (``gemm._fp4_gemm_kernel``, grouped + gather + SwiGLU
+4. grouped FP4 GEMM over the active experts (``gemm.fp4``, grouped + gather + SwiGLU
    modes): w1 and w3 tiles of the same 128 columns in one program, then the official clamped SwiGLU
    (bf16-rounded w1/w3 outputs, fp32 math, routing weight applied before w2, one bf16 rounding) and
    the FP8 quantisation of h for w2 (e4m3 bytes + scales), written in sorted pair order; its f16
@@ -25,14 +25,14 @@ experts and no host synchronisation (CUDA-graph capturable; every launch size fo
    summed in fp32 starting from 0 (the twin's ``y[rows] += out_e`` loop order), plus the bf16 shared
    output, one bf16 rounding. Given equal expert outputs the combine is bit-exact.
 
-Decode path (``path="gemv"``, the default up to ``GEMV_ROWS_PER_EXPERT`` average rows per expert, up to
-``MMA_GEMV_ROWS_PER_EXPERT`` where the tensor-core kernel runs):
+Decode path (``path="gemv"``, the default up to ``router.GEMV_ROWS_PER_EXPERT`` average rows per expert, up to
+``router.MMA_GEMV_ROWS_PER_EXPERT`` where the tensor-core kernel runs):
 steps 3-6 run on decode kernels instead of the MMA kernels: grouped w1|w3 as split-K fp32 partials,
 ``swiglu_quant`` (the same SwiGLU epilogue + FP8 quantisation as a pass over the partials), grouped
 w2 on the e4m3 h. On sm_89+: the tensor-core kernel of ``fp4_mma.py`` (8-row tiles); other GPUs and
 the interpreter: the CUDA-core GEMV of ``gemv.py`` (1-row tiles).
 
-Prefill path (``path="prefill"``, the default for MXFP4 on sm_90 above ``PREFILL_ROWS_PER_EXPERT`` rows
+Prefill path (``path="prefill"``, the default for MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
 per expert): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
 activations and h as split-K-order f16 operands), same epilogues.
 
@@ -42,34 +42,35 @@ agrees within bf16 rounding (GEMM fp32 summation order differs; a one-ulp flip o
 output can move h by one FP8 step), so the layer output is compared at FP8/bf16 tolerance (H200:
 the GPU tests at V4-Flash dims pass on both paths).
 
-Measured (H200, BENCHMARKS.md session 4): 29-158x faster than the Python expert loop at decode;
-GEMV path 21% (Flash) / 30% (Pro) of the weight-bytes floor at batch 1, 26% / 33% at batch 64
-(tensor-core path: 9-24%); prefill (4096 tokens, V4-Flash): MMA path 31986 us (3%), prefill path
-8267 us (10%; session 5).
-
 Weights: ``MoEWeights`` holds the stacked packed experts ``w13 [E, 2I, d/2]`` (w1 rows then w3 rows
 of each expert), ``w2 [E, d, I/2]``, their scales, and the FP8 shared expert. Built once from the
-reference object (``MoEWeights.from_reference``; ``ops.twins.reference_moe`` builds the twin back: the reference keeps dequantised fp32 weights; they
+reference object (``MoEWeights.from_reference``: the reference keeps dequantised fp32 weights; they
 are re-quantised to MXFP4, which is lossless for MXFP4-born weights and checked) or from packed
 checkpoint tensors (``MoEWeights.from_packed``, MXFP4 or NVFP4).
+
+Measurements: BENCHMARKS.md ("MoE layer at decode"), docs/kernel-measurements.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
 import torch
-import torch.nn.functional as F
 
-from . import interpreting, triton_available
-from .gemm import (QBLOCK, _u8, act_quant_fp8, f16_operand, fp4_config, fp4_launch, fp4_path, fp8_gemm,
-                   fp8_swiglu, fp8_weight_exact)
+from .gemm import fp4_mma
+from .gemm import route as router
+from .gemm.common import f16_operand
+from .gemm.fp4 import fp4_launch
+from .gemm.fp8 import act_quant_fp8, fp8_gemm_partials, fp8_swiglu, fp8_weight_exact
+from .gemm.fp8 import fp8_gemm as fp8_gemm_tiles
+from .gemm.gemv import gemv_launch, swiglu_quant
+from .gemm.linear import fp8_gemm
+from .lib import QBLOCK, interpreting, target, triton_available, u8
 
 if triton_available():
     import triton
     import triton.language as tl
 
-    from .gemm import _quant_blocks
-    from .kv_insert import _rne_bf16
+    from .lib import quant_blocks, rne_bf16
 
     @triton.jit
     def _sqrt_softplus(z):
@@ -92,7 +93,7 @@ if triton_available():
         id contributes once: later copies get the sentinel). Sort keys are local expert ids: experts
         [E0, E0 + EL) of this rank map to 0..EL-1, every other pick (another rank's expert, a repeat)
         to the sentinel EL (one rank: E0 = 0, EL = E). QUANT: also the token's 1x128 FP8
-        quantisation (``gemm._act_quant_kernel``'s bytes and scales: the expert GEMMs' operand, one
+        quantisation (``gemm.fp8.act_quant_fp8``'s bytes and scales: the expert GEMMs' operand, one
         launch fewer)."""
         t = tl.program_id(0).to(tl.int64)
         jk = tl.arange(0, KP)
@@ -122,7 +123,7 @@ if triton_available():
         tl.store(EFLAT + t * KTOP + jk, tl.where(dup | (idx < 0) | (loc < 0) | (loc >= EL), EL, loc), mask=km)
         if QUANT:
             for b0 in range(0, nb, QB):                # [QB, 128] tiles, as _act_quant_kernel's
-                _quant_blocks(X, Q, SQ, t, b0, nb, stride_x, stride_q, stride_sq, QB, INTERP)
+                quant_blocks(X, Q, SQ, t, b0, nb, stride_x, stride_q, stride_sq, QB, INTERP)
 
     @triton.jit
     def _moe_sort_prep(EFLAT, PERM, OFFS, TCUM, INV, P, E, BM: tl.constexpr, EP: tl.constexpr,
@@ -193,7 +194,7 @@ if triton_available():
                      SPLIT: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr):
         """Y[t] = sum of token t's expert rows of OUT in increasing sorted position (+ SH[t]), fp32, one
         bf16 rounding. SPLIT: OUT holds the w2 GEMM's fp32 split-K partials [S, pairs, d]; each row is
-        their sum in split order rounded to bf16 (``gemm._splitk_sum``'s bits, without its launch).
+        their sum in split order rounded to bf16 (``common.sum_splits``' bits, without its launch).
         F32: Y is fp32 and keeps the unrounded sum (expert parallelism: a rank's partial sum)."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -213,7 +214,7 @@ if triton_available():
                 o = tl.zeros([BD], tl.float32)
                 for s in range(0, S):
                     o += tl.load(orow + s * stride_s, mask=cm & pv, other=0.0)
-                y += _rne_bf16(o)
+                y += rne_bf16(o)
             else:
                 y += tl.load(orow, mask=cm & pv, other=0.0).to(tl.float32)
         if HAS_SHARED:
@@ -222,7 +223,7 @@ if triton_available():
             tl.store(Y + t * stride_y + cols, y, mask=cm)
         else:
             if INTERP:
-                y = _rne_bf16(y)
+                y = rne_bf16(y)
             tl.store(Y + t * stride_y + cols, y.to(tl.bfloat16), mask=cm)
 
 
@@ -363,10 +364,10 @@ class MoEWeights:
         return cls(gate_w=gate_w.float().contiguous(), bias=None if bias is None else bias.float(),
                    tid2eid=None if tid2eid is None else tid2eid.to(torch.int32).contiguous(),
                    topk=int(topk), route_scale=float(route_scale), limit=float(limit), fmt=fmt,
-                   w13=torch.cat([_u8(w1), _u8(w3)], 1).contiguous(),
-                   w13_s=torch.cat([_u8(w1_s), _u8(w3_s)], 1).contiguous(),
+                   w13=torch.cat([u8(w1), u8(w3)], 1).contiguous(),
+                   w13_s=torch.cat([u8(w1_s), u8(w3_s)], 1).contiguous(),
                    w13_s2=None if fmt == "mxfp4" else torch.cat([rows(w1_s2, I), rows(w3_s2, I)], 1).contiguous(),
-                   w2=_u8(w2).contiguous(), w2_s=_u8(w2_s).contiguous(),
+                   w2=u8(w2).contiguous(), w2_s=u8(w2_s).contiguous(),
                    w2_s2=None if fmt == "mxfp4" else rows(w2_s2, d).contiguous(),
                    sh13=sh13, sh13_s=sh13_s, sh2=sh2, sh2_s=sh2_s)
 
@@ -418,10 +419,6 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
     return idx, weights, eflat, xq, xs
 
 
-def route_torch(moe_ref, x, ids):
-    return moe_ref.route(x, ids)
-
-
 SORT_COUNTING_MAX = 1024   # pairs up to which sort_pairs runs the one-launch counting sort
 
 
@@ -450,7 +447,7 @@ def sort_pairs(eflat: torch.Tensor, n_experts: int, bm: int):
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: str | None = None,
                 config: dict | None = None, routing: tuple | None = None, return_parts: bool = False,
-                partial: bool = False):
+                partial: bool = False, portable: bool = False):
     """bf16 [T, d] = ``MoE.__call__(x, ids)`` (module doc). ``routing=(idx [T, k], weights [T, k])``
     skips the router (ids < 0 = no expert for that slot; global expert ids).
 
@@ -458,7 +455,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     ``n_routed``): returns (fp32 [T, d] sum of this rank's routed-expert outputs, unrounded; bf16
     [T, d] shared-expert output or None). The caller sums the first over the ranks, adds the second
     and rounds once to bf16: the official MoE's order (``y`` all-reduced, then ``+ shared``), and
-    at one rank the bits of the fused combine."""
+    at one rank the bits of the fused combine. ``portable``: the kernels without target-tuned paths only
+    (the CUDA-core GEMV up to ``router.GEMV_ROWS_PER_EXPERT`` rows per expert, the dequant FP4 kernel
+    above)."""
     if x.dim() != 2 or x.shape[1] != w.dim:
         raise ValueError(f"moe_forward: expected x [T, {w.dim}], got {tuple(x.shape)}")
     x = x.to(torch.bfloat16).contiguous()
@@ -476,12 +475,12 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     # the path needs the pair count only, not the routing: this rank's expected share of the pairs
     P_local = P * E / w.n_routed
     rows_per_expert = P_local / max(1, min(E, P_local))
+    t = target(dev)
+    if portable:
+        path = "gemv" if rows_per_expert <= router.GEMV_ROWS_PER_EXPERT else "dequant"
+        config = dict(config or {}, kernel="cuda-core") if path == "gemv" else config
     if path is None:
-        from . import fp4_mma
-        gemv_max = MMA_GEMV_ROWS_PER_EXPERT if fp4_mma.available(dev) else GEMV_ROWS_PER_EXPERT
-        path = "gemv" if rows_per_expert <= gemv_max else \
-            "prefill" if rows_per_expert > PREFILL_ROWS_PER_EXPERT and _prefill_kernel_ok(dev, w.fmt) else \
-            fp4_path(w.fmt, dev)
+        path = router.expert_path(rows_per_expert, w.fmt, t)
     xq = xs = None
     if routing is None:    # the paths that take x as plain e4m3 + scales get it from the router's launch
         idx, rw, eflat, xq, xs = _route(x, ids, w, quant=path in ("gemv", "prefill"))
@@ -494,17 +493,17 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         keep = first & (loc >= 0) & (loc < E)
         eflat = torch.where(keep, loc, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
     if path == "gemv":
-        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs, partial)
+        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs, partial, portable)
     if path == "prefill":
-        from .fp4_prefill import f16_operand_split, fp4_prefill_launch, prefill_config
-        pcfg = {"13": dict(prefill_config(rows_per_expert, dev, swiglu=True), **(config or {})),
-                "2": dict(prefill_config(rows_per_expert, dev), **(config or {}))}
+        from .gemm.fp4_prefill import f16_operand_split, fp4_prefill_launch
+        pcfg = {"13": dict(router.fp4_prefill_config(rows_per_expert, t, swiglu=True), **(config or {})),
+                "2": dict(router.fp4_prefill_config(rows_per_expert, t), **(config or {}))}
         if pcfg["13"]["BM"] != pcfg["2"]["BM"] or pcfg["13"]["KSPLIT"] != pcfg["2"]["KSPLIT"]:
             raise ValueError("moe prefill path: both GEMMs need the same BM and K order")
         bm, ksplit = pcfg["13"]["BM"], pcfg["13"]["KSPLIT"]
         operand = f16_operand_split if ksplit else f16_operand
     else:
-        bm = fp4_config(rows_per_expert, dev)["BM"]
+        bm = router.fp4_config(rows_per_expert, t)["BM"]
         if config and "BM" in config:
             bm = config["BM"]
     perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
@@ -516,7 +515,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         a = operand(xq.view(torch.float8_e4m3fn))
     else:
         xq, xs, a16 = act_quant_fp8(x, with_f16=True)
-        a = _u8(xq) if path == "scaled" else a16
+        a = u8(xq) if path == "scaled" else a16
     pw = rw.float().contiguous().reshape(-1)
     # routed experts: grouped GEMM 1 (w1|w3 + SwiGLU + FP8 quant of h), grouped GEMM 2 (w2)
     h = torch.empty(P, I, dtype=torch.uint8, device=dev)            # e4m3 bytes of h
@@ -536,7 +535,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         fp4_launch(h2, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, path=path, config=cfg,
                    **grouped)
     # shared expert (FP8)
-    sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
+    sh = _shared_expert(xq, xs, w, portable) if w.sh13 is not None else None
     y = _combine(out, inv, offs, sh, k, partial)
     if return_parts:
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
@@ -562,10 +561,7 @@ def _combine(out, inv, offs, sh, k, partial=False):
     return (y, sh) if partial else y
 
 
-SHARED_SPLIT_MAX_ROWS = 64   # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to here
-
-
-def _shared_expert(xq, xs, w: MoEWeights):
+def _shared_expert(xq, xs, w: MoEWeights, portable: bool = False):
     """bf16 [T, d] shared-expert output from the quantised activation. w1|w3 + SwiGLU: up to
     SHARED_SPLIT_MAX_ROWS tokens the split-K MMA kernel's partials (``fp8_gemm_partials``) summed by
     the SwiGLU pass (``swiglu_quant``); above, the MMA kernel with the SwiGLU epilogue, which cannot
@@ -573,45 +569,28 @@ def _shared_expert(xq, xs, w: MoEWeights):
     At 1-4 tokens the partials came from the CUDA-core GEMV until session 13; the MMA partials are
     bit-equal and faster there too (H200, Flash / Pro: 15.2-17.1 vs 18.0-30.9 us, 27.5-28.0 vs
     31.9-68.7 us). w2 through ``fp8_gemm`` (its decode-size routing)."""
-    from .gemm import fp8_gemm_partials
-    from .gemv import swiglu_quant
-    if xq.shape[0] <= SHARED_SPLIT_MAX_ROWS:
+    if xq.shape[0] <= router.SHARED_SPLIT_MAX_ROWS:
         hq, hsc = swiglu_quant(fp8_gemm_partials(xq, xs, w.sh13, w.sh13_s), w.limit)
         hq = hq.view(torch.float8_e4m3fn)
     else:
-        hq, hsc = fp8_swiglu(_u8(xq).view(torch.float8_e4m3fn), xs, w.sh13, w.sh13_s, w.limit)
-    return fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
+        hq, hsc = fp8_swiglu(u8(xq).view(torch.float8_e4m3fn), xs, w.sh13, w.sh13_s, w.limit)
+    return fp8_gemm_tiles(hq, hsc, w.sh2, w.sh2_s) if portable else fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
 
 
-GEMV_ROWS_PER_EXPERT = 2.0   # the MoE takes the CUDA-core decode GEMV up to this many (average) rows per expert
-# ... and the tensor-core decode kernel (sm_89+) up to this many: on the H200 it beat the MMA
-# kernels at 6 and 12 rows per expert (V4-Flash T 256 / 512: 1708 vs 4158 us, 2537 vs 4786 us)
-MMA_GEMV_ROWS_PER_EXPERT = 16.0
-PREFILL_ROWS_PER_EXPERT = 32.0   # above this many, the K=128-dot prefill kernel (fp4_prefill.py) on Hopper
-
-
-def _prefill_kernel_ok(dev, fmt: str) -> bool:
-    """The prefill kernel as the default: where it was measured and GPU-tested (sm_90, MXFP4); NVFP4
-    and other GPUs keep the MMA / dot_scaled kernels (``path="prefill"`` still selects it)."""
-    from .gemm import capability
-    return fmt == "mxfp4" and torch.device(dev).type == "cuda" and not interpreting() and capability(dev)[0] == 9
-
-
-def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None, xs=None, partial=False):
+def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None, xs=None, partial=False,
+              portable=False):
     """Decode MoE: grouped w1|w3 (split-K fp32 partials), the SwiGLU + FP8 quantisation pass, grouped
     w2; the shared expert (``_shared_expert``); combine. On sm_89+ both expert GEMMs run on the
     tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
     rows); other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
     (``config={"kernel": "cuda-core"}`` forces it). ``xq``, ``xs``: x's ``act_quant_fp8`` (from the
     router's launch), else computed here."""
-    from . import fp4_mma
-    from .gemv import gemv_launch, swiglu_quant
     T, d = x.shape
     E, I = w.n_experts, w.inter
     P = T * k
     dev = x.device
     cfg = dict(config or {})
-    kernel = cfg.pop("kernel", None) or ("mma" if fp4_mma.available(dev) else "cuda-core")
+    kernel = cfg.pop("kernel", None) or router.decode_kernel(target(dev))
     if kernel == "mma":
         bm = fp4_mma.BM_ROWS
     else:
@@ -623,11 +602,11 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     if xq is None:
         xq, xs = act_quant_fp8(x)
-    xq = _u8(xq)
+    xq = u8(xq)
     pw = rw.float().contiguous().reshape(-1)
     grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=n_tiles, config=cfg or None)
     if kernel == "mma":
-        part = fp4_mma.mma_gemv_launch(xq, xs, w.w13, _u8(w.w13_s), P, 2 * I, d, fmt=w.fmt, ws2=w.w13_s2,
+        part = fp4_mma.mma_gemv_launch(xq, xs, w.w13, u8(w.w13_s), P, 2 * I, d, fmt=w.fmt, ws2=w.w13_s2,
                                        partial=True, **grouped)
     else:
         part = gemv_launch(xq, xs, w.w13, w.w13_s, w.w13_s2, P, 2 * I, d, wfmt=w.fmt, partial=True, bm=bm,
@@ -636,11 +615,11 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     grouped.update(perm=None, top_k=1)
     # w2: split partials left unsummed (the combine sums them: one launch fewer)
     if kernel == "mma":
-        out = fp4_mma.mma_gemv_launch(h, hs, w.w2, _u8(w.w2_s), P, d, I, fmt=w.fmt, ws2=w.w2_s2, split_sum=False,
+        out = fp4_mma.mma_gemv_launch(h, hs, w.w2, u8(w.w2_s), P, d, I, fmt=w.fmt, ws2=w.w2_s2, split_sum=False,
                                       **grouped)
     else:
         out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, bm=bm, split_sum=False, **grouped)
-    sh = _shared_expert(xq, xs, w) if w.sh13 is not None else None
+    sh = _shared_expert(xq, xs, w, portable) if w.sh13 is not None else None
     y = _combine(out, inv, offs, sh, k, partial)
     if return_parts:      # out: w2's rows, or its split partials [S, pairs, d] where K was split
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
@@ -648,44 +627,4 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     return y
 
 
-def moe_forward_torch(moe_ref, x: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """Twin: the reference layer (``reference.moe.MoE.__call__``, official numerics)."""
-    return moe_ref(x, ids)
-
-
-def moe_loop_torch(x: torch.Tensor, ids, w: MoEWeights, dense: dict) -> torch.Tensor:
-    """Plain-PyTorch baseline on the device: the reference's Python loop over experts (same
-    numerics: FP8 QDQ of x and h, bf16-rounded w1/w3 outputs, fp32 SwiGLU, weight before w2, fp32
-    accumulation in increasing expert order), with bf16 matmuls on dequantised weights (``dense``:
-    {'w13': [E, 2I, d], 'w2': [E, d, I], 'sh13': [2I, d], 'sh2': [d, I]} bf16; QDQ'd activations
-    are exact in bf16, the products exact in fp32)."""
-    from ..reference.linear import dequant_activation_fp8
-    idx, rw = route(x, ids, w)
-    T, d = x.shape
-    xq = dequant_activation_fp8(x).bfloat16()
-    y = torch.zeros(T, d, dtype=torch.float32, device=x.device)
-
-    def expert(xe, w13, w2, weight):
-        gu = (xe @ w13.T).float()
-        Ie = gu.shape[1] // 2
-        g, u = gu[:, :Ie], gu[:, Ie:].clamp(-w.limit, w.limit)
-        hh = F.silu(g.clamp(max=w.limit)) * u
-        if weight is not None:
-            hh = weight[:, None] * hh
-        hq = dequant_activation_fp8(hh.to(torch.bfloat16)).bfloat16()
-        return (hq @ w2.T).float()
-
-    for e in range(w.n_experts):
-        hit = idx == e
-        rows = hit.any(dim=1).nonzero().squeeze(1)
-        if rows.numel() == 0:
-            continue
-        col = hit[rows].float().argmax(dim=1)
-        y[rows] += expert(xq[rows], dense["w13"][e], dense["w2"][e], rw[rows, col])
-    if "sh13" in dense:
-        y += expert(xq, dense["sh13"], dense["sh2"], None)
-    return y.to(torch.bfloat16)
-
-
-__all__ = ["MoEWeights", "moe_forward", "moe_forward_torch", "moe_loop_torch", "route", "route_torch",
-           "sort_pairs"]
+__all__ = ["MoEWeights", "moe_forward", "route", "sort_pairs"]

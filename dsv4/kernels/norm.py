@@ -1,7 +1,7 @@
 """Weighted RMSNorm in one launch (spec §2: q_norm, kv_norm, attn_norm, ffn_norm, the final norm).
 
 ``rms_norm(x, w, eps)``: bf16 ``w * (x * rsqrt(mean(x^2) + eps))`` with fp32 math and one rounding,
-one program per row. Twin: ``dsv4.reference.norm.rms_norm`` (official numerics), which PyTorch runs as
+one program per row. Twin: ``twins.norm.rms_norm`` (the reference's, official numerics), which PyTorch runs as
 eight kernels (cast, square, mean, add, rsqrt, two products, cast): at decode those launches cost
 more than the math. The only difference is the fp32 order of the sum of squares and the rsqrt's
 last-bit behaviour, so results agree with the twin within one bf16 rounding step.
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from . import interpreting, triton_available
+from .lib import interpreting, triton_available
 
 if triton_available():
     import triton
     import triton.language as tl
 
-    from .gemm import _store_bf16
+    from .lib import store_bf16
 
     @triton.jit
     def _rms_norm_kernel(X, W, Y, D, stride_x, stride_y, eps, BD: tl.constexpr, INTERP: tl.constexpr):
@@ -27,7 +27,7 @@ if triton_available():
         ms = tl.sum(x * x, axis=0) / D
         y = x * tl.rsqrt(ms + eps)
         w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
-        _store_bf16(Y + r * stride_y + d, w * y, m, INTERP)
+        store_bf16(Y + r * stride_y + d, w * y, m, INTERP)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,11 +47,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(x.shape)
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Twin: the reference RMSNorm with official numerics."""
-    from ..reference.norm import rms_norm as ref
-    from ..reference.numerics import OFFICIAL
-    return ref(x, weight, eps, OFFICIAL)
-
-
-__all__ = ["rms_norm", "rms_norm_torch"]
+__all__ = ["rms_norm"]

@@ -4,15 +4,15 @@
 covering tokens ``e * ratio ..``) lives in block ``bt[b, e * ratio // 256]`` at offset ``e %
 per_block``: its global id is ``block * per_block + e % per_block``; -1 where ``e < 0`` or the block is
 unallocated (-1). The decode step turns the indexer's top-k picks into attention indices with it
-(PyTorch needs ~12 index kernels for the same). Twin: ``entry_ids_torch`` (the fast decoder's own
-index arithmetic). Exact integer arithmetic: equal to the twin.
+(PyTorch needs ~12 index kernels for the same). Twin: ``twins.paging.entry_ids``
+(``formats.paging.block_entry_ids``). Exact integer arithmetic: equal to the twin.
 """
 from __future__ import annotations
 
 import torch
 
 from ..formats.paging import BLOCK_TOKENS    # tokens per cache block
-from . import interpreting, triton_available
+from .lib import interpreting, triton_available
 
 if triton_available():
     import triton
@@ -51,17 +51,4 @@ def entry_ids(bt: torch.Tensor, e: torch.Tensor, per_block: int, ratio: int) -> 
     return out
 
 
-def block_entry_ids(bt: torch.Tensor, e: torch.Tensor, per_block: int, ratio: int):
-    """(global ids of entries max(e, 0), their block numbers: -1 = unallocated) as PyTorch ops."""
-    blk_idx = (e.clamp(min=0) * ratio) // BLOCK_TOKENS
-    blk = bt.gather(1, blk_idx.view(bt.shape[0], -1).clamp(max=bt.shape[1] - 1)).view_as(e)
-    return blk * per_block + e.clamp(min=0) % per_block, blk
-
-
-def entry_ids_torch(bt: torch.Tensor, e: torch.Tensor, per_block: int, ratio: int) -> torch.Tensor:
-    """Twin (int64): the same arithmetic as PyTorch ops."""
-    ids, blk = block_entry_ids(bt, e, per_block, ratio)
-    return torch.where((e >= 0) & (blk >= 0), ids, -1)
-
-
-__all__ = ["block_entry_ids", "entry_ids", "entry_ids_torch"]
+__all__ = ["entry_ids"]

@@ -32,21 +32,14 @@ Heads: H in {8, 64, 128} (any H works): 64 heads per program, padded (H = 8 -> a
 mma.sync; H = 128 -> two 64-head programs per row, each gathering the row's entries: the second
 mostly from L2).
 
-Performance (H200, Triton 3.6, BENCHMARKS.md): at 64 heads the tile needs 255 registers with
-~50 spilled (one program of 8 warps per SM), the gathers are not overlapped with the MMAs (no warp
-specialisation), so decode reaches ~60% of FlashMLA's TFLOPS for V4-Flash at batch 128-256 and
-~45% for V4-Pro; prefill ~32%. ``num_stages=2`` and the ``prefetch`` option (index list loaded one
-block ahead) measured slower and stay off. On sm_100 the output dims are split over two launches
-(``d_parts``: tensor memory), each recomputing S.
+Performance on the H200: BENCHMARKS.md, docs/kernel-measurements.md.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from ..formats.kv_entry import decode_kv_entries, page_bytes, page_views, read_kv_entries
-from . import interpreting, triton_available
+from ..formats.contracts import check_sparse_attention
+from .lib import Choice, Target, interpreting, target, triton_available
 
 HEAD_DIM = 512
 LAST_LAUNCH: dict = {}   # diagnostics: the last compiled kernels (n_regs, n_spills on a GPU)
@@ -56,7 +49,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .kv_insert import _rne_bf16
+    from .lib import rne_bf16
 
     @triton.jit
     def _chunk(row, scw, valid, d, C: tl.constexpr, DT: tl.constexpr):
@@ -165,7 +158,7 @@ if triton_available():
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if INTERP:
-                pb = _rne_bf16(p)
+                pb = rne_bf16(p)
             else:
                 pb = p.to(DT)
             a2 = alpha[:, None]
@@ -216,15 +209,15 @@ if triton_available():
             ob = O + t64 * stride_ot + h[:, None] * stride_oh + (DHALF * 256) + d[None, :]
             om = hm[:, None]
             ty = O.dtype.element_ty
-            tl.store(ob + 0, _rne_bf16(tl.where(okc, acc0 / den, 0.0)).to(ty), mask=om)
-            tl.store(ob + 64, _rne_bf16(tl.where(okc, acc1 / den, 0.0)).to(ty), mask=om)
-            tl.store(ob + 128, _rne_bf16(tl.where(okc, acc2 / den, 0.0)).to(ty), mask=om)
-            tl.store(ob + 192, _rne_bf16(tl.where(okc, acc3 / den, 0.0)).to(ty), mask=om)
+            tl.store(ob + 0, rne_bf16(tl.where(okc, acc0 / den, 0.0)).to(ty), mask=om)
+            tl.store(ob + 64, rne_bf16(tl.where(okc, acc1 / den, 0.0)).to(ty), mask=om)
+            tl.store(ob + 128, rne_bf16(tl.where(okc, acc2 / den, 0.0)).to(ty), mask=om)
+            tl.store(ob + 192, rne_bf16(tl.where(okc, acc3 / den, 0.0)).to(ty), mask=om)
             if DP == 1:
-                tl.store(ob + 256, _rne_bf16(tl.where(okc, acc4 / den, 0.0)).to(ty), mask=om)
-                tl.store(ob + 320, _rne_bf16(tl.where(okc, acc5 / den, 0.0)).to(ty), mask=om)
-                tl.store(ob + 384, _rne_bf16(tl.where(okc, acc6 / den, 0.0)).to(ty), mask=om)
-                tl.store(ob + 448, _rne_bf16(tl.where(okc, acc7 / den, 0.0)).to(ty), mask=om)
+                tl.store(ob + 256, rne_bf16(tl.where(okc, acc4 / den, 0.0)).to(ty), mask=om)
+                tl.store(ob + 320, rne_bf16(tl.where(okc, acc5 / den, 0.0)).to(ty), mask=om)
+                tl.store(ob + 384, rne_bf16(tl.where(okc, acc6 / den, 0.0)).to(ty), mask=om)
+                tl.store(ob + 448, rne_bf16(tl.where(okc, acc7 / den, 0.0)).to(ty), mask=om)
 
     @triton.jit
     def _combine(OP, MLP, SINK, O, H, NS, stride_ot, stride_oh, HB: tl.constexpr):
@@ -253,45 +246,17 @@ if triton_available():
         den = L + tl.exp2(sink - M_safe)
         ok = den > 0
         o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
-        tl.store(O + t64 * stride_ot + h[:, None] * stride_oh + d[None, :], _rne_bf16(o).to(O.dtype.element_ty),
+        tl.store(O + t64 * stride_ot + h[:, None] * stride_oh + d[None, :], rne_bf16(o).to(O.dtype.element_ty),
                  mask=hm[:, None])
 
 
-def _check_inputs(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
-                  extra_page_size):
-    if q.dim() != 3 or q.shape[2] != HEAD_DIM or q.dtype != torch.bfloat16:
-        raise ValueError(f"q: expected bf16 [T, H, 512], got {q.dtype} {tuple(q.shape)}")
-    T, H = q.shape[:2]
-    for name, idx in (("window_idx", window_idx), ("extra_idx", extra_idx)):
-        if idx is None:
-            continue
-        if idx.dim() != 2 or idx.shape[0] != T or idx.dtype != torch.int32:
-            raise ValueError(f"{name}: expected int32 [{T}, K], got {idx.dtype} {tuple(idx.shape)}")
-    for name, pages, psz in (("window_pages", window_pages, window_page_size),
-                             ("extra_pages", extra_pages, extra_page_size)):
-        if pages is None:
-            continue
-        if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != page_bytes(psz):
-            raise ValueError(f"{name}: expected uint8 [num_pages, {page_bytes(psz)}], got "
-                             f"{pages.dtype} {tuple(pages.shape)}")
-    if sinks.shape != (H,) or sinks.dtype != torch.float32:
-        raise ValueError(f"sinks: expected fp32 [{H}], got {sinks.dtype} {tuple(sinks.shape)}")
-
-
-@lru_cache(maxsize=None)
-def _device_info(device_type: str, index: int | None) -> tuple[int, tuple[int, int]]:
-    """(multiprocessor count, capability), cached: the decode launch path stays host-light."""
-    if device_type == "cuda":
-        dev = torch.device("cuda", index if index is not None else torch.cuda.current_device())
-        return torch.cuda.get_device_properties(dev).multi_processor_count, torch.cuda.get_device_capability(dev)
-    return 4, (9, 0)
-
-
 def default_config(H: int, capability: tuple[int, int] = (9, 0)) -> dict:
-    """Launch parameters (the in-run sweep of benchmarks/attention.py picked these on the H200):
-    heads per program (16 / 32 / 64, padded), list entries per block, warps, pipelining stages,
-    output-dim parts (2 on sm_100: tensor memory holds 512 fp32 columns, too few for a 64 x 512
-    accumulator plus S; Triton then emits a kernel that only traps), index prefetch."""
+    """The attention router: launch parameters by local heads and target. Heads per program 16 / 32 /
+    64 (padded), 64 list entries per block (the official block), 8 warps for 64 heads, 1 stage, no
+    index prefetch: the in-run sweep of ``benchmarks/attention.py`` on the H200 (BENCHMARKS.md
+    "Sparse decode, FP8 cache": num_stages=2 and prefetch measured slower). Output-dim parts: 2 from
+    sm_100 on (tensor memory holds 512 fp32 columns, too few for a 64 x 512 accumulator plus S:
+    Triton then emits a kernel that only traps). The split count (``_run``) fills the SMs."""
     hb = 16 if H <= 16 else (32 if H <= 32 else 64)
     cfg = {"block_h": hb, "block_n": 64, "num_warps": 8 if hb == 64 else 4, "num_stages": 1,
            "d_parts": 1, "prefetch": False}
@@ -300,9 +265,22 @@ def default_config(H: int, capability: tuple[int, int] = (9, 0)) -> dict:
     return cfg
 
 
+def choices(t: Target) -> list[Choice]:
+    """Every attention kernel configuration ``default_config`` picks on ``t`` for V4's local head counts
+    (Flash 64 and Pro 128 heads over 1-8 tensor-parallel ranks), decode (split) and prefill."""
+    out = []
+    for H in (8, 16, 32, 64, 128):
+        cfg = default_config(H, t.capability)
+        for split in (True, False):
+            out.append(Choice.of("sparse_fwd", dict(HB=cfg["block_h"], BN=cfg["block_n"], SPLIT=split,
+                                                    DP=cfg["d_parts"], PREFETCH=cfg["prefetch"]), cfg, f"H={H}"))
+    out.append(Choice("sparse_combine", (("HB", 8),), 4, None, "split-K combine"))
+    return list(dict.fromkeys(out))
+
+
 def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
          sinks, scale, num_splits, config, out):
-    _check_inputs(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
+    check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
                   extra_page_size)
     T, H, _ = q.shape
     dev = q.device
@@ -326,7 +304,8 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
     out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=dev) if out is None else out
     if T == 0:
         return out
-    sm_count, cap = _device_info(dev.type, dev.index)
+    t = target(dev)
+    sm_count, cap = t.sm_count, t.capability
     cfg = dict(default_config(H, cap))
     cfg.update(config or {})
     HB, BN = cfg["block_h"], cfg["block_n"]
@@ -398,78 +377,4 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
                 sinks, scale, 1, config, out)
 
 
-# ------------------------------------------------------------------------------------------------
-# torch twins
-
-def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-                 check: bool = True):
-    """Dequantised rows [T, K, 512] bf16 of the concatenated list and its validity [T, K].
-    ``check=False`` skips the slot validation (a host sync) for the timed workaround."""
-    parts, valid = [], []
-    for idx, pages, psz in ((window_idx, window_pages, window_page_size),
-                            (extra_idx, extra_pages, extra_page_size)):
-        if idx is None or idx.shape[1] == 0:
-            continue
-        T, K = idx.shape
-        if check:
-            # each distinct entry decoded once (prefill rows share most of their lists), then gathered
-            uniq, inv = torch.unique(idx.reshape(-1).long(), return_inverse=True)
-            rows = read_kv_entries(pages, uniq, psz)[inv].view(T, K, HEAD_DIM)
-        else:
-            data_v, scale_v = page_views(pages, psz)
-            s = idx.reshape(-1).long().clamp(min=0)
-            rows = decode_kv_entries(data_v[s // psz, s % psz], scale_v[s // psz, s % psz])
-            rows = rows.view(T, K, HEAD_DIM) * (idx >= 0).unsqueeze(-1).to(rows.dtype)
-        parts.append(rows)
-        valid.append(idx >= 0)
-    return torch.cat(parts, 1), torch.cat(valid, 1)
-
-
-def sparse_attention_torch(q: torch.Tensor, window_idx: torch.Tensor | None,
-                           window_pages: torch.Tensor | None, window_page_size: int,
-                           extra_idx: torch.Tensor | None = None, extra_pages: torch.Tensor | None = None,
-                           extra_page_size: int = 64, sinks: torch.Tensor | None = None,
-                           scale: float = HEAD_DIM ** -0.5, **_ignored) -> torch.Tensor:
-    """Twin of sparse_decode / sparse_prefill: dequant + gather (dsv4.formats) then the reference's
-    ``sparse_attention`` (64-index blocks, running max, sink in the denominator, bf16 P)."""
-    from ..reference.attention import sparse_attention
-    from ..reference.numerics import OFFICIAL
-    T, H, _ = q.shape
-    if sinks is None:
-        sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
-    rows, valid = _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages,
-                               extra_page_size)
-    K = rows.shape[1]
-    loc = torch.arange(T * K, device=q.device).view(T, K)
-    idx = torch.where(valid, loc, -1)
-    out = sparse_attention(q, rows.reshape(T * K, HEAD_DIM), idx, sinks.float(), scale, OFFICIAL)
-    # the reference keeps a row whose every index is masked finite only through the sink; with a
-    # -inf sink it would be 0/0: the kernels define that row as 0
-    return torch.nan_to_num(out, nan=0.0)
-
-
-def sparse_attention_torch_fast(q: torch.Tensor, window_idx: torch.Tensor | None,
-                                window_pages: torch.Tensor | None, window_page_size: int,
-                                extra_idx: torch.Tensor | None = None,
-                                extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
-                                sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
-                                **_ignored) -> torch.Tensor:
-    """The pure-PyTorch workaround (what an engine without these kernels runs): gather + dequant
-    the listed entries to bf16, bf16 batched matmuls, one fp32 softmax with the sink in the
-    denominator. Not block-exact (one max over the whole row)."""
-    T, H, _ = q.shape
-    if sinks is None:
-        sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
-    rows, valid = _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages,
-                               extra_page_size, check=False)
-    z = torch.bmm(q, rows.transpose(1, 2)).float() * scale               # [T, H, K]
-    z = z.masked_fill(~valid[:, None, :], float("-inf"))
-    m = z.amax(-1, keepdim=True).clamp(min=-1e30)
-    e = torch.exp(z - m)
-    den = e.sum(-1, keepdim=True) + torch.exp(sinks.float()[None, :, None] - m)
-    p = (e / den).to(torch.bfloat16)
-    return torch.bmm(p, rows)
-
-
-__all__ = ["sparse_decode", "sparse_prefill", "sparse_attention_torch", "sparse_attention_torch_fast",
-           "default_config"]
+__all__ = ["choices", "default_config", "sparse_decode", "sparse_prefill"]

@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from ..formats.kv_entry import page_bytes, page_views
-from ..formats.paging import INDEX_PAGE, WINDOW, WINDOW_PAGE
-from ..kernels.paging import block_entry_ids
+from ..formats.paging import INDEX_PAGE, WINDOW, WINDOW_PAGE, block_entry_ids
 from ..parallel import SINGLE
-from .linear import Bf16Linear, Fp8Linear, GroupedFp8, _copy, _copy_part
+from .linear import Bf16Linear, Fp8Linear, GroupedFp8, copy_into, copy_part
 
 SCORE_BYTES = 256 << 20          # bound of one block of indexer scores during a prefill chunk
 
@@ -32,7 +31,6 @@ class Rope:
 
     def __init__(self, freqs: torch.Tensor):
         self.freqs = freqs
-        self.fp64_trig = False
 
     def __call__(self, positions: torch.Tensor) -> torch.Tensor:
         angles = torch.outer(positions.to(torch.float32), self.freqs)
@@ -53,7 +51,7 @@ class Compressor(nn.Module):
         self.register_buffer("norm_w", torch.empty(dim, dtype=torch.float32, device=device))
 
     def loaders(self, p: str):
-        return {p + "ape": _copy(self.ape, p + "ape"), p + "norm.weight": _copy(self.norm_w, p + "norm.weight")}
+        return {p + "ape": copy_into(self.ape, p + "ape"), p + "norm.weight": copy_into(self.norm_w, p + "norm.weight")}
 
 
 def _copy_entries(dst, dst_ids, src, src_ids, page_size):
@@ -122,9 +120,9 @@ class Attention(nn.Module):
         for m in (self.wq_a_wkv, self.wq_b, self.wo_a, self.wo_b, self.proj, self.index_wq_b):
             if m is not None:
                 out.update(m.loaders())
-        out[a + "q_norm.weight"] = _copy(self.q_norm, a + "q_norm.weight")
-        out[a + "kv_norm.weight"] = _copy(self.kv_norm, a + "kv_norm.weight")
-        out[a + "attn_sink"] = _copy_part(self.sink, a + "attn_sink", (self.H * self.group.world,), self._heads)
+        out[a + "q_norm.weight"] = copy_into(self.q_norm, a + "q_norm.weight")
+        out[a + "kv_norm.weight"] = copy_into(self.kv_norm, a + "kv_norm.weight")
+        out[a + "attn_sink"] = copy_part(self.sink, a + "attn_sink", (self.H * self.group.world,), self._heads)
         if self.compressor is not None:
             out.update(self.compressor.loaders(a + "compressor."))
         if self.index_comp is not None:

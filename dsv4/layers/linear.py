@@ -15,7 +15,7 @@ official ColumnParallel / RowParallel linears cut: ``"col"`` keeps 1/world of ev
 rows (``members`` and ``spans`` are then the local ones), ``"row"`` 1/world of the input columns
 (the output is a partial sum; the layer that owns the linear all-reduces it). The loaders take the
 checkpoint's whole tensor, check its full shape and copy the rank's slice; a reader that reads only
-the slice from disk passes it to the loader's ``presliced`` form (``_copy_part``).
+the slice from disk passes it to the loader's ``presliced`` form (``copy_part``).
 
 ``forward`` goes through the op table (``dsv4.ops``): the FP8 / bf16 GEMM kernels on a GPU, their
 torch twins on a CPU. Weight loading is per parameter: ``loaders(prefix_of)`` maps each canonical
@@ -35,7 +35,7 @@ QBLOCK = 128
 Loader = Callable[[torch.Tensor], None]
 
 
-def _copy(dst: torch.Tensor, what: str) -> Loader:
+def copy_into(dst: torch.Tensor, what: str) -> Loader:
     def load(t: torch.Tensor) -> None:
         if tuple(t.shape) != tuple(dst.shape):
             raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(t.shape)}")
@@ -45,7 +45,7 @@ def _copy(dst: torch.Tensor, what: str) -> Loader:
     return load
 
 
-def _copy_part(dst: torch.Tensor, what: str, full: tuple, rows=None, cols=None) -> Loader:
+def copy_part(dst: torch.Tensor, what: str, full: tuple, rows=None, cols=None) -> Loader:
     """Loader of a slice: the checkpoint tensor must have the ``full`` shape; its ``rows`` / ``cols``
     ([start, stop) or None = all) go into ``dst``. The loader carries its ``part`` (rows, cols) and
     a ``presliced`` loader that takes that part alone, so that a reader can read only the part from
@@ -58,9 +58,9 @@ def _copy_part(dst: torch.Tensor, what: str, full: tuple, rows=None, cols=None) 
             t = t[rows[0]:rows[1]]
         if cols is not None:
             t = t[:, cols[0]:cols[1]]
-        _copy(dst, what)(t)
+        copy_into(dst, what)(t)
     load.part = (rows, cols)
-    load.presliced = _copy(dst, what)
+    load.presliced = copy_into(dst, what)
     return load
 
 
@@ -94,10 +94,10 @@ class _Linear(nn.Module):
             o_full = self.full_members[i][1]
             rows = None if self.row_parts is None else self.row_parts[i]
             w, sc = dst_of(a, b)
-            out[n + ".weight"] = _copy_part(w, n + ".weight", (o_full, self.full_in), rows, self.cols)
+            out[n + ".weight"] = copy_part(w, n + ".weight", (o_full, self.full_in), rows, self.cols)
             if sc is not None:
                 blk = lambda r: None if r is None else (r[0] // QBLOCK, -(-r[1] // QBLOCK))
-                out[n + ".scale"] = _copy_part(sc, n + ".scale", (-(-o_full // QBLOCK), self.full_in // QBLOCK),
+                out[n + ".scale"] = copy_part(sc, n + ".scale", (-(-o_full // QBLOCK), self.full_in // QBLOCK),
                                                blk(rows), blk(self.cols))
         return out
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..parallel import SINGLE
-from .linear import QBLOCK, Loader, _copy
+from .linear import QBLOCK, Loader, copy_into
 
 EXPERT_FORMATS = ("mxfp4", "nvfp4", "fp8")
 
@@ -84,11 +84,11 @@ class MoE(nn.Module):
     def loaders(self, prefix: str) -> dict[str, Loader]:
         """Canonical names under ``prefix`` ('layers.{i}.ffn.') -> loader into this layer's storage."""
         I = self.inter
-        out: dict[str, Loader] = {prefix + "gate.weight": _copy(self.gate_w, prefix + "gate.weight")}
+        out: dict[str, Loader] = {prefix + "gate.weight": copy_into(self.gate_w, prefix + "gate.weight")}
         if self.tid2eid is not None:
-            out[prefix + "gate.tid2eid"] = _copy(self.tid2eid, prefix + "gate.tid2eid")
+            out[prefix + "gate.tid2eid"] = copy_into(self.tid2eid, prefix + "gate.tid2eid")
         else:
-            out[prefix + "gate.bias"] = _copy(self.bias, prefix + "gate.bias")
+            out[prefix + "gate.bias"] = copy_into(self.bias, prefix + "gate.bias")
         fp8 = self.fmt == "fp8"
         rows13 = lambda w: slice(0, I) if w == "w1" else slice(I, 2 * I)
         for e in range(self.n_total):
@@ -107,22 +107,22 @@ class MoE(nn.Module):
                     r = rows13(w)
                     codes, s2 = self.w13[le, r], None if self.w13_s2 is None else self.w13_s2[le, r]
                     sc = self.w13_s[le, r.start // QBLOCK:r.stop // QBLOCK] if fp8 else self.w13_s[le, r]
-                out[n + "weight"] = _copy(codes, n + "weight")
+                out[n + "weight"] = copy_into(codes, n + "weight")
                 if self.fmt == "nvfp4":
                     out[n + "weight_scale"] = _raw(sc, n + "weight_scale")
                     out[n + "weight_scale_2"] = _fill(s2, n + "weight_scale_2")
                     out[n + "input_scale"] = _unused
                 elif fp8:
-                    out[n + "scale"] = _copy(sc, n + "scale")
+                    out[n + "scale"] = copy_into(sc, n + "scale")
                 else:
                     out[n + "scale"] = _raw(sc, n + "scale")
         s = prefix + "shared_experts."
-        out[s + "w1.weight"] = _copy(self.sh13[:I], s + "w1.weight")
-        out[s + "w3.weight"] = _copy(self.sh13[I:], s + "w3.weight")
-        out[s + "w2.weight"] = _copy(self.sh2, s + "w2.weight")
-        out[s + "w1.scale"] = _copy(self.sh13_s[:I // QBLOCK], s + "w1.scale")
-        out[s + "w3.scale"] = _copy(self.sh13_s[I // QBLOCK:], s + "w3.scale")
-        out[s + "w2.scale"] = _copy(self.sh2_s, s + "w2.scale")
+        out[s + "w1.weight"] = copy_into(self.sh13[:I], s + "w1.weight")
+        out[s + "w3.weight"] = copy_into(self.sh13[I:], s + "w3.weight")
+        out[s + "w2.weight"] = copy_into(self.sh2, s + "w2.weight")
+        out[s + "w1.scale"] = copy_into(self.sh13_s[:I // QBLOCK], s + "w1.scale")
+        out[s + "w3.scale"] = copy_into(self.sh13_s[I // QBLOCK:], s + "w3.scale")
+        out[s + "w2.scale"] = copy_into(self.sh2_s, s + "w2.scale")
         return out
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, rope_frequencies
+from ..formats.decode_plan import TABLE_NEG, MetaPlan, rope_table
 from ..formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW
 from ..layers.attention import Attention, Rope
-from ..layers.linear import Bf16Linear, Fp8Linear, _copy, weight_bytes
+from ..layers.linear import Bf16Linear, Fp8Linear, copy_into, weight_bytes
 from ..layers.moe import MoE
 from ..ops import Ops
 from ..parallel import Group, default_group
@@ -44,8 +45,8 @@ class HyperConnection(nn.Module):
         self.iters, self.hc_eps, self.rms_eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
 
     def loaders(self, p: str):
-        return {p + "fn": _copy(self.fn, p + "fn"), p + "base": _copy(self.base, p + "base"),
-                p + "scale": _copy(self.scale, p + "scale")}
+        return {p + "fn": copy_into(self.fn, p + "fn"), p + "base": copy_into(self.base, p + "base"),
+                p + "scale": copy_into(self.scale, p + "scale")}
 
 
 class Block(nn.Module):
@@ -67,8 +68,8 @@ class Block(nn.Module):
 
     def loaders(self):
         p = self.prefix
-        out = {p + "attn_norm.weight": _copy(self.attn_norm, p + "attn_norm.weight"),
-               p + "ffn_norm.weight": _copy(self.ffn_norm, p + "ffn_norm.weight")}
+        out = {p + "attn_norm.weight": copy_into(self.attn_norm, p + "attn_norm.weight"),
+               p + "ffn_norm.weight": copy_into(self.ffn_norm, p + "ffn_norm.weight")}
         out.update(self.hc_attn.loaders(p + "hc_attn_"))
         out.update(self.hc_ffn.loaders(p + "hc_ffn_"))
         out.update(self.attn.loaders())
@@ -110,7 +111,7 @@ class MTPLayer(nn.Module):
 
     def loaders(self):
         p = "mtp.0."
-        out = {p + n + ".weight": _copy(getattr(self, n), p + n + ".weight") for n in ("enorm", "hnorm", "norm")}
+        out = {p + n + ".weight": copy_into(getattr(self, n), p + n + ".weight") for n in ("enorm", "hnorm", "norm")}
         out.update(self.e_proj.loaders())
         out.update(self.h_proj.loaders())
         out.update(self.hc_head.loaders(p + "hc_head_"))
@@ -286,13 +287,17 @@ class DeepseekV4(nn.Module):
         if draft == "mtp":
             self.mtp = MTPLayer(cfg, self.ops, self.ropes, draft_expert_format or expert_format, wo_a_format,
                                 self.device, self.group)
-        # FP8 routed experts have no GPU kernel: their twin synchronises with the host
-        self.graph_safe = self.ops.graph_safe and expert_format != "fp8"
         self.cache = None
+
+    @property
+    def graph_safe(self) -> bool:
+        """The decode step can be captured in a CUDA graph: every op on a kernel (the twins synchronise
+        with the host; FP8 routed experts have no kernel and run their twin)."""
+        return self.ops.graph_safe and self.expert_format != "fp8"
 
     # ------------------------------------------------------------------ weights
     def loaders(self):
-        out = {"embed.weight": _copy(self.embed, "embed.weight"), "norm.weight": _copy(self.norm, "norm.weight")}
+        out = {"embed.weight": copy_into(self.embed, "embed.weight"), "norm.weight": copy_into(self.norm, "norm.weight")}
         for b in self.layers:
             out.update(b.loaders())
         out.update(self.hc_head.loaders("hc_head_"))
@@ -378,7 +383,6 @@ class DeepseekV4(nn.Module):
         """The decode step's per-step values from one ``decode_meta`` call: RoPE rows of every
         layer's and compressor's rope (tables computed once: row p equals ``rope(p)``) and the index
         vectors of the window, compressed-cache writes and HCA reads."""
-        from ..kernels.decode_meta import TABLE_NEG, MetaPlan, rope_table
         uniq, rope_keys, rope_reqs = {}, [], []
         for blk in list(self.layers) + ([self.mtp.block] if self.mtp is not None else []):
             at = blk.attn
@@ -429,7 +433,6 @@ class DeepseekV4(nn.Module):
         """(cos, sin) fp32 [n, 32] of ``rope`` at ``positions`` from the tables the decode step reads:
         prefill and decode rotate a position by the same bits (computing them per call would not
         be: vectorised and scalar sin / cos differ in the last ulp)."""
-        from ..kernels.decode_meta import TABLE_NEG
         rows = self._rope_tables[self._table_of[id(rope)], TABLE_NEG + positions]
         return rows[:, :32].contiguous(), rows[:, 32:].contiguous()
 

@@ -1,83 +1,131 @@
-"""The op table: the one place that decides, per device, which implementation runs each op.
+"""The op table: the one place that decides, per device and per op, which implementation runs.
 
-``Ops(device)`` has one attribute per op the model calls. On a CUDA GPU with FP8 tensor support
-(compute capability >= 8.9: Ada, Hopper, Blackwell) every op is a Triton / Gluon kernel of
-``dsv4.kernels`` (the kernels route by size inside, e.g. decode vs prefill GEMM tiles); elsewhere
-(CPU; GPUs before sm_89, where the kernels' e4m3 types do not compile) every op is its torch twin
-(``dsv4.ops.twins`` and the ``*_torch`` functions beside the kernels), which computes DeepSeek's
-official rounding on the same native weights and cache bytes. ``Ops.describe()`` says which side
-the table took; ``Ops.graph_safe`` says whether a decode step can be captured in a CUDA graph (the
-twins synchronise with the host).
+``Ops(device)`` has one attribute per op the model calls (``registry.OPS``). On a CUDA GPU each op
+runs its Triton / Gluon kernel where the GPU's compute capability reaches the op's
+``min_capability`` (sm_89+ for the ops that touch e4m3 values, sm_80+ for the others) and its torch
+twin (``dsv4.twins``: DeepSeek's official numerics on the same native weights and cache bytes)
+elsewhere; on a CPU, or with ``TRITON_INTERPRET`` set, every op is its twin. The choice is then
+checked on the device it runs on (``check.run``, the start-up self-check): an op whose kernel does
+not match its twin there falls back, for this process, to a portable kernel form or the twin
+(``Ops.use``). ``Ops.describe()`` says which side each op took; ``Ops.graph_safe`` whether a decode
+step can be captured in a CUDA graph (the twins synchronise with the host).
 
-Numerics: GPU = the kernels' (official quantisation steps, fp32 accumulation in kernel order);
-CPU = the twins' (official numerics as ``dsv4.reference`` computes them, ``Numerics('official')``).
+``DSV4_FAULT=<op>:<mode>`` (``ops.faults``) corrupts named kernels, to see the fallback work.
 """
 from __future__ import annotations
 
 import torch
 
-# op name -> (kernel module, entry, twin module, entry); modules under dsv4.
-_TABLE = {
-    "hc_pre": ("kernels.mhc", "hc_pre", "ops.twins", "hc_pre"),
-    "hc_post": ("kernels.mhc", "hc_post", "kernels.mhc", "hc_post_torch"),
-    "hc_head": ("kernels.mhc", "hc_head", "ops.twins", "hc_head"),
-    "rms_norm": ("kernels.norm", "rms_norm", "kernels.norm", "rms_norm_torch"),
-    "kv_insert": ("kernels.kv_insert", "kv_insert", "kernels.kv_insert", "kv_insert_torch"),
-    "entry_ids": ("kernels.paging", "entry_ids", "kernels.paging", "entry_ids_torch"),
-    "inverse_rope": ("kernels.inverse_rope", "inverse_rope", "kernels.inverse_rope", "inverse_rope_torch"),
-    "sparse_decode": ("kernels.sparse_attention", "sparse_decode", "kernels.sparse_attention", "sparse_attention_torch"),
-    "sparse_prefill": ("kernels.sparse_attention", "sparse_prefill", "kernels.sparse_attention", "sparse_attention_torch"),
-    "compress_decode": ("kernels.compressor", "compress_decode", "kernels.compressor", "compress_decode_torch"),
-    "compress_prefill": ("kernels.compressor", "compress_prefill", "kernels.compressor", "compress_prefill_torch"),
-    "index_q_prologue": ("kernels.indexer", "index_q_prologue", "kernels.indexer", "index_q_prologue_torch"),
-    "index_scores": ("kernels.indexer", "index_scores", "kernels.indexer", "index_scores_torch"),
-    "index_topk": ("kernels.indexer", "index_topk", "kernels.indexer", "index_topk_torch"),
-    "decode_meta": ("kernels.decode_meta", "decode_meta", "kernels.decode_meta", "decode_meta_torch"),
-    "linear": ("ops.gpu", "linear", "ops.twins", "linear"),
-    "wo_a": ("ops.gpu", "wo_a", "ops.twins", "wo_a"),
-    "moe": ("ops.gpu", "moe", "ops.twins", "moe"),
-}
-OPS = tuple(_TABLE)
-from ..kernels.targets import FP8_MIN_CAPABILITY  # noqa: E402  (e4m3 kernels compile from sm_89: measured table)
+from . import faults
+from .registry import NAMES, OPS, OpSpec
 
-
-def _import(mod: str, name: str):
-    import importlib
-    return getattr(importlib.import_module("dsv4." + mod), name)
+PATHS = ("twin", "portable", "kernel")    # in the order a fallback walks them, upward
 
 
 def kernel_path(device) -> tuple[bool, str]:
-    """(kernels?, why) for a device: the routing rule of the module doc."""
+    """(whether kernels can run on ``device`` at all, why)."""
     device = torch.device(device)
     if device.type != "cuda":
         return False, f"{device.type}: torch twins"
-    from ..kernels import interpreting, triton_available
+    from ..kernels.lib import interpreting, target, triton_available
     if not triton_available():
         return False, "triton does not import: torch twins"
     if interpreting():
         return False, "TRITON_INTERPRET is set: torch twins"
-    cap = torch.cuda.get_device_capability(device)
-    if cap < FP8_MIN_CAPABILITY:
-        return False, (f"sm_{cap[0]}{cap[1]} has no FP8 (e4m3) support in the kernels (needs sm_89+): "
-                       f"torch twins")
-    return True, f"sm_{cap[0]}{cap[1]}: Triton/Gluon kernels"
+    t = target(device)
+    return True, f"{t.name} sm_{t.sm}: Triton/Gluon kernels from each op's minimum capability"
+
+
+def capability_of(device) -> tuple[int, int] | None:
+    """The compute capability the kernels compile for on ``device``; None where kernels are forced
+    (the CPU interpreter: every op's kernel runs)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    from ..kernels.lib import target
+    t = target(device)
+    return t.capability if t.compiled else None
 
 
 class Ops:
-    """The op table of one device (module doc). ``kernels`` forces a side: True runs the Triton
-    kernels (on CPU under ``TRITON_INTERPRET=1``, for tests), False the twins."""
+    """The op table of one device (module doc). ``kernels`` forces a side: True runs every op's
+    kernel (on CPU under ``TRITON_INTERPRET=1``, for tests), False every twin, a collection of op
+    names those ops' kernels and the other ops' twins (tests and debugging). ``faults_``: {op: mode}
+    to inject (default: ``DSV4_FAULT``)."""
 
-    def __init__(self, device, kernels: bool | None = None):
+    def __init__(self, device, kernels: bool | None | tuple | list | set = None, faults_: dict | None = None):
         self.device = torch.device(device)
         auto, why = kernel_path(self.device)
-        self.kernels = auto if kernels is None else kernels
-        self.reason = why if kernels is None else ("forced: Triton kernels" if kernels else "forced: torch twins")
-        for name, (kmod, kfn, tmod, tfn) in _TABLE.items():
-            setattr(self, name, _import(kmod, kfn) if self.kernels else _import(tmod, tfn))
-        self.graph_safe = self.kernels and self.device.type == "cuda"
+        only = None
+        if kernels is not None and not isinstance(kernels, bool):
+            only = set(kernels)
+            bad = sorted(only - set(NAMES))
+            if bad:
+                raise ValueError(f"kernels: unknown op(s) {', '.join(bad)} (ops: {', '.join(NAMES)})")
+        self.kernels = auto if kernels is None else bool(kernels)
+        self.forced = kernels is not None
+        self.reason = why if kernels is None else (
+            "forced: torch twins" if not kernels else
+            "forced: Triton kernels" if only is None else f"forced: kernels for {', '.join(sorted(only))}")
+        self.faults = faults.from_env(NAMES) if faults_ is None else faults_
+        cap = capability_of(self.device) if kernels is None else None
+        self.paths: dict[str, str] = {}
+        self.eligible: set[str] = set()        # the ops whose kernel may run here (before any check)
+        for name, spec in OPS.items():
+            if not self.kernels or (only is not None and name not in only) \
+                    or (cap is not None and cap < spec.min_capability):
+                self.use(name, "twin")
+            else:
+                self.eligible.add(name)
+                self.use(name, "kernel")
+
+    def kernel_fn(self, name: str):
+        """The op's kernel as this table would call it (with any injected fault)."""
+        fn = OPS[name].load("kernel")
+        return faults.wrap(name, fn, self.faults[name]) if name in self.faults else fn
+
+    def use(self, name: str, path: str) -> None:
+        """Run op ``name`` on ``path`` ('kernel' | 'portable' | 'twin') from now on."""
+        spec: OpSpec = OPS[name]
+        if path == "twin":
+            fn = spec.load("twin")
+        elif path == "portable":
+            if spec.portable is None:
+                raise ValueError(f"op {name} has no portable kernel form")
+            fn = spec.load("portable")
+        elif path == "kernel":
+            fn = self.kernel_fn(name)
+        else:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if path != "twin" and spec.takes is not None:
+            fn = _dispatch(spec.load("takes"), fn, spec.load("twin"))
+        self.paths[name] = path
+        setattr(self, name, fn)
+
+    @property
+    def graph_safe(self) -> bool:
+        """A decode step on this table can be captured in a CUDA graph: every op on a kernel form."""
+        return self.device.type == "cuda" and all(p != "twin" for p in self.paths.values())
+
+    def counts(self) -> dict[str, int]:
+        return {p: sum(1 for v in self.paths.values() if v == p) for p in PATHS}
 
     def describe(self) -> str:
-        return f"ops: {'kernels' if self.kernels else 'torch twins'} ({self.reason})"
+        n = self.counts()
+        if not self.kernels:
+            return f"ops: torch twins ({self.reason})"
+        side = f"{n['kernel']} on kernels" + (f", {n['portable']} on portable kernels" if n["portable"] else "") + \
+            (f", {n['twin']} on twins ({', '.join(k for k, v in self.paths.items() if v == 'twin')})"
+             if n["twin"] else "")
+        return f"ops: {side} ({self.reason})"
 
 
-__all__ = ["FP8_MIN_CAPABILITY", "OPS", "Ops", "kernel_path"]
+def _dispatch(takes, kernel, twin):
+    """The kernel for the calls it takes (``OpSpec.takes``), the twin for the others."""
+    def op(*args, **kw):
+        return kernel(*args, **kw) if takes(*args, **kw) else twin(*args, **kw)
+    op.__name__ = op.__qualname__ = getattr(kernel, "__name__", "op")
+    return op
+
+
+__all__ = ["NAMES", "OPS", "Ops", "PATHS", "kernel_path"]

@@ -52,26 +52,36 @@ class Compressor:
         return st.entries()
 
     def pool(self, ck, cs, pk, ps, prev_valid) -> torch.Tensor:
-        """Softmax pooling of windows: current rows ``ck``/``cs`` [n, m, coff*c] fp32; with overlap
-        the previous window's rows ``pk``/``ps`` contribute their first channel half ("b" series,
-        K=0 / score=-inf where ``prev_valid`` is False) and the current rows their second half.
-        -> fp32 [n, c]."""
-        c = self.dim
-        if self.overlap:
-            pk = torch.where(prev_valid, pk[..., :c], 0.0)
-            ps = torch.where(prev_valid, ps[..., :c], float("-inf"))
-            ck = torch.cat([pk, ck[..., c:]], dim=1)          # [n, 2m, c]
-            cs = torch.cat([ps, cs[..., c:]], dim=1)
-        return self.num.fn(lambda k, s: (k * s.softmax(dim=1)).sum(dim=1), ck, cs)
+        return pool(ck, cs, pk, ps, prev_valid, self.dim, self.overlap, self.num)
 
     def postprocess(self, pooled: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """norm(bf16(pooled)) -> RoPE at the window's first position -> QDQ (indexer: Hadamard first)."""
-        kv = rms_norm(self.num.round(pooled), self.norm_w, self.eps, self.num)
-        kv = apply_rope(kv, self.rope(positions))
-        if self.is_indexer:
-            kv = hadamard_128(kv, self.num)
-            return kv if self.num.exact else fp4_qdq(kv, 32)
-        if self.num.exact:
-            return kv
-        nope = kv.shape[-1] - 64
-        return torch.cat([fp8_qdq(kv[..., :nope], 64), kv[..., nope:]], dim=-1)
+        return postprocess(pooled, self.norm_w, self.rope(positions), self.eps, self.is_indexer, self.num)
+
+
+def pool(ck, cs, pk, ps, prev_valid, dim: int, overlap: bool, num: Numerics) -> torch.Tensor:
+    """Softmax pooling of windows: current rows ``ck``/``cs`` [n, m, coff*c] fp32; with overlap
+    the previous window's rows ``pk``/``ps`` contribute their first channel half ("b" series,
+    K=0 / score=-inf where ``prev_valid`` is False) and the current rows their second half.
+    -> fp32 [n, c]."""
+    c = dim
+    if overlap:
+        pk = torch.where(prev_valid, pk[..., :c], 0.0)
+        ps = torch.where(prev_valid, ps[..., :c], float("-inf"))
+        ck = torch.cat([pk, ck[..., c:]], dim=1)          # [n, 2m, c]
+        cs = torch.cat([ps, cs[..., c:]], dim=1)
+    return num.fn(lambda k, s: (k * s.softmax(dim=1)).sum(dim=1), ck, cs)
+
+
+def postprocess(pooled: torch.Tensor, norm_w: torch.Tensor, freqs: torch.Tensor, eps: float, indexer: bool,
+                num: Numerics) -> torch.Tensor:
+    """norm(bf16(pooled)) -> RoPE (``freqs``: complex64 [n, 32] of the windows' first positions) -> QDQ
+    (indexer: Hadamard first)."""
+    kv = rms_norm(num.round(pooled), norm_w.float(), eps, num)
+    kv = apply_rope(kv, freqs)
+    if indexer:
+        kv = hadamard_128(kv, num)
+        return kv if num.exact else fp4_qdq(kv, 32)
+    if num.exact:
+        return kv
+    nope = kv.shape[-1] - 64
+    return torch.cat([fp8_qdq(kv[..., :nope], 64), kv[..., nope:]], dim=-1)

@@ -23,6 +23,18 @@ def dequant_activation_fp8(x: torch.Tensor) -> torch.Tensor:
     return (q.float().unflatten(-1, (-1, 128)) * s.unsqueeze(-1)).flatten(-2)
 
 
+def linear(x: torch.Tensor, wt: torch.Tensor, kind: str, num: Numerics) -> torch.Tensor:
+    """The GEMM of a linear layer of ``kind`` with the transposed fp32 (or fp64) weight ``wt`` [in, out]."""
+    if num.exact:
+        return num.mm(x.float(), wt)
+    if kind in QUANTISED:
+        xq = dequant_activation_fp8(x.to(torch.bfloat16))
+        return num.mm(xq, wt).to(torch.bfloat16)
+    if kind == "bf16":
+        return num.mm(x.to(torch.bfloat16).float(), wt).to(torch.bfloat16)
+    return num.mm(x.float(), wt)
+
+
 class Linear:
     def __init__(self, weight: torch.Tensor, kind: str, num: Numerics):
         assert kind in ("fp8", "fp4", "bf16", "fp32"), kind
@@ -37,14 +49,7 @@ class Linear:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.num.exact:
-            return self.num.mm(x.float(), self._wt)
-        if self.kind in QUANTISED:
-            xq = dequant_activation_fp8(x.to(torch.bfloat16))
-            return self.num.mm(xq, self._wt).to(torch.bfloat16)
-        if self.kind == "bf16":
-            return self.num.mm(x.to(torch.bfloat16).float(), self._wt).to(torch.bfloat16)
-        return self.num.mm(x.float(), self._wt)
+        return linear(x, self._wt, self.kind, self.num)
 
 
 def load_weight(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, str]:

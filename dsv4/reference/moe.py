@@ -8,6 +8,31 @@ from .linear import Linear
 from .numerics import Numerics
 
 
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor | None, num: Numerics) -> torch.Tensor:
+    """The expert middle: w1 / w3 outputs (upcast), u clamped to +-limit, g to <= limit, silu(g) * u,
+    times the routing weight (before w2), rounded."""
+    g = g.float()
+    u = u.float().clamp(-limit, limit)
+    h = num.fn(F.silu, g.clamp(max=limit)) * u
+    if weight is not None:
+        h = weight.unsqueeze(-1) * h
+    return num.round(h)
+
+
+def route(x: torch.Tensor, ids: torch.Tensor | None, gate_w: torch.Tensor, bias: torch.Tensor | None,
+          tid2eid: torch.Tensor | None, topk: int, route_scale: float, num: Numerics):
+    """(expert ids [T, k], routing weights [T, k] fp32): sqrt-softplus scores of the fp32 gate GEMM,
+    the top-k of score + bias (bias for selection only) or the hash table's row, the picked scores
+    normalised to sum ``route_scale``."""
+    scores = num.fn(lambda v: torch.sqrt(F.softplus(v)), num.mm(x.float(), gate_w.float().T))
+    if tid2eid is not None:
+        idx = tid2eid.long()[ids]                         # hash layer: ids from the table, no bias
+    else:
+        idx = (scores + bias.float()).topk(topk, dim=-1).indices  # bias only for selection
+    w = scores.gather(1, idx)
+    return idx, w / w.sum(dim=-1, keepdim=True) * route_scale
+
+
 class Expert:
     """SwiGLU with the swiglu_limit clamp; the routing weight is applied before w2."""
 
@@ -15,12 +40,7 @@ class Expert:
         self.w1, self.w2, self.w3, self.limit, self.num = w1, w2, w3, limit, num
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        g = self.w1(x).float()
-        u = self.w3(x).float().clamp(-self.limit, self.limit)
-        h = self.num.fn(F.silu, g.clamp(max=self.limit)) * u
-        if weight is not None:
-            h = weight.unsqueeze(-1) * h
-        return self.w2(self.num.round(h))
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit, weight, self.num))
 
 
 class MoE:
@@ -34,14 +54,7 @@ class MoE:
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], routing weights [T, k] fp32)."""
-        scores = self.num.fn(lambda v: torch.sqrt(F.softplus(v)), self.num.mm(x.float(), self.gate_w.T))
-        if self.tid2eid is not None:
-            idx = self.tid2eid[ids]                       # hash layer: ids from the table, no bias
-        else:
-            idx = (scores + self.bias).topk(self.topk, dim=-1).indices  # bias only for selection
-        w = scores.gather(1, idx)
-        w = w / w.sum(dim=-1, keepdim=True) * self.route_scale
-        return idx, w
+        return route(x, ids, self.gate_w, self.bias, self.tid2eid, self.topk, self.route_scale, self.num)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.route(x, ids)

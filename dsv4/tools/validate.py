@@ -113,8 +113,7 @@ def _say(args, msg: str) -> None:
 
 def load_models(args, dev):
     """(config, production model, reference model, tokenizer path or None, description)."""
-    from ..model.deepseek_v4 import DeepseekV4
-    from ..ops import Ops
+    from ..engine.build import build_model
     from ..reference.model import ReferenceModel
     if args.synthetic:
         from ..checkpoint.schema import expected_specs, expert_format_of_config
@@ -141,8 +140,9 @@ def load_models(args, dev):
         tensors = {n: t.to(dev) for n, t in ck.tensors.items() if not n.startswith("mtp.")}
         where = path
     _say(args, "loading the weights into the production model")
-    prod = DeepseekV4(cfg, efmt, wfmt, dev, Ops(dev, None if args.kernels else False))
-    prod.load(tensors.items())
+    prod = build_model(dict(tensors=(cfg, efmt, wfmt, tensors), kernels=None if args.kernels else False,
+                            kernel_check=args.kernel_check), dev,
+                       log=None if args.quiet else (lambda line: _say(args, line)))
     _say(args, "building the reference model (weights dequantised to fp32)")
     ref = ReferenceModel(cfg, tensors, numerics=args.numerics)
     return cfg, prod, ref, path, where
@@ -323,6 +323,9 @@ def add_parser(sub) -> None:
     v.add_argument("--steps", type=int, default=8, help='decode steps to compare after the prefill (default 8)')
     v.add_argument("--no-kernels", dest="kernels", action="store_false",
                    help="the production model on its torch twins even on a GPU")
+    v.add_argument("--kernel-check", choices=["fast", "full", "off"], default="fast",
+                   help="self-check the production model's kernels against their twins first; an op that fails "
+                        "falls back (default fast)")
     v.add_argument("--numerics", choices=["official", "invariant"], default="official",
                    help="the reference's numerics")
     v.add_argument("--device", default=None, help='cpu or cuda (default: cuda if available)')

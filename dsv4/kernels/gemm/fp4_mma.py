@@ -8,7 +8,7 @@ routes to it (the GEMV re-read them per 1-4-row tile).
 
 Operand layouts (``DotOperandLayout(k_width=16)``): per 128-K block, a thread holds 16 contiguous
 packed bytes of each of its rows = one MXFP4 scale group (two NVFP4 groups). They are loaded and decoded inside one
-inline-asm block (``_w_load_decode``: a 16-byte load, ``gemm._e2m1_f16``'s e4m3 placement, e4m3x2 ->
+inline-asm block (``_w_load_decode``: a 16-byte load, ``lib.e2m1_f16``'s e4m3 placement, e4m3x2 ->
 f16x2; a Triton uint8 load would unpack the bytes and repack them for the asm). The dot sums over K,
 so only A and B must agree on its order: logical K index j of the weight operand is physical K 2j
 (low nibbles, ``wl``) or 2j + 1 (high nibbles, ``wh``), and the activation operand takes the even /
@@ -25,54 +25,33 @@ block sum is scaled by 2^6 * sA, the final sum by the global scale (``gemv.py`` 
 its scale; here the exact scaled products are summed). Products are exact, sums are fp32 in
 tensor-core order.
 
-H200 measurements (BENCHMARKS.md sessions 6 and 8, ``experiments/exp_fp4_mma.py``): 56-73% of copy
-bandwidth on the V4 expert shapes with one or more rows per expert (GEMV: 28-46%), 44% for the six
-experts of batch 1. Nsight Compute (one row per expert, 32 Flash experts): DRAM 55% busy, the ALU pipe
-74% (the e2m1 / e4m3 decodes: ~130 of the ~220 instructions per K block and warp), issue slots 59%,
-occupancy 8 programs per SM (64 registers). The L2 128-byte prefetch hint gained ~15%; a cp.async ring,
-K-loop unrolling, 128-row tiles and a register prefetch of the next block (its loop-carried bytes cost
-~100 byte shuffles) did not. An FP8 ``mma.sync`` (m16n8k32 e4m3, one mma per scale group, no f16
-weights) is no way out on sm_90: ptxas lowers it to e4m3 -> f16 conversions and two f16 mmas (its SASS
-held 234 instructions per block); Hopper's native FP8 MMA is wgmma. Two operand forms cut instructions
-and are kept as options: ``band_layout`` weights (a warp load reads 512 contiguous bytes; helps NVFP4's
-8-byte scale rows most) and the ``act_f16_split`` f16 activation (no activation decode); together 62-79%
-with 32+ experts (46% at batch 1) where the default gives 56-70% (44%). The engine keeps the
-checkpoint's row layout (the prefill FP4 kernels read it too) and the e4m3 activation (the f16 form
-alone was slower at 8 rows per expert).
-
 Gluon has no CPU interpreter: CPU CI compiles this kernel for sm_90 and sm_100; the GPU tests run it
 against the dequantised reference. Needs sm_89+ (e4m3 -> f16 conversion).
+
+H200 measurements: docs/kernel-measurements.md, BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import torch
 
-from . import interpreting, triton_available
-from .gemm import QBLOCK
-from .gemv import launch_plan, sum_splits
+from ..lib import QBLOCK, asm_text, gluon_available, target
+from . import route
+from .common import launch_plan, log2_groups, sum_splits
 
-try:
-    if not triton_available():
-        raise ImportError
-    import triton
+GLUON = gluon_available()
+if GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from .gemm import _tile_rows
-    GLUON = True
-except ImportError:      # CPU-only torch without triton, or a triton without Gluon
-    GLUON = False
+    from ..lib import tile_rows
 
 BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mma
 BAND_ROWS = 16         # rows of one band in the band layout: one warp's 16 mma rows
 
 
 if GLUON:
-    def _asm_text(lines) -> str:
-        return "{ " + "\n".join(lines) + " }"
-
-    # e2m1 nibbles -> e4m3 bytes (value * 2^-6, exact), 4 at a time: ``gemm._e2m1_f16``'s placement
+    # e2m1 nibbles -> e4m3 bytes (value * 2^-6, exact), 4 at a time: ``lib.e2m1_f16``'s placement
     _E2M1_LO = "and.b32 t, {w}, 0x08080808; shl.b32 t, t, 4; and.b32 u, {w}, 0x07070707; shl.b32 u, u, 2; or.b32 t, t, u;"
     _E2M1_HI = "and.b32 t, {w}, 0x80808080; shr.b32 u, {w}, 2; and.b32 u, u, 0x1C1C1C1C; or.b32 t, t, u;"
     # one 16-byte weight load: 4 raw words $0-$3 from 16 pointers $4-$19 (only $4 is used)
@@ -80,7 +59,7 @@ if GLUON:
     _W_LOAD_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["l"] * 16))
     # outputs $0-$7 (low nibbles / even K) and $8-$15 (high nibbles / odd K), the 4 raw words $16-$19,
     # the 8 f16x2 multiplier registers $20-$27
-    _W_DECODE_ASM = gl.constexpr(_asm_text(
+    _W_DECODE_ASM = gl.constexpr(asm_text(
         [".reg .b32 t, u; .reg .b16 l, h;"]
         + [line for j in range(4) for o, place in ((0, _E2M1_LO), (8, _E2M1_HI)) for line in (
             place.format(w=f"${16 + j}"),
@@ -90,7 +69,7 @@ if GLUON:
     _W_DECODE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 16 + ["r"] * 4 + ["r"] * 8))
     _BAND = gl.constexpr(BAND_ROWS)
     # 32 activation bytes -> even bytes (e) and odd bytes (o) of each word pair -> f16x2
-    _ACT_ASM = gl.constexpr(_asm_text(
+    _ACT_ASM = gl.constexpr(asm_text(
         [".reg .b32 w0, w1, w2, w3, w4, w5, w6, w7, e, o; .reg .b16 l, h;",
          "ld.global.v4.b32 {w0, w1, w2, w3}, [$16];",
          "ld.global.v4.b32 {w4, w5, w6, w7}, [$16+16];"]
@@ -120,7 +99,7 @@ if GLUON:
     @gluon.jit
     def _w_decode(raw, mul):
         """16 raw weight bytes -> (low nibbles, high nibbles) as f16 = e2m1 * 2^-6 * mul (exact while
-        representable): ``gemm._e2m1_f16``'s e4m3 placement, e4m3x2 -> f16x2, f16x2 multiplies."""
+        representable): ``lib.e2m1_f16``'s e4m3 placement, e4m3x2 -> f16x2, f16x2 multiplies."""
         return gl.inline_asm_elementwise(_W_DECODE_ASM, _W_DECODE_CONSTRAINTS, [raw, mul],
                                          dtype=(gl.float16, gl.float16), is_pure=True, pack=16)
 
@@ -202,7 +181,7 @@ if GLUON:
         t = gl.program_id(0)
         pid_n = gl.program_id(1)
         ks = gl.program_id(2)
-        e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
+        e, m0, m_end, live = tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         if live:
             e64 = e.to(gl.int64)
             rn_a = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
@@ -250,14 +229,6 @@ if GLUON:
                 gl.store(C + rc64[None, :] * stride_cm + rn64[:, None], acc.to(gl.bfloat16), mask=out_mask)
 
 
-def available(dev) -> bool:
-    """Whether this kernel can run on ``dev``: a CUDA GPU of sm_89+ with Gluon, not the interpreter."""
-    if not GLUON or interpreting() or torch.device(dev).type != "cuda" or torch.version.hip is not None:
-        return False
-    from .gemm import capability
-    return capability(dev) >= (8, 9)
-
-
 def band_layout(t: torch.Tensor, per_block: int) -> torch.Tensor:
     """Rows [G, N, K/128 * per_block] (packed FP4 weights: per_block 64; MXFP4 / NVFP4 scale bytes: 4 / 8)
     -> the band layout [G, N/16, K/128, 16, per_block]: each K block of 16 consecutive rows is one
@@ -290,7 +261,8 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
     (``tcum``/``offs`` from ``moe.sort_pairs``) must use ``BM_ROWS``-row tiles. Returns bf16 ``out``
     [M, N] or, with ``partial``, the fp32 split partials [S, M, N]; ``split_sum=False``: the partials
     unsummed where K is split, bf16 [M, N] where it is not (for a consumer that sums them itself)."""
-    if not available(w.device):
+    t = target(w.device)
+    if not t.gluon_mma:
         raise RuntimeError("mma_gemv: needs a CUDA GPU of sm_89+ and triton with Gluon")
     if fmt not in ("mxfp4", "nvfp4"):
         raise ValueError(f"mma_gemv: fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
@@ -317,7 +289,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         if t.stride(-1) != 1 or t.data_ptr() % al or any(st % al for st in t.stride()[:-1]):
             raise ValueError(f"mma_gemv: {name} must be row-contiguous with {al}-byte aligned rows")
     dev = w.device
-    cfg = {"BN": 64, "num_warps": 4}     # H200 sweep: 64 x 4 warps (or 32 x 2) best; 128-256 rows slower
+    cfg = route.fp4_mma_config()
     if config:
         cfg.update(config)
     BN, nw = cfg["BN"], cfg["num_warps"]
@@ -326,7 +298,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
     grouped = tcum is not None
     # the GEMV's grid and split rule (~4 programs per SM)
     grid, kps, dst = launch_plan(M, N, K, BM_ROWS, BN, grouped=grouped, n_tiles=n_tiles, n_groups=n_groups,
-                                 split=split or cfg.get("SPLIT_K"), partial=partial, out=out, dev=dev)
+                                 split=split or cfg.get("SPLIT_K"), partial=partial, out=out, dev=dev, t=t)
     nv = fmt == "nvfp4"
     _mma_gemv_kernel[grid](
         a, sa, w, ws, ws2 if nv else sa, dst, perm if perm is not None else sa, offs if offs is not None else sa,
@@ -334,11 +306,11 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         a.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
         ws2.stride(0) if nv else 0, dst.stride(-2),
         NV=nv, GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
-        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
+        LOG2G=log2_groups(n_groups), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
         BAND=band, A16=a.dtype == torch.float16, num_warps=nw)
     if partial or not split_sum:
         return dst
     return sum_splits(dst, out)
 
 
-__all__ = ["BAND_ROWS", "BM_ROWS", "GLUON", "act_f16_split", "available", "band_layout", "mma_gemv_launch"]
+__all__ = ["BAND_ROWS", "BM_ROWS", "GLUON", "act_f16_split", "band_layout", "mma_gemv_launch"]

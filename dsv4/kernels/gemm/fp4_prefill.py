@@ -1,8 +1,8 @@
 """Prefill (large-tile) FP8 x FP4 expert GEMM for Hopper: one K=128 tensor-core MMA chain per 128-K block.
 
-Same host interface and numerics contract as ``gemm.fp4_launch(..., path="dequant")`` at tiles of
+Same host interface and numerics contract as ``fp4.fp4_launch(..., path="dequant")`` at tiles of
 >= 64 rows (plain bf16 output, or the grouped SwiGLU epilogue emitting e4m3 ``h`` bytes + scales
-through ``gemm._fp4_epilogue``), MXFP4 and NVFP4; only the inner loop differs:
+through ``common.fp4_epilogue``), MXFP4 and NVFP4; only the inner loop differs:
 
 * per 128-K block the [BN, 64] packed weight bytes become ONE [BN, 128] f16 tile (exact e2m1 values
   times a power of two) that feeds ONE ``tl.dot`` with K=128 (a chain of 8 k16 wgmmas) against the
@@ -11,12 +11,12 @@ through ``gemm._fp4_epilogue``), MXFP4 and NVFP4; only the inner loop differs:
   register -> shared-memory operand conversion, barrier and wgmma wait.
 * K order of the block (``KSPLIT``):
   - ``False``: natural order (``tl.join(lo, hi)``: element 2j = low nibble of byte j); the A operand
-    is ``gemm.f16_operand`` unchanged (drop-in), at the cost of byte-pair interleaving in registers
+    is ``common.f16_operand`` unchanged (drop-in), at the cost of byte-pair interleaving in registers
     (~one PRMT per f16x2).
   - ``True``: per 32-group the 16 even elements then the 16 odd ones (the order in which the old
     kernel's dots consume a group), so the nibble halves need no interleaving; the A operand must
     then be ``f16_operand_split(q)`` (the same f16 values, permuted once per row on the host).
-* e2m1 decode (``DEC``): 0 = ``gemm._e2m1_f16`` (e2m1 -> e4m3 byte -> ``cvt.rn.f16x2.e4m3x2``,
+* e2m1 decode (``DEC``): 0 = ``lib.e2m1_f16`` (e2m1 -> e4m3 byte -> ``cvt.rn.f16x2.e4m3x2``,
   value * 2^-6); 1 = integer-only (``_e2m1_f16_alu``: the code's 3 magnitude bits placed at f16 bits
   9-11 and its sign at bit 15 give value * 2^-14 exactly, subnormal 0.5 included: byte permutes,
   shifts and logic ops, no conversion instruction; more instructions, but conversions issue at a
@@ -26,49 +26,29 @@ through ``gemm._fp4_epilogue``), MXFP4 and NVFP4; only the inner loop differs:
   is folded into the f16 weight times a constant ``2^RB`` (exact: power-of-two products), then
   ``acc += blk * (sa[row] * 2^(s_max - 127) * 2^(decode shift - RB))``, the official per-128 fp32
   promotion. The fold is exact while a row's four group scales inside one 128-block span <= 2^28
-  (``gemm``'s FMT=2 fold: 2^16); beyond that the smallest groups flush to zero (relative 2^-28 of the
+  (``fp4``'s FMT=2 fold: 2^16); beyond that the smallest groups flush to zero (relative 2^-28 of the
   block's largest values). Every product is exact in fp32 and the MMA accumulates in fp32, so the
   result differs from ``fp4_launch`` only in fp32 summation order (with ``KSPLIT`` the block's
   products enter the MMA chain in the old kernel's order).
-* NVFP4: the e4m3 per-16 scales are folded into the f16 weight as in ``gemm`` (exact), the fp32
+* NVFP4: the e4m3 per-16 scales are folded into the f16 weight as in ``fp4`` (exact), the fp32
   global scale (times the decode shift) multiplies once at the end.
 * program order: the 1-D grid walks all column blocks of one m-tile before the next m-tile, so the
-  (gathered) activation rows of an expert come from HBM about once and then from L2 (``gemm``'s 2-D
+  (gathered) activation rows of an expert come from HBM about once and then from L2 (``fp4``'s 2-D
   grid walks all m-tiles of one column block first: the activation is re-read once per column
   block).
 
 The grouped tile enumeration (``tcum``) must be built for this kernel's ``BM``
 (``moe.sort_pairs(eflat, E, bm)``), as for ``fp4_launch``.
 
-Static comparison (AOT for sm_90a with Triton 3.6.0, ``ptxas -v`` and ``nvdisasm``; loop = SASS
-instructions of the K loop, i.e. per 128-K block; tile BN 128):
-
-  =========================================  ====  =====  ======  ====  ===========  ===  ====  ====
-  kernel                                     regs  spill  smem    loop  HGMMA/loop   BAR  F2FP  PRMT
-  =========================================  ====  =====  ======  ====  ===========  ===  ====  ====
-  old SwiGLU BM 64, 8 warps, 3 stages        237   0      56 KB   1200  30 64x64x16  52   64    150
-  new SwiGLU BM 64, 8 w, 3 s, cvt, natural   230   0      112 KB  661   16 64x64x16  12   64    66
-  new SwiGLU BM 64, 8 w, 3 s, cvt, split     232   0      112 KB  597   16 64x64x16  12   64    2
-  new SwiGLU BM 64, 8 w, 3 s, alu, split     230   0      112 KB  677   16 64x64x16  12   0     34
-  old plain BM 64, 4 warps, 3 stages         214   0      29 KB   997   8 64x128x16  10   64    137
-  new plain BM 64, 4 w, 3 s, cvt, natural    246   0      97 KB   662   8 64x128x16  4    64    68
-  new plain BM 64, 4 w, 3 s, cvt, split      246   0      97 KB   598   8 64x128x16  4    64    4
-  new plain BM 128, 8 w, 3 s, cvt, split     241   0      144 KB  428   8 64x128x16  6    32    1
-  =========================================  ====  =====  ======  ====  ===========  ===  ====  ====
-
-(The old loop also does 66 / 36 plain global loads (stride-2 activation) and ~240 / ~250 shared
-loads+stores for its 16 / 8 operand conversions; the new one loads the activation with cp.async.)
-Left as is: every wgmma is still waited for right after it is issued (Triton makes a wgmma
-asynchronous only when its result feeds the next iteration's MMA as the accumulator, which the
-per-128 promotion rules out), so MMA and decode overlap only across CTAs: 2 per SM for the plain
-BM 64 / 4-warp tile (regs and smem allow it), 1 for the SwiGLU tiles.
+Measurements and static facts: docs/kernel-measurements.md.
 """
 from __future__ import annotations
 
 import torch
 
-from . import interpreting, triton_available
-from .gemm import QBLOCK, _use_asm, fp4_kernel_args
+from ..lib import QBLOCK, interpreting, target, triton_available
+from . import route
+from .common import fp4_kernel_args, log2_groups
 
 REL_BIAS = 14       # MXFP4 fold: f16 weight = e2m1 * 2^-DS * 2^(s_g - s_max + RB), DS = 6 (DEC 0) / 14 (DEC 1)
 
@@ -76,7 +56,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .gemm import _e2m1_f16, _fp4_epilogue, _tile
+    from ..lib import e2m1_f16
+    from .common import fp4_epilogue, tile
 
     @triton.jit
     def _e2m1_f16_alu(b, USE_ASM: tl.constexpr):
@@ -112,7 +93,7 @@ if triton_available():
         jb = tl.arange(0, KB // 2)
         b = tl.load(wrow[:, None] + k0 // 2 + jb[None, :], mask=nmask[:, None], other=0)
         if DEC == 0:
-            lo, hi = _e2m1_f16(b, USE_ASM)                 # value * 2^-6
+            lo, hi = e2m1_f16(b, USE_ASM)                 # value * 2^-6
         else:
             lo, hi = _e2m1_f16_alu(b, USE_ASM)             # value * 2^-14
         NG: tl.constexpr = KB // 32
@@ -179,7 +160,7 @@ if triton_available():
         num_n = tl.cdiv(N_out, BN)
         t = pid // num_n
         pid_n = pid - t * num_n
-        live, r64, mrow, pair, arow, rn64, nmask, e64 = _tile(TCUM, OFFS, PERM, M, N_out, t, pid_n,
+        live, r64, mrow, pair, arow, rn64, nmask, e64 = tile(TCUM, OFFS, PERM, M, N_out, t, pid_n,
                                                               n_groups, top_k, BM, BN, LOG2G, GROUPED, GATHER)
         if not live:
             return
@@ -206,7 +187,7 @@ if triton_available():
             if SWIGLU:
                 s2b = tl.load(WS2 + e64 * stride_w2e + n_half + rn64, mask=nmask, other=0.0) * DSN
                 acc2 = acc2 * s2b[None, :]
-        _fp4_epilogue(C, CS, PW, acc, acc2, pair, r64, mrow, rn64, nmask, pid_n, stride_cm, stride_csm, limit,
+        fp4_epilogue(C, CS, PW, acc, acc2, pair, r64, mrow, rn64, nmask, pid_n, stride_cm, stride_csm, limit,
                       SWIGLU, HAS_PW, BM, INTERP)
 
 
@@ -222,28 +203,12 @@ def f16_operand_split(q: torch.Tensor) -> torch.Tensor:
     return out.view(M, K)
 
 
-def prefill_config(rows_per_group: float, device, swiglu: bool = False) -> dict:
-    """Tile / variant of the prefill kernel, from the H200 sweep of ``experiments/exp_fp4_prefill.py``
-    (V4-Flash, 4096 tokens, ~96 rows per expert; BENCHMARKS.md session 5): split K order; >= 96 rows
-    per expert BM 128 (SwiGLU 16 warps 2 stages: 5107 us vs 20727 for ``fp4_launch``; w2 8 warps
-    3 stages: 2092 vs 10194), else BM 64 (SwiGLU 8 warps, w2 4 warps, 3 stages: 3.1x / 4.6x).
-    Interpreter / CPU: small tiles."""
-    if interpreting() or torch.device(device).type != "cuda":
-        return {"BM": 16, "BN": 32, "DEC": 0, "KSPLIT": True}
-    big = rows_per_group >= 96
-    cfg = {"BM": 128 if big else 64, "BN": 128, "num_warps": 8 if big else 4, "num_stages": 3, "DEC": 0,
-           "KSPLIT": True}
-    if swiglu:
-        cfg.update(num_warps=16, num_stages=2) if big else cfg.update(num_warps=8)
-    return cfg
-
-
 def fp4_prefill_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, swiglu=False, limit=0.0,
                        perm=None, offs=None, tcum=None, pw=None, top_k=1, n_groups=1, n_tiles=None,
                        config=None, use_asm=None):
-    """Drop-in for ``gemm.fp4_launch(..., path="dequant")`` (same arguments; module doc).
+    """Drop-in for ``fp4.fp4_launch(..., path="dequant")`` (same arguments; module doc).
 
-    a: f16 [rows, K] activation operand: ``gemm.f16_operand(q)`` (``KSPLIT`` False, the default) or
+    a: f16 [rows, K] activation operand: ``common.f16_operand(q)`` (``KSPLIT`` False, the default) or
     ``f16_operand_split(q)`` (``config['KSPLIT'] = True``). w uint8 [G, N, K/2]; ws uint8
     [G, N, K/32] (mxfp4) or e4m3 bytes [G, N, K/16] (nvfp4); ws2 fp32 [G, N] (nvfp4). Grouped when
     ``tcum`` is given (built for ``config['BM']``); ``perm``: pair id per sorted row (activation row
@@ -257,7 +222,8 @@ def fp4_prefill_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fm
     if a.dtype != torch.float16:
         raise ValueError(f"fp4_prefill: the activation operand must be f16, got {a.dtype}")
     dev = a.device
-    cfg = prefill_config(M / max(1, n_groups), dev, swiglu)
+    t = target(dev)
+    cfg = route.fp4_prefill_config(M / max(1, n_groups), t, swiglu)
     if config:
         cfg.update(config)
     if swiglu:
@@ -271,14 +237,14 @@ def fp4_prefill_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fm
         grid_m = triton.cdiv(M, BM)
     grid = (max(grid_m, 1) * triton.cdiv(N_out, BN),)
     if use_asm is None:
-        use_asm = _use_asm(dev)
+        use_asm = t.use_asm
     _fp4_prefill_kernel[grid](
         *fp4_kernel_args(a, sa, w, ws, ws2, out, out_s, perm, offs, tcum, pw, M, N_out, K, n_half, n_groups,
                          top_k, limit),
         FMT=2 if fmt == "mxfp4" else 1, GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu,
         HAS_PW=pw is not None, USE_ASM=use_asm, DEC=dec, KSPLIT=ksplit, BM=BM, BN=BN,
-        LOG2G=max(1, max(n_groups, 1).bit_length()), RB=REL_BIAS if fmt == "mxfp4" else 0,
+        LOG2G=log2_groups(n_groups), RB=REL_BIAS if fmt == "mxfp4" else 0,
         SB_SCALE=2.0 ** ((6 if dec == 0 else 14) - 6 - REL_BIAS), INTERP=interpreting(), **kw)
 
 
-__all__ = ["fp4_prefill_launch", "f16_operand_split", "prefill_config", "REL_BIAS"]
+__all__ = ["fp4_prefill_launch", "f16_operand_split", "REL_BIAS"]

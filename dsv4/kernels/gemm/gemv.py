@@ -1,7 +1,7 @@
 """Decode-sized block-scaled GEMMs on CUDA cores: FP8 (128x128 scales) and FP4 (MXFP4 / NVFP4) weights.
 
 At decode a routed expert sees 1-4 rows and a linear layer 1-4 tokens: the tensor-core kernels of
-``gemm.py`` then stream weights through 16-row MMA tiles whose dot-operand layout conversion
+``fp8.py`` / ``fp4.py`` then stream weights through 16-row MMA tiles whose dot-operand layout conversion
 (registers -> shared memory -> registers, 4 bytes per weight element) and one tile per (expert,
 128 columns) leave the H200 mostly idle (BENCHMARKS.md session 3: ~440 GB/s on the FP4 expert
 weights at batch 1). Here every program streams a ``[BN, 128-K]`` weight slab in the layout it is
@@ -12,35 +12,36 @@ six experts). The MoE uses it at <= 2 rows per expert where the tensor-core kern
 cannot run (before sm_89, the interpreter); ``fp8_linear`` keeps the split-K MMA kernel
 (faster at 1-4 rows on the H200), the FP8 GEMV serves the shared expert's w1|w3 + SwiGLU.
 
-Numerics (the official structure up to fp32 summation order, as ``gemm.py``):
-  - FP4: an e2m1 code becomes ``value * 2^-6`` exactly (``gemm._e2m1_f16``), the activation is the
+Numerics (the official structure up to fp32 summation order, as ``fp8.py`` / ``fp4.py``):
+  - FP4: an e2m1 code becomes ``value * 2^-6`` exactly (``lib.e2m1_f16``), the activation is the
     e4m3 value; every product is exact in fp32. Per scale group (32 MXFP4 / 16 NVFP4) the products
     are summed in fp32, then scaled by ``sB * 2^6 * sA`` (powers of two for MXFP4: exact; the e4m3
     NVFP4 block scale: one fp32 rounding) and accumulated; the NVFP4 fp32 global scale multiplies
     the final sum.
   - FP8: e4m3 x e4m3 products (exact in fp32) summed per 16, scaled by ``sA * sB`` per 128-K block.
   - ``A_BF16``: the activation is quantised in the prologue (the official ``act_quant``: UE8M0 scale
-    per 1x128 block, RNE), bit-identical to ``gemm.act_quant_fp8``.
+    per 1x128 block, RNE), bit-identical to ``fp8.act_quant_fp8``.
 Outputs: bf16 (one rounding of the fp32 sum), or with split-K fp32 partials ``[S, M, N]`` summed in
-split order by ``gemm._splitk_sum`` or by the SwiGLU epilogue (``swiglu_quant``: w1/w3 halves ->
-``_swiglu_h`` -> FP8 h + scales, the grouped FP4 kernel's epilogue as a separate pass).
+split order by ``common.sum_splits`` or by the SwiGLU epilogue (``swiglu_quant``: w1/w3 halves ->
+``swiglu_h`` -> FP8 h + scales, the grouped FP4 kernel's epilogue as a separate pass).
 
 Grouped (MoE) mode: rows are pair rows sorted by expert, m-tiles of ``BM`` rows found by the same
-binary search as the FP4 kernel (``gemm._find_tile``); ``perm`` maps a sorted row to its pair.
+binary search as the FP4 kernel (``lib.find_tile``); ``perm`` maps a sorted row to its pair.
 """
 from __future__ import annotations
 
 import torch
 
-from . import interpreting, triton_available
-from .gemm import GEMV_MAX_ROWS, QBLOCK, _sm_count, _u8, _use_asm
+from ..lib import QBLOCK, interpreting, target, triton_available, u8
+from . import route
+from .common import check_fp4, check_fp8_weight, launch_plan, log2_groups, nvfp4_row_scales, sum_splits, \
+    weight_scales
 
 if triton_available():
     import triton
     import triton.language as tl
 
-    from .gemm import _e2m1_f16, _quant_rows, _splitk_sum, _store_bf16, _swiglu_h, _tile_rows
-    from .kv_insert import _e4m3_bits, _exp2i, _ue8m0_exp
+    from ..lib import e2m1_f16, e4m3_bits, exp2i, quant_rows, store_bf16, swiglu_h, tile_rows, ue8m0_exp
 
     @triton.jit
     def _row_dot(w, A, SA, row, k0, kb, stride_am, stride_sam, NG: tl.constexpr, KG: tl.constexpr,
@@ -51,14 +52,14 @@ if triton_available():
         ptr = A + row * stride_am + k0 + c         # row: always a real row (the tile's padding repeats one)
         if A_BF16:   # the official act_quant of this 1x128 block, in the prologue
             x = tl.load(ptr).to(tl.float32)
-            e = _ue8m0_exp(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-            v = tl.minimum(tl.maximum(x * _exp2i(-e), -448.0), 448.0)
+            e = ue8m0_exp(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+            v = tl.minimum(tl.maximum(x * exp2i(-e), -448.0), 448.0)
             if INTERP:
-                q = _e4m3_bits(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                q = e4m3_bits(v).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
             else:
                 q = v.to(tl.float8e4nv)
             a = q.to(tl.float32)
-            sa = _exp2i(e)
+            sa = exp2i(e)
         else:
             a = tl.load(ptr).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             sa = tl.load(SA + row * stride_sam + kb)
@@ -101,7 +102,7 @@ if triton_available():
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         ks = tl.program_id(2)
-        e, m0, m_end, live = _tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
+        e, m0, m_end, live = tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         if not live:
             return
         # activation rows of the tile (scalars: up to 4)
@@ -151,7 +152,7 @@ if triton_available():
                     sb = sraw
                 sb = sb[:, None]
             else:
-                wl, wh = _e2m1_f16(b, USE_ASM)            # even / odd K elements, value * 2^-6
+                wl, wh = e2m1_f16(b, USE_ASM)            # even / odd K elements, value * 2^-6
                 w = tl.reshape(tl.join(wl, wh), [BN, NG, 2 * GB]).to(tl.float32)
                 if WFMT == 0:
                     sb = ((sraw.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)   # 2^(byte-127) * 2^6
@@ -185,12 +186,12 @@ if triton_available():
         if SPLIT:
             tl.store(C + ks.to(tl.int64) * M * N + r64 * N + rn64, y, mask=mask)
         else:
-            _store_bf16(C + r64 * stride_cm + rn64, y, mask, INTERP)
+            store_bf16(C + r64 * stride_cm + rn64, y, mask, INTERP)
 
     @triton.jit
     def _swiglu_quant_kernel(WSP, H, HS, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm,
                              GATHER: tl.constexpr, HAS_PW: tl.constexpr, INTERP: tl.constexpr):
-        """h[r, 128 c ..] = FP8(_swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols]))."""
+        """h[r, 128 c ..] = FP8(swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols]))."""
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         i = c * 128 + tl.arange(0, 128)
@@ -208,57 +209,14 @@ if triton_available():
             pw = tl.load(PW + pair + tl.zeros([1], tl.int64))
         else:
             pw = tl.zeros([1], tl.float32)
-        h = _swiglu_h(gs[None, :], us[None, :], pw, limit, HAS_PW)
-        q, eh = _quant_rows(h, INTERP)
+        h = swiglu_h(gs[None, :], us[None, :], pw, limit, HAS_PW)
+        q, eh = quant_rows(h, INTERP)
         tl.store(H + r * stride_hm + i[None, :], q.to(tl.uint8, bitcast=True))
-        tl.store(HS + r * stride_hsm + c + tl.arange(0, 1), _exp2i(eh))
+        tl.store(HS + r * stride_hsm + c + tl.arange(0, 1), exp2i(eh))
 
 
 # -------------------------------------------------------------------------------------------------
 # host side
-
-def rows_tile(m: int) -> int:
-    """The kernel's row tile (1, 2 or 4 unrolled row accumulators) for m rows."""
-    return 1 if m <= 1 else (2 if m == 2 else 4)
-
-
-def gemv_config(N: int, dev, fp8: bool) -> dict:
-    if interpreting() or torch.device(dev).type != "cuda":
-        return {"BN": 16}
-    # H200 (BENCHMARKS.md): 64 rows x 8 warps gave the fastest MoE layer at batch 1 and 64 (V4-Flash
-    # and V4-Pro); on the single-GEMM sweep 64 and 128 rows are within run-to-run noise (165-198 us).
-    # Tried and slower: next-block prefetch, two K blocks per iteration, an fp32 activation operand
-    return {"BN": 32 if fp8 else 64, "num_warps": 4 if fp8 else 8, "num_stages": 1}
-
-
-def _splits(tiles: int, K: int, dev) -> int:
-    """K splits so that ~4 programs per SM exist, >= 2 K blocks of 128 per split, at most 16."""
-    kb = K // QBLOCK
-    target = 4 * _sm_count(torch.device(dev))
-    s = 1
-    while s < 16 and tiles * s < target and kb // (2 * s) >= 2:
-        s *= 2
-    return s
-
-
-def launch_plan(M: int, N: int, K: int, bm: int, BN: int, *, grouped: bool, n_tiles, n_groups: int, split,
-                partial: bool, out, dev):
-    """(grid (m-tiles, column blocks, K splits), K per split, output buffer) of a decode GEMM: m-tiles of
-    ``bm`` rows (grouped: ``n_tiles``, else the per-expert bound), ``BN``-column blocks, ``split`` K
-    splits (default ``_splits``); fp32 partials [S, M, N] when split or ``partial``, else bf16 ``out``."""
-    grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, bm) + min(n_groups, M)) if grouped \
-        else triton.cdiv(M, bm)
-    grid_m = max(grid_m, 1)
-    grid_n = triton.cdiv(N, BN)
-    S = split or _splits(grid_m * grid_n, K, dev)
-    kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
-    S = triton.cdiv(K, kps)
-    if partial or S > 1:
-        dst = torch.empty(S, M, N, dtype=torch.float32, device=dev)
-    else:
-        dst = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dev)
-    return (grid_m, grid_n, S), kps, dst
-
 
 def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: bool = False,
                 a_bf16: bool = False, perm=None, offs=None, tcum=None, top_k: int = 1, n_groups: int = 1,
@@ -273,19 +231,18 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
     if bm not in (1, 2, 4):
         raise ValueError(f"gemv: tile rows bm must be 1, 2 or 4, got {bm}")
     dev = w.device
+    t = target(dev)
     fp8 = wfmt == "fp8"
-    cfg = dict(gemv_config(N, dev, fp8))
+    cfg = dict(route.gemv_config(N, t, fp8))
     if config:
         cfg.update(config)
     BN = cfg.pop("BN")
     grouped = tcum is not None
     grid, kps, dst = launch_plan(M, N, K, bm, BN, grouped=grouped, n_tiles=n_tiles, n_groups=n_groups,
-                                 split=split or cfg.pop("SPLIT_K", None), partial=partial, out=out, dev=dev)
+                                 split=split or cfg.pop("SPLIT_K", None), partial=partial, out=out, dev=dev, t=t)
     if fp8:
-        sb_e8m0 = ws.dtype in (torch.float8_e8m0fnu, torch.uint8)
-        wsv = _u8(ws) if sb_e8m0 else ws.float()
-        per_row = wsv.shape[0] == w.shape[0] and w.shape[0] != triton.cdiv(w.shape[0], QBLOCK)
-        wv = _u8(w)
+        wsv, sb_e8m0, per_row = weight_scales(w, ws)
+        wv = u8(w)
         strides = (0, wv.stride(0), 0, wsv.stride(0), 0)
         ng, gb, wfmt_i = 8, 16, 3
     else:
@@ -293,7 +250,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         strides = (w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), ws2.stride(0) if ws2 is not None else 0)
         ng, gb, wfmt_i = (4, 16, 0) if wfmt == "mxfp4" else (8, 8, 1)
     if use_asm is None:
-        use_asm = _use_asm(dev)
+        use_asm = t.use_asm
     kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     _gemv_kernel[grid](
         a, sa if sa is not None else wsv, wv, wsv, ws2 if ws2 is not None else wsv, dst,
@@ -302,28 +259,15 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         a.stride(0), sa.stride(0) if sa is not None else 0, *strides, dst.stride(-2),
         WFMT=wfmt_i, SB_SHIFT=0 if per_row else 7, SB_E8M0=sb_e8m0, A_BF16=a_bf16, GROUPED=grouped,
         GATHER=perm is not None, USE_ASM=use_asm, BM=bm, BN=BN, NG=ng, GB=gb,
-        LOG2G=max(1, max(n_groups, 1).bit_length()), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
+        LOG2G=log2_groups(n_groups), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
     if partial or not split_sum:
         return dst
     return sum_splits(dst, out)
 
 
-def sum_splits(dst: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A decode GEMM's result: bf16 ``dst`` as is, or fp32 split partials [S, M, N] summed in split
-    order (``gemm._splitk_sum``) into bf16 ``out`` [M, N]."""
-    if dst.dtype != torch.float32:
-        return dst
-    S, M, N = dst.shape
-    out = out if out is not None else torch.empty(M, N, dtype=torch.bfloat16, device=dst.device)
-    BLOCK = 1024
-    _splitk_sum[(triton.cdiv(M * N, BLOCK),)](dst, out, M, N, S, out.stride(0), BLOCK=BLOCK,
-                                              INTERP=interpreting(), **({} if interpreting() else {"num_warps": 4}))
-    return out
-
-
 def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None):
     """fp32 partials [S, M, 2I] of the w1|w3 GEMM -> (h e4m3 bytes [M, I], hs fp32 [M, I/128]):
-    the official expert middle (``gemm._swiglu_h``: bf16 rounding, clamps, silu, routing weight ``pw``
+    the official expert middle (``lib.swiglu_h``: bf16 rounding, clamps, silu, routing weight ``pw``
     per pair id, one bf16 rounding) and its FP8 1x128 quantisation."""
     S, M, N2 = partials.shape
     I = N2 // 2
@@ -344,9 +288,8 @@ def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None):
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, xs: torch.Tensor | None = None,
              config: dict | None = None) -> torch.Tensor:
     """bf16 [M, N] = the official FP8 linear of a few rows: x bf16 [M, K] (quantised in the
-    prologue), or e4m3 x with its scales ``xs``. Same products as ``gemm.fp8_gemm``."""
-    from .gemm import _check_fp8_weight
-    _check_fp8_weight(w, ws)
+    prologue), or e4m3 x with its scales ``xs``. Same products as ``fp8.fp8_gemm``."""
+    check_fp8_weight(w, ws)
     M, K = x.shape
     N = w.shape[0]
     if w.shape[1] != K:
@@ -355,28 +298,24 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, xs: torch.Tenso
     if M == 0:
         return out
     a_bf16 = xs is None
-    a = x.to(torch.bfloat16).contiguous() if a_bf16 else _u8(x.contiguous())
-    bm = rows_tile(M)
+    a = x.to(torch.bfloat16).contiguous() if a_bf16 else u8(x.contiguous())
+    bm = route.rows_tile(M)
     return gemv_launch(a, None if a_bf16 else xs.float().contiguous(), w.contiguous(), ws.contiguous(), None,
                        M, N, K, wfmt="fp8", out=out, a_bf16=a_bf16, bm=bm, config=config)
 
 
 def fp4_gemv(xq, xs, w_packed, w_scale, fmt: str = "mxfp4", w_scale_2=None, config: dict | None = None):
-    """bf16 [M, N] = FP8 activations x FP4 weights (the ``gemm.fp4_gemm`` contract) on the GEMV kernel."""
-    from .gemm import _check_fp4
-    N, K = _check_fp4(w_packed, w_scale, fmt, w_scale_2)
+    """bf16 [M, N] = FP8 activations x FP4 weights (the ``fp4.fp4_gemm`` contract) on the GEMV kernel."""
+    N, K = check_fp4(w_packed, w_scale, fmt, w_scale_2)
     M = xq.shape[0]
     dev = w_packed.device
     out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
     if M == 0:
         return out
-    ws2 = None
-    if fmt == "nvfp4":
-        ws2 = w_scale_2.float().reshape(-1).to(dev)
-        ws2 = (ws2.expand(N) if ws2.numel() == 1 else ws2).contiguous().unsqueeze(0)
-    bm = rows_tile(M)
-    return gemv_launch(_u8(xq.contiguous()), xs.float().contiguous(), _u8(w_packed).contiguous()[None],
-                       _u8(w_scale).contiguous()[None], ws2, M, N, K, wfmt=fmt, out=out, bm=bm, config=config)
+    ws2 = nvfp4_row_scales(w_scale_2, N, dev) if fmt == "nvfp4" else None
+    bm = route.rows_tile(M)
+    return gemv_launch(u8(xq.contiguous()), xs.float().contiguous(), u8(w_packed).contiguous()[None],
+                       u8(w_scale).contiguous()[None], ws2, M, N, K, wfmt=fmt, out=out, bm=bm, config=config)
 
 
-__all__ = ["GEMV_MAX_ROWS", "fp4_gemv", "fp8_gemv", "gemv_launch", "rows_tile", "sum_splits", "swiglu_quant"]
+__all__ = ["fp4_gemv", "fp8_gemv", "gemv_launch", "swiglu_quant"]

@@ -1,16 +1,16 @@
-"""Prefill-oriented block-scaled FP8 GEMM: variants of ``gemm.fp8_gemm`` (plain mode) to sweep on Hopper.
+"""Prefill-oriented block-scaled FP8 GEMM: variants of ``fp8.fp8_gemm`` (plain mode) to sweep on Hopper.
 
-Contract and numerics are those of ``gemm.fp8_gemm``: e4m3 activations ``xq [M, K]`` with fp32
+Contract and numerics are those of ``fp8.fp8_gemm``: e4m3 activations ``xq [M, K]`` with fp32
 power-of-two scales ``xs [M, K/128]``, e4m3 weights ``w [N, K]`` with 128x128 block scales
 ``ws [N/128, K/128]`` (e8m0 or fp32; per-row ``[N, K/128]`` also accepted) -> bf16 ``[M, N]``. For every
 128-wide K block a fresh fp32 partial ``P = A_blk . B_blk^T`` (fp8 tensor-core dot), then
 ``acc += P * (sA[row, kb] * sB[col // 128, kb])`` in increasing K order, one bf16 rounding. Under the
-CPU interpreter every variant gives the same bits as ``gemm.fp8_gemm_torch``
+CPU interpreter every variant gives the same bits as ``twins.gemm.fp8_gemm``
 (tests/test_kernels_fp8_prefill.py).
 
 Variants, selected through ``config`` (keys of ``DEFAULT_CONFIG``):
 
-* ``LOAD``: ``"ptr"`` (masked pointer loads, as gemm.py; cp.async), ``"tma"`` (host
+* ``LOAD``: ``"ptr"`` (masked pointer loads, as fp8.py; cp.async), ``"tma"`` (host
   ``TensorDescriptor`` objects passed by value; bulk tensor copies, rows past M / N zero-filled by the
   copy engine) or ``"tma_dev"`` (``tl.make_tensor_descriptor`` in the kernel; global scratch from
   ``triton.set_allocator``, set here on first use). TMA needs 16-byte aligned bases and row strides
@@ -43,30 +43,19 @@ Variants, selected through ``config`` (keys of ``DEFAULT_CONFIG``):
   base or row stride is not 16-byte aligned, e.g. N % 8 != 0).
 * ``num_warps`` / ``num_stages``, ``GROUP_M`` (grouped-ordering height).
 
-Static facts (Triton 3.6.0 AOT for sm_90a, ptxas -v, cuobjdump; experiments/exp_fp8_prefill.py --static
-prints them): every variant uses ``QGMMA.64xNx32.F32.E4M3.E4M3``; TMA variants ``UTMALDG.2D``. Per
-K block each consumer warpgroup waits for its wgmma chain (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) before
-the promotion FFMAs: Triton keeps a wgmma asynchronous past non-dot users only behind a ``wait(0)``
-(WGMMAPipeline rule 3b), and a software-pipelined promotion (the partial of block k-1 promoted while
-block k's wgmma runs, a loop-carried copy of the partial) made ptxas serialise every wgmma
-(C7514: "non wgmma instructions reading accumulator registers"); that variant was dropped. MMA/FFMA
-overlap therefore comes from the two independent consumer warpgroups of the ``WS`` variant.
-H200 (triton 3.6, BENCHMARKS.md sessions 5 and 8): the non-specialised TMA variants reach 860-890
-TFLOP/s (57-61% of the measured 1454 TFLOP/s ``_scaled_mm`` peak) on the square-ish prefill shapes with
-4 stages and 750-810 (51-56%) on wq_b (N >> K); 3 stages (three CTAs per SM) with the TMA store: 854-917
-(59-63%) on all six shapes; the pointer-load tile of ``gemm.py`` 440-560. Session 9 (7 rounds in
-shuffled order, the spread of one run shows in BENCHMARKS.md): 64-row-block groups 57-68%, Flash wq_b
-and Pro wo_b still 57-59% (session 11: 60.7% and 61.9%, same code). ``prefill_config`` holds the
-measured best; ``gemm.fp8_gemm`` routes prefill-sized calls (``PREFILL_MIN_ROWS``) here. A hand-written
-warp-specialized version of the same math (Gluon, ``experiments/fp8_ws.py``) gives the same bits; it measured level
-with this kernel where N >> K and slower at K >= 7168, so it is not routed to.
+Current choice: ``route.fp8_prefill_config`` (TMA loads, 64 x 128 tiles, 3 stages, the TMA store
+epilogue, grouped order over 64 row blocks); ``linear.fp8_gemm`` routes prefill-sized calls
+(``route.PREFILL_MIN_ROWS``, sm_90) here. The warp-specialized Gluon version of the same math
+(``experiments/fp8_ws.py``) is not routed to. Measurements and static facts:
+docs/kernel-measurements.md.
 """
 from __future__ import annotations
 
 import torch
 
-from . import interpreting, triton_available
-from .gemm import QBLOCK, _check_fp8_weight, _sm_count, _u8
+from ..lib import QBLOCK, interpreting, target, triton_available, u8
+from . import route
+from .common import check_fp8_weight, weight_scales
 
 LOADS = {"ptr": 0, "tma": 1, "tma_dev": 2}
 
@@ -78,8 +67,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .gemm import _grouped_tile
-    from .kv_insert import _rne_bf16
+    from ..lib import grouped_tile, rne_bf16
 
     @triton.jit
     def _pf_sb(SB, n0, kb, N, stride_sbn, W: tl.constexpr, SB_E8M0: tl.constexpr, SB_ROW: tl.constexpr):
@@ -131,7 +119,7 @@ if triton_available():
     def _pf_store(C, acc, m0, n0, M, N, stride_cm, BM: tl.constexpr, W: tl.constexpr,
                   EPI_TMA: tl.constexpr, INTERP: tl.constexpr):
         if INTERP:   # the interpreter's bf16 cast truncates: round to nearest even on the bits first
-            acc = _rne_bf16(acc)
+            acc = rne_bf16(acc)
         if EPI_TMA:
             C.store([m0, n0], acc.to(tl.bfloat16))
         else:
@@ -199,12 +187,12 @@ if triton_available():
             num_tiles = num_m * num_n
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN,
                                  warp_specialize=WS):
-                pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
+                pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
                 _pf_tile(A, SA, B, SB, C, pid_m, pid_n, M, N, K, stride_am, stride_bn, stride_cm, stride_sam,
                          stride_sak, stride_sbn, BM, BN, NSUB, LOAD, SB_E8M0, SB_ROW, EPI_TMA, False, ORDER,
                          INTERP)
         else:            # WS applies to the K loop
-            pid_m, pid_n = _grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
+            pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
             _pf_tile(A, SA, B, SB, C, pid_m, pid_n, M, N, K, stride_am, stride_bn, stride_cm, stride_sam,
                      stride_sak, stride_sbn, BM, BN, NSUB, LOAD, SB_E8M0, SB_ROW, EPI_TMA, WS, ORDER, INTERP)
 
@@ -228,27 +216,10 @@ def _ensure_allocator(device):
     _ALLOCATOR_SET = True
 
 
-def prefill_config(M: int, N: int, K: int, dev) -> dict:
-    """Default variant, from the H200 runs of experiments/exp_fp8_prefill.py (BENCHMARKS.md sessions 5,
-    8 and 9): TMA loads, no warp specialization, 64 x 128 tiles of one warpgroup, 3 stages (72 KB of
-    shared memory: three CTAs per SM, so one CTA's epilogue overlaps the others' main loops) and the
-    TMA store epilogue, grouped order over 64 row blocks (4096 rows: at M <= 4096 each weight
-    tile is read from HBM once; session 9, 7 shuffled rounds: +1-3 points of peak over 8-block
-    groups on five of the seven benchmark rows, equal on the wq_b shapes). The warp-specialized variants
-    produced no timing on the H200 (dropped by the benchmark's per-variant pre-run). Small tiles
-    under the interpreter."""
-    cfg = dict(DEFAULT_CONFIG)
-    if interpreting() or torch.device(dev).type != "cuda":
-        cfg.update(BM=32, BN=64)
-    else:
-        cfg.update(BM=64, num_warps=4, num_stages=3, EPI_TMA=True, GROUP_M=64)
-    return cfg
-
-
 def resolve_config(M: int, N: int, K: int, dev, config: dict | None) -> dict:
     """The full config of a launch (defaults + ``config``), validated; raises ValueError on bad keys /
     values and on combinations that do not compile with Triton 3.6 (module doc)."""
-    cfg = prefill_config(M, N, K, dev)
+    cfg = dict(DEFAULT_CONFIG, **route.fp8_prefill_config(target(dev)))
     if config:
         unknown = set(config) - set(DEFAULT_CONFIG)
         if unknown:
@@ -278,15 +249,15 @@ def resolve_config(M: int, N: int, K: int, dev, config: dict | None) -> dict:
     return cfg
 
 
-def _tma_ok(*ts: torch.Tensor) -> bool:
+def tma_ok(*ts: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(-1) == 1
                for t in ts)
 
 
 def check_args(fn: str, xq, xs, w, ws, out):
-    """The arguments of the ``gemm.fp8_gemm`` contract (ValueError naming ``fn`` and the problem);
+    """The arguments of the ``fp8.fp8_gemm`` contract (ValueError naming ``fn`` and the problem);
     -> (M, N, K, out), ``out`` a new bf16 [M, N] when None."""
-    _check_fp8_weight(w, ws)
+    check_fp8_weight(w, ws)
     if xq.dim() != 2 or xq.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise ValueError(f"{fn}: expected e4m3 activations [M, K], got {xq.dtype} {tuple(xq.shape)}")
     M, K = xq.shape
@@ -305,7 +276,7 @@ def check_args(fn: str, xq, xs, w, ws, out):
 
 def fp8_gemm_prefill(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """bf16 [M, N] = official block-scaled FP8 GEMM (the ``gemm.fp8_gemm`` contract, plain mode): xq
+    """bf16 [M, N] = official block-scaled FP8 GEMM (the ``fp8.fp8_gemm`` contract, plain mode): xq
     e4m3 [M, K], xs fp32 [M, K/128] (power-of-two scales), w e4m3 [N, K], ws e8m0/fp32 [N/128, K/128]
     (or per-row [N, K/128]); ``out`` an optional bf16 [M, N] (row-contiguous) destination; ``config``
     selects the variant (module doc, ``DEFAULT_CONFIG``)."""
@@ -315,20 +286,19 @@ def fp8_gemm_prefill(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
     cfg = resolve_config(M, N, K, xq.device, config)
     BM, BN, NSUB = cfg["BM"], cfg["BN"], cfg["NSUB"]
     W = BN // NSUB
-    a = _u8(xq.contiguous()).view(torch.float8_e4m3fn)
-    b = _u8(w.contiguous()).view(torch.float8_e4m3fn)
+    a = u8(xq.contiguous()).view(torch.float8_e4m3fn)
+    b = u8(w.contiguous()).view(torch.float8_e4m3fn)
     load = LOADS[cfg["LOAD"]]
     epi_tma = bool(cfg["EPI_TMA"])
-    if load and not _tma_ok(a, b):
+    if load and not tma_ok(a, b):
         load, epi_tma = 0, False
-    if epi_tma and not _tma_ok(out):
+    if epi_tma and not tma_ok(out):
         epi_tma = False
     ws_flag = bool(cfg["WS"]) and load != 0
     if load == 0:
-        a, b = _u8(a), _u8(b)
-    sb_e8m0 = ws.dtype in (torch.float8_e8m0fnu, torch.uint8)
-    wsv = (_u8(ws) if sb_e8m0 else ws.float()).contiguous()
-    sb_row = wsv.shape[0] == N and N != triton.cdiv(N, QBLOCK)
+        a, b = u8(a), u8(b)
+    wsv, sb_e8m0, sb_row = weight_scales(w, ws)
+    wsv = wsv.contiguous()
     xs = xs.float()
     if cfg["SA_T"]:
         sa = xs.t().contiguous()                       # [K/128, M]: one contiguous vector per K block
@@ -346,7 +316,7 @@ def fp8_gemm_prefill(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
     elif load == 2:
         _ensure_allocator(xq.device)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    grid = (min(tiles, _sm_count(xq.device)) if cfg["PERSISTENT"] else tiles,)
+    grid = (min(tiles, target(xq.device).sm_count) if cfg["PERSISTENT"] else tiles,)
     kw = {} if interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     _fp8_prefill_kernel[grid](
         A, sa, B, wsv, C, M, N, K, a.stride(0), b.stride(0), out.stride(0), s_m, s_k, wsv.stride(0),
@@ -388,4 +358,4 @@ def aot_spec(config: dict | None = None, sb_e8m0: bool = True):
     return fn, sig, const, attrs, opts
 
 
-__all__ = ["fp8_gemm_prefill", "prefill_config", "resolve_config", "aot_spec", "DEFAULT_CONFIG", "LOADS"]
+__all__ = ["fp8_gemm_prefill", "resolve_config", "aot_spec", "DEFAULT_CONFIG", "LOADS"]

@@ -1,9 +1,9 @@
 """Decode-sized block-scaled FP8 GEMM on tensor cores (Gluon), split-K summed inside the kernel.
 
-The ``gemm.fp8_gemm`` contract (official numerics): e4m3 weights ``w [N, K]`` with 128x128 block
+The ``fp8.fp8_gemm`` contract (official numerics): e4m3 weights ``w [N, K]`` with 128x128 block
 scales (e8m0 bytes or fp32; per-row ``[N, K/128]`` also accepted), activations quantised 1x128
 (``act_quant_fp8``: e4m3 + power-of-two scales) either beforehand (``xq``, ``xs``) or in this kernel
-from bf16 ``x`` (``x_bf16``: ``gemm._quant_rows``' rule, the same bytes and scales). Per 128-K block a
+from bf16 ``x`` (``x_bf16``: ``lib.quant_rows``' rule, the same bytes and scales). Per 128-K block a
 fresh fp32 partial of exact products, then ``acc += P * (sA * sB)``; one bf16 rounding at the end.
 ``act="bf16"`` keeps bf16 activations as they are (weights e4m3 -> bf16 in the load, exact; bf16 mma;
 ``acc += P * sB``): the official bf16 GEMM of the dequantised weight up to fp32 summation order, with
@@ -19,55 +19,37 @@ flight per warp; the same additions in the same order).
 
 Split K without a second launch: with S > 1 K splits every program stores its fp32 partial, then
 arrives on its output tile's counter (``atomic_add``, acq_rel, gpu scope); the last to arrive sums
-the S partials in split order (``gemm._splitk_sum``'s order: deterministic whatever the arrival
+the S partials in split order (``common.sum_splits``' order: deterministic whatever the arrival
 order), writes bf16 and resets the counter (``counters.arrival_counters``: per device, zero between
 calls, so calls on one device must be stream-ordered; the engine's are). ``partial=True`` returns the fp32
 partials [S, M, N] instead (for a consumer that sums them in its own pass).
 
 Gluon has no CPU interpreter: CPU CI compiles this kernel for sm_90 / sm_100; the GPU tests compare
-it with ``gemm.fp8_gemm_torch``. Needs sm_89+ (e4m3 -> f16 conversion).
+it with ``twins.gemm.fp8_gemm``. Needs sm_89+ (e4m3 -> f16 conversion).
 """
 from __future__ import annotations
 
 import torch
 
-from . import triton_available
-from .gemm import QBLOCK, _check_fp8_weight, _u8
-from .gemv import launch_plan
+from ..lib import QBLOCK, asm_text, gluon_available, target, u8
+from . import route
+from .common import check_fp8_weight, launch_plan, weight_scales
 
-try:
-    if not triton_available():
-        raise ImportError
-    import triton
+GLUON = gluon_available()
+if GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from .fp4_mma import _asm_text
-    from .kv_insert import _exp2i, _ue8m0_exp
+    from ..lib import exp2i, ue8m0_exp
     # CTA barrier: ``thread_barrier`` in triton 3.6 (the H200 image), ``barrier`` in later releases
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-    GLUON = True
-except ImportError:      # CPU-only torch without triton, or a triton without Gluon
-    GLUON = False
 
 BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mma
-# fp8_linear / fp8_gemm route calls here (sm_89+) up to MAX_ROWS rows on weights of up to MAX_WEIGHT
-# elements. H200 (benchmarks/gemm_moe.py --only fp8dec and exp_fp8_mma.py, BENCHMARKS.md session 7): on
-# the 2-8 MB V4-Flash linears 7.1-7.5 us at one row (two K blocks per step) against 8.7-9.7 us for the
-# split-K Triton tile + its sum launch, about equal at 8 rows; on the 32 MB ones (wq_b, wo_b) slower
-# (19.3 / 20.3 us against 15.3 / 17.9: no cross-iteration pipelining, the Triton tile has 3 stages)
-MAX_ROWS = 4
-MAX_WEIGHT = 8 * 1024 * 1024
-# the grouped wo_a (act="bf16") up to this many rows. The model stores wo_a in FP8 only, so the
-# alternative is dequantising the weight to bf16 per call and one batched GEMM: ~300 us on the H200 at
-# Flash shapes, against 48 us for fp8_mma at 64 rows (experiments/exp_wo_a_rows.py)
-WO_A_MAX_ROWS = 128
-
 
 if GLUON:
     # 16 e4m3 bytes (pointers $8-$23) -> 16 f16 in 8 registers $0-$7, element order kept
-    _LD_E4M3_ASM = gl.constexpr(_asm_text(
+    _LD_E4M3_ASM = gl.constexpr(asm_text(
         [".reg .b32 w0, w1, w2, w3; .reg .b16 l, h;",
          "ld.global.nc.L2::128B.v4.b32 {w0, w1, w2, w3}, [$8];"]
         + [f"mov.b32 {{l, h}}, w{j}; cvt.rn.f16x2.e4m3x2 ${2 * j}, l; cvt.rn.f16x2.e4m3x2 ${2 * j + 1}, h;"
@@ -75,7 +57,7 @@ if GLUON:
     _LD_E4M3_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 8 + ["l"] * 16))
 
     # the same 16 bytes -> 16 bf16 (exact: e4m3 -> f16 -> f32 -> bf16, no rounding on the way)
-    _LD_E4M3_BF16_ASM = gl.constexpr(_asm_text(
+    _LD_E4M3_BF16_ASM = gl.constexpr(asm_text(
         [".reg .b32 w0, w1, w2, w3, a; .reg .b16 l, h; .reg .f32 f0, f1;",
          "ld.global.nc.L2::128B.v4.b32 {w0, w1, w2, w3}, [$8];"]
         + [line for j in range(4) for q, half in ((0, "l"), (1, "h")) for line in (
@@ -99,9 +81,9 @@ if GLUON:
 
     @gluon.jit
     def _quant_half(x, e):
-        """fp32 values -> e4m3-rounded f16 at scale 2^e (``gemm._quant_rows``: clamp to +-448, round
+        """fp32 values -> e4m3-rounded f16 at scale 2^e (``lib.quant_rows``: clamp to +-448, round
         to nearest even)."""
-        v = x * _exp2i(-e)[None, :]
+        v = x * exp2i(-e)[None, :]
         v = gl.minimum(gl.maximum(v, -448.0), 448.0)
         return v.to(gl.float8e4nv).to(gl.float16)
 
@@ -122,10 +104,10 @@ if GLUON:
             if ACT == 1:   # 1x128 act quant of this block, per activation row (column of the operand)
                 y0 = gl.load(aptr + kb * 128, mask=amask, other=0.0).to(gl.float32)
                 y1 = gl.load(aptr + kb * 128 + 64, mask=amask, other=0.0).to(gl.float32)
-                e = _ue8m0_exp(gl.maximum(gl.max(gl.abs(y0), axis=0), gl.max(gl.abs(y1), axis=0)))
+                e = ue8m0_exp(gl.maximum(gl.max(gl.abs(y0), axis=0), gl.max(gl.abs(y1), axis=0)))
                 x0 = _quant_half(y0, e)
                 x1 = _quant_half(y1, e)
-                sa = gl.convert_layout(_exp2i(e), gl.SliceLayout(0, mma))
+                sa = gl.convert_layout(exp2i(e), gl.SliceLayout(0, mma))
             else:
                 x0 = _ld_e4m3_f16(aptr + kb * 128)
                 x1 = _ld_e4m3_f16(aptr + kb * 128 + 64)
@@ -221,12 +203,6 @@ if GLUON:
             gl.store(C + rc64[None, :] * stride_cm + rn64[:, None], acc.to(gl.bfloat16), mask=omask)
 
 
-def available(dev) -> bool:
-    """Whether this kernel can run on ``dev``: a CUDA GPU of sm_89+ with Gluon, not the interpreter."""
-    from . import fp4_mma
-    return GLUON and fp4_mma.available(dev)
-
-
 def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, xs: torch.Tensor | None = None, *,
             x_bf16: torch.Tensor | None = None, act: str = "fp8", groups: int = 1, out: torch.Tensor | None = None,
             partial: bool = False, split: int | None = None, config: dict | None = None) -> torch.Tensor:
@@ -239,7 +215,7 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
     reading x columns g*K ..: out [M, N] = the grouped einsum "mgk,grk->mgr" flattened.
     ``partial``: return the fp32 split partials [S, M, N] (summed in split order they are the result).
     ``config``: ``BN`` (16 rows per warp) / ``num_warps`` / ``UNROLL`` (K blocks loaded per step: 1, 2)."""
-    _check_fp8_weight(w, ws)
+    check_fp8_weight(w, ws)
     N, K = w.shape
     if act not in ("fp8", "bf16"):
         raise ValueError(f"fp8_mma: act must be 'fp8' or 'bf16', got {act!r}")
@@ -260,7 +236,7 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
         if xq.dim() != 2 or xq.shape[1] != K or xs is None or tuple(xs.shape) != (xq.shape[0], K // QBLOCK):
             raise ValueError(f"fp8_mma: shapes xq {tuple(xq.shape)} xs {None if xs is None else tuple(xs.shape)} "
                              f"w {tuple(w.shape)}")
-        a = _u8(xq)
+        a = u8(xq)
         sa = xs.float()
         mode = 0
     M = a.shape[0]
@@ -271,9 +247,7 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
     for name, t in (("activation", a), ("weight", w)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             raise ValueError(f"fp8_mma: {name} must be row-contiguous with 16-byte aligned rows")
-    # H200 (experiments/exp_fp8_mma.py, BENCHMARKS.md session 7): two K blocks per step took the FP8-activation
-    # modes 0.3-3 us lower on every V4-Flash decode linear; wo_a's bf16 mode was 0.5-0.8 us slower with it
-    cfg = {"BN": 64, "num_warps": 4, "UNROLL": 1 if mode == 2 else 2}
+    cfg = route.fp8_mma_config(act)
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -288,10 +262,11 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
         raise ValueError(f"fp8_mma: {N // groups} rows per group must be a multiple of BN={BN}")
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16 or out.stride(-1) != 1):
         raise ValueError(f"fp8_mma: out must be bf16 [{M}, {N}] with unit column stride")
-    if not available(dev):
+    t = target(dev)
+    if not t.gluon_mma:
         raise RuntimeError("fp8_mma: needs a CUDA GPU of sm_89+ and triton with Gluon")
     grid, kps, dst = launch_plan(M, N, K, BM_ROWS, BN, grouped=False, n_tiles=None, n_groups=1, split=split,
-                                 partial=partial, out=out, dev=dev)
+                                 partial=partial, out=out, dev=dev, t=t)
     if M == 0:
         return dst
     S = grid[2]
@@ -299,19 +274,18 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
                                            torch.empty(M, N, dtype=torch.bfloat16, device=dev))
     reduce = S > 1 and not partial
     if reduce:
-        from .counters import arrival_counters
+        from ..counters import arrival_counters
         cnt = arrival_counters(dev, grid[0] * grid[1])
     else:
         cnt = dst
-    sb_e8m0 = ws.dtype in (torch.float8_e8m0fnu, torch.uint8)
-    wsv = (_u8(ws) if sb_e8m0 else ws.float()).contiguous()
-    sb_row = wsv.shape[0] == N and N != triton.cdiv(N, QBLOCK)
+    wsv, sb_e8m0, sb_row = weight_scales(w, ws)
+    wsv = wsv.contiguous()
     _fp8_mma_kernel[grid](
-        a, sa, _u8(w), wsv, res, dst, cnt, M, N, K, kps, N // groups,
+        a, sa, u8(w), wsv, res, dst, cnt, M, N, K, kps, N // groups,
         a.stride(0), K, sa.stride(0), w.stride(0), wsv.stride(0), res.stride(-2),
         ACT=mode, SB_E8M0=sb_e8m0, SB_ROW=sb_row, BM=BM_ROWS, BN=BN,
         SPLIT=dst.dtype == torch.float32, REDUCE=reduce, NUM_WARPS=nw, UNROLL=cfg["UNROLL"], num_warps=nw)
     return res
 
 
-__all__ = ["BM_ROWS", "GLUON", "MAX_ROWS", "MAX_WEIGHT", "WO_A_MAX_ROWS", "available", "fp8_mma"]
+__all__ = ["BM_ROWS", "GLUON", "fp8_mma"]

@@ -1,0 +1,288 @@
+"""The size / architecture router of the FP8 linears and the FP4 / FP8 experts.
+
+Pure decisions, no launches: for M rows (or rows per expert) of a call and the ``lib.Target`` it
+runs on, which GEMM kernel runs and with which tile. The launchers of this package take their
+default configs from here, and ``linear.py`` / ``kernels.moe`` dispatch by it. Every threshold
+sits next to the BENCHMARKS.md row (or experiment) that set it; ``choices(t)`` lists every kernel
+configuration these functions can pick on a target (the AOT tests compile each one for sm_80 ..
+sm_120 and hold its shared memory to that target's per-block limit).
+
+Current choice, FP8 linears (``linear.fp8_linear``, ``linear.fp8_gemm``):
+* 1-4 rows on weights of <= 8M elements, sm_89+: ``fp8_mma`` (Gluon tensor-core decode kernel);
+* 128+ rows on sm_90 (pre-quantised activations): ``fp8_prefill`` (TMA tiles);
+* otherwise the Triton tile kernel ``fp8.fp8_gemm`` (act quant fused in its prologue up to 64 rows),
+  tiles by M (``fp8_tiles``), split K at decode sizes.
+* ``wo_a`` (bf16 grouped einsum on the FP8 weight): ``fp8_mma`` in bf16 mode up to 128 rows (sm_89+),
+  else the weight dequantised to bf16 and one batched GEMM.
+
+Current choice, routed experts (``kernels.moe.moe_forward``), by the average rows per expert:
+* up to 16 (sm_89+: the tensor-core decode kernel ``fp4_mma``) or 2 (elsewhere: the CUDA-core GEMV)
+  rows: the decode path (``gemv``);
+* above 32 rows, MXFP4 on sm_90: ``fp4_prefill`` (one K=128 MMA chain per block);
+* otherwise ``fp4``'s kernels: ``dot_scaled`` for MXFP4 on sm_100 (``scaled``), the in-register
+  dequant + f16 MMA kernel elsewhere (``dequant``).
+The shared expert (FP8): w1|w3 as split-K partials + the SwiGLU pass up to 64 rows, the tile kernel
+with the SwiGLU epilogue above; w2 through ``linear.fp8_gemm``.
+"""
+from __future__ import annotations
+
+from ..lib import QBLOCK, Choice, Target
+
+# ---------------------------------------------------------------------------------------------- FP8 linears
+# fp8_mma up to MAX_ROWS rows on weights of up to MAX_WEIGHT elements. BENCHMARKS.md "FP8 linear at
+# decode sizes" (session 7): on the 2-8 MB Flash linears 6.8-7.8 us against 8.4-9.0 for the best split-K
+# tile at one row, about equal at 8 rows; slower on the 32 MB ones (wq_b 20.6 vs 15.3, wo_b 21.4 vs 18.2)
+MMA_MAX_ROWS = 4
+MMA_MAX_WEIGHT = 8 * 1024 * 1024
+# wo_a on fp8_mma (bf16 activations) up to this many rows, else dequantise + einsum. BENCHMARKS.md
+# ``experiments/exp_wo_a_rows.py`` table (2026-12-02): 85.0 vs 305.8 us at 128 rows, 164.5 vs 310.4 at 256
+WO_A_MAX_ROWS = 128
+# fp8_prefill (TMA tiles, sm_90) from this many rows. BENCHMARKS.md "FP8 block-scaled GEMM at prefill"
+# (sessions 9-11): 60.7-70.0% of peak against 34-41% for the pointer-load tile (session 1)
+PREFILL_MIN_ROWS = 128
+# the activation quantisation fused into the tile kernel's A-tile load up to this many rows
+# (re-quantising an A tile per N block costs nothing at decode sizes; docs/benchmarks-2026-11-30.md session 3)
+FUSE_QUANT_MAX_ROWS = 64
+
+
+def fp8_kernel(M: int, N: int, K: int, t: Target, prequantised: bool = False) -> str:
+    """'mma' | 'prefill' | 'tiles' for an FP8 linear of M rows on an [N, K] weight (module doc).
+    ``prequantised``: the caller holds e4m3 activations (``fp8_gemm``), the only form the prefill
+    kernel takes."""
+    if 0 < M <= MMA_MAX_ROWS and N * K <= MMA_MAX_WEIGHT and t.gluon_mma:
+        return "mma"
+    if prequantised and M >= PREFILL_MIN_ROWS and t.compiled and t.capability[0] == 9:
+        return "prefill"
+    return "tiles"
+
+
+def fp8_tiles(M: int, N: int, K: int, t: Target, swiglu: bool = False) -> dict:
+    """Tile of the Triton FP8 kernel (``fp8._fp8_gemm_kernel``): BM, BN, GROUP_M, num_warps, num_stages."""
+    if not t.compiled:
+        cfg = {"BM": 16, "BN": 32 if N <= 32 else 64, "GROUP_M": 8}
+    elif M <= 16:
+        # BENCHMARKS.md "FP8 linear at decode sizes" (benchmarks/gemm_moe.py --only fp8dec); above N = 4096,
+        # 128 columns where K >= 1536 (V4-Pro's wq_b / wo_b at one row: 29.1 / 40.1 us against 36.4 / 50.7
+        # with 64, experiments/exp_fp8_big_decode.py, docs/benchmarks-2026-12-01.md session 13)
+        bn = 32 if N <= 1024 else (128 if 2048 < N <= 4096 or (N > 4096 and K >= 1536) else 64)
+        cfg = {"BM": 16, "BN": bn, "GROUP_M": 8, "num_warps": 4, "num_stages": 5 if bn == 32 else 3}
+    elif M <= 64:
+        cfg = {"BM": 64, "BN": 128 if N > 1024 else 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    else:
+        cfg = {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    if swiglu:
+        cfg["BN"] = QBLOCK
+        if t.compiled and M > 16:          # two accumulators (ptxas: no spills at 64 rows, 8 warps)
+            cfg.update(BM=64, num_warps=8, num_stages=3)
+    return cfg
+
+
+def fp8_split_k(M: int, N: int, K: int, BM: int, BN: int, t: Target, swiglu: bool = False) -> int:
+    """K splits of the tile kernel for decode-sized calls whose output tiles cannot fill the GPU
+    (latency-bound weight streaming): about two programs per SM, at least two 128-K blocks per split."""
+    if swiglu or M > 64:
+        return 1
+    tiles = -(-M // BM) * -(-N // BN)
+    return max(1, min(K // QBLOCK // 2, -(-2 * t.sm_count // tiles)))
+
+
+def fp8_mma_config(act: str) -> dict:
+    """``fp8_mma``'s tile: 64 weight rows over 4 warps; two K blocks per step for FP8 activations
+    (BENCHMARKS.md session 7, ``experiments/exp_fp8_mma.py``: 0.3-3 us lower on every V4-Flash decode
+    linear), one for wo_a's bf16 activations (0.5-0.8 us faster with one)."""
+    return {"BN": 64, "num_warps": 4, "UNROLL": 1 if act == "bf16" else 2}
+
+
+def fp8_prefill_config(t: Target) -> dict:
+    """``fp8_prefill``'s variant (its ``DEFAULT_CONFIG`` keys; BENCHMARKS.md "FP8 block-scaled GEMM at
+    prefill", sessions 5, 8, 9, 11): TMA loads, 64 x 128 tiles of one warpgroup, 3 stages, the TMA store
+    epilogue, grouped order over 64 row blocks. Small tiles under the interpreter."""
+    if not t.compiled:
+        return {"BM": 32, "BN": 64}
+    return {"BM": 64, "num_warps": 4, "num_stages": 3, "EPI_TMA": True, "GROUP_M": 64}
+
+
+def wo_a_kernel(T: int, fmt: str, t: Target) -> str:
+    """'mma' (``fp8_mma`` bf16 mode on the FP8 weight) or 'dequant' (bf16 weight + one batched GEMM)."""
+    return "mma" if fmt == "fp8" and T <= WO_A_MAX_ROWS and t.gluon_mma else "dequant"
+
+
+# ---------------------------------------------------------------------------------------------- experts
+# the decode path up to these average rows per expert. BENCHMARKS.md "MoE layer at decode" (session 6): the
+# tensor-core decode kernel 1250.8 / 1707.7 / 2537.4 us at Flash T 64 / 256 / 512 against 2834.4 / 4158.0 /
+# 4786.0 for the MMA kernels; the CUDA-core GEMV (no tensor cores) beats them up to ~2 rows per expert
+GEMV_ROWS_PER_EXPERT = 2.0
+MMA_GEMV_ROWS_PER_EXPERT = 16.0
+# the K=128-dot prefill kernel above this many rows per expert (MXFP4, sm_90): docs/benchmarks-2026-11-30.md
+# session 5, V4-Flash 4096 tokens: 8267 us against 31986 for the MMA path
+PREFILL_ROWS_PER_EXPERT = 32.0
+# the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to this many rows; above, the
+# tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
+# 64 tokens with it, V4-Flash)
+SHARED_SPLIT_MAX_ROWS = 64
+
+
+def fp4_path(fmt: str, t: Target) -> str:
+    """'scaled' (``tl.dot_scaled``: native block-scaled tcgen05 MMA) for MXFP4 on sm_100, else 'dequant'.
+    sm_120 has no tcgen05: its ``dot_scaled`` would be emulated, so it keeps the dequant kernel."""
+    return "scaled" if (fmt == "mxfp4" and t.compiled and t.capability[0] == 10) else "dequant"
+
+
+def fp4_config(rows_per_group: float, t: Target, swiglu: bool = False) -> dict:
+    """Tile of ``fp4``'s kernels from the (average) rows per expert; SwiGLU: 128 columns (w1 and w3
+    tiles of the same columns in one program) and 8 warps from 32 rows (two accumulators: 4 warps
+    spill, ptxas report)."""
+    if not t.compiled:
+        return {"BM": 16, "BN": QBLOCK if swiglu else 32}
+    bm = 16 if rows_per_group <= 16 else (32 if rows_per_group <= 32 else 64)
+    if rows_per_group > 256:
+        bm = 128
+    cfg = {"BM": bm, "BN": 128, "num_warps": 4, "num_stages": 3}
+    if bm >= 128 or (swiglu and bm >= 32):
+        cfg.update(num_warps=8, num_stages=3)
+    if t.capability[0] == 10:              # tcgen05 tiles: 128 rows
+        cfg["BM"] = max(bm, 128)
+        cfg["num_warps"] = 8
+    return cfg
+
+
+def fp4_prefill_config(rows_per_group: float, t: Target, swiglu: bool = False) -> dict:
+    """Tile / variant of ``fp4_prefill``, from the H200 sweep of ``experiments/exp_fp4_prefill.py``
+    (V4-Flash, 4096 tokens, ~96 rows per expert; docs/benchmarks-2026-11-30.md session 5): split K
+    order; >= 96 rows per expert BM 128 (SwiGLU 16 warps 2 stages: 5107 us vs 20727 for ``fp4``; w2 8
+    warps 3 stages: 2092 vs 10194), else BM 64 (SwiGLU 8 warps, w2 4 warps, 3 stages: 3.1x / 4.6x)."""
+    if not t.compiled:
+        return {"BM": 16, "BN": 32, "DEC": 0, "KSPLIT": True}
+    big = rows_per_group >= 96
+    cfg = {"BM": 128 if big else 64, "BN": 128, "num_warps": 8 if big else 4, "num_stages": 3, "DEC": 0,
+           "KSPLIT": True}
+    if swiglu:
+        cfg.update(num_warps=16, num_stages=2) if big else cfg.update(num_warps=8)
+    return cfg
+
+
+def decode_kernel(t: Target) -> str:
+    """The MoE decode path's expert GEMM: 'mma' (``fp4_mma``, sm_89+) or 'cuda-core' (``gemv``)."""
+    return "mma" if t.gluon_mma else "cuda-core"
+
+
+def expert_path(rows_per_expert: float, fmt: str, t: Target) -> str:
+    """'gemv' | 'prefill' | 'scaled' | 'dequant' for FP4 routed experts (module doc)."""
+    gemv_max = MMA_GEMV_ROWS_PER_EXPERT if decode_kernel(t) == "mma" else GEMV_ROWS_PER_EXPERT
+    if rows_per_expert <= gemv_max:
+        return "gemv"
+    if rows_per_expert > PREFILL_ROWS_PER_EXPERT and fmt == "mxfp4" and t.compiled and t.capability[0] == 9:
+        return "prefill"
+    return fp4_path(fmt, t)
+
+
+def gemv_config(N: int, t: Target, fp8: bool) -> dict:
+    """The CUDA-core GEMV's column tile. docs/benchmarks-2026-11-30.md (session 4): 64 rows x 8 warps gave
+    the fastest MoE layer at batch 1 and 64 (V4-Flash and V4-Pro); next-block prefetch, two K blocks
+    per iteration and an fp32 activation operand were slower."""
+    if not t.compiled:
+        return {"BN": 16}
+    return {"BN": 32 if fp8 else 64, "num_warps": 4 if fp8 else 8, "num_stages": 1}
+
+
+def rows_tile(m: int) -> int:
+    """The GEMV's row tile (1, 2 or 4 unrolled row accumulators) for m rows. The MoE decode path keeps 1-row
+    tiles: they beat 2 and 4 at 1 and 1.5 rows per expert on the H200 (a padded row costs a full row)."""
+    return 1 if m <= 1 else (2 if m == 2 else 4)
+
+
+def fp4_mma_config() -> dict:
+    """``fp4_mma``'s tile: 64 weight rows over 4 warps (H200 sweep: 64 x 4 or 32 x 2 best; 128-256 slower)."""
+    return {"BN": 64, "num_warps": 4}
+
+
+# ---------------------------------------------------------------------------------------------- enumeration
+def _choice(kernel, const: dict, cfg: dict, why: str) -> Choice:
+    return Choice.of(kernel, const, cfg, why)
+
+
+# the V4 FP8 linears (N, K) of Flash and Pro, whole and split over 2 / 4 / 8 tensor-parallel ranks
+def _linear_shapes():
+    out = set()
+    for d, H, ql, G, ol, ih, inter in ((4096, 64, 1024, 8, 1024, 64, 2048), (7168, 128, 1536, 16, 1024, 64, 3072)):
+        for tp in (1, 2, 4, 8):
+            out |= {(ql + 512, d), (H * 512 // tp, ql), (d, G * ol // tp), (ih * 128, ql), (2 * inter, d),
+                    (d, inter)}
+    return sorted(out)
+
+
+ROWS = (1, 2, 4, 8, 16, 17, 32, 64, 65, 128, 256, 4096)
+ROWS_PER_EXPERT = (1, 2, 3, 8, 16, 17, 32, 33, 64, 96, 128, 257)
+
+
+def choices(t: Target) -> list[Choice]:
+    """Every GEMM kernel configuration the functions above pick on ``t`` for V4's shapes (deduplicated)."""
+    seen: dict[Choice, Choice] = {}
+
+    def add(c: Choice):
+        seen.setdefault(c, c)
+    for N, K in _linear_shapes():
+        for M in ROWS:
+            for preq in (False, True):
+                kern = fp8_kernel(M, N, K, t, prequantised=preq)
+                why = f"fp8 M={M} N={N} K={K}"
+                if kern == "mma":
+                    add(_choice("fp8_mma", {"ACT": 0 if preq else 1, "UNROLL": fp8_mma_config("fp8")["UNROLL"]},
+                                fp8_mma_config("fp8"), why))
+                elif kern == "prefill":
+                    add(_choice("fp8_prefill", fp8_prefill_config(t), fp8_prefill_config(t), why))
+                else:
+                    cfg = fp8_tiles(M, N, K, t)
+                    split = fp8_split_k(M, N, K, cfg["BM"], cfg["BN"], t) > 1
+                    fused = not preq and M <= FUSE_QUANT_MAX_ROWS
+                    add(_choice("fp8_gemm", {"BM": cfg["BM"], "BN": cfg["BN"], "GROUP_M": cfg["GROUP_M"],
+                                             "A_BF16": fused, "SWIGLU": False, "SPLIT": split, "SUM": split},
+                                cfg, why))
+    for M in ROWS:                                      # the shared expert's w1|w3 above the split-K range
+        if M > SHARED_SPLIT_MAX_ROWS:
+            cfg = fp8_tiles(M, 4096, 4096, t, swiglu=True)
+            add(_choice("fp8_gemm", {"BM": cfg["BM"], "BN": cfg["BN"], "GROUP_M": cfg["GROUP_M"], "A_BF16": False,
+                                     "SWIGLU": True, "SPLIT": False, "SUM": False}, cfg, f"shared w1|w3 M={M}"))
+    for T in ROWS:
+        if wo_a_kernel(T, "fp8", t) == "mma":
+            add(_choice("fp8_mma", {"ACT": 2, "UNROLL": fp8_mma_config("bf16")["UNROLL"]}, fp8_mma_config("bf16"),
+                        f"wo_a T={T}"))
+    for fmt in ("mxfp4", "nvfp4"):
+        for r in ROWS_PER_EXPERT:
+            path = expert_path(r, fmt, t)
+            why = f"experts {fmt} {r} rows/expert"
+            if path == "gemv":
+                if decode_kernel(t) == "mma":
+                    cfg = fp4_mma_config()
+                    add(_choice("fp4_mma", {"NV": fmt == "nvfp4", "BN": cfg["BN"]}, cfg, why))
+                else:
+                    cfg = gemv_config(4096, t, False)
+                    add(_choice("gemv", {"WFMT": 0 if fmt == "mxfp4" else 1, "BN": cfg["BN"], "BM": 1}, cfg, why))
+            elif path == "prefill":
+                for sw in (True, False):
+                    cfg = fp4_prefill_config(r, t, swiglu=sw)
+                    add(_choice("fp4_prefill", {"BM": cfg["BM"], "BN": QBLOCK if sw else cfg["BN"], "SWIGLU": sw,
+                                                "FMT": 2 if fmt == "mxfp4" else 1, "KSPLIT": cfg["KSPLIT"]},
+                                cfg, why))
+            else:
+                bm = fp4_config(r, t)["BM"]
+                for sw in (True, False):
+                    cfg = fp4_config(r, t, swiglu=sw)
+                    cfg["BM"] = bm                     # moe_forward: one BM for both GEMMs (the sort's tiles)
+                    kern = "fp4_scaled" if path == "scaled" else "fp4_gemm"
+                    const = {"BM": bm, "BN": QBLOCK if sw else cfg["BN"], "SWIGLU": sw}
+                    if kern == "fp4_gemm":
+                        const["FMT"] = (2 if bm >= 64 else 0) if fmt == "mxfp4" else 1
+                    add(_choice(kern, const, cfg, why))
+    # the CUDA-core GEMV's FP8 form: the shared expert where no tensor-core decode kernel runs
+    if decode_kernel(t) != "mma":
+        cfg = gemv_config(4096, t, True)
+        add(_choice("gemv", {"WFMT": 3, "BN": cfg["BN"], "BM": 1}, cfg, "fp8 gemv"))
+    return list(seen.values())
+
+
+__all__ = ["Choice", "FUSE_QUANT_MAX_ROWS", "GEMV_ROWS_PER_EXPERT", "MMA_GEMV_ROWS_PER_EXPERT", "MMA_MAX_ROWS",
+           "MMA_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "WO_A_MAX_ROWS",
+           "choices", "decode_kernel", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
+           "fp4_prefill_config", "fp8_kernel", "fp8_mma_config", "fp8_prefill_config", "fp8_split_k", "fp8_tiles",
+           "gemv_config", "rows_tile", "wo_a_kernel"]

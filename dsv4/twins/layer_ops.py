@@ -1,0 +1,64 @@
+"""Twins of ``kernels.layer_ops`` (same signatures): DeepSeek's official numerics as
+``dsv4.reference`` computes them, one weight dequantised at a time.
+
+``linear`` computes every merged member on its own (the reference's GEMM shapes); ``wo_a`` is the
+official fp32 grouped einsum of the dequantised weight; ``moe`` runs ``twins.moe`` on the layer's
+stored experts (FP4 or FP8), all-reducing the routed sum over expert-parallel ranks before the
+shared expert is added. GEMMs whose M is the token count run on padded rows (``twins.lib``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats.fp8 import dequant_fp8_weight
+from ..reference.linear import dequant_activation_fp8
+from ..reference.numerics import OFFICIAL
+from . import moe as _moe
+from .lib import padded_rows
+
+QBLOCK = 128
+
+
+def fp8_rows(w: torch.Tensor, s: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """fp32 values of rows [a, b) of an FP8 weight (a a multiple of 128)."""
+    return dequant_fp8_weight(w[a:b], s[a // QBLOCK:-(-b // QBLOCK)])
+
+
+def linear(lin, x: torch.Tensor) -> torch.Tensor:
+    lead, M = x.shape[:-1], x.reshape(-1, x.shape[-1]).shape[0]
+    return _linear(lin, padded_rows(x.reshape(M, -1)))[:M].reshape(*lead, -1)
+
+
+def _linear(lin, x: torch.Tensor) -> torch.Tensor:
+    if lin.kind == "fp8":
+        xq = dequant_activation_fp8(x.to(torch.bfloat16))
+        outs = [(xq @ fp8_rows(lin.weight, lin.scale, a, b).T).to(torch.bfloat16) for _, a, b in lin.spans()]
+    elif lin.kind == "bf16":
+        xf = x.to(torch.bfloat16).float()
+        outs = [(xf @ lin.weight[a:b].float().T).to(torch.bfloat16) for _, a, b in lin.spans()]
+    else:
+        xf = x.float()
+        outs = [xf @ lin.weight[a:b].float().T for _, a, b in lin.spans()]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def wo_a(g, o: torch.Tensor) -> torch.Tensor:
+    lin, M = g.lin, o.shape[0]
+    w = fp8_rows(lin.weight, lin.scale, 0, lin.out_features) if lin.kind == "fp8" else lin.weight.float()
+    z = OFFICIAL.einsum("tgd,grd->tgr", padded_rows(o.float()), w.view(g.groups, g.rank, -1))
+    return OFFICIAL.round(z[:M])
+
+
+def moe(layer, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``reference.moe.MoE.__call__`` on the layer's stored experts."""
+    idx, rw = _moe.route(x, ids, layer)
+    kind = "fp8" if layer.fmt == "fp8" else "fp4"
+    y = _moe.experts(x, idx, rw, layer.expert0, layer.n_experts,
+                     lambda e: _moe.stacked_expert(layer.w13, layer.w13_s, layer.w13_s2, layer.w2, layer.w2_s,
+                                                   layer.w2_s2, layer.fmt, e), kind, layer.limit)
+    y = layer.group.all_reduce(y)                        # expert parallelism: every rank's experts
+    sh = _moe.shared_expert(x, layer.sh13, layer.sh13_s, layer.sh2, layer.sh2_s, layer.limit)
+    return OFFICIAL.round(y + sh.float())
+
+
+__all__ = ["fp8_rows", "linear", "moe", "wo_a"]

@@ -1,0 +1,56 @@
+"""Twin of ``kernels.sparse_attention``: the listed entries dequantised and gathered
+(``formats.kv_entry``), then the reference's ``sparse_attention`` (64-index blocks, running max, sink
+in the denominator, bf16 probabilities). ``sparse_decode`` and ``sparse_prefill`` are the same
+function: the kernels differ only in how they split the work."""
+from __future__ import annotations
+
+import torch
+
+from ..formats.contracts import check_sparse_attention
+from ..formats.kv_entry import read_kv_entries
+from ..reference.attention import sparse_attention
+from ..reference.numerics import OFFICIAL
+
+HEAD_DIM = 512
+
+
+def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size):
+    """Dequantised rows [T, K, 512] bf16 of the concatenated list and its validity [T, K]."""
+    parts, valid = [], []
+    for idx, pages, psz in ((window_idx, window_pages, window_page_size),
+                            (extra_idx, extra_pages, extra_page_size)):
+        if idx is None or idx.shape[1] == 0:
+            continue
+        T, K = idx.shape
+        # each distinct entry decoded once (prefill rows share most of their lists), then gathered
+        uniq, inv = torch.unique(idx.reshape(-1).long(), return_inverse=True)
+        parts.append(read_kv_entries(pages, uniq, psz)[inv].view(T, K, HEAD_DIM))
+        valid.append(idx >= 0)
+    return torch.cat(parts, 1), torch.cat(valid, 1)
+
+
+def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages: torch.Tensor | None,
+                  window_page_size: int, extra_idx: torch.Tensor | None = None,
+                  extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
+                  sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5, **_) -> torch.Tensor:
+    T, H, _ = q.shape
+    if sinks is None:
+        sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
+                           extra_page_size)
+    if window_idx is None and extra_idx is None:
+        raise ValueError("need at least one of window_idx / extra_idx")
+    rows, valid = _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages,
+                               extra_page_size)
+    K = rows.shape[1]
+    loc = torch.arange(T * K, device=q.device).view(T, K)
+    idx = torch.where(valid, loc, -1)
+    out = sparse_attention(q, rows.reshape(T * K, HEAD_DIM), idx, sinks.float(), scale, OFFICIAL)
+    # the reference keeps a row whose every index is masked finite only through the sink; with a
+    # -inf sink it would be 0/0: the kernels define that row as 0
+    return torch.nan_to_num(out, nan=0.0)
+
+
+sparse_prefill = sparse_decode
+
+__all__ = ["sparse_decode", "sparse_prefill"]
