@@ -3,9 +3,11 @@ import os
 import pytest
 import torch
 
-# Deterministic CPU numerics and a bounded thread count on the 2-core CI machines; engines built by
-# the tests keep it (DSV4_NUM_THREADS overrides the serving rule, ``llm_engine.engine_threads``).
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Deterministic CPU numerics and a bounded thread count on the 2-core CI machines, shared among
+# pytest-xdist's workers (``-n 2``: one thread each); engines built by the tests keep it
+# (DSV4_NUM_THREADS overrides the serving rule, ``llm_engine.engine_threads``).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 os.environ.setdefault("DSV4_NUM_THREADS", str(torch.get_num_threads()))
 # Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported
 # (``triton.jit`` picks the interpreter when a kernel is defined). This is the one place that sets it:
