@@ -285,8 +285,8 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         raise ValueError(f"mma_gemv: a must be e4m3 bytes or act_f16_split f16 [rows, {K}], got {a.dtype} "
                          f"{tuple(a.shape)}")
     # the asm loads 16 bytes (weights, activation) and the scales 4 bytes at a time
-    for name, t, al in (("a", a, 16), ("w", w, 16), ("ws", ws, 4)):
-        if t.stride(-1) != 1 or t.data_ptr() % al or any(st % al for st in t.stride()[:-1]):
+    for name, x, al in (("a", a, 16), ("w", w, 16), ("ws", ws, 4)):
+        if x.stride(-1) != 1 or x.data_ptr() % al or any(st % al for st in x.stride()[:-1]):
             raise ValueError(f"mma_gemv: {name} must be row-contiguous with {al}-byte aligned rows")
     dev = w.device
     cfg = route.fp4_mma_config()
