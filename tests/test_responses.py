@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
-from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
-from dsv4.server import responses as R
-from test_server import DSML_REPLY, MODEL, _fake_app
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("openai")
+from openai import AsyncOpenAI, BadRequestError, NotFoundError  # noqa: E402
+
+from dsv4.server import responses as R  # noqa: E402
+from test_server import DSML_REPLY, MODEL, _fake_app  # noqa: E402
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
