@@ -306,9 +306,8 @@ def test_hits_on_the_kernels_give_caching_off_s_greedy_tokens(tmp_path, monkeypa
     random weights: SWA, CSA and HCA layers): a 1,024-token hit gives caching off's tokens and
     log-probs (both runs' last chunk is the same); a hit at 768 captured inside a prefill chunk and
     a hit on a boundary passed while decoding give its greedy tokens wherever its top-1 margin is
-    clear, and its first step's log-probabilities within 0.1 (the chunk boundaries differ from
-    caching off's: last bits move; a wrong restored state moves the distribution)."""
-    from test_gpu_engine import _margin_agree
+    clear, within test_engine's batching tolerance (the chunk boundaries differ from caching off's:
+    last bits move)."""
     monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
     kw = dict(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=2048, kv_cache_memory="2GiB", device="cuda",
               log=False, synthetic=synthetic, synthetic_layers=4, synthetic_experts=16)
@@ -325,10 +324,6 @@ def test_hits_on_the_kernels_give_caching_off_s_greedy_tokens(tmp_path, monkeypa
     x, y = got[0].outputs[0], want[0].outputs[0]
     assert x.token_ids == y.token_ids
     assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for a, b, t in zip(x.logprobs, y.logprobs, x.token_ids))
-    _margin_agree(got, want)
-    for g, w in zip(got, want):
-        a, b = g.outputs[0].logprobs[0], w.outputs[0].logprobs[0]
-        assert max(b, key=lambda t: b[t].logprob) in a, (len(g.prompt_token_ids), a, b)
-        for t in set(a) & set(b):
-            assert abs(a[t].logprob - b[t].logprob) < 0.1, (len(g.prompt_token_ids), t, a, b)
+    for g, w in zip(got[1:], want[1:]):
+        _agree(g.outputs[0], w.outputs[0])
     assert _free(on.engine.cache) == (on.engine.seq_blocks, on.engine.cfg.max_num_seqs)
