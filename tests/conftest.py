@@ -4,7 +4,7 @@ import pytest
 import torch
 
 # Deterministic CPU numerics and a bounded thread count on the 2-core CI machines, shared among
-# pytest-xdist's workers (``-n 2``: one thread each); engines built by the tests keep it
+# pytest-xdist's workers where one runs the suite with ``-n``; engines built by the tests keep it
 # (DSV4_NUM_THREADS overrides the serving rule, ``llm_engine.engine_threads``).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
