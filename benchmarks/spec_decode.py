@@ -49,6 +49,21 @@ def eager_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=60, return_mode="median")
 
 
+def profile_table(fn, rows: int = 30) -> str:
+    """torch.profiler's table of one call of ``fn`` (after a warm-up call): the ops by device time,
+    then by host time, with their call counts."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    key = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    return ka.table(sort_by=key, row_limit=rows) + "\n" + ka.table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="flash", choices=["flash", "pro"])
@@ -58,6 +73,8 @@ def main():
     ap.add_argument("--k", default="1,3", help="speculative tokens per step to time")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--out", default=None, help="append the markdown section to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one verify and one draft call of each batch / K (torch.profiler tables)")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -99,6 +116,10 @@ def main():
                 ver = eager_ms(verify)
                 dr = eager_ms(lambda: drafter.propose(fills, {s: K for s in seqs}))
                 rows.append((B, K, plain, ver, dr))
+                if a.profile:
+                    for what, fn in (("verify", verify), ("draft", lambda: drafter.propose(fills, {s: K for s in seqs}))):
+                        print(f"--- profile of one {what} call, B={B} K={K}", flush=True)
+                        print(profile_table(fn), flush=True)
                 print(f"B={B:3d} K={K}: plain decode {plain * 1e3:9.1f} us, verify {ver * 1e3:9.1f} us, "
                       f"draft {dr * 1e3:9.1f} us", flush=True)
     md = [f"## Speculative decoding (MTP), synthetic {a.model} ({a.layers} layers), {datetime.date.today()}, "
