@@ -81,7 +81,7 @@ from safetensors import safe_open
 from ..config import ConfigError, ModelConfig
 from .schema import (DiskSource, TensorSpec, base_expert_format, block_prefixes, declared_expert_formats,
                      detect_draft, disk_specs, expected_specs, expert_format_of_config, hf_alias,
-                     hf_block_prefix, official_to_hf)
+                     hf_block_prefix)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
