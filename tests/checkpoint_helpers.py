@@ -1,9 +1,17 @@
-"""Edit checkpoint directories in tests: copy one, rewrite a shard, edit a JSON file."""
+"""Checkpoints in tests: a small config with a draft; edit checkpoint directories (copy one, rewrite
+a shard, edit a JSON file)."""
 import json
 import os
 import shutil
 
 from safetensors.torch import load_file, save_file
+
+from dsv4.config import ModelConfig, preset, with_draft
+
+
+def small(draft: str = "dspark") -> ModelConfig:
+    """Tiny with a 512-token vocabulary (fast), as a checkpoint with ``draft`` announces it."""
+    return with_draft(preset("tiny", vocab_size=512), draft, markov_rank=32, noise_token_id=500)
 
 
 def clone_dir(src, dst):

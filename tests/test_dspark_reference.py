@@ -8,18 +8,15 @@ import copy
 import pytest
 import torch
 
+from checkpoint_helpers import small
+
 from dsv4.checkpoint.tiny import build_tiny_tensors
-from dsv4.config import preset, with_draft
 from dsv4.formats.fp8 import fp8_qdq
 from dsv4.reference import dspark as dspark_mod
 from dsv4.reference.model import ReferenceModel
 from dsv4.reference.norm import rms_norm
 
 PROMPT = 150          # longer than the 128-row window: the rings wrap
-
-
-def small(draft: str = "dspark"):
-    return with_draft(preset("tiny", vocab_size=512), draft, markov_rank=32, noise_token_id=500)
 
 
 @pytest.fixture(scope="module")

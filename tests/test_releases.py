@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoint_helpers import clone_dir, edit_json, rewrite_shard, shard_of
+from checkpoint_helpers import clone_dir, edit_json, rewrite_shard, shard_of, small
 
 from dsv4 import LLM, SamplingParams, cli
 from dsv4.checkpoint import build_tiny_tensors, load_checkpoint, save_checkpoint
@@ -113,11 +113,6 @@ def test_release_config_keys_and_their_errors():
 
 
 # ----------------------------------------------------------------------------- tiny checkpoints
-def small(draft: str) -> ModelConfig:
-    """Tiny with a 512-token vocabulary (fast), as a checkpoint with ``draft`` announces it."""
-    return with_draft(preset("tiny", vocab_size=512), draft, markov_rank=32, noise_token_id=500)
-
-
 @pytest.fixture(scope="module")
 def tensors():
     """Canonical tensors per draft; the main stack is the same draw in all three (the draft comes last)."""
