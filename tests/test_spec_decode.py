@@ -87,6 +87,23 @@ def test_a_checkpoint_without_the_mtp_block_is_refused(tmp_path):
             LLM(d, log=False, kv_cache_memory="32MiB", speculative_config=MTP3)
 
 
+@pytest.mark.parametrize("layout", ["hf", "modelopt-nvfp4"])
+def test_the_mtp_block_drafts_from_every_layout(tmp_path, layout):
+    """The April MTP block loads from the transformers layout (``model.mtp.*``) and from NVIDIA's
+    NVFP4 port layout (its experts left MXFP4) and drafts; greedy tokens are the plain engine's."""
+    from dsv4.checkpoint import make_tiny
+    d = make_tiny(str(tmp_path / layout), layout=layout, draft="mtp")
+    prompt = [{"prompt_token_ids": _prompt(*CLEAR[1])}]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    kw = dict(log=False, max_num_seqs=2, kv_cache_memory="32MiB")
+    spec = LLM(d, speculative_config=MTP3, **kw)
+    assert spec.engine.model.mtp is not None
+    got = spec.generate(prompt, sp)[0]
+    want = LLM(d, **kw).generate(prompt, sp)[0]
+    assert got.metrics["num_draft_tokens"] > 0
+    _agree(got.outputs[0], want.outputs[0])
+
+
 # ----------------------------------------------------------------------------- rejection sampling
 def test_accept_greedy_draft_is_the_matching_prefix():
     assert accept_greedy_draft([5, 6, 7, 8], [5, 6, 7]) == 3
