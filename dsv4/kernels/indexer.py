@@ -31,7 +31,7 @@
   sums and fixed slots: the output is deterministic whatever order the programs run in.
   Rows up to ``SINGLE_MAX`` entries take one program each instead (keys in registers, one launch).
   -0.0 counts as +0.0 (torch's sort treats them equal); NaN scores are not supported. H200
-  (BENCHMARKS.md session 5): 29.8 / 30.2 / 30.5 us for k = 512 / 1024 / 2048 over 256K at batch 1,
+  (docs/benchmarks-2026-11-30.md, session 5): 29.8 / 30.2 / 30.5 us for k = 512 / 1024 / 2048 over 256K at batch 1,
   10.7 us for a 2048-entry row (one-program path).
 
 Numerics vs the twins: the prologue's and the scores' fp32 sums run in another order than the
@@ -386,7 +386,7 @@ def _hadamard_operand(device, dtype) -> torch.Tensor | None:
 def index_q_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_per_program: int | None = None,
                      out: torch.Tensor | None = None, load_h: bool = True) -> torch.Tensor:
     """RoPE (dims 64..127) + Hadamard + FP4 QDQ of the indexer queries q bf16 [T, H, 128] -> bf16.
-    ``heads_per_program`` default (H200, 64 heads, BENCHMARKS.md session 9): 16 below 128 tokens
+    ``heads_per_program`` default (H200, 64 heads, docs/benchmarks-2026-11-30.md, session 9): 16 below 128 tokens
     (T = 1: 4.5 us vs 6.8 with 64), 64 from 128 tokens up (T = 4096: 149 us vs 207 with 16).
     ``load_h``: read the +-1 Hadamard operand from a cached per-device tensor (1.18x at T >= 512 on
     the H200) instead of building it in every program from index bits (same bits either way; a CUDA

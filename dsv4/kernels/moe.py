@@ -565,10 +565,9 @@ def _shared_expert(xq, xs, w: MoEWeights, portable: bool = False):
     """bf16 [T, d] shared-expert output from the quantised activation. w1|w3 + SwiGLU: up to
     SHARED_SPLIT_MAX_ROWS tokens the split-K MMA kernel's partials (``fp8_gemm_partials``) summed by
     the SwiGLU pass (``swiglu_quant``); above, the MMA kernel with the SwiGLU epilogue, which cannot
-    split K (16 programs per 64 tokens at V4-Flash size: 47 us at 64 tokens on the H200, session 12).
-    At 1-4 tokens the partials came from the CUDA-core GEMV until session 13; the MMA partials are
-    bit-equal and faster there too (H200, Flash / Pro: 15.2-17.1 vs 18.0-30.9 us, 27.5-28.0 vs
-    31.9-68.7 us). w2 through ``fp8_gemm`` (its decode-size routing)."""
+    split K (16 programs per 64 tokens at V4-Flash size: 47 us at 64 tokens on the H200,
+    docs/benchmarks-2026-12-01.md). At 1-4 tokens the MMA partials are bit-equal to the CUDA-core
+    GEMV's and faster (H200, Flash / Pro: 15.2-17.1 vs 18.0-30.9 us, 27.5-28.0 vs 31.9-68.7 us). w2 through ``fp8_gemm`` (its decode-size routing)."""
     if xq.shape[0] <= router.SHARED_SPLIT_MAX_ROWS:
         hq, hsc = swiglu_quant(fp8_gemm_partials(xq, xs, w.sh13, w.sh13_s), w.limit)
         hq = hq.view(torch.float8_e4m3fn)

@@ -3,7 +3,7 @@
 At decode a routed expert sees 1-4 rows and a linear layer 1-4 tokens: the tensor-core kernels of
 ``fp8.py`` / ``fp4.py`` then stream weights through 16-row MMA tiles whose dot-operand layout conversion
 (registers -> shared memory -> registers, 4 bytes per weight element) and one tile per (expert,
-128 columns) leave the H200 mostly idle (BENCHMARKS.md session 3: ~440 GB/s on the FP4 expert
+128 columns) leave the H200 mostly idle (docs/benchmarks-2026-11-30.md, session 3: ~440 GB/s on the FP4 expert
 weights at batch 1). Here every program streams a ``[BN, 128-K]`` weight slab in the layout it is
 loaded in (16 contiguous bytes per thread), decodes it in registers and reduces each scale group
 inside the thread (the default 64-row x 8-warp tile compiles without any shared memory: sm_90 SASS).

@@ -88,7 +88,7 @@ def fp8_split_k(M: int, N: int, K: int, BM: int, BN: int, t: Target, swiglu: boo
 
 def fp8_mma_config(act: str) -> dict:
     """``fp8_mma``'s tile: 64 weight rows over 4 warps; two K blocks per step for FP8 activations
-    (BENCHMARKS.md session 7, ``experiments/exp_fp8_mma.py``: 0.3-3 us lower on every V4-Flash decode
+    (docs/benchmarks-2026-11-30.md, session 7, ``experiments/exp_fp8_mma.py``: 0.3-3 us lower on every V4-Flash decode
     linear), one for wo_a's bf16 activations (0.5-0.8 us faster with one)."""
     return {"BN": 64, "num_warps": 4, "UNROLL": 1 if act == "bf16" else 2}
 
@@ -108,7 +108,7 @@ def wo_a_kernel(T: int, fmt: str, t: Target) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- experts
-# the decode path up to these average rows per expert. BENCHMARKS.md "MoE layer at decode" (session 6): the
+# the decode path up to these average rows per expert. docs/benchmarks-2026-11-30.md "MoE layer: decode path on the tensor-core kernel" (session 6): the
 # tensor-core decode kernel 1250.8 / 1707.7 / 2537.4 us at Flash T 64 / 256 / 512 against 2834.4 / 4158.0 /
 # 4786.0 for the MMA kernels; the CUDA-core GEMV (no tensor cores) beats them up to ~2 rows per expert
 GEMV_ROWS_PER_EXPERT = 2.0
