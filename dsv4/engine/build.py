@@ -6,8 +6,9 @@ weights — ``path`` (a checkpoint directory, streamed in, this rank's slice onl
 (+ ``synthetic_layers``, ``synthetic_experts``, ``synthetic_seed``: random weights at a preset's real
 shapes, made on the device) or ``tensors`` (config, expert format, wo_a format and an in-memory
 ``{name: tensor}`` mapping: validate's, which the reference reads too) — and how to run it:
-``kernels`` (None: the op table's choice, True / False forced), ``draft`` (None, or 'mtp': the
-checkpoint's MTP block is loaded too, for speculative decoding) and ``kernel_check`` (``fast`` |
+``kernels`` (None: the op table's choice, True / False forced), ``draft`` (None, or 'mtp' / 'dspark':
+the checkpoint's April MTP block or DSpark draft is loaded too, for speculative decoding; a synthetic
+model's config then carries that draft) and ``kernel_check`` (``fast`` |
 ``full`` | ``off``: the start-up self-check, ``ops.check``). After the weights load, every op the
 table selected runs its self-test; an op whose kernel fails here falls back to its portable form or
 twin, one log line each; every rank of ``group`` takes the same choices (``ops.check.agree``). The
@@ -43,12 +44,13 @@ def build_model(spec: dict, device, group=None, reader=None, log=None):
     draft = spec.get("draft")
     if spec.get("tensors") is not None:
         cfg, efmt, wfmt, tensors = spec["tensors"]
-        model = DeepseekV4(cfg, efmt, wfmt, device, ops, group)
-        model.load((n, t) for n, t in tensors.items() if not n.startswith("mtp."))
+        model = DeepseekV4(cfg, efmt, wfmt, device, ops, group, draft)
+        model.load((n, t) for n, t in tensors.items() if draft is not None or not n.startswith("mtp."))
     elif spec.get("synthetic"):
         from ..checkpoint.schema import expert_format_of_config
         from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
-        mc = synthetic_config(spec["synthetic"], spec.get("synthetic_layers", 4), spec.get("synthetic_experts"))
+        mc = synthetic_config(spec["synthetic"], spec.get("synthetic_layers", 4), spec.get("synthetic_experts"),
+                              draft=draft or "mtp")
         model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", device, ops, group, draft)
         model.load(iter_synthetic_tensors(mc, spec.get("synthetic_seed", 0), device, draft=draft is not None))
     else:

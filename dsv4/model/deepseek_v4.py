@@ -11,8 +11,9 @@ attention orchestration; every op is called through the op table (``dsv4.ops``):
 torch twins on a CPU.
 
 The model holds no reference objects: ``dsv4.reference`` is the oracle it is tested against.
-The April MTP block (``mtp.0.*``) is loaded when speculative decoding asks for it (``draft='mtp'``,
-``mtp_forward``); otherwise no draft weight is read.
+The checkpoint's draft is loaded when speculative decoding asks for it: the April MTP block
+(``mtp.0.*``, ``draft='mtp'``, ``mtp_forward``) or the DSpark stages (``mtp.0-2.*``, ``draft='dspark'``,
+``model.dspark``: ``dspark_extend`` / ``dspark_draft``); otherwise no draft weight is read.
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ class HyperConnection(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, ops, ropes, expert_fmt: str, wo_a_fmt: str, device=None,
-                 group=None, prefix: str | None = None):
-        """``prefix``: checkpoint prefix of the block (default ``layers.{layer_id}.``)."""
+                 group=None, prefix: str | None = None, attn_cls=Attention):
+        """``prefix``: checkpoint prefix of the block (default ``layers.{layer_id}.``); ``attn_cls``: the
+        attention (a DSpark stage's reads its ring and draft block, ``model.dspark``)."""
         super().__init__()
         self.layer_id, self.ops, self.eps = layer_id, ops, cfg.rms_norm_eps
         self.prefix = prefix or f"layers.{layer_id}."
@@ -62,7 +64,7 @@ class Block(nn.Module):
         f32 = dict(dtype=torch.float32, device=device)
         self.register_buffer("attn_norm", torch.empty(cfg.hidden_size, **f32))
         self.register_buffer("ffn_norm", torch.empty(cfg.hidden_size, **f32))
-        self.attn = Attention(cfg, layer_id, ops, ropes, wo_a_fmt, device, group, self.prefix)
+        self.attn = attn_cls(cfg, layer_id, ops, ropes, wo_a_fmt, device, group, self.prefix)
         hash_layer = layer_id < cfg.num_hidden_layers and cfg.is_hash_layer(layer_id)
         self.moe = MoE(cfg, layer_id, expert_fmt, hash_layer, ops, device, group)
 
@@ -264,9 +266,9 @@ class DeepseekV4(nn.Module):
     def __init__(self, cfg: ModelConfig, expert_format: str = "mxfp4", wo_a_format: str = "fp8",
                  device="cpu", ops: Ops | None = None, group: Group | None = None, draft: str | None = None,
                  draft_expert_format: str | None = None):
-        """``draft``: None (the draft's weights are not loaded) or 'mtp' (the April MTP block,
-        ``self.mtp``, its routed experts in ``draft_expert_format``: NVIDIA's NVFP4 ports keep them
-        MXFP4)."""
+        """``draft``: None (the draft's weights are not loaded), 'mtp' (the April MTP block, ``self.mtp``)
+        or 'dspark' (the DSpark stages, ``self.dspark``); the draft's routed experts are in
+        ``draft_expert_format`` (NVIDIA's NVFP4 ports keep them MXFP4)."""
         super().__init__()
         self.cfg, self.device = cfg, torch.device(device)
         self.ops = ops or Ops(self.device)
@@ -281,12 +283,17 @@ class DeepseekV4(nn.Module):
         self.register_buffer("norm", torch.empty(cfg.hidden_size, dtype=torch.float32, device=self.device))
         self.head = Bf16Linear(cfg.hidden_size, [("head", cfg.vocab_size)], self.ops, "fp32", self.device,
                                self.group.split("col"))
-        if draft not in (None, "mtp"):
-            raise ValueError(f"draft must be None or 'mtp', got {draft!r}")
-        self.mtp = None
+        if draft not in (None, "mtp", "dspark"):
+            raise ValueError(f"draft must be None, 'mtp' or 'dspark', got {draft!r}")
+        self.mtp = self.dspark = None
         if draft == "mtp":
             self.mtp = MTPLayer(cfg, self.ops, self.ropes, draft_expert_format or expert_format, wo_a_format,
                                 self.device, self.group)
+        elif draft == "dspark":
+            from .dspark import DSparkDraft
+            self.dspark = DSparkDraft(cfg, self.ops, self.ropes, draft_expert_format or expert_format, wo_a_format,
+                                      self.device, self.group)
+        self.draft = draft
         self.cache = None
 
     @property
@@ -302,8 +309,9 @@ class DeepseekV4(nn.Module):
             out.update(b.loaders())
         out.update(self.hc_head.loaders("hc_head_"))
         out.update(self.head.loaders())
-        if self.mtp is not None:
-            out.update(self.mtp.loaders())
+        for d in (self.mtp, self.dspark):
+            if d is not None:
+                out.update(d.loaders())
         return out
 
     @classmethod
@@ -311,7 +319,8 @@ class DeepseekV4(nn.Module):
                         group: Group | None = None, draft: str | None = None):
         """Validate a checkpoint directory, allocate the model on ``device`` and stream the weights
         in (host memory: one checkpoint tensor at a time on top of the model itself on CPU).
-        ``draft`` 'mtp' loads the April MTP block too; otherwise ``mtp.*`` is left unread."""
+        ``draft`` ('mtp' | 'dspark', the checkpoint's) loads its draft too; otherwise ``mtp.*`` is left
+        unread."""
         from ..checkpoint.loader import open_checkpoint
         r = open_checkpoint(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
         if draft is not None and draft != r.draft:
@@ -373,6 +382,12 @@ class DeepseekV4(nn.Module):
                 raise ValueError("the model has an MTP block but the KV cache has no draft layer "
                                  "(CacheConfig.draft_layers=1)")
             self.mtp.block.attn.lc = cache.draft_layers[0]
+        if self.dspark is not None:
+            if len(cache.draft_layers) != len(self.dspark.blocks):
+                raise ValueError(f"the model's DSpark draft has {len(self.dspark.blocks)} stages but the KV cache has "
+                                 f"{len(cache.draft_layers)} draft layers (CacheConfig.draft_layers)")
+            for b, lc in zip(self.dspark.blocks, cache.draft_layers):
+                b.attn.lc = lc
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // BLOCK_TOKENS)
         self.scratch_slot = cache.allocate_slot()
@@ -384,7 +399,8 @@ class DeepseekV4(nn.Module):
         layer's and compressor's rope (tables computed once: row p equals ``rope(p)``) and the index
         vectors of the window, compressed-cache writes and HCA reads."""
         uniq, rope_keys, rope_reqs = {}, [], []
-        for blk in list(self.layers) + ([self.mtp.block] if self.mtp is not None else []):
+        drafts = [self.mtp.block] if self.mtp is not None else list(self.dspark.blocks) if self.dspark is not None else []
+        for blk in list(self.layers) + drafts:
             at = blk.attn
             reqs = [("attn", at.rope, 0)] + [(("comp", c.ratio), c.rope, 1 - c.ratio)
                                              for c in (at.compressor, at.index_comp) if c is not None]
@@ -395,9 +411,11 @@ class DeepseekV4(nn.Module):
                 rope_keys.append((key, id(rope)))
                 rope_reqs.append((uniq[id(rope)][0], off))
         self._table_of = {k: i for k, (i, _r) in uniq.items()}
-        self._rope_tables = torch.empty(len(uniq), TABLE_NEG + max_model_len, 64, device=self.device)
+        # a DSpark block always has B rows: the last anchor (position max_model_len - 1) reaches B - 1 past it
+        n = max_model_len + (self.dspark.block_size if self.dspark is not None else 0)
+        self._rope_tables = torch.empty(len(uniq), TABLE_NEG + n, 64, device=self.device)
         for i, rope in uniq.values():
-            self._rope_tables[i] = rope_table(rope, max_model_len)
+            self._rope_tables[i] = rope_table(rope, n)
         write_keys, write_reqs, vis_keys, vis_reqs = [], [], [], []
         for blk, lc in zip(self.layers, self.cache.layers):
             r, epb = blk.attn.ratio, lc.entries_per_block
@@ -443,10 +461,17 @@ class DeepseekV4(nn.Module):
         if ctx.decode:
             ctx.meta = self._meta(ctx)
         h = F.embedding(ctx.ids, self.embed).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        feats = {}
+        capture = ctx.keep_hidden and self.dspark is not None
         for blk in self.layers:
             h = blk(h, ctx)
+            if capture and blk.layer_id in self.dspark.targets:
+                # the DSpark target feature: block L's output averaged over its hc streams (model.dspark)
+                feats[blk.layer_id] = h.float().mean(dim=1).to(torch.bfloat16)
         if ctx.keep_hidden:
-            ctx.hidden = h
+            # what the drafter reads: the final residual streams [T, hc, d] (MTP), or the DSpark
+            # feature [T, S*d] in dspark_target_layer_ids order
+            ctx.hidden = torch.cat([feats[i] for i in self.dspark.targets], dim=-1) if capture else h
         if not ctx.decode:
             ctx.scored = [self._score(h, rows, nxt, k, ctx) for rows, nxt, k in ctx.score]
             h = h[ctx.logit_rows].contiguous()
@@ -466,6 +491,40 @@ class DeepseekV4(nn.Module):
         xs = x[ctx.logit_rows].contiguous()
         y = ops.rms_norm(ops.hc_head(xs, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, self.cfg.rms_norm_eps)
         return self.group.all_gather(ops.linear(self.head, y).float(), dim=-1), x
+
+    @torch.no_grad()
+    def dspark_extend(self, rows: list) -> None:
+        """DSpark context rows into the stages' rings: ``rows`` [(slot, p0, features [n, S*d])], the
+        target's features (``forward`` with ``keep_hidden``) of positions p0 .. p0+n-1 of the sequence
+        in ``slot``; only each sequence's last 128 rows are computed (the ring keeps no more)."""
+        if self.dspark is None:
+            raise RuntimeError("the model was built without its DSpark draft (draft='dspark')")
+        feats, slots, pos = [], [], []
+        for slot, p0, f in rows:
+            n = f.shape[0]
+            keep = min(n, WINDOW)
+            feats.append(f[n - keep:])
+            pos.append(torch.arange(p0 + n - keep, p0 + n))
+            slots.append(torch.full((keep,), slot, dtype=torch.long))
+        if feats:
+            self.dspark.extend(torch.cat(feats), torch.cat(slots).to(self.device), torch.cat(pos).to(self.device),
+                               self.rope_rows)
+
+    @torch.no_grad()
+    def dspark_draft(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_pos: torch.Tensor, n_tokens: int,
+                     temperature: torch.Tensor | None = None, generator=None, confidence: bool = False,
+                     trace=None) -> dict:
+        """One DSpark draft call (``model.dspark``) for the sequences in ``slots`` [n] (device int64)
+        with anchor tokens ``anchors`` [n] at positions ``anchor_pos`` [n]: their rings must hold every
+        context position before the anchor (``dspark_extend``)."""
+        if self.dspark is None:
+            raise RuntimeError("the model was built without its DSpark draft (draft='dspark')")
+        ctx = self.dspark.context(slots, anchors, anchor_pos, self.rope_rows, trace)
+        return self.dspark(ctx, self.embed, self.head_fp32, n_tokens, temperature, generator, confidence)
+
+    def head_fp32(self, y: torch.Tensor) -> torch.Tensor:
+        """The head over normed rows ``y`` [rows, d] -> fp32 logits [rows, V] (all ranks' columns)."""
+        return self.group.all_gather(self.ops.linear(self.head, y).float(), dim=-1)
 
     def _score(self, h, rows, nxt, k, ctx, block: int = SCORE_ROWS):
         """Log-probabilities of ``nxt`` after ``rows`` of a prefill and the top ``k``: the head in
