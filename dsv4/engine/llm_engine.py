@@ -125,7 +125,7 @@ class LLMEngine:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         from ..models import generation_defaults, resolve_model
         from .build import KERNEL_CHECKS, build_model
-        from .spec_decode import SpeculativeConfigError, check_draft, parse_speculative_config
+        from .spec_decode import SpeculativeConfigError, check_draft, parse_speculative_config, resolve
         if cfg.kernel_check not in KERNEL_CHECKS:
             raise ValueError(f"kernel_check must be one of {', '.join(KERNEL_CHECKS)}, got {cfg.kernel_check!r}")
         self.spec = parse_speculative_config(cfg.speculative_config)
@@ -153,8 +153,9 @@ class LLMEngine:
             if prebuilt.device != self.device:
                 raise ValueError(f"the prebuilt model is on {prebuilt.device}, the engine on {self.device}")
             self.model, path, source = prebuilt, cfg.model, "a prebuilt model"
-            if draft is not None and prebuilt.mtp is None:
-                raise SpeculativeConfigError("speculative_config.method: the prebuilt model has no MTP block")
+            if draft is not None and prebuilt.draft != draft:
+                raise SpeculativeConfigError(f"speculative_config.method: {draft!r} needs the prebuilt model built "
+                                             f"with that draft; it has draft={prebuilt.draft!r}")
         elif cfg.synthetic is not None:
             self.model = build_model(spec, self.device, group, log=log)
             mc, path = self.model.cfg, None
@@ -174,6 +175,8 @@ class LLMEngine:
                 "; not loaded (speculative decoding is off)" if self.spec is None else
                 f"; loaded for speculative decoding ({self.spec.describe()})")
         self.model_config = mc = self.model.cfg
+        if self.spec is not None:
+            self.spec = resolve(self.spec, mc)
         self.model_path = path if path is not None else source
         load_s = time.perf_counter() - t0
         weights_mem = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -190,7 +193,7 @@ class LLMEngine:
         self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + 1,
                                              num_blocks=None if cfg.num_kv_blocks is None else cfg.num_kv_blocks + 1,
                                              memory_bytes=budget, device=str(self.device), num_snapshots=snaps,
-                                             draft_layers=int(draft is not None)))
+                                             draft_layers=0 if self.model.draft is None else mc.num_draft_stages))
         self.prefix = PrefixCache(self.cache) if snaps else None
         self.seq_blocks = self.cache.num_blocks - 1      # blocks sequences can hold (one is the model's scratch)
         cap = self.seq_blocks * BLOCK_TOKENS
@@ -211,8 +214,16 @@ class LLMEngine:
         self.sampler = Sampler(mc.eos_token_id)
         self.drafter = None
         if self.spec is not None:
-            from .spec_decode import MTPDrafter
-            self.drafter = MTPDrafter(self.model, self.runner.per_sequence)
+            from .spec_decode import DSparkDrafter, MTPDrafter
+            if self.spec.method == "mtp":
+                self.drafter = MTPDrafter(self.model, self.runner.per_sequence)
+            else:
+                graphs = None
+                if self.runner.graphs is not None:          # the decode step is captured: so is the draft
+                    from ..model.dspark import CudaGraphDraft
+                    graphs = CudaGraphDraft(self.model, cfg.max_num_seqs, self.spec.num_speculative_tokens)
+                self.drafter = DSparkDrafter(self.model, self.runner.per_sequence, self.spec.draft_sample_method,
+                                             graphs)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
@@ -444,8 +455,9 @@ class LLMEngine:
                 R_logits.append(logits[i][j] if c.num_draft else logits[i])
                 R_out.append(s.output_ids + s.draft_ids[:j])
                 R_seq.append(s)
+        forced = self._reject(batch, rows, first, R_logits, R_seq, R_out)
         out = self.sampler(torch.stack(R_logits), [s.params for s in R_seq], [s.prompt_ids for s in R_seq], R_out,
-                           [s.generator for s in R_seq], [s.matcher for s in R_seq])
+                           [s.generator for s in R_seq], [s.matcher for s in R_seq], forced)
         for i in rows:
             c, s, r0 = batch[i], batch[i].seq, first[i]
             drafts = s.draft_ids[:c.num_draft]
@@ -471,6 +483,37 @@ class LLMEngine:
                 self.cache.restore_positions(s.slot, p0[i], p0[i] + c.num_tokens, saved[i], end)
                 s.state.advance_to(end)
                 s.num_computed = end
+
+    def _reject(self, batch, rows, first, R_logits, R_seq, R_out) -> list | None:
+        """Probabilistic drafts (``DSparkDrafter.probs``): standard rejection sampling of each such
+        verify chunk against the target's distributions of its rows (``spec_decode.rejection_sample``);
+        returns the tokens its rows must take (accepted drafts, then the resampled or bonus token),
+        None elsewhere, or None when no chunk has such drafts."""
+        from .spec_decode import rejection_sample
+        probs = getattr(self.drafter, "probs", None)
+        chunks = [i for i in rows if batch[i].num_draft and probs and batch[i].seq in probs]
+        if not chunks:
+            return None
+        idx = [first[i] + j for i in chunks for j in range(batch[i].num_draft + 1)]
+        tgt = self.sampler(torch.stack([R_logits[r] for r in idx]), [R_seq[r].params for r in idx],
+                           [R_seq[r].prompt_ids for r in idx], [R_out[r] for r in idx],
+                           [R_seq[r].generator for r in idx], None, want_probs=True)
+        forced, at = [None] * len(R_logits), 0
+        for i in chunks:
+            s, k = batch[i].seq, batch[i].num_draft
+            q = probs.pop(s)
+            n = k + 1
+            if all(at + j in tgt.probs for j in range(n)):
+                g = s.generator
+                dev = g.device if g is not None else q.device
+                target = torch.stack([tgt.probs[at + j] for j in range(n)]).to(dev)
+                a, nxt = rejection_sample(target, q[:k].to(dev), torch.tensor(s.draft_ids[:k]), g)
+                for j, t in enumerate(s.draft_ids[:a] + [nxt]):
+                    forced[first[i] + j] = t
+            at += n
+        for s in [s for s in probs if s.is_finished]:      # drafts of sequences that ended elsewhere
+            probs.pop(s)
+        return forced
 
     def _draft(self, batch, keep: set, p0: list[int]) -> None:
         """Give the drafter the rows each speculating sequence committed this step (with the token

@@ -67,6 +67,9 @@ class SamplerOutput:
     #: per row with logprobs: the chosen token's rank in the logprobs' distribution (1 = the most
     #: likely; vLLM's ``Logprob.rank``), else None
     ranks: list[Optional[int]] = field(default_factory=list)
+    #: with ``want_probs``: {row: fp32 [V]} the distribution each sampled (non-greedy) row was drawn
+    #: from (after penalties, temperature, top-k, top-p, min-p): speculative rejection sampling's target
+    probs: dict = field(default_factory=dict)
 
     def raise_for_errors(self) -> None:
         """Raise ``NonFiniteLogitsError`` if any row failed."""
@@ -294,7 +297,12 @@ class Sampler:
                  output_ids: Optional[Sequence[Sequence[int]]] = None,
                  generators: Optional[Sequence[Optional[torch.Generator]]] = None,
                  matchers: Optional[Sequence] = None,
+                 forced: Optional[Sequence[Optional[int]]] = None,
+                 want_probs: bool = False,
                  ) -> SamplerOutput:
+        """``forced``: per row None or a token id the row takes instead of a draw (speculative
+        decoding decided it; the row's logprobs and rank are reported for it). ``want_probs``: fill
+        ``SamplerOutput.probs``."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         B, V = logits.shape
@@ -427,6 +435,13 @@ class Sampler:
                 sampled[jt] = torch.argmax(probs[jt] / q, dim=-1)
             chosen[ri] = sampled
 
+        if forced is not None:
+            fi = [i for i in good if forced[i] is not None]
+            if fi:
+                chosen[torch.tensor(fi, device=dev)] = torch.tensor([forced[i] for i in fi], device=dev)
+        probs_out = {}
+        if want_probs and rand:
+            probs_out = {i: probs[j] for j, i in enumerate(rand)}
         chosen_list = chosen.tolist()
         for i in good:
             token_ids[i] = int(chosen_list[i])
@@ -453,7 +468,7 @@ class Sampler:
                 d.setdefault(token_ids[i], float(chosen_lp[r]))
                 logprobs[i] = d
 
-        return SamplerOutput(token_ids, logprobs, errors, ranks)
+        return SamplerOutput(token_ids, logprobs, errors, ranks, probs_out)
 
 
 # ---------------------------------------------------------------------------------------------

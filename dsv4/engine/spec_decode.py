@@ -54,8 +54,12 @@ from typing import Any
 
 import torch
 
-METHODS = ("mtp",)
+METHODS = ("mtp", "dspark")
+DRAFT_SAMPLE_METHODS = {"mtp": ("greedy",), "dspark": ("greedy", "probabilistic")}
 _KNOWN_KEYS = {"method", "num_speculative_tokens", "model", "draft_sample_method"}
+_HAS = {"none": "no draft (no mtp.* tensors)",
+        "mtp": "the April MTP block (mtp.0: e_proj, h_proj, ...)",
+        "dspark": "a DSpark draft (mtp.0-2 with main_proj and the Markov head: V4-*-DSpark / 0731 / 0813)"}
 
 
 class SpeculativeConfigError(ValueError):
@@ -65,11 +69,12 @@ class SpeculativeConfigError(ValueError):
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None        # None: dspark's default, the block size (``resolve``)
     draft_sample_method: str = "greedy"
 
     def describe(self) -> str:
-        return f"{self.method}, {self.num_speculative_tokens} speculative token(s) per step"
+        return (f"{self.method}, {self.num_speculative_tokens} speculative token(s) per step"
+                + (f", {self.draft_sample_method} drafts" if self.method == "dspark" else ""))
 
 
 def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
@@ -98,23 +103,36 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise SpeculativeConfigError("speculative_config.model: the draft is read from the target checkpoint's "
                                      "mtp.* tensors; a separate draft model is not supported")
     k = value.get("num_speculative_tokens")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    if not (k is None and method == "dspark") and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
         raise SpeculativeConfigError(f"speculative_config.num_speculative_tokens: must be an integer >= 1, got {k!r}")
     dsm = value.get("draft_sample_method", "greedy")
-    if dsm != "greedy":
-        raise SpeculativeConfigError(f"speculative_config.draft_sample_method: only 'greedy' is supported for "
-                                     f"method 'mtp', got {dsm!r}")
+    if dsm not in DRAFT_SAMPLE_METHODS[method]:
+        raise SpeculativeConfigError(f"speculative_config.draft_sample_method: method {method!r} supports "
+                                     f"{' or '.join(repr(m) for m in DRAFT_SAMPLE_METHODS[method])}, got {dsm!r}")
     return SpeculativeConfig(method, k, dsm)
 
 
 def check_draft(spec: SpeculativeConfig, draft: str) -> None:
     """The checkpoint's draft (``CheckpointReader.draft``: 'none' | 'mtp' | 'dspark') must be the
     one ``spec.method`` drafts with."""
-    if spec.method == "mtp" and draft != "mtp":
-        has = {"none": "no draft (no mtp.* tensors)",
-               "dspark": "a DSpark draft (mtp.0-2: V4-*-DSpark / 0731 / 0813); method 'dspark' is not built yet"}[draft]
-        raise SpeculativeConfigError(f"speculative_config.method: 'mtp' needs the checkpoint's April MTP block, "
-                                     f"but this checkpoint has {has}")
+    if draft != spec.method:
+        need = {"mtp": "the checkpoint's April MTP block", "dspark": "the checkpoint's DSpark draft"}[spec.method]
+        hint = f" (use method '{draft}')" if draft in METHODS else ""
+        raise SpeculativeConfigError(f"speculative_config.method: {spec.method!r} needs {need}, but this "
+                                     f"checkpoint has {_HAS[draft]}{hint}")
+
+
+def resolve(spec: SpeculativeConfig, cfg) -> SpeculativeConfig:
+    """``spec`` against the model's config: dspark's ``num_speculative_tokens`` defaults to, and may
+    not exceed, ``dspark_block_size`` (the draft proposes one block per step)."""
+    if spec.method != "dspark":
+        return spec
+    B = cfg.dspark_block_size
+    k = B if spec.num_speculative_tokens is None else spec.num_speculative_tokens
+    if k > B:
+        raise SpeculativeConfigError(f"speculative_config.num_speculative_tokens: {k} exceeds the DSpark draft's "
+                                     f"block size (dspark_block_size={B})")
+    return SpeculativeConfig(spec.method, k, spec.draft_sample_method)
 
 
 def accept_greedy_draft(sampled: list[int], draft: list[int]) -> int:
@@ -215,3 +233,71 @@ class MTPDrafter:
         for seq, pos, rows in saved:
             n = len(seq.draft_ids) - 1
             self.model.cache.restore_positions(seq.slot, pos, pos + n, rows, pos, draft=True)
+
+
+class DSparkDrafter:
+    """Drafts with the checkpoint's DSpark draft (``model.dspark``; math: ``reference.dspark``).
+    ``propose`` writes the context rows of the positions the target committed (the DSpark feature
+    of each row, ``DeepseekV4.forward`` with ``keep_hidden``) into the stages' rings, then drafts one
+    block for every sequence that speculates next step: the anchor is the token after its last
+    committed row (the pending token, at position ``num_computed``), the drafts are the first ``k``
+    of the block's Markov chain. The rings only ever hold committed positions, so a rejected draft
+    needs no roll-back; a preempted sequence's rings are written again by its recomputed prefill.
+
+    ``draft_sample_method`` 'greedy': argmax drafts (accepted by the engine's exact-match rule, the
+    rejection sampling of a deterministic drafter). 'probabilistic': a request sampled at temperature
+    T > 0 gets drafts drawn from ``softmax(draft logits / T)`` with its generator; the engine then
+    verifies them by ``rejection_sample`` against the target's distribution (``probs`` holds each
+    draft's q rows); greedy requests get argmax drafts either way."""
+
+    def __init__(self, model, per_sequence: bool, sample_method: str = "greedy", graphs=None):
+        """``graphs``: a ``model.dspark.CudaGraphDraft`` of the configured number of drafts: greedy
+        draft calls replay it (the sequences that draft fewer take the first ones)."""
+        self.model, self.per_sequence, self.sample_method = model, per_sequence, sample_method
+        self.graphs = graphs
+        self.probs: dict = {}            # seq -> [k, V] draft distributions of its probabilistic drafts
+
+    def _groups(self, items):
+        return [[it] for it in items] if self.per_sequence else ([items] if items else [])
+
+    def _temperature(self, seq) -> float:
+        p = seq.params
+        return 0.0 if self.sample_method == "greedy" or p.is_greedy else float(p.temperature)
+
+    @torch.no_grad()
+    def propose(self, fills, k_of: dict) -> None:
+        """``fills``: [(seq, p0, features [n, S*d], next token ids [n])]: the target's rows at
+        positions p0 .. p0+n-1 and the token after each. Every sequence with ``k_of[seq] = k > 0``
+        gets ``k`` draft tokens in ``seq.draft_ids`` (its fill ends at its last committed position)."""
+        m, dev = self.model, self.model.device
+        for g in self._groups(fills):
+            m.dspark_extend([(seq.slot, p0, h) for seq, p0, h, _ in g])
+        live = [(seq, p0 + len(nxt), nxt[-1], k_of[seq]) for seq, p0, _, nxt in fills if k_of.get(seq, 0) > 0]
+        # sequences sampled at T > 0 with probabilistic drafts run on their own (their generator)
+        greedy = [it for it in live if self._temperature(it[0]) == 0.0]
+        if greedy and self.graphs is not None and max(k for *_, k in greedy) <= self.graphs.n_tokens:
+            toks = self.graphs(torch.tensor([s.slot for s, *_ in greedy], device=dev),
+                               torch.tensor([a for _, _, a, _ in greedy], device=dev),
+                               torch.tensor([p for _, p, _, _ in greedy], device=dev)).tolist()
+            for r, (seq, _, _, k) in enumerate(greedy):
+                seq.draft_ids = toks[r][:k]
+            greedy = []
+        for g in self._groups(greedy) + [[it] for it in live if self._temperature(it[0]) > 0.0]:
+            t = self._temperature(g[0][0])
+            out = m.dspark_draft(torch.tensor([s.slot for s, *_ in g], device=dev),
+                                 torch.tensor([a for _, _, a, _ in g], device=dev),
+                                 torch.tensor([p for _, p, _, _ in g], device=dev), max(k for *_, k in g),
+                                 None if t == 0.0 else torch.tensor([t], device=dev),
+                                 None if t == 0.0 else _device_generator(g[0][0], dev))
+            toks = out["tokens"].tolist()
+            for r, (seq, _, _, k) in enumerate(g):
+                seq.draft_ids = toks[r][:k]
+                if t > 0.0:
+                    self.probs[seq] = torch.softmax(out["logits"][r, :k].float() / t, dim=-1)
+
+
+def _device_generator(seq, dev):
+    """The request's own generator when it lives on ``dev`` (a seeded request's draws then do not
+    depend on its batch), else None (the global one)."""
+    g = getattr(seq, "generator", None)
+    return g if g is not None and g.device.type == torch.device(dev).type else None
