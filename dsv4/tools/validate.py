@@ -14,11 +14,18 @@ same names (``L<i>.hc_pre``, ``.q``, ``.kv``, ``.compressor``, ``.indexer_compre
    non-finite values, the indexer's top-k overlap. The decode tokens are the reference's greedy
    choices.
 2. Through the engine (``--engine-batch`` sequences; scheduler, chunked prefill, CUDA graphs on a
-   GPU, the sampler): the validated prompt batched with others and alone, greedy. Its tokens are
+   GPU, the sampler; DSpark speculative decoding when the model has the DSpark draft): the validated prompt batched with others and alone, greedy. Its tokens are
    compared with the reference's greedy tokens up to the first difference, which fails unless
    the reference's top-1 margin there is below ``--margin`` (at a near-tie either answer is
    right, and the contexts part); no sequence may start with EOS or have a non-finite
    log-probability (the silent failures: empty answers, NaN sampled as token 0).
+
+3. The DSpark draft, when the checkpoint has one (or ``--synthetic ... --draft dspark``): both drafts
+   get the reference target's features of the prompt in their rings and draft one block from its
+   greedy next token; the production stages run on the reference's inputs module by module like the
+   main model (rows ``draft.L<i>.hc_pre`` / ``.moe`` / ``.hc_post`` of the stage layer ids,
+   ``draft.dspark.hc_head``, ``draft.dspark.logits``), beside the ring rows of each stage
+   (``draft.ring<s>``), the confidences and the draft tokens.
 
 ``--synthetic flash|pro --layers N`` generates real-shaped weights (``checkpoint.synthetic``) in
 device memory instead of reading a checkpoint. The reference holds every weight in fp32, so a
@@ -118,16 +125,17 @@ def load_models(args, dev):
     if args.synthetic:
         from ..checkpoint.schema import expected_specs, expert_format_of_config
         from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
-        cfg = synthetic_config(args.synthetic, args.layers, args.experts)
+        draft = args.draft == "dspark"
+        cfg = synthetic_config(args.synthetic, args.layers, args.experts, draft="dspark" if draft else "mtp")
         efmt, wfmt, path = expert_format_of_config(cfg), "fp8", None
-        specs = expected_specs(cfg, efmt, draft=False)
+        specs = expected_specs(cfg, efmt, draft=draft)
         total = sum(sp.dtype.itemsize * torch.Size(sp.shape).numel() for sp in specs.values())
         _say(args, f"generating synthetic {args.synthetic} weights ({args.layers} layers, {cfg.n_routed_experts} "
                    f"experts) on {dev}")
         tensors = {}
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                   disable=args.quiet, desc="synthetic weights") as bar:
-            for n, t in iter_synthetic_tensors(cfg, args.seed, dev, draft=False):
+            for n, t in iter_synthetic_tensors(cfg, args.seed, dev, draft=draft):
                 bar.update(t.numel() * t.element_size())
                 tensors[n] = t
         where = f"synthetic {args.synthetic}, {args.layers} layers, {cfg.n_routed_experts} experts"
@@ -137,11 +145,12 @@ def load_models(args, dev):
         path = resolve_model(args.model)
         ck = load_checkpoint(path, progress=not args.quiet)
         cfg, efmt, wfmt = ck.config, ck.expert_format, ck.wo_a_format
-        tensors = {n: t.to(dev) for n, t in ck.tensors.items() if not n.startswith("mtp.")}
+        draft = ck.draft == "dspark"
+        tensors = {n: t.to(dev) for n, t in ck.tensors.items() if draft or not n.startswith("mtp.")}
         where = path
     _say(args, "loading the weights into the production model")
     prod = build_model(dict(tensors=(cfg, efmt, wfmt, tensors), kernels=None if args.kernels else False,
-                            kernel_check=args.kernel_check), dev,
+                            kernel_check=args.kernel_check, draft="dspark" if draft else None), dev,
                        log=None if args.quiet else (lambda line: _say(args, line)))
     _say(args, "building the reference model (weights dequantised to fp32)")
     ref = ReferenceModel(cfg, tensors, numerics=args.numerics)
@@ -162,7 +171,8 @@ def teacher_forced(args, cfg, prod, ref, ids, dev, agg) -> tuple[list[int], list
     margins and the production model's own checks."""
     from ..engine.kv_cache import CacheConfig, KVCache, PagedSequenceState
     max_len = len(ids) + args.steps + 1
-    cache = KVCache(cfg, CacheConfig(max_num_seqs=2, num_blocks=-(-max_len // 256) + 1, device=str(dev)))
+    cache = KVCache(cfg, CacheConfig(max_num_seqs=3, num_blocks=-(-max_len // 256) + 1, device=str(dev),
+                                     draft_layers=0 if prod.dspark is None else len(prod.dspark.blocks)))
     prod.attach_cache(cache, max_len)
     st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(cache.blocks_needed(max_len)))
     rst = ref.new_state()
@@ -224,7 +234,9 @@ def through_engine(args, cfg, prod, path, ids, greedy, margins, dev) -> tuple[bo
     eng = LLMEngine(EngineConfig(model=path, max_num_seqs=B, max_num_batched_tokens=args.chunk,
                                  max_model_len=max_len, num_kv_blocks=B * -(-max_len // 256),
                                  device=str(dev), cuda_graphs=not args.enforce_eager, log=False,
-                                 enable_prefix_caching=False), prebuilt=prod)
+                                 enable_prefix_caching=False,
+                                 speculative_config={"method": "dspark"} if prod.dspark is not None else None),
+                        prebuilt=prod)
     sp = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True, logprobs=0)
 
     def run(batch, tag):
@@ -266,9 +278,53 @@ def through_engine(args, cfg, prod, path, ids, greedy, margins, dev) -> tuple[bo
             ok = False
             lines.append(f"engine sequence {i}: first token EOS {first_eos}, non-finite log-probs {nonfinite}, "
                          f"error {out.error!r}  <-- diverged")
-    lines.append(f"engine: {len(batched) + 1} sequences ({eng.backend_name}); first token EOS / non-finite "
+    spec = "" if eng.spec is None else f"; speculative decoding: {eng.spec.describe()}, " \
+        f"{eng.stats['spec_num_accepted_tokens']}/{eng.stats['spec_num_draft_tokens']} drafts accepted"
+    lines.append(f"engine: {len(batched) + 1} sequences ({eng.backend_name}{spec}); first token EOS / non-finite "
                  f"log-probs: {'none' if ok else 'see above'}")
     return ok, lines
+
+
+def check_dspark(args, cfg, prod, ref, ids, dev, agg) -> tuple[bool, list[str]]:
+    """Part 3 of the module doc: module rows into ``agg``; (tokens and confidences agree, report lines)."""
+    from ..formats.kv_entry import read_kv_entries
+    from ..formats.paging import WINDOW, WINDOW_PAGE
+    from ..model.deepseek_v4 import _Trace
+    _say(args, "DSpark draft: the reference target's features of the prompt into both drafts' rings, one block")
+    rst = ref.new_state()
+    anchor = int(ref.forward([(torch.tensor(ids, device=dev), rst)], capture=True)[0].argmax())
+    feats, n = rst.last_features, len(ids)
+    slot = prod.cache.allocate_slot()
+    prod.dspark_extend([(slot, 0, feats)])
+    ds = ref.dspark.new_state()
+    ref.dspark.extend(ds, feats, 0)
+    pos = torch.arange(max(0, n - WINDOW), n, device=dev)
+    for s, (b, ring) in enumerate(zip(prod.dspark.blocks, ds.rings)):
+        got = read_kv_entries(b.attn.lc.window, slot * WINDOW + pos % WINDOW, WINDOW_PAGE)
+        agg[f"draft.ring{s}"].append(compare({"r": ring.keys()[0][pos % WINDOW]}, {"r": got})["r"])
+    rtr = {}
+    for st in ref.dspark.stages:
+        st.block.attn.trace = rtr
+    B = cfg.dspark_block_size
+    try:
+        want = ref.dspark.draft(ds, anchor)
+    finally:
+        for st in ref.dspark.stages:
+            st.block.attn.trace = None
+    rtr["dspark.hc_head"], rtr["dspark.logits"] = want.hidden, want.logits
+    tr, ptr = _Trace(), {}
+    tr.trace, tr.force = ptr, (lambda name, t: None) if args.free_running else Forcer(rtr)
+    out = prod.dspark_draft(torch.tensor([slot], device=dev), torch.tensor([anchor], device=dev),
+                            torch.tensor([n], device=dev), B, confidence=True, trace=tr)
+    prod.cache.free_slot(slot)
+    for k, v in compare(rtr, ptr).items():
+        agg["draft." + k].append(v)
+    toks, wtoks = out["tokens"][0].tolist(), want.tokens.tolist()
+    conf = out["confidence_logits"][0].float().cpu()
+    cerr = float((conf - want.confidence_logits.float().cpu()).abs().max())
+    ok = toks == wtoks and cerr < 0.05 * (1 + float(want.confidence_logits.abs().max()))
+    return ok, [f"DSpark draft of one block after the prompt: production {toks}, reference {wtoks}; "
+                f"confidence logits max error {cerr:.4g} -> {'OK' if ok else 'DIFFERENT'}"]
 
 
 def run(args) -> int:
@@ -280,6 +336,9 @@ def run(args) -> int:
     ids = _prompt(args, cfg, path)
     agg = defaultdict(list)
     greedy, margins, checks = teacher_forced(args, cfg, prod, ref, ids, dev, agg)
+    draft_ok, draft_lines = True, []
+    if prod.dspark is not None:
+        draft_ok, draft_lines = check_dspark(args, cfg, prod, ref, ids, dev, agg)
 
     rows, worst_cos, worst_topk = [], 1.0, 1.0
     for k, vals in agg.items():
@@ -301,6 +360,9 @@ def run(args) -> int:
           and not checks["first_eos"] and not any(bad for *_x, bad in rows))
     print(f"teacher-forced: greedy agreement {checks['argmax_agree']}/{args.steps + 1}; first token EOS: "
           f"{checks['first_eos']}; NaN/inf logits: {checks['nonfinite']}")
+    for line in draft_lines:
+        print(line)
+    ok = ok and draft_ok
     if not args.no_engine:
         eok, lines = through_engine(args, cfg, prod, path, ids, greedy, margins, dev)
         for line in lines:
@@ -318,6 +380,9 @@ def add_parser(sub) -> None:
     v.add_argument("--synthetic", choices=["flash", "pro"], default=None, help="random weights at the preset's real shapes instead of a checkpoint")
     v.add_argument("--layers", type=int, default=4, help='layers of a --synthetic model (default 4)')
     v.add_argument("--experts", type=int, default=16, help="routed experts of a synthetic model")
+    v.add_argument("--draft", choices=["none", "dspark"], default="none",
+                   help="a synthetic model with the DSpark draft of the current releases, validated too "
+                        "(a checkpoint's DSpark draft is always validated)")
     v.add_argument("--prompt", default=None, help='prompt text (default: random token ids)')
     v.add_argument("--prompt-len", type=int, default=300, help="random prompt length when no --prompt")
     v.add_argument("--steps", type=int, default=8, help='decode steps to compare after the prefill (default 8)')
