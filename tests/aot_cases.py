@@ -175,8 +175,6 @@ def _router_const(c) -> dict:
     if c.kernel in ("fp4_gemm", "fp4_scaled", "fp4_prefill", "fp4_fp8"):
         sw = const["SWIGLU"]
         const.update(GATHER=sw, HAS_PW=sw)
-    if c.kernel == "fp4_fp8":
-        const.update(KPERM_OUT=const["SWIGLU"])
     if c.kernel == "fp4_prefill":
         const.update(RB=14 if const["FMT"] == 2 else 0, SB_SCALE=2.0 ** -14)
     if c.kernel == "gemv":

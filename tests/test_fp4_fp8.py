@@ -50,20 +50,10 @@ def _run(xq, xs, wp, s, cfg=None, use_asm=None):
     M, K = xq.shape
     N = wp.shape[0]
     out = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
-    F.fp4_fp8_launch(F.fp8_operand(xq).to(DEV), xs.float().to(DEV), wp[None].contiguous().to(DEV),
+    F.fp4_fp8_launch(u8(xq).to(DEV), xs.float().to(DEV), wp[None].contiguous().to(DEV),
                      s[None].contiguous().to(DEV), None, out, None, M, N, K, 0, fmt="mxfp4", config=cfg,
                      use_asm=use_asm)
     return out
-
-
-def test_operand_order_roundtrip():
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 256, (3, 256), dtype=torch.uint8, generator=gen)
-    a = F.fp8_operand(q)
-    assert a.is_contiguous() and not torch.equal(a, q)
-    assert torch.equal(F.natural_order(a), q)
-    # position 8w + 2i + s holds natural element 8w + 4s + i
-    assert torch.equal(a[:, 8 + 2 * 3 + 1], q[:, 8 + 4 + 3])
 
 
 def test_decode_all_codes_and_shifts():
@@ -93,7 +83,7 @@ def test_decode_all_codes_and_shifts():
     for asm in ((False, True) if DEV == "cuda" else (False,)):
         o = torch.empty(16, 128, dtype=torch.uint8, device=DEV)
         kern[(1,)](b.to(DEV), ks.to(DEV), o, USE_ASM=asm)
-        got = F.natural_order(o.cpu())
+        got = o.cpu()
         assert torch.equal(got, ref), (asm, (got != ref).nonzero()[:8])
     # the fold is exact where it claims to be: no rounding for k >= 1
     assert torch.equal(torch.where(kk >= 1, ref.view(torch.float8_e4m3fn).double(), 0.0),
@@ -138,7 +128,7 @@ def test_wide_spread_groups_flush(spread):
     Wd = dequant_mxfp4(wp, s)
     Wf = Wd * keep.repeat_interleave(32, 1)
     check_gemm(y, xq, xs, Wf, acc=ACC)
-    if spread == 12:     # 2^-12 of the block's largest values: the flush is visible beside the exact sum
+    if spread == 12 and DEV == "cpu":   # exact fp32 sums: the flushed 2^-12 is visible beside the full sum
         ex, mag = gemm_exact(xq, xs, Wd)
         assert ((y.cpu().double() - ex).abs() > 2.0 ** -8 * ex.abs() + ACC * mag).any()
     # the same scales with those groups' codes zeroed: exact
@@ -168,7 +158,7 @@ def _tcum(offs, bm):
     return torch.cat([torch.zeros(1, dtype=torch.long), ((cnt + bm - 1) // bm).cumsum(0)])
 
 
-def _gemms(c, E, d, I, top_k, limit, fn, operand, cfg, kw13=None, use_asm=None):
+def _gemms(c, E, d, I, top_k, limit, fn, operand, cfg, use_asm=None):
     """GEMM 1 (+ SwiGLU) and GEMM 2 through ``fn`` (either kernel's launcher): (h bytes, hs, out)."""
     bm = cfg["BM"]
     Pn = c["P"]
@@ -179,9 +169,9 @@ def _gemms(c, E, d, I, top_k, limit, fn, operand, cfg, kw13=None, use_asm=None):
     hs = torch.empty(Pn, I // 128, dtype=torch.float32, device=DEV)
     fn(operand(c["xq"]).to(DEV), c["xs"].float().to(DEV), c["w13"].to(DEV), c["s13"].to(DEV), None, h, hs, Pn, I, d,
        I, swiglu=True, limit=limit, perm=c["perm"].to(DEV), pw=c["pw"].to(DEV), top_k=top_k, config=dict(cfg),
-       **(kw13 or {}), **g, **extra)
+       **g, **extra)
     out = torch.empty(Pn, d, dtype=torch.bfloat16, device=DEV)
-    h2 = h if kw13 else operand(h.view(torch.float8_e4m3fn))
+    h2 = operand(h.view(torch.float8_e4m3fn))
     fn(h2, hs, c["w2"].to(DEV), c["s2"].to(DEV), None, out, None, Pn, d, I, 0, config=dict(cfg), **g, **extra)
     return h, hs, out
 
@@ -189,7 +179,7 @@ def _gemms(c, E, d, I, top_k, limit, fn, operand, cfg, kw13=None, use_asm=None):
 def _compare(c, E, I, top_k, h_new, hs_new, out_new, h_old, hs_old, out_old):
     """h: e4m3 bytes within one FP8 step of the f16 kernel's (>= 98% equal), scales equal where the
     bytes are; w2: each kernel against the exact sum of its own h operand, and against each other."""
-    hn = F.natural_order(h_new.cpu())
+    hn = h_new.cpu()
     ho = h_old.cpu()
     assert (hn == ho).float().mean() > 0.98
     deq = lambda h, s: h.view(torch.float8_e4m3fn).float() * s.cpu().repeat_interleave(128, 1)
@@ -205,14 +195,13 @@ def _compare(c, E, I, top_k, h_new, hs_new, out_new, h_old, hs_old, out_old):
 
 
 def test_grouped_swiglu_and_w2():
-    """Grouped + gather + SwiGLU (h written in the kernel's K order) and grouped w2, 5 experts with
+    """Grouped + gather + SwiGLU and grouped w2, 5 experts with
     0 / 1 / 33 / 40 / 5 rows at 32-row tiles, against the f16 prefill kernel on the same inputs."""
     gen = torch.Generator().manual_seed(11)
     E, d, I, top_k, limit = 5, 256, 128, 2, 6.0
     c = _grouped(E, [0, 1, 33, 40, 5], d, I, top_k, gen)
     bm = 32 if DEV == "cpu" else 64
-    h, hs, out = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, F.fp8_operand, dict(BM=bm, BN=128),
-                        kw13=dict(kperm_out=True))
+    h, hs, out = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, dict(BM=bm, BN=128))
     ho, hso, outo = _gemms(c, E, d, I, top_k, limit, FP.fp4_prefill_launch, GC.f16_operand,
                            dict(BM=bm, BN=128, KSPLIT=False))
     _compare(c, E, I, top_k, h, hs, out, ho, hso, outo)
@@ -244,9 +233,8 @@ def test_gpu_flash_dims(swap, bm, warps):
     c["s13"].view(E, 2 * I, -1, 4)[..., 1] -= 5
     c["s13"].view(E, 2 * I, -1, 4)[..., 2] -= 11
     cfg = dict(BM=bm, BN=128, SWAP=swap, num_warps=warps, num_stages=3)
-    h, hs, out = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, F.fp8_operand, cfg, kw13=dict(kperm_out=True))
-    h2, hs2, out2 = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, F.fp8_operand, cfg,
-                           kw13=dict(kperm_out=True), use_asm=False)
+    h, hs, out = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
+    h2, hs2, out2 = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg, use_asm=False)
     assert torch.equal(h, h2) and torch.equal(hs, hs2) and torch.equal(out, out2)
     ho, hso, outo = _gemms(c, E, d, I, top_k, limit, FP.fp4_prefill_launch, GC.f16_operand,
                            dict(BM=64, BN=128, KSPLIT=False, num_warps=8, num_stages=3))

@@ -35,7 +35,7 @@ the interpreter: the CUDA-core GEMV of ``gemv.py`` (1-row tiles).
 FP8 prefill path (``path="fp8mma"``, the default for MXFP4 on sm_90 above
 ``router.FP8MMA_ROWS_PER_EXPERT`` rows per expert when the scales fold exactly, ``MoEWeights.fp8_fold_exact``):
 the same steps on ``fp4_fp8.py``'s kernel (weights decoded to e4m3 in registers, FP8 wgmma, per-128
-promotion), activations as e4m3 bytes in the kernel's K order, h written by GEMM 1 in that order.
+promotion), activations and h as plain e4m3 bytes.
 
 Prefill path (``path="prefill"``, MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
 per expert whose scales do not fold into e4m3, or asked for): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
@@ -524,7 +524,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         bm, ksplit = pcfg["13"]["BM"], pcfg["13"]["KSPLIT"]
         operand = f16_operand_split if ksplit else f16_operand
     elif path == "fp8mma":
-        from .gemm.fp4_fp8 import fp4_fp8_launch, fp8_operand
+        from .gemm.fp4_fp8 import fp4_fp8_launch
         pcfg = {"13": dict(router.fp4_fp8_config(rows_per_expert, t, swiglu=True), **(config or {})),
                 "2": dict(router.fp4_fp8_config(rows_per_expert, t), **(config or {}))}
         if pcfg["13"]["BM"] != pcfg["2"]["BM"]:
@@ -540,7 +540,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     if path in ("prefill", "fp8mma"):
         if xq is None:
             xq, xs = act_quant_fp8(x)
-        a = fp8_operand(xq) if path == "fp8mma" else operand(xq.view(torch.float8_e4m3fn))
+        a = u8(xq) if path == "fp8mma" else operand(xq.view(torch.float8_e4m3fn))
     else:
         xq, xs, a16 = act_quant_fp8(x, with_f16=True)
         a = u8(xq) if path == "scaled" else a16
@@ -550,9 +550,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     hs = torch.empty(P, I // QBLOCK, dtype=torch.float32, device=dev)
     out = torch.empty(P, d, dtype=torch.bfloat16, device=dev)
     grouped = dict(offs=offs, tcum=tcum, n_groups=E, n_tiles=n_tiles)
-    if path == "fp8mma":      # h written in the kernel's K order: GEMM 2's operand as is
+    if path == "fp8mma":      # h (e4m3 bytes) is GEMM 2's operand as it is
         fp4_fp8_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit,
-                       perm=perm, pw=pw, top_k=k, config=pcfg["13"], kperm_out=True, **grouped)
+                       perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)
         fp4_fp8_launch(h, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"], **grouped)
     elif path == "prefill":
         fp4_prefill_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,

@@ -2,8 +2,8 @@
 
 Same host interface and numerics contract as ``fp4_prefill.fp4_prefill_launch`` (grouped tiles from
 ``moe.sort_pairs(eflat, E, BM)``, gather by ``perm``, the SwiGLU + FP8-quantise epilogue of
-``common.fp4_epilogue`` or a plain bf16 output), except for the activation operand: e4m3 bytes in the
-kernel's K order (``fp8_operand``), not f16.
+``common.fp4_epilogue`` or a plain bf16 output), except for the activation operand: the e4m3 bytes
+themselves, not an f16 copy.
 
 Per 128-K block and weight row the packed e2m1 codes become e4m3 bytes in registers, the MXFP4
 per-32 scales folded in relative to the row's largest scale of the block ``s_max``:
@@ -26,15 +26,12 @@ a caller whether a weight has such groups (the MoE layer then keeps such weights
 exact to 2^28). NVFP4 (e4m3 per-16 scales: e2m1 x e4m3 products need up to 6 significant bits, e4m3
 has 4) is not folded here: ``fp4_prefill`` keeps it.
 
-Decode (``USE_ASM``): per 32-bit word of 4 packed bytes (8 values) one ``prmt`` table lookup per half
-word picks the magnitude bytes from a per-(row, group) 8-entry table (built once per 32 values), a
-second lookup with the sign nibble bits marks the negative ones, two logic ops add the sign: 13
-integer instructions per 8 values, no conversion instruction. The table lookup puts a word's 8 values
-in the order [0 1 2 3] [4 5 6 7] of two output words, which ``tl.join`` interleaves: the kernel's K
-order within every 8 values is natural element ``8w + 4s + i`` at position ``8w + 2i + s``
-(``fp8_operand`` permutes an activation the same way; the SwiGLU epilogue can write h in that order
-directly, ``KPERM_OUT``). The portable decode (interpreter, ``use_asm=False``) computes the same bytes
-with plain integer ops.
+Decode (``USE_ASM``): per 32-bit word of 4 packed bytes, byte-lane-parallel integer ops (shifts, logic,
+adds, one ``prmt`` to widen the live-lane mask): ~30 instructions per 8 values, no conversion
+instruction, each byte lane independent (the result does not depend on how Triton lays the packed bytes
+out in registers). The portable decode (interpreter, ``use_asm=False``) computes the same bytes with
+plain integer ops. The weight tile's K order is natural, so the activations and GEMM 1's h are the
+operands as they are.
 
 ``SWAP`` (default): the weight tile is the dot's first operand ([BN weight rows, 128] x [128, BM tokens]
 -> [BN, BM]), so wgmma takes the decoded weights from registers and only the activation tile goes
@@ -58,16 +55,26 @@ if triton_available():
     from ..lib import exp2i, quant_rows, store_bf16, swiglu_h
     from .common import tile
 
+    # per byte lane (4 bytes of a word, each lane independent, so correct for any register layout):
+    # p = m << 2 (m = the nibble's magnitude code), kb = k << 3 (0: flushed); magnitude byte
+    # p + kb - (4 if m == 1), zero where m == 0 or kb == 0, sign bit from the nibble's bit 3
     _DEC_ASM = tl.constexpr(
-        "{ .reg .b32 rs, rm, rp, rt;\n"
-        # elements 0-3 of the word (the low half's four nibbles)
-        "and.b32 rs, $2, 0x7777; prmt.b32 rm, $3, $7, rs; prmt.b32 rp, $3, $7, $2;\n"
-        "not.b32 rt, rp; and.b32 rt, rm, rt; add.u32 rt, rt, 0x7F7F7F7F; and.b32 rt, rt, 0x80808080;\n"
-        "or.b32 $0, rm, rt;\n"
-        # elements 4-7 (the high half)
-        "shr.b32 rs, $2, 16; prmt.b32 rp, $3, $7, rs; and.b32 rs, rs, 0x7777; prmt.b32 rm, $3, $7, rs;\n"
-        "not.b32 rt, rp; and.b32 rt, rm, rt; add.u32 rt, rt, 0x7F7F7F7F; and.b32 rt, rt, 0x80808080;\n"
-        "or.b32 $1, rm, rt; }")
+        "{ .reg .b32 rp, rf, rg, rn, rk, rs;\n"
+        "add.u32 rk, $3, 0x78787878;\n"
+        # low nibbles
+        "shl.b32 rp, $2, 2; and.b32 rp, rp, 0x1C1C1C1C;\n"
+        "shr.b32 rf, rp, 1; shr.b32 rg, rp, 2; or.b32 rf, rf, rg; not.b32 rf, rf; and.b32 rf, rf, rp;"
+        " and.b32 rf, rf, 0x04040404;\n"
+        "add.u32 rn, rp, 0x7C7C7C7C; and.b32 rn, rn, rk; and.b32 rn, rn, 0x80808080; prmt.b32 rn, rn, 0, 0xBA98;\n"
+        "add.u32 rp, rp, $3; sub.u32 rp, rp, rf; shl.b32 rs, $2, 4; and.b32 rs, rs, 0x80808080;\n"
+        "or.b32 rp, rp, rs; and.b32 $0, rp, rn;\n"
+        # high nibbles
+        "shr.b32 rp, $2, 2; and.b32 rp, rp, 0x1C1C1C1C;\n"
+        "shr.b32 rf, rp, 1; shr.b32 rg, rp, 2; or.b32 rf, rf, rg; not.b32 rf, rf; and.b32 rf, rf, rp;"
+        " and.b32 rf, rf, 0x04040404;\n"
+        "add.u32 rn, rp, 0x7C7C7C7C; and.b32 rn, rn, rk; and.b32 rn, rn, 0x80808080; prmt.b32 rn, rn, 0, 0xBA98;\n"
+        "add.u32 rp, rp, $3; sub.u32 rp, rp, rf; and.b32 rs, $2, 0x80808080;\n"
+        "or.b32 rp, rp, rs; and.b32 $1, rp, rn; }")
 
     @triton.jit
     def _mag_byte(c, kb):
@@ -82,25 +89,17 @@ if triton_available():
     @triton.jit
     def _fp8_weight_tile(b, k, USE_ASM: tl.constexpr, BN: tl.constexpr):
         """packed e2m1 bytes b (uint8 [BN, 64]) and per-group shifts k = s_g - s_max + 12 (int32 [BN, 4])
-        -> e4m3 [BN, 128] in the kernel's K order (module doc)."""
-        ok = k >= 1
-        k8 = k << 3
+        -> e4m3 [BN, 128], natural K order (element 2j = the low nibble of byte j)."""
+        kb = tl.reshape(tl.broadcast_to(k[:, :, None], [BN, 4, 16]), [BN, 64])
         if USE_ASM:
-            # per group the 8-entry magnitude table: bytes [0, k, k+1, k+1|.5] << 3 ... (module doc)
-            l0 = tl.where(ok, k8 * 0x01010100 + 0x0C080000, 0)
-            l1 = tl.where(ok, k8 * 0x01010101 + 0x1C181410, 0)
-            l0b = tl.reshape(tl.broadcast_to(l0[:, :, None], [BN, 4, 16]), [BN, 64])
-            l1b = tl.reshape(tl.broadcast_to(l1[:, :, None], [BN, 4, 16]), [BN, 64])
-            o1, o2 = tl.inline_asm_elementwise(_DEC_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [b, l0b, l1b],
-                                               dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-            w = tl.reshape(tl.join(o1, o2), [BN, 128])
+            kb8 = tl.where(kb >= 1, kb << 3, 0).to(tl.uint8)
+            lo, hi = tl.inline_asm_elementwise(_DEC_ASM, "=r,=r,r,r", [b, kb8], dtype=(tl.uint8, tl.uint8),
+                                               is_pure=True, pack=4)
         else:
-            kb = tl.reshape(tl.broadcast_to(k[:, :, None], [BN, 4, 16]), [BN, 64])
             bi = b.to(tl.int32)
-            lo = _mag_byte(bi & 15, kb)
-            hi = _mag_byte(bi >> 4, kb)
-            nat = tl.reshape(tl.join(lo, hi), [BN, 16, 2, 4])          # natural element 8w + 4s + i
-            w = tl.reshape(tl.permute(nat, (0, 1, 3, 2)), [BN, 128]).to(tl.uint8)
+            lo = _mag_byte(bi & 15, kb).to(tl.uint8)
+            hi = _mag_byte(bi >> 4, kb).to(tl.uint8)
+        w = tl.reshape(tl.join(lo, hi), [BN, 128])
         return w.to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
@@ -126,9 +125,9 @@ if triton_available():
                         stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn,
                         stride_w2e, stride_cm, stride_csm, limit,
                         GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_PW: tl.constexpr,
-                        USE_ASM: tl.constexpr, SWAP: tl.constexpr, KPERM_OUT: tl.constexpr, BM: tl.constexpr,
+                        USE_ASM: tl.constexpr, SWAP: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, LOG2G: tl.constexpr, INTERP: tl.constexpr):
-        """A: e4m3 bytes [rows, K] in kernel K order; W uint8 [G, N, K/2]; WS e8m0 bytes [G, N, K/32]
+        """A: e4m3 bytes [rows, K]; W uint8 [G, N, K/2]; WS e8m0 bytes [G, N, K/32]
         (WS2 unused: the launcher signature of ``fp4_prefill``). One program = one [BM, BN] output tile;
         program ids walk the column blocks of an m-tile first."""
         pid = tl.program_id(0)
@@ -177,11 +176,7 @@ if triton_available():
                 pw = tl.zeros([BM], tl.float32)
             h = swiglu_h(acc, acc2, pw, limit, HAS_PW)
             q, eh = quant_rows(h, INTERP)
-            if KPERM_OUT:       # h in the K order the next GEMM of this kernel reads (module doc)
-                cn = (rn64 & ~7) | ((rn64 & 3) << 1) | ((rn64 >> 2) & 1)
-            else:
-                cn = rn64
-            tl.store(C + r64[:, None] * stride_cm + cn[None, :], q.to(tl.uint8, bitcast=True), mask=mrow[:, None])
+            tl.store(C + r64[:, None] * stride_cm + rn64[None, :], q.to(tl.uint8, bitcast=True), mask=mrow[:, None])
             tl.store(CS + r64 * stride_csm + pid_n, exp2i(eh), mask=mrow)
         else:
             store_bf16(C + r64[:, None] * stride_cm + rn64[None, :], acc, mrow[:, None] & nmask[None, :], INTERP)
@@ -189,19 +184,6 @@ if triton_available():
 
 # -------------------------------------------------------------------------------------------------
 # host side
-
-def fp8_operand(q: torch.Tensor) -> torch.Tensor:
-    """e4m3 [M, K] (or its bytes) -> uint8 [M, K] in the kernel's K order: within every 8 values,
-    natural element 8w + 4s + i at position 8w + 2i + s (one torch copy)."""
-    M, K = q.shape
-    return u8(q).reshape(M, K // 8, 2, 4).transpose(-1, -2).contiguous().view(M, K)
-
-
-def natural_order(q: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``fp8_operand``: bytes in the kernel's K order -> natural order."""
-    M, K = q.shape
-    return u8(q).reshape(M, K // 8, 4, 2).transpose(-1, -2).contiguous().view(M, K)
-
 
 def wide_spread(ws: torch.Tensor) -> bool:
     """Whether an MXFP4 scale tensor [..., K/32] has a group whose scale lies 2^FLUSH_SPREAD or more below
@@ -213,10 +195,9 @@ def wide_spread(ws: torch.Tensor) -> bool:
 
 def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, swiglu=False, limit=0.0,
                    perm=None, offs=None, tcum=None, pw=None, top_k=1, n_groups=1, n_tiles=None, config=None,
-                   use_asm=None, kperm_out=False):
-    """``fp4_prefill.fp4_prefill_launch``'s arguments and outputs, MXFP4 only, with ``a`` the e4m3 bytes
-    [rows, K] in the kernel's K order (``fp8_operand``). ``kperm_out`` (SwiGLU): h is written in that
-    order, ready to be GEMM 2's operand. ``config``: BM, BN (128 with ``swiglu``), num_warps,
+                   use_asm=None):
+    """``fp4_prefill.fp4_prefill_launch``'s arguments and outputs, MXFP4 only, with ``a`` the e4m3
+    activations [rows, K] (bytes or float8_e4m3fn; GEMM 2 takes GEMM 1's h as it is). ``config``: BM, BN (128 with ``swiglu``), num_warps,
     num_stages, SWAP (default ``route.fp4_fp8_config``)."""
     if fmt != "mxfp4":
         raise ValueError(f"fp4_fp8: only mxfp4 weights fold exactly into e4m3, got {fmt!r}")
@@ -245,8 +226,8 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
         *fp4_kernel_args(u8(a), sa, u8(w), u8(ws), ws2, out, out_s, perm, offs, tcum, pw, M, N_out, K, n_half,
                          n_groups, top_k, limit),
         GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu, HAS_PW=pw is not None, USE_ASM=use_asm,
-        SWAP=swap, KPERM_OUT=bool(kperm_out and swiglu), BM=BM, BN=BN, LOG2G=log2_groups(n_groups),
+        SWAP=swap, BM=BM, BN=BN, LOG2G=log2_groups(n_groups),
         INTERP=interpreting(), **kw)
 
 
-__all__ = ["FLUSH_SPREAD", "fp4_fp8_launch", "fp8_operand", "natural_order", "wide_spread"]
+__all__ = ["FLUSH_SPREAD", "fp4_fp8_launch", "wide_spread"]

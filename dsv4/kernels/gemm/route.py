@@ -171,8 +171,13 @@ def fp4_fp8_config(rows_per_group: float, t: Target, swiglu: bool = False) -> di
     (``SWAP``), BM tokens per tile from the rows per expert. Small tiles under the interpreter."""
     if not t.compiled:
         return {"BM": 16, "BN": 32, "SWAP": True}
-    bm = 32 if rows_per_group <= 32 else (64 if rows_per_group <= 96 else 128)
-    return {"BM": bm, "BN": 128, "SWAP": True, "num_warps": 8 if swiglu else 4, "num_stages": 3}
+    # H200 sweep (benchmarks/gemm_moe.py --only prefill, V4-Flash 8192 tokens, 2026-12-04): 64-token tiles
+    # with the weight as the shared-memory operand (no spills: 234 registers) beat the register-operand
+    # form (255 registers + spills; 128-token tiles spill ~1 KB); 32-token register-operand tiles where
+    # an expert has few rows
+    small = rows_per_group <= 32
+    return {"BM": 32 if small else 64, "BN": 128, "SWAP": small, "num_warps": 8 if swiglu else 4,
+            "num_stages": 3}
 
 
 def decode_kernel(t: Target) -> str:
