@@ -32,13 +32,13 @@ steps 3-6 run on decode kernels instead of the MMA kernels: grouped w1|w3 as spl
 w2 on the e4m3 h. On sm_89+: the tensor-core kernel of ``fp4_mma.py`` (8-row tiles); other GPUs and
 the interpreter: the CUDA-core GEMV of ``gemv.py`` (1-row tiles).
 
-FP8 prefill path (``path="fp8mma"``, the default for MXFP4 on sm_90 above
-``router.FP8MMA_ROWS_PER_EXPERT`` rows per expert when the scales fold exactly, ``MoEWeights.fp8_fold_exact``):
+FP8 prefill path (``path="fp8mma"``, the default for MXFP4 on sm_90 from ``router.FP8MMA_ROWS_PER_EXPERT`` to
+``router.FP8MMA_MAX_ROWS_PER_EXPERT`` rows per expert when the scales fold exactly, ``MoEWeights.fp8_fold_exact``):
 the same steps on ``fp4_fp8.py``'s kernel (weights decoded to e4m3 in registers, FP8 wgmma, per-128
 promotion), activations and h as plain e4m3 bytes.
 
 Prefill path (``path="prefill"``, MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
-per expert whose scales do not fold into e4m3, or asked for): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
+per expert outside the FP8 path's range or whose scales do not fold into e4m3): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
 activations and h as split-K-order f16 operands), same epilogues.
 
 Numerics vs the twin: routing ids equal (barring a near-tie within an ulp of the scores), weights
