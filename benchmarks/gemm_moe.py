@@ -16,6 +16,8 @@ Sections:
   per second vs the copy bandwidth (target >= 70%), next to ``torch.bmm`` on bf16-dequantised
   weights. Variants (PTX / portable e2m1 decode, ``tl.dot_scaled``, tiles) are checked and timed
   in-run; the fastest correct one is used for the sweep.
+* FP4 routed-expert GEMMs at prefill (64 .. 16384 tokens): ``fp4_fp8`` (FP8 wgmma) and ``fp4_prefill``
+  (f16 MMA) beside ``torch._scaled_mm`` on the dense FP8 problem of the same size (``--only prefill``).
 * MoE layer (route + sort + 2 grouped FP4 GEMMs + shared FP8 expert + combine) vs the Python loop
   over experts with bf16-dequantised weights (plain PyTorch), CUDA-graph replay and eager; floor =
   bytes of the experts actually hit / copy bandwidth.
@@ -394,6 +396,149 @@ def bench_fp4(dev, gen, timer, smoke, copy_bw, sweep_rows, quick=False):
     return rows
 
 
+# ------------------------------------------------------------------------------------------- FP4 prefill
+
+PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+SWEEP_TOKENS = 8192
+# in-run tile sweep of fp4_fp8 (V4-Flash, 8192 tokens): (BM, num_warps, num_stages, SWAP)
+FP8MMA_SWEEP = [(64, 8, 3, False), (64, 4, 3, False), (64, 8, 4, False), (128, 8, 3, False), (32, 8, 3, True),
+                (64, 4, 4, True)]
+
+
+class PrefillCase:
+    """The routed-expert GEMMs of one prefill chunk: T tokens x top-k pairs spread evenly over E experts
+    (counts differ by at most one), random MXFP4 weights, gathered activations (GEMM 1 + SwiGLU) and
+    sorted h rows (GEMM 2), as ``moe_forward`` runs them."""
+
+    def __init__(self, model, T, dev, gen, weights):
+        c = MODELS[model]
+        self.d, self.I, self.E, self.k = c["d"], c["I"], c["E"], c["k"]
+        self.T, self.P = T, T * self.k
+        self.w13, self.s13, self.w2, self.s2 = weights
+        eflat = (torch.randperm(self.P, device=dev, generator=gen) % self.E).to(torch.int32)
+        self.eflat = eflat
+        x = torch.randn(T, self.d, device=dev, generator=gen).bfloat16()
+        self.xq, self.xs = G8.act_quant_fp8(x)
+        self.pw = torch.rand(self.P, device=dev, generator=gen) + 0.5
+        self.h = torch.empty(self.P, self.I, dtype=torch.uint8, device=dev)
+        self.hs = torch.empty(self.P, self.I // 128, dtype=torch.float32, device=dev)
+        self.out = torch.empty(self.P, self.d, dtype=torch.bfloat16, device=dev)
+        self.rows = self.P / self.E
+
+    def plan(self, bm):
+        perm, offs, tcum, _ = Mo.sort_pairs(self.eflat, self.E, bm)
+        n_tiles = min(self.P, -(-self.P // bm) + min(self.E, self.P))
+        return perm, dict(offs=offs, tcum=tcum, n_groups=self.E, n_tiles=n_tiles)
+
+    def fp8mma(self, cfg13, cfg2):
+        from dsv4.kernels.gemm.fp4_fp8 import fp4_fp8_launch
+        perm, g = self.plan(cfg13["BM"])
+        a = self.xq
+        f1 = lambda: fp4_fp8_launch(a, self.xs, self.w13, self.s13, None, self.h, self.hs, self.P, self.I, self.d,
+                                    self.I, fmt="mxfp4", swiglu=True, limit=10.0, perm=perm, pw=self.pw,
+                                    top_k=self.k, config=dict(cfg13), **g)
+        f2 = lambda: fp4_fp8_launch(self.h, self.hs, self.w2, self.s2, None, self.out, None, self.P, self.d, self.I,
+                                    0, fmt="mxfp4", config=dict(cfg2), **g)
+        return f1, f2
+
+    def f16(self, cfg13, cfg2):
+        from dsv4.kernels.gemm.fp4_prefill import f16_operand_split, fp4_prefill_launch
+        perm, g = self.plan(cfg13["BM"])
+        a = f16_operand_split(self.xq.view(torch.float8_e4m3fn))
+        h16 = f16_operand_split(self.h.view(torch.float8_e4m3fn))
+        f1 = lambda: fp4_prefill_launch(a, self.xs, self.w13, self.s13, None, self.h, self.hs, self.P, self.I,
+                                        self.d, self.I, fmt="mxfp4", swiglu=True, limit=10.0, perm=perm, pw=self.pw,
+                                        top_k=self.k, config=dict(cfg13), **g)
+        f2 = lambda: fp4_prefill_launch(h16, self.hs, self.w2, self.s2, None, self.out, None, self.P, self.d, self.I,
+                                        0, fmt="mxfp4", config=dict(cfg2), **g)
+        return f1, f2
+
+    def err(self):
+        """GEMM 2 on the first rows of expert 0 against the fp64 product of its (kernel-made) h operand."""
+        _, g = self.plan(64)
+        n = min(32, int(g["offs"][1]))
+        hq = self.h[:n].view(torch.float8_e4m3fn).double()
+        hd = (hq.view(n, -1, 128) * self.hs[:n].double()[..., None]).view(n, -1)
+        return relerr(self.out[:n], hd @ dequant_mxfp4(self.w2[0], self.s2[0]).double().T)
+
+    def flops(self):
+        return 2.0 * self.P * self.d * 2 * self.I + 2.0 * self.P * self.I * self.d
+
+
+def bench_prefill(dev, gen, timer, smoke, sweep_rows):
+    """Routed-expert GEMMs at prefill sizes: ``fp4_fp8`` (FP8 wgmma) beside ``fp4_prefill`` (f16 MMA) and
+    ``torch._scaled_mm`` on the dense FP8 problem of the same size (GEMM 1 [P, d] x [d, 2I], GEMM 2
+    [P, I] x [I, d], per-tensor scales: no block scaling, no gather, one weight)."""
+    from dsv4.kernels.gemm.route import expert_path, fp4_fp8_config, fp4_prefill_config
+    rows = []
+    t = target(dev)
+    for model in (("flash", "pro") if not smoke else ()):
+        c = MODELS[model]
+        d, I, E = c["d"], c["I"], c["E"]
+        try:
+            w13, s13 = rand_mx(E, 2 * I, d, dev, gen)
+            w2, s2 = rand_mx(E, d, I, dev, gen)
+        except Exception as e:
+            log(f"prefill {model}: setup failed: {e}")
+            continue
+        wts = (w13, s13, w2, s2)
+        if model == "flash":
+            case = PrefillCase(model, SWEEP_TOKENS, dev, gen, wts)
+            for bm, nw, st, swap in FP8MMA_SWEEP:
+                cfg = dict(BM=bm, BN=128, num_warps=nw, num_stages=st, SWAP=swap)
+                try:
+                    f1, f2 = case.fp8mma(cfg, cfg)
+                    f1(), f2()
+                    t1, t2 = timer(f1), timer(f2)
+                    name = f"bm{bm}.w{nw}.s{st}" + ("" if swap else ".noswap")
+                    sweep_rows.append(("fp8mma flash T8192 gemm1", name, t1 * 1e3, case.err(), ""))
+                    sweep_rows.append(("fp8mma flash T8192 gemm2", name, t2 * 1e3, case.err(), ""))
+                    log(f"prefill sweep {name}: gemm1 {t1 * 1e3:.1f} us gemm2 {t2 * 1e3:.1f} us")
+                except Exception as e:
+                    log(f"prefill sweep {bm} {nw} {st} {swap} failed: {type(e).__name__}: {str(e)[:300]}")
+            del case
+        one = torch.ones((), device=dev)
+        for T in PREFILL_TOKENS:
+            try:
+                case = PrefillCase(model, T, dev, gen, wts)
+                r = case.rows
+                f1, f2 = case.fp8mma(fp4_fp8_config(r, t, swiglu=True), fp4_fp8_config(r, t))
+                f1(), f2()
+                err = case.err()
+                t1, t2 = timer(f1), timer(f2)
+                row = dict(model=model, T=T, rows=r, path=expert_path(r, "mxfp4", t), g1=t1 * 1e3, g2=t2 * 1e3,
+                           us=(t1 + t2) * 1e3, tf=case.flops() / ((t1 + t2) * 1e-3) / 1e12, err=err)
+                a1 = torch.randint(-100, 100, (case.P, d), device=dev).to(torch.float8_e4m3fn)
+                b1 = torch.randint(-100, 100, (2 * I, d), device=dev).to(torch.float8_e4m3fn)
+                a2 = torch.randint(-100, 100, (case.P, I), device=dev).to(torch.float8_e4m3fn)
+                b2 = torch.randint(-100, 100, (d, I), device=dev).to(torch.float8_e4m3fn)
+                s1 = timer(lambda: torch._scaled_mm(a1, b1.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+                s2_ = timer(lambda: torch._scaled_mm(a2, b2.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+                del a1, b1, a2, b2
+                row.update(sm_us=(s1 + s2_) * 1e3, sm_tf=case.flops() / ((s1 + s2_) * 1e-3) / 1e12)
+                row["pct"] = 100 * row["sm_us"] / row["us"]
+                if r > 16:
+                    o1, o2 = case.f16(fp4_prefill_config(r, t, swiglu=True), fp4_prefill_config(r, t))
+                    o1(), o2()
+                    row["f16_us"] = (timer(o1) + timer(o2)) * 1e3
+                rows.append(row)
+                log(f"prefill {model} T{T:6d} rows/expert {r:7.1f} [{row['path']}]: fp8mma {row['g1']:9.1f} + "
+                    f"{row['g2']:9.1f} us = {row['tf']:6.0f} TF | _scaled_mm {row['sm_us']:9.1f} us "
+                    f"{row['sm_tf']:6.0f} TF ({row['pct']:.0f}%) | fp4_prefill {row.get('f16_us', 0):9.1f} us | err {err:.1e}")
+                del case
+            except Exception as e:
+                log(f"prefill {model} T{T} failed: {type(e).__name__}: {e}")
+                traceback.print_exc()
+        del wts, w13, s13, w2, s2
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    for model in ("flash", "pro"):
+        ts = [(r["T"], r["us"]) for r in rows if r["model"] == model]
+        bad = [(a, b) for (a, ta), (b, tb) in zip(ts, ts[1:]) if ta > tb]
+        log(f"prefill {model}: monotonic in T: {'yes' if not bad else 'NO ' + str(bad)}")
+    return rows
+
+
 # ------------------------------------------------------------------------------------------- MoE
 
 def make_moe(model, dev, gen, smoke):
@@ -508,7 +653,7 @@ def bench_moe(dev, gen, timer, smoke, copy_bw, quick=False):
 
 # ------------------------------------------------------------------------------------------- report
 
-def markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows):
+def markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows, prefill_rows=()):
     L = [f"\n## FP8 / FP4 GEMMs and MoE layer (dsv4/kernels/gemm.py, moe.py), {meta['date']}, {meta['gpu']}\n"]
     L.append(f"Command: `{meta['cmd']}`; torch {meta['torch']}, triton {meta['triton']}. Medians of "
              "`triton.testing.do_bench` (L2 cleared before every call). Roofline measured in this run: copy "
@@ -535,6 +680,21 @@ def markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows):
         tu = r.get("torch_us", 0)
         L.append(f"| {r['name']} | {r['fmt']} | {r['E']} | {r['m']} | {r['wmb']:.0f} | {r['us']:.1f} | {r['gbs']:.0f} | "
                  f"{r['pct']:.0f}% | {tu:.1f} | {tu / r['us']:.1f}x | {r['variant']} | {r['err']:.1e} |")
+    if prefill_rows:
+        L.append("\n### FP4 routed-expert GEMMs at prefill (targets: >= 60% of `_scaled_mm` at >= 192 rows per expert, "
+                 ">= 40% at 64; time non-decreasing in T)\n")
+        L.append("GEMM 1 (w1|w3 + SwiGLU + FP8 quantisation of h, gathered rows) + GEMM 2 (w2, bf16 out) over E experts, "
+                 "T x 6 pairs spread evenly, random MXFP4 weights; fp8mma = `fp4_fp8` (e2m1 -> e4m3 in registers, FP8 "
+                 "wgmma, per-128 promotion) at the router's tile; `_scaled_mm` = torch FP8 (per-tensor scales) on the "
+                 "dense problem of the same size; fp4_prefill = the f16-MMA kernel; path = the router's choice at "
+                 "that size; err = GEMM 2 rows vs fp64.\n")
+        L.append("| model | T | rows / expert | path | fp8mma GEMM1 us | GEMM2 us | total us | TFLOP/s | _scaled_mm us (TFLOP/s) | % of _scaled_mm | fp4_prefill us | speedup | err |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in prefill_rows:
+            f16 = r.get("f16_us")
+            L.append(f"| {r['model']} | {r['T']} | {r['rows']:.1f} | {r['path']} | {r['g1']:.1f} | {r['g2']:.1f} | "
+                     f"{r['us']:.1f} | {r['tf']:.0f} | {r['sm_us']:.1f} ({r['sm_tf']:.0f}) | {r['pct']:.0f}% | "
+                     + (f"{f16:.1f} | {f16 / r['us']:.1f}x" if f16 else "- | -") + f" | {r['err']:.1e} |")
     L.append("\n### MoE layer (route + sort + grouped FP4 w1|w3+SwiGLU + grouped FP4 w2 + shared FP8 expert + combine)\n")
     L.append("Triton graph = CUDA-graph replay (no host overhead, L2 flushed before every call), eager = plain call; loop = the reference's "
              "Python loop over experts in plain PyTorch on the GPU (same numerics: FP8 QDQ of x and h, bf16 "
@@ -572,7 +732,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (code paths only)")
     ap.add_argument("--md", default=None, help="append the markdown section to this file")
     ap.add_argument("--out", default=os.environ.get("OUT"))
-    ap.add_argument("--only", default="fp8,fp4,moe")
+    ap.add_argument("--only", default="fp8,fp4,prefill,moe")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (FP4: V4-Flash w1|w3; MoE: fewer T)")
     args = ap.parse_args()
     smoke = args.smoke
@@ -593,18 +753,21 @@ def main():
         fp8_rows, fp8_cfg = bench_fp8(dev, gen, timer, smoke, fp8_peak, bf16, sweep_rows)
     if "fp4" in only:
         fp4_rows = bench_fp4(dev, gen, timer, smoke, copy_bw, sweep_rows, args.quick)
+    prefill_rows = []
+    if "prefill" in only:
+        prefill_rows = bench_prefill(dev, gen, timer, smoke, sweep_rows)
     if "moe" in only:
         moe_rows = bench_moe(dev, gen, timer, smoke, copy_bw, args.quick)
     meta = dict(date=datetime.date.today().isoformat(), gpu=gpu, torch=torch.__version__, triton=triton.__version__,
                 cmd="PYTHONPATH=. python benchmarks/gemm_moe.py " + " ".join(sys.argv[1:]), copy_bw=copy_bw,
                 fp8_peak=fp8_peak, bf16=bf16, fp8_cfg=fp8_cfg)
-    md = markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows) + dec_md
+    md = markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows, prefill_rows) + dec_md
     print(md)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gemm_moe.md").write_text(md)
         (Path(args.out) / "gemm_moe.json").write_text(json.dumps(
-            dict(meta=meta, fp8=fp8_rows, fp4=fp4_rows, moe=moe_rows, sweep=sweep_rows), default=str, indent=1))
+            dict(meta=meta, fp8=fp8_rows, fp4=fp4_rows, moe=moe_rows, sweep=sweep_rows, prefill=prefill_rows), default=str, indent=1))
     if args.md and not smoke:
         with open(args.md, "a") as f:
             f.write(md)

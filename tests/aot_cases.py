@@ -52,6 +52,7 @@ KERNELS = {
     "fp8_mma": ("gemm.fp8_mma", "_fp8_mma_kernel", MMA8, ("linear", "wo_a", "moe")),
     "fp8_prefill": ("gemm.fp8_prefill", None, None, ("linear", "moe")),
     "fp4_prefill": ("gemm.fp4_prefill", "_fp4_prefill_kernel", FP4, ("moe",)),
+    "fp4_fp8": ("gemm.fp4_fp8", "_fp4_fp8_kernel", dict(FP4, A=P("u8")), ("moe",)),
     "moe_route": ("moe", "_route_kernel", dict(LOGIT=F, BIAS=F, TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"), W=F,
                                               EFLAT=P("i32"), X=P("bf16"), Q=P("u8"), SQ=F, route_scale="fp32"),
                   ("moe",)),
@@ -163,6 +164,7 @@ BASE_CONST = {
     "fp4_mma": dict(GROUPED=True, GATHER=True, BM=8, LOG2G=9, SPLIT=True, NUM_WARPS=4, BAND=False, A16=False),
     "fp8_mma": dict(SB_E8M0=False, SB_ROW=False, BM=8, BN=64, SPLIT=True, REDUCE=True, NUM_WARPS=4),
     "fp4_prefill": dict(GROUPED=True, USE_ASM=True, DEC=0, LOG2G=9, INTERP=False),
+    "fp4_fp8": dict(GROUPED=True, USE_ASM=True, LOG2G=9, INTERP=False),
     "sparse_fwd": dict(INTERP=False),
 }
 
@@ -170,7 +172,7 @@ BASE_CONST = {
 def _router_const(c) -> dict:
     """A router choice's constexprs completed to a compilable set."""
     const = dict(BASE_CONST.get(c.kernel, {}), **c.constexprs)
-    if c.kernel in ("fp4_gemm", "fp4_scaled", "fp4_prefill"):
+    if c.kernel in ("fp4_gemm", "fp4_scaled", "fp4_prefill", "fp4_fp8"):
         sw = const["SWIGLU"]
         const.update(GATHER=sw, HAS_PW=sw)
     if c.kernel == "fp4_prefill":
@@ -190,7 +192,7 @@ def types_of(kernel: str, const: dict) -> dict:
     if kernel == "fp8_gemm":
         types.update(A=P("bf16") if const.get("A_BF16") else P("u8"),
                      C=P("u8") if const.get("SWIGLU") else (F if const.get("SPLIT") else P("bf16")))
-    elif kernel in ("fp4_gemm", "fp4_prefill", "fp4_scaled") and const.get("SWIGLU"):
+    elif kernel in ("fp4_gemm", "fp4_prefill", "fp4_scaled", "fp4_fp8") and const.get("SWIGLU"):
         types.update(C=P("u8"))
     elif kernel == "gemv" and const.get("WFMT") == 3:
         types.update(A=P("bf16"), WS=F, C=P("bf16"))

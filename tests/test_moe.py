@@ -154,7 +154,8 @@ def test_combine_sums_split_partials(S):
 @pytest.mark.parametrize("hash_layer,T,path,bm", [(False, 9, "dequant", None), (True, 7, "dequant", None),
                                                   (False, 9, "gemv", 2), (True, 7, "gemv", 4), (False, 1, "gemv", 1),
                                                   (True, 2, None, None), (False, 12, None, None),
-                                                  (False, 30, "prefill", None), (True, 9, "prefill", None)])
+                                                  (False, 30, "prefill", None), (True, 9, "prefill", None),
+                                                  (False, 30, "fp8mma", None)])
 def test_moe_forward(hash_layer, T, path, bm):
     """Every expert-GEMM path: the MMA kernels, the prefill kernel (fp4_prefill.py: one K=128 dot per
     block, split-K-order operands) and the decode GEMV (1/2/4-row tiles); the shared expert on the

@@ -32,8 +32,13 @@ steps 3-6 run on decode kernels instead of the MMA kernels: grouped w1|w3 as spl
 w2 on the e4m3 h. On sm_89+: the tensor-core kernel of ``fp4_mma.py`` (8-row tiles); other GPUs and
 the interpreter: the CUDA-core GEMV of ``gemv.py`` (1-row tiles).
 
-Prefill path (``path="prefill"``, the default for MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
-per expert): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
+FP8 prefill path (``path="fp8mma"``, the default for MXFP4 on sm_90 from ``router.FP8MMA_ROWS_PER_EXPERT`` to
+``router.FP8MMA_MAX_ROWS_PER_EXPERT`` rows per expert when the scales fold exactly, ``MoEWeights.fp8_fold_exact``):
+the same steps on ``fp4_fp8.py``'s kernel (weights decoded to e4m3 in registers, FP8 wgmma, per-128
+promotion), activations and h as plain e4m3 bytes.
+
+Prefill path (``path="prefill"``, MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
+per expert outside the FP8 path's range or whose scales do not fold into e4m3): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
 activations and h as split-K-order f16 operands), same epilogues.
 
 Numerics vs the twin: routing ids equal (barring a near-tie within an ulp of the scores), weights
@@ -252,6 +257,20 @@ class MoEWeights:
     sh2: torch.Tensor | None             # e4m3 [d, I_s]
     sh2_s: torch.Tensor | None
     expert0: int = 0                     # expert parallelism: w13 / w2 hold experts [expert0, expert0 + E)
+
+    def fp8_fold_exact(self) -> bool:
+        """Whether the routed experts' scales fold exactly into e4m3 (MXFP4 without groups 2^12 below
+        their row's 128-block maximum, ``gemm.fp4_fp8.wide_spread``): the FP8-wgmma prefill path takes
+        them. Computed once per object (a device sync); False for NVFP4, and while a CUDA graph is being
+        captured before it was computed (the f16 prefill kernel is exact for both)."""
+        got = self.__dict__.get("_fold_exact")
+        if got is None:
+            if self.fmt != "mxfp4" or (self.w13.is_cuda and torch.cuda.is_current_stream_capturing()):
+                return False
+            from .gemm.fp4_fp8 import wide_spread
+            got = not (wide_spread(self.w13_s) or wide_spread(self.w2_s))
+            self.__dict__["_fold_exact"] = got
+        return got
 
     @property
     def n_experts(self) -> int:
@@ -481,9 +500,11 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         config = dict(config or {}, kernel="cuda-core") if path == "gemv" else config
     if path is None:
         path = router.expert_path(rows_per_expert, w.fmt, t)
+        if path == "fp8mma" and not w.fp8_fold_exact():
+            path = router.expert_path(rows_per_expert, w.fmt, t, fold_exact=False)
     xq = xs = None
     if routing is None:    # the paths that take x as plain e4m3 + scales get it from the router's launch
-        idx, rw, eflat, xq, xs = _route(x, ids, w, quant=path in ("gemv", "prefill"))
+        idx, rw, eflat, xq, xs = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma"))
     else:
         idx, rw = routing
         first = torch.ones_like(idx, dtype=torch.bool)
@@ -502,6 +523,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
             raise ValueError("moe prefill path: both GEMMs need the same BM and K order")
         bm, ksplit = pcfg["13"]["BM"], pcfg["13"]["KSPLIT"]
         operand = f16_operand_split if ksplit else f16_operand
+    elif path == "fp8mma":
+        from .gemm.fp4_fp8 import fp4_fp8_launch
+        pcfg = {"13": dict(router.fp4_fp8_config(rows_per_expert, t, swiglu=True), **(config or {})),
+                "2": dict(router.fp4_fp8_config(rows_per_expert, t), **(config or {}))}
+        if pcfg["13"]["BM"] != pcfg["2"]["BM"]:
+            raise ValueError("moe fp8mma path: both GEMMs need the same BM")
+        bm = pcfg["13"]["BM"]
     else:
         bm = router.fp4_config(rows_per_expert, t)["BM"]
         if config and "BM" in config:
@@ -509,10 +537,10 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     # activations: one quantisation per token (the shared expert's e4m3 copy and the FP4 operand)
-    if path == "prefill":
+    if path in ("prefill", "fp8mma"):
         if xq is None:
             xq, xs = act_quant_fp8(x)
-        a = operand(xq.view(torch.float8_e4m3fn))
+        a = u8(xq) if path == "fp8mma" else operand(xq.view(torch.float8_e4m3fn))
     else:
         xq, xs, a16 = act_quant_fp8(x, with_f16=True)
         a = u8(xq) if path == "scaled" else a16
@@ -522,7 +550,11 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     hs = torch.empty(P, I // QBLOCK, dtype=torch.float32, device=dev)
     out = torch.empty(P, d, dtype=torch.bfloat16, device=dev)
     grouped = dict(offs=offs, tcum=tcum, n_groups=E, n_tiles=n_tiles)
-    if path == "prefill":
+    if path == "fp8mma":      # h (e4m3 bytes) is GEMM 2's operand as it is
+        fp4_fp8_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit,
+                       perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)
+        fp4_fp8_launch(h, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"], **grouped)
+    elif path == "prefill":
         fp4_prefill_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
                            limit=w.limit, perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)
         fp4_prefill_launch(operand(h.view(torch.float8_e4m3fn)), hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0,

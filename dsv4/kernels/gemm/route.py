@@ -18,7 +18,9 @@ Current choice, FP8 linears (``linear.fp8_linear``, ``linear.fp8_gemm``):
 Current choice, routed experts (``kernels.moe.moe_forward``), by the average rows per expert:
 * up to 16 (sm_89+: the tensor-core decode kernel ``fp4_mma``) or 2 (elsewhere: the CUDA-core GEMV)
   rows: the decode path (``gemv``);
-* above 32 rows, MXFP4 on sm_90: ``fp4_prefill`` (one K=128 MMA chain per block);
+* 17-64 rows, MXFP4 on sm_90 whose scales fold exactly into e4m3: ``fp4_fp8`` (the weights decoded
+  to e4m3 in registers, FP8 wgmma); above 32 rows otherwise (larger tiles, other MXFP4 weights) on
+  sm_90: ``fp4_prefill`` (one K=128 f16 MMA chain per block);
 * otherwise ``fp4``'s kernels: ``dot_scaled`` for MXFP4 on sm_100 (``scaled``), the in-register
   dequant + f16 MMA kernel elsewhere (``dequant``).
 The shared expert (FP8): w1|w3 as split-K partials + the SwiGLU pass up to 64 rows, the tile kernel
@@ -116,6 +118,13 @@ MMA_GEMV_ROWS_PER_EXPERT = 16.0
 # the K=128-dot prefill kernel above this many rows per expert (MXFP4, sm_90): docs/benchmarks-2026-11-30.md
 # session 5, V4-Flash 4096 tokens: 8267 us against 31986 for the MMA path
 PREFILL_ROWS_PER_EXPERT = 32.0
+# MXFP4 on FP8 wgmma (``fp4_fp8``, sm_90) above FP8MMA_ROWS_PER_EXPERT and up to FP8MMA_MAX_ROWS_PER_EXPERT
+# rows per expert, where the weights' scales fold exactly. H200, ``benchmarks/gemm_moe.py --only prefill``
+# (2026-12-04, GEMM 1 + GEMM 2): 1.1-1.3x faster than fp4_prefill at 24-64 rows (Flash 1024 / 2048 tokens:
+# 3625 / 4109 us vs 4584 / 4740; Pro 2048 / 4096: 13406 / 15217 vs 17173 / 17370), 3-8% slower at 96, 128,
+# 256 and 384 rows (Flash 4096: 7772 vs 7211 us), 1.3x faster at 192 (Flash 8192: 11070 vs 13973)
+FP8MMA_ROWS_PER_EXPERT = 16.0
+FP8MMA_MAX_ROWS_PER_EXPERT = 64.0
 # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to this many rows; above, the
 # tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
 # 64 tokens with it, V4-Flash)
@@ -161,17 +170,36 @@ def fp4_prefill_config(rows_per_group: float, t: Target, swiglu: bool = False) -
     return cfg
 
 
+def fp4_fp8_config(rows_per_group: float, t: Target, swiglu: bool = False) -> dict:
+    """Tile / variant of ``fp4_fp8`` (MXFP4 on FP8 wgmma): the weight tile as the dot's register operand
+    (``SWAP``), BM tokens per tile from the rows per expert. Small tiles under the interpreter."""
+    if not t.compiled:
+        return {"BM": 16, "BN": 32, "SWAP": True}
+    # H200 sweep (benchmarks/gemm_moe.py --only prefill, V4-Flash 8192 tokens, 2026-12-04): 64-token tiles
+    # with the weight as the shared-memory operand (no spills: 234 registers) beat the register-operand
+    # form (255 registers + spills; 128-token tiles spill ~1 KB); 32-token register-operand tiles where
+    # an expert has few rows
+    small = rows_per_group <= 32
+    return {"BM": 32 if small else 64, "BN": 128, "SWAP": small, "num_warps": 8 if swiglu else 4,
+            "num_stages": 3}
+
+
 def decode_kernel(t: Target) -> str:
     """The MoE decode path's expert GEMM: 'mma' (``fp4_mma``, sm_89+) or 'cuda-core' (``gemv``)."""
     return "mma" if t.gluon_mma else "cuda-core"
 
 
-def expert_path(rows_per_expert: float, fmt: str, t: Target) -> str:
-    """'gemv' | 'prefill' | 'scaled' | 'dequant' for FP4 routed experts (module doc)."""
+def expert_path(rows_per_expert: float, fmt: str, t: Target, fold_exact: bool = True) -> str:
+    """'gemv' | 'fp8mma' | 'prefill' | 'scaled' | 'dequant' for FP4 routed experts (module doc).
+    ``fold_exact``: the MXFP4 weights' scales fold exactly into e4m3 (``fp4_fp8.wide_spread`` is False);
+    else the f16 prefill kernel keeps them."""
     gemv_max = MMA_GEMV_ROWS_PER_EXPERT if decode_kernel(t) == "mma" else GEMV_ROWS_PER_EXPERT
     if rows_per_expert <= gemv_max:
         return "gemv"
-    if rows_per_expert > PREFILL_ROWS_PER_EXPERT and fmt == "mxfp4" and t.compiled and t.capability[0] == 9:
+    hopper_mx = fmt == "mxfp4" and t.compiled and t.capability[0] == 9
+    if hopper_mx and fold_exact and FP8MMA_ROWS_PER_EXPERT < rows_per_expert <= FP8MMA_MAX_ROWS_PER_EXPERT:
+        return "fp8mma"
+    if hopper_mx and rows_per_expert > PREFILL_ROWS_PER_EXPERT:
         return "prefill"
     return fp4_path(fmt, t)
 
@@ -258,6 +286,11 @@ def choices(t: Target) -> list[Choice]:
                 else:
                     cfg = gemv_config(4096, t, False)
                     add(_choice("gemv", {"WFMT": 0 if fmt == "mxfp4" else 1, "BN": cfg["BN"], "BM": 1}, cfg, why))
+            elif path == "fp8mma":
+                for sw in (True, False):
+                    cfg = fp4_fp8_config(r, t, swiglu=sw)
+                    add(_choice("fp4_fp8", {"BM": cfg["BM"], "BN": QBLOCK if sw else cfg["BN"], "SWIGLU": sw,
+                                            "SWAP": cfg["SWAP"]}, cfg, why))
             elif path == "prefill":
                 for sw in (True, False):
                     cfg = fp4_prefill_config(r, t, swiglu=sw)
@@ -283,6 +316,6 @@ def choices(t: Target) -> list[Choice]:
 
 __all__ = ["Choice", "FUSE_QUANT_MAX_ROWS", "GEMV_ROWS_PER_EXPERT", "MMA_GEMV_ROWS_PER_EXPERT", "MMA_MAX_ROWS",
            "MMA_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "WO_A_MAX_ROWS",
-           "choices", "decode_kernel", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
-           "fp4_prefill_config", "fp8_kernel", "fp8_mma_config", "fp8_prefill_config", "fp8_split_k", "fp8_tiles",
+           "FP8MMA_MAX_ROWS_PER_EXPERT", "FP8MMA_ROWS_PER_EXPERT", "choices", "decode_kernel", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
+           "fp4_fp8_config", "fp4_prefill_config", "fp8_kernel", "fp8_mma_config", "fp8_prefill_config", "fp8_split_k", "fp8_tiles",
            "gemv_config", "rows_tile", "wo_a_kernel"]

@@ -1,0 +1,233 @@
+"""Prefill MXFP4 expert GEMM on FP8 tensor cores (sm_90 wgmma e4m3), the weights FP4 in memory.
+
+Same host interface and numerics contract as ``fp4_prefill.fp4_prefill_launch`` (grouped tiles from
+``moe.sort_pairs(eflat, E, BM)``, gather by ``perm``, the SwiGLU + FP8-quantise epilogue of
+``common.fp4_epilogue`` or a plain bf16 output), except for the activation operand: the e4m3 bytes
+themselves, not an f16 copy.
+
+Per 128-K block and weight row the packed e2m1 codes become e4m3 bytes in registers, the MXFP4
+per-32 scales folded in relative to the row's largest scale of the block ``s_max``:
+
+    byte(code, group g) = e4m3(e2m1(code) * 2^(s_g - s_max + 6)),   weight = byte * 2^(s_max - 133)
+
+then ONE ``tl.dot`` of e4m3 operands (K = 128: a chain of four k32 wgmmas) into a fresh fp32 partial and
+the official per-128 promotion ``acc += partial * (sa[row] * 2^(s_max - 133))`` (DeepGEMM's structure:
+the tensor core's own accumulation never runs longer than 128 K).
+
+Exactness of the fold. e2m1 magnitudes are {0, 0.5, 1, 1.5, 2, 3, 4, 6}; times 2^(6 + d), d = s_g - s_max
+<= 0, the largest (6 * 64 = 384) stays below e4m3's 448, and every nonzero value is an e4m3 *normal*
+number while d >= -11 (smallest 0.5 * 2^-5 = 2^-6): exact, so every product is exact and the block's
+sum differs from the twin's only by the tensor core's accumulation. Where a group's scale lies more than
+2^11 below its row's block maximum (d <= -12) the kernel flushes that group to zero. That is exact when
+the group's codes are all zero (the usual reason for such a scale: an all-zero group quantises to the
+smallest scale) and otherwise drops values below 2^-11 of the block row's largest magnitude
+(6 * 2^(s_max - 127)): an absolute error per weight < 6 * 2^(s_max - 138). ``wide_spread(ws)`` tells
+a caller whether a weight has such groups (the MoE layer then keeps such weights on ``fp4_prefill``,
+exact to 2^28). NVFP4 (e4m3 per-16 scales: e2m1 x e4m3 products need up to 6 significant bits, e4m3
+has 4) is not folded here: ``fp4_prefill`` keeps it.
+
+Decode (``USE_ASM``): per 32-bit word of 4 packed bytes, byte-lane-parallel integer ops (shifts, logic,
+adds, one ``prmt`` to widen the live-lane mask): ~30 instructions per 8 values, no conversion
+instruction, each byte lane independent (the result does not depend on how Triton lays the packed bytes
+out in registers). The portable decode (interpreter, ``use_asm=False``) computes the same bytes with
+plain integer ops. The weight tile's K order is natural, so the activations and GEMM 1's h are the
+operands as they are.
+
+``SWAP`` (default): the weight tile is the dot's first operand ([BN weight rows, 128] x [128, BM tokens]
+-> [BN, BM]), so wgmma takes the decoded weights from registers and only the activation tile goes
+through shared memory; the token count per tile is the wgmma's N (16 .. 256). ``SWAP=False``: the
+[BM, 128] x [128, BN] orientation of ``fp4_prefill``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..lib import QBLOCK, interpreting, target, triton_available, u8
+from . import route
+from .common import fp4_kernel_args, log2_groups
+
+FLUSH_SPREAD = 12     # a group whose scale is >= 2^12 below its row's 128-block maximum is flushed to zero
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    from ..lib import exp2i, quant_rows, store_bf16, swiglu_h
+    from .common import tile
+
+    # per byte lane (4 bytes of a word, each lane independent, so correct for any register layout):
+    # p = m << 2 (m = the nibble's magnitude code), kb = k << 3 (0: flushed); magnitude byte
+    # p + kb - (4 if m == 1), zero where m == 0 or kb == 0, sign bit from the nibble's bit 3
+    _DEC_ASM = tl.constexpr(
+        "{ .reg .b32 rp, rf, rg, rn, rk, rs;\n"
+        "add.u32 rk, $3, 0x78787878;\n"
+        # low nibbles
+        "shl.b32 rp, $2, 2; and.b32 rp, rp, 0x1C1C1C1C;\n"
+        "shr.b32 rf, rp, 1; shr.b32 rg, rp, 2; or.b32 rf, rf, rg; not.b32 rf, rf; and.b32 rf, rf, rp;"
+        " and.b32 rf, rf, 0x04040404;\n"
+        "add.u32 rn, rp, 0x7C7C7C7C; and.b32 rn, rn, rk; and.b32 rn, rn, 0x80808080; prmt.b32 rn, rn, 0, 0xBA98;\n"
+        "add.u32 rp, rp, $3; sub.u32 rp, rp, rf; shl.b32 rs, $2, 4; and.b32 rs, rs, 0x80808080;\n"
+        "or.b32 rp, rp, rs; and.b32 $0, rp, rn;\n"
+        # high nibbles
+        "shr.b32 rp, $2, 2; and.b32 rp, rp, 0x1C1C1C1C;\n"
+        "shr.b32 rf, rp, 1; shr.b32 rg, rp, 2; or.b32 rf, rf, rg; not.b32 rf, rf; and.b32 rf, rf, rp;"
+        " and.b32 rf, rf, 0x04040404;\n"
+        "add.u32 rn, rp, 0x7C7C7C7C; and.b32 rn, rn, rk; and.b32 rn, rn, 0x80808080; prmt.b32 rn, rn, 0, 0xBA98;\n"
+        "add.u32 rp, rp, $3; sub.u32 rp, rp, rf; and.b32 rs, $2, 0x80808080;\n"
+        "or.b32 rp, rp, rs; and.b32 $1, rp, rn; }")
+
+    @triton.jit
+    def _mag_byte(c, kb):
+        """Portable decode of e2m1 codes c (int32, 0..15) with group shifts kb (int32, same shape) ->
+        the e4m3 byte of e2m1(c) * 2^(kb - 6) (0 when kb < 1: flushed; +0 for a zero code)."""
+        m = c & 7
+        e = tl.where(m >= 2, (m >> 1) + kb, kb)
+        mant = tl.where(m >= 2, (m & 1) << 2, 0)
+        live = (m != 0) & (kb >= 1)
+        return tl.where(live, (e << 3) | mant | ((c & 8) << 4), 0)
+
+    @triton.jit
+    def _fp8_weight_tile(b, k, USE_ASM: tl.constexpr, BN: tl.constexpr):
+        """packed e2m1 bytes b (uint8 [BN, 64]) and per-group shifts k = s_g - s_max + 12 (int32 [BN, 4])
+        -> e4m3 [BN, 128], natural K order (element 2j = the low nibble of byte j)."""
+        kb = tl.reshape(tl.broadcast_to(k[:, :, None], [BN, 4, 16]), [BN, 64])
+        if USE_ASM:
+            kb8 = tl.where(kb >= 1, kb << 3, 0).to(tl.uint8)
+            lo, hi = tl.inline_asm_elementwise(_DEC_ASM, "=r,=r,r,r", [b, kb8], dtype=(tl.uint8, tl.uint8),
+                                               is_pure=True, pack=4)
+        else:
+            bi = b.to(tl.int32)
+            lo = _mag_byte(bi & 15, kb).to(tl.uint8)
+            hi = _mag_byte(bi >> 4, kb).to(tl.uint8)
+        w = tl.reshape(tl.join(lo, hi), [BN, 128])
+        return w.to(tl.float8e4nv, bitcast=True)
+
+    @triton.jit
+    def _fp8_block(a, wrow, srow, nmask, k0, SWAP: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr):
+        """(fresh fp32 partial of the 128-block at k0: [BN, BM] with SWAP else [BM, BN], fp32 [BN] weight
+        factor 2^(s_max - 133))."""
+        j4 = tl.arange(0, 4)
+        sg = tl.load(srow[:, None] + k0 // 32 + j4[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+        smax = tl.max(sg, axis=1)
+        sb = ((smax + 6) << 23).to(tl.float32, bitcast=True) * (1.0 / 4096.0)      # 2^(smax - 133)
+        jb = tl.arange(0, 64)
+        b = tl.load(wrow[:, None] + k0 // 2 + jb[None, :], mask=nmask[:, None], other=0)
+        w = _fp8_weight_tile(b, sg - smax[:, None] + 12, USE_ASM, BN)
+        if SWAP:
+            blk = tl.dot(w, tl.trans(a))
+        else:
+            blk = tl.dot(a, tl.trans(w))
+        return blk, sb
+
+    @triton.jit
+    def _fp4_fp8_kernel(A, SA, W, WS, WS2, C, CS, PERM, OFFS, TCUM, PW,
+                        M, N_out, K, n_half, n_groups, top_k,
+                        stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn,
+                        stride_w2e, stride_cm, stride_csm, limit,
+                        GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_PW: tl.constexpr,
+                        USE_ASM: tl.constexpr, SWAP: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, LOG2G: tl.constexpr, INTERP: tl.constexpr):
+        """A: e4m3 bytes [rows, K]; W uint8 [G, N, K/2]; WS e8m0 bytes [G, N, K/32]
+        (WS2 unused: the launcher signature of ``fp4_prefill``). One program = one [BM, BN] output tile;
+        program ids walk the column blocks of an m-tile first."""
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N_out, BN)
+        t = pid // num_n
+        pid_n = pid - t * num_n
+        live, r64, mrow, pair, arow, rn64, nmask, e64 = tile(TCUM, OFFS, PERM, M, N_out, t, pid_n,
+                                                              n_groups, top_k, BM, BN, LOG2G, GROUPED, GATHER)
+        if not live:
+            return
+        wrow = W + e64 * stride_we + rn64 * stride_wn
+        srow = WS + e64 * stride_wse + rn64 * stride_wsn
+        wrow2 = wrow + n_half * stride_wn
+        srow2 = srow + n_half * stride_wsn
+        arow_p = A + arow * stride_am
+        sarow = SA + arow * stride_sam
+        kc = tl.arange(0, 128)
+        if SWAP:
+            acc = tl.zeros([BN, BM], tl.float32)
+            acc2 = tl.zeros([BN, BM], tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], tl.float32)
+            acc2 = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, 128):
+            sa = tl.load(sarow + k0 // 128, mask=mrow, other=0.0)
+            a = tl.load(arow_p[:, None] + k0 + kc[None, :], mask=mrow[:, None], other=0)
+            a = a.to(tl.float8e4nv, bitcast=True)
+            blk, sb = _fp8_block(a, wrow, srow, nmask, k0, SWAP, USE_ASM, BN)
+            if SWAP:                                           # official per-128 promotion
+                acc += blk * (sb[:, None] * sa[None, :])
+            else:
+                acc += blk * (sa[:, None] * sb[None, :])
+            if SWIGLU:                                         # w3 rows of the same columns
+                blk2, sb2 = _fp8_block(a, wrow2, srow2, nmask, k0, SWAP, USE_ASM, BN)
+                if SWAP:
+                    acc2 += blk2 * (sb2[:, None] * sa[None, :])
+                else:
+                    acc2 += blk2 * (sa[:, None] * sb2[None, :])
+        if SWAP:
+            acc = tl.trans(acc)
+            acc2 = tl.trans(acc2)
+        if SWIGLU:
+            if HAS_PW:
+                pw = tl.load(PW + pair, mask=mrow, other=0.0)
+            else:
+                pw = tl.zeros([BM], tl.float32)
+            h = swiglu_h(acc, acc2, pw, limit, HAS_PW)
+            q, eh = quant_rows(h, INTERP)
+            tl.store(C + r64[:, None] * stride_cm + rn64[None, :], q.to(tl.uint8, bitcast=True), mask=mrow[:, None])
+            tl.store(CS + r64 * stride_csm + pid_n, exp2i(eh), mask=mrow)
+        else:
+            store_bf16(C + r64[:, None] * stride_cm + rn64[None, :], acc, mrow[:, None] & nmask[None, :], INTERP)
+
+
+# -------------------------------------------------------------------------------------------------
+# host side
+
+def wide_spread(ws: torch.Tensor) -> bool:
+    """Whether an MXFP4 scale tensor [..., K/32] has a group whose scale lies 2^FLUSH_SPREAD or more below
+    its row's 128-block maximum (the groups this kernel flushes; module doc). Synchronises: call at
+    weight-load time."""
+    s = u8(ws).view(*ws.shape[:-1], ws.shape[-1] // 4, 4).int()
+    return bool(((s.amax(-1, keepdim=True) - s) >= FLUSH_SPREAD).any())
+
+
+def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, swiglu=False, limit=0.0,
+                   perm=None, offs=None, tcum=None, pw=None, top_k=1, n_groups=1, n_tiles=None, config=None,
+                   use_asm=None):
+    """``fp4_prefill.fp4_prefill_launch``'s arguments and outputs, MXFP4 only, with ``a`` the e4m3
+    activations [rows, K] (bytes or float8_e4m3fn; GEMM 2 takes GEMM 1's h as it is). ``config``: BM, BN (128 with ``swiglu``), num_warps,
+    num_stages, SWAP (default ``route.fp4_fp8_config``)."""
+    if fmt != "mxfp4":
+        raise ValueError(f"fp4_fp8: only mxfp4 weights fold exactly into e4m3, got {fmt!r}")
+    if K % QBLOCK:
+        raise ValueError(f"fp4_fp8: K={K} must be a multiple of 128")
+    if a.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"fp4_fp8: the activation operand must be e4m3 bytes, got {a.dtype}")
+    dev = a.device
+    t = target(dev)
+    cfg = route.fp4_fp8_config(M / max(1, n_groups), t, swiglu)
+    if config:
+        cfg.update(config)
+    if swiglu:
+        cfg["BN"] = QBLOCK
+    BM, BN, swap = cfg.pop("BM"), cfg.pop("BN"), bool(cfg.pop("SWAP", True))
+    kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
+    grouped = tcum is not None
+    if grouped:
+        grid_m = n_tiles if n_tiles is not None else min(M, triton.cdiv(M, BM) + min(n_groups, M))
+    else:
+        grid_m = triton.cdiv(M, BM)
+    grid = (max(grid_m, 1) * triton.cdiv(N_out, BN),)
+    if use_asm is None:
+        use_asm = t.use_asm
+    _fp4_fp8_kernel[grid](
+        *fp4_kernel_args(u8(a), sa, u8(w), u8(ws), ws2, out, out_s, perm, offs, tcum, pw, M, N_out, K, n_half,
+                         n_groups, top_k, limit),
+        GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu, HAS_PW=pw is not None, USE_ASM=use_asm,
+        SWAP=swap, BM=BM, BN=BN, LOG2G=log2_groups(n_groups),
+        INTERP=interpreting(), **kw)
+
+
+__all__ = ["FLUSH_SPREAD", "fp4_fp8_launch", "wide_spread"]
