@@ -108,9 +108,9 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
         dist.broadcast_object_list(msg, src=0, group=ctrl)
         if msg[0] is None:
             break
-        chunks, scores, restores, captures = msg[0]
+        chunks, scores, restores, captures, all_rows, keep = msg[0]
         runner.forward([(torch.tensor(ids, dtype=torch.long), StepState(pos, slot, bt)) for ids, pos, slot, bt in chunks],
-                       scores, restores=restores, captures=captures)
+                       scores, all_rows, keep, restores=restores, captures=captures)
     dist.destroy_process_group()
 
 
@@ -216,12 +216,13 @@ class TPWorkers:
             [(num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots)], src=0, group=self.ctrl))
         threading.Thread(target=self._watch, daemon=True).start()
 
-    def broadcast_step(self, chunks, scores=None, restores=None, captures=None) -> None:
-        """Send the step's chunks, the rows to score and the prefix-cache snapshots to restore and
-        take to every worker (before rank 0 runs them)."""
+    def broadcast_step(self, chunks, scores=None, restores=None, captures=None, all_rows=(), keep=()) -> None:
+        """Send the step's chunks, the rows to score, the prefix-cache snapshots to restore and take,
+        and the verify / kept chunks to every worker (before rank 0 runs them): every rank must run
+        each chunk on the same path (their collectives pair up)."""
         import torch.distributed as dist
         msg = [([(ids.tolist(), st.pos, st.slot, list(st.block_table)) for ids, st in chunks], scores or {},
-                restores or [], captures or {})]
+                restores or [], captures or {}, set(all_rows), set(keep))]
         dist.broadcast_object_list(msg, src=0, group=self.ctrl)
 
     def stop(self) -> None:
