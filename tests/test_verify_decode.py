@@ -182,3 +182,71 @@ def test_the_runner_verifies_as_decode_rows_grouped_by_length(verify_env, monkey
     for st, s, p in zip(sts, base, POSITIONS):
         _put_state(eng.cache, st, s)
         st.advance_to(p)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replayed_verify_equals_eager_and_the_prefill_verify(tmp_path):
+    """On the kernels, an engine with MTP K = 3 (graphs of 1 and 4 rows per sequence): the verify
+    chunks of the three sequences replayed from the (bucket 4, 4 rows) graph give the eager decode
+    forward's logits, streams and cache writes bit for bit (the same kernels on the same shapes:
+    the graph's padded layout; every split reduction has a fixed order), and the prefill-path
+    verify's logits within the batching tolerance; 2-row chunks (no graph) run eagerly on the
+    decode path, within the same tolerance."""
+    os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
+    llm = LLM(None, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024, kv_cache_memory="2GiB",
+              device="cuda", log=False, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    eng = llm.engine
+    run, m, cache = eng.runner, eng.model, eng.cache
+    assert m.ops.kernels and run.graphs is not None and run.graphs.rows == [1, 4]
+    toks = [_prompt(p + 8, 40 + i) for i, p in enumerate(POSITIONS)]
+    sts = []
+    for p, t in zip(POSITIONS, toks):
+        st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2))
+        run.forward([(torch.tensor(t[:p]), st)])
+        sts.append(st)
+    base = [_slot_state(cache, st) for st in sts]
+    every = set(range(len(sts)))
+
+    def verify(R, path="decode"):
+        """(logits per chunk, streams per chunk, cache state per sequence); the cache put back."""
+        run.verify_path = path
+        try:
+            got = run.forward([(torch.tensor(t[p:p + R]), st) for p, t, st in zip(POSITIONS, toks, sts)],
+                              all_rows=every, keep=every)
+            out = ([g.clone() for g in got], [run.hidden[i].clone() for i in range(len(sts))],
+                   [_slot_state(cache, st) for st in sts])
+        finally:
+            run.verify_path = "decode"
+        for st, s, p in zip(sts, base, POSITIONS):
+            _put_state(cache, st, s)
+            st.advance_to(p)
+        return out
+
+    replays = []
+    replay = run.graphs.replay
+    run.graphs.replay = lambda b, rows, *a: (replays.append((b, rows)), replay(b, rows, *a))[1]
+    lg, hid, state = verify(4)
+    assert replays == [(4, 4)]
+    # the same forward eagerly, on the graph's padded layout
+    R, b = 4, 4
+    inp = run._host(run.graphs.layout([t[p:p + R] for p, t in zip(POSITIONS, toks)], list(POSITIONS),
+                                      [st.slot for st in sts], b), b * R)
+    bt = run._host([st.block_table for st in sts] + [[]], m.max_blocks)
+    ctx = m.decode_context(inp[0], inp[1, :b], inp[2, :b], bt, R)
+    ctx.keep_hidden = True
+    e_lg = m(ctx).view(R, b, -1)
+    e_hid = ctx.hidden.view(R, b, *ctx.hidden.shape[1:])
+    for i, st in enumerate(sts):
+        assert torch.equal(e_lg[:, i], lg[i]) and torch.equal(e_hid[:, i], hid[i]), POSITIONS[i]
+        assert all(torch.equal(x, y) for x, y in zip(_slot_state(cache, st), state[i])), POSITIONS[i]
+        _put_state(cache, st, base[i])
+    p_lg, _, _ = verify(4, "prefill")
+    for i in range(len(sts)):
+        _agree_rows(lg[i], p_lg[i])
+    replays.clear()
+    lg2, _, _ = verify(2)
+    assert replays == []
+    for x, y in zip(lg2, verify(2, "prefill")[0]):
+        _agree_rows(x, y)
+    for st in sts:
+        st.release()

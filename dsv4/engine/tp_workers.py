@@ -98,11 +98,11 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
     model = build_model(spec, dev, group, log=log)
     setup = [None]
     dist.broadcast_object_list(setup, src=0, group=ctrl)
-    num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots = setup[0]
+    num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots, verify_rows = setup[0]
     cache = KVCache(model.cfg, CacheConfig(max_num_seqs=max_num_seqs + 1, num_blocks=num_blocks, device=str(dev),
                                            num_snapshots=num_snapshots))
     model.attach_cache(cache, max_model_len)
-    runner = ModelRunner(model, max_num_seqs, graphs)
+    runner = ModelRunner(model, max_num_seqs, graphs, verify_rows=verify_rows)
     while True:
         msg = [None]
         dist.broadcast_object_list(msg, src=0, group=ctrl)
@@ -208,12 +208,14 @@ class TPWorkers:
                 os._exit(1)
             time.sleep(POLL_S)
 
-    def setup(self, num_blocks: int, max_num_seqs: int, max_model_len: int, graphs: bool, num_snapshots: int) -> None:
-        """Announce the cache geometry; returns once every worker has loaded its slice and taken it
-        (or raises naming a worker that exited meanwhile). Then the serving watchdog starts."""
+    def setup(self, num_blocks: int, max_num_seqs: int, max_model_len: int, graphs: bool, num_snapshots: int,
+              verify_rows: int = 1) -> None:
+        """Announce the cache geometry and the decode graphs to capture (``ModelRunner``); returns once
+        every worker has loaded its slice and taken it (or raises naming a worker that exited
+        meanwhile). Then the serving watchdog starts."""
         import torch.distributed as dist
         self._while_workers_live("loading the model", lambda: dist.broadcast_object_list(
-            [(num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots)], src=0, group=self.ctrl))
+            [(num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots, verify_rows)], src=0, group=self.ctrl))
         threading.Thread(target=self._watch, daemon=True).start()
 
     def broadcast_step(self, chunks, scores=None, restores=None, captures=None, all_rows=(), keep=()) -> None:

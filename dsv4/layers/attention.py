@@ -1,12 +1,13 @@
 """The V4 attention layer (spec §4-§6): its weights as stored, and the one attention orchestration.
 
-One forward for every batch kind (``ctx``: a ``DecodeContext`` of one token per sequence with
-fixed shapes, or a ``PrefillContext`` of chunks): the row-wise projections, q/kv prologue with the
-FP8 cache insert, the compressor (and, on CSA layers, indexer) updates, sparse attention over the
-window + compressed entries, inverse RoPE and the grouped output projection. The only difference
-between the kinds is where a token's window rows and compressor windows come from: in a decode
-step every row is written into its slot's ring / pages and read back by index lists built without
-host synchronisation (capturable in a CUDA graph); in a prefill chunk the chunk's own keys go to a
+One forward for every batch kind (``ctx``: a ``DecodeContext`` of a fixed number of tokens per
+sequence with fixed shapes, or a ``PrefillContext`` of chunks): the row-wise projections, q/kv
+prologue with the FP8 cache insert, the compressor (and, on CSA layers, indexer) updates, sparse
+attention over the window + compressed entries, inverse RoPE and the grouped output projection. The
+only difference between the kinds is where a token's window rows and compressor windows come from:
+in a decode step every row is written into its slot's ring / pages and read back by index lists
+built without host synchronisation (capturable in a CUDA graph), the rows of one sequence (a
+speculative verify step) one position after the other; in a prefill chunk the chunk's own keys go to a
 scratch page buffer that also holds the ring's previous entries (a long chunk would overwrite its
 own ring), and each sequence's compressor update is one launch.
 

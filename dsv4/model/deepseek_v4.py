@@ -4,8 +4,9 @@
 (FP8 codes + scales, packed FP4 + scales, bf16 / fp32 where the checkpoint has them; see
 ``dsv4.layers``) and ``load(reader)`` streams the checkpoint into it tensor by tensor through
 per-parameter loaders. ``forward(ctx)`` runs one step over a per-step context built by the engine's
-runner: a ``DecodeContext`` (one new token per sequence, fixed shapes, CUDA-graph capturable) or a
-``PrefillContext`` (chunks of any length of any sequences). Both go through the same layer body
+runner: a ``DecodeContext`` (a fixed number of new tokens per sequence: 1, or K + 1 for a
+speculative verify step; fixed shapes, CUDA-graph capturable) or a ``PrefillContext`` (chunks of any
+length of any sequences). Both go through the same layer body
 (mHC pre -> RMSNorm -> attention -> mHC post -> mHC pre -> RMSNorm -> MoE -> mHC post) and the same
 attention orchestration; every op is called through the op table (``dsv4.ops``): kernels on a GPU,
 torch twins on a CPU.
@@ -539,12 +540,12 @@ class CudaGraphDecoder:
         return next((b for b in self.buckets if b >= n), None)
 
     def layout(self, tokens: list[list[int]], pos: list[int], slots: list[int], bucket: int) -> list[list[int]]:
-        """The rows of ``inp`` (class doc) for sequences with ``tokens`` (each ``rows`` long), first
-        positions ``pos`` and ``slots``, padded to ``bucket``."""
+        """The three rows of ``inp`` (class doc), ``bucket * rows`` long each, for sequences with
+        ``tokens`` (each ``rows`` long), first positions ``pos`` and ``slots``, padded to ``bucket``."""
         n, rows = len(tokens), len(tokens[0])
-        pad = bucket - n
+        pad, tail = bucket - n, [0] * (bucket * (rows - 1))
         ids = [t[j] for j in range(rows) for t in tokens + [[0] * rows] * pad]
-        return [ids, list(pos) + [0] * pad, list(slots) + [self.model.scratch_slot] * pad]
+        return [ids, list(pos) + [0] * pad + tail, list(slots) + [self.model.scratch_slot] * pad + tail]
 
     def _capture(self, b, rows):
         dev, m = self.model.device, self.model
