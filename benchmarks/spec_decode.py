@@ -6,11 +6,15 @@ projection: random synthetic weights accept almost nothing, so no measured accep
 
     PYTHONPATH=. python benchmarks/spec_decode.py --model flash --layers 4 --batch 1,16,64 --k 1,3 --ctx 8192
 
-Plain decode: CUDA-graph replays, L2 flushed (``common.graph_time``), as ``decode_step.py``. Verify and
-draft run eagerly through the prefill path (the engine does not capture them in graphs yet), timed with
-``triton.testing.do_bench`` (median; launch overhead included, as the engine pays it). The projected
-TPOT of one sequence at acceptance length L is (verify + draft) / L; plain decode's is its step.
-The draft step is timed at its largest fill (all K drafts accepted: K + 1 rows per sequence).
+Plain decode: CUDA-graph replays, L2 flushed (``common.graph_time``), as ``decode_step.py``. Verify, as
+the engine runs it: the decode step of K + 1 rows per sequence (``DecodeContext.rows``) in a CUDA
+graph -- its GPU time with ``graph_time`` like the plain step, and the engine's whole call
+(``CudaGraphDecoder.replay``: the host inputs' copies and the replay) with ``triton.testing.do_bench``
+(median; host time included where the GPU waits on it). Beside it the verify as the engine ran it
+before, eagerly through the prefill path (do_bench). The draft runs eagerly through the prefill path
+(do_bench), timed at its largest fill (all K drafts accepted: K + 1 rows per sequence). The
+projected TPOT of one sequence at acceptance length L is (verify + draft) / L, with the engine's
+verify call (and, for comparison, the prefill-path verify); plain decode's is its step.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from dsv4.checkpoint.synthetic import iter_synthetic_tensors, synthetic_config  
 from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
 from dsv4.engine.spec_decode import MTPDrafter  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS  # noqa: E402
-from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
+from dsv4.model.deepseek_v4 import CudaGraphDecoder, DeepseekV4  # noqa: E402
 
 ACCEPTANCE = {1: 1.6, 3: 2.8}          # SGLang CI floors for V4 MTP (serving-anchors.md)
 
@@ -104,37 +108,66 @@ def main():
         with torch.no_grad():
             plain = graph_time(lambda: model(model.decode_context(tokens, pos, sl, bt)))
             for K in ks:
-                ids = [torch.randint(3, min(128000, cfg.vocab_size), (K + 1,), generator=gen, device=dev) for _ in range(B)]
+                R = K + 1
+                ids = [torch.randint(3, min(128000, cfg.vocab_size), (R,), generator=gen, device=dev) for _ in range(B)]
+                jmajor = torch.stack(ids, 1).reshape(R * B)
 
                 def verify():
                     ctx = model.prefill_context(list(zip(ids, seqs)), all_logits=True)
                     ctx.keep_hidden = True
                     model(ctx)
                     return ctx.hidden
+
+                def verify_rows():
+                    ctx = model.decode_context(jmajor, pos, sl, bt, R)
+                    ctx.keep_hidden = True
+                    model(ctx)
+                    return ctx.hidden
                 hidden = verify()
-                fills = [(s, a.ctx, hidden[r * (K + 1):(r + 1) * (K + 1)], ids[r].tolist()) for r, s in enumerate(seqs)]
+                fills = [(s, a.ctx, hidden[r * R:(r + 1) * R], ids[r].tolist()) for r, s in enumerate(seqs)]
+                ver_graph = graph_time(verify_rows)
+                if dev.type == "cuda":
+                    graphs = CudaGraphDecoder(model, B, rows=(R,), buckets=(B,))
+                    inp = torch.tensor(graphs.layout([x.tolist() for x in ids], [a.ctx] * B, slots[:B], B),
+                                       dtype=torch.long).pin_memory()
+                    bt_host = bt.cpu().pin_memory()
+                    ver_call = eager_ms(lambda: graphs.replay(B, R, inp, bt_host))
+                    del graphs
+                else:
+                    ver_call = float("nan")
                 ver = eager_ms(verify)
+                ver_eager = eager_ms(verify_rows)
                 dr = eager_ms(lambda: drafter.propose(fills, {s: K for s in seqs}))
-                rows.append((B, K, plain, ver, dr))
+                rows.append((B, K, plain, ver_graph, ver_call, ver_eager, ver, dr))
                 if a.profile:
-                    for what, fn in (("verify", verify), ("draft", lambda: drafter.propose(fills, {s: K for s in seqs}))):
+                    for what, fn in (("verify (prefill path)", verify), ("verify (decode rows, eager)", verify_rows),
+                                     ("draft", lambda: drafter.propose(fills, {s: K for s in seqs}))):
                         print(f"--- profile of one {what} call, B={B} K={K}", flush=True)
                         print(profile_table(fn), flush=True)
-                print(f"B={B:3d} K={K}: plain decode {plain * 1e3:9.1f} us, verify {ver * 1e3:9.1f} us, "
-                      f"draft {dr * 1e3:9.1f} us", flush=True)
+                print(f"B={B:3d} K={K}: plain decode {plain * 1e3:9.1f} us, verify graph {ver_graph * 1e3:9.1f} us "
+                      f"(engine call {ver_call * 1e3:9.1f} us, eager {ver_eager * 1e3:9.1f} us), verify prefill path "
+                      f"{ver * 1e3:9.1f} us, draft {dr * 1e3:9.1f} us", flush=True)
     md = [f"## Speculative decoding (MTP), synthetic {a.model} ({a.layers} layers), {datetime.date.today()}, "
           f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU smoke run'}", "",
           f"Command: `PYTHONPATH=. python benchmarks/spec_decode.py --model {a.model} --layers {a.layers} "
           f"{'' if a.experts is None else f'--experts {a.experts} '}--batch {a.batch} --k {a.k} --ctx {a.ctx}`; "
-          f"{cfg.n_routed_experts} routed experts. Plain decode: graph replays, L2 flushed; verify / draft: "
-          "eager (do_bench median). Projected TPOT = (verify + draft) / acceptance length (a projection at "
-          "SGLang's published CI floors, not a measured acceptance).", "",
-          "| batch | K | plain decode step us | verify (K+1 rows) us | draft us | acceptance length | projected TPOT us |",
-          "|---|---|---|---|---|---|---|"]
-    for B, K, plain, ver, dr in rows:
+          f"{cfg.n_routed_experts} routed experts. Plain decode and verify (K+1 decode rows per sequence): "
+          "graph replays, L2 flushed (GPU time); verify engine call: the engine's CUDA-graph call with its "
+          "input copies (do_bench median, host included); verify decode rows eager (the path without graphs), "
+          "verify prefill path (the engine's verify before issue 31) and draft: eager (do_bench median). "
+          "Projected TPOT = (verify + draft) / acceptance length, with the engine call's verify and, "
+          "in the last column, the prefill-path verify (a projection at SGLang's published CI floors, not a "
+          "measured acceptance).", "",
+          "| batch | K | plain decode step us | verify graph us | verify engine call us | verify decode rows eager us "
+          "| verify prefill path us | draft us | acceptance length | projected TPOT us "
+          "| projected TPOT, prefill-path verify us |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for B, K, plain, ver_graph, ver_call, ver_eager, ver, dr in rows:
         L = ACCEPTANCE.get(K)
-        proj = f"{(ver + dr) * 1e3 / L:.1f}" if L else "-"
-        md.append(f"| {B} | {K} | {plain * 1e3:.1f} | {ver * 1e3:.1f} | {dr * 1e3:.1f} | {L or '-'} | {proj} |")
+        proj = f"{(ver_call + dr) * 1e3 / L:.1f}" if L else "-"
+        proj_p = f"{(ver + dr) * 1e3 / L:.1f}" if L else "-"
+        md.append(f"| {B} | {K} | {plain * 1e3:.1f} | {ver_graph * 1e3:.1f} | {ver_call * 1e3:.1f} "
+                  f"| {ver_eager * 1e3:.1f} | {ver * 1e3:.1f} | {dr * 1e3:.1f} | {L or '-'} | {proj} | {proj_p} |")
     text = "\n".join(md) + "\n"
     print(text)
     if a.out:

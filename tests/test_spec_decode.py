@@ -145,12 +145,15 @@ def spec(plain):
                speculative_config=MTP3)
 
 
-def test_a_cut_back_verify_chunk_leaves_nothing_of_its_rejected_tokens(plain):
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_a_cut_back_verify_chunk_leaves_nothing_of_its_rejected_tokens(plain, path, monkeypatch):
     """After a verify chunk cut back to its accepted positions, the logits that follow do not depend
     on what the rejected tokens were (bit for bit): the window ring, the compressor rings, entries
     and indexer keys are as if those positions were never computed. Cases: the rejected positions
-    wrap the ratio-4 rings (8 rows); cross position 127 (an HCA entry and the 128-token window)."""
+    wrap the ratio-4 rings (8 rows); cross position 127 (an HCA entry and the 128-token window).
+    Verify chunks on the decode path (the engine's) and on the prefill path."""
     eng = plain.engine
+    monkeypatch.setattr(eng.runner, "verify_path", path)
     toks = _prompt(300, 3)
 
     def run(P, K, acc, junk):
@@ -282,9 +285,10 @@ def test_speculation_under_preemption_n_samples_stop_strings_and_logprobs(tmp_pa
 
 @pytest.mark.gpu
 def test_gpu_speculation_on_the_kernels_keeps_greedy(tmp_path):
-    """On the GPU kernels (verify and MTP steps through the prefill path, plain decode in CUDA
-    graphs): oracle drafts, right and wrong at chosen positions, and the real MTP drafter give the
-    plain greedy tokens wherever the top-1 margin is clear, and every block and slot comes back."""
+    """On the GPU kernels (verify and plain decode steps replayed from CUDA graphs, MTP steps
+    through the prefill path): oracle drafts, right and wrong at chosen positions, and the real MTP
+    drafter give the plain greedy tokens wherever the top-1 margin is clear, and every block and
+    slot comes back."""
     os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
     kw = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, kv_cache_memory="2GiB",
               device="cuda", log=False)
@@ -294,6 +298,11 @@ def test_gpu_speculation_on_the_kernels_keeps_greedy(tmp_path):
     spec = LLM(None, speculative_config=MTP3, **kw)
     eng = spec.engine
     assert eng.model.ops.kernels and eng.model.mtp is not None
+    graphs = eng.runner.graphs
+    assert graphs is not None and graphs.rows == [1, 4]
+    replays = []
+    replay = graphs.replay
+    graphs.replay = lambda b, rows, *a: (replays.append(rows), replay(b, rows, *a))[1]
     start = (eng.cache.num_free_blocks, eng.cache.num_free_slots)
     mtp = eng.drafter
     cont = {tuple(p["prompt_token_ids"]): r.outputs[0].token_ids for p, r in zip(prompts, ref)}
@@ -304,3 +313,4 @@ def test_gpu_speculation_on_the_kernels_keeps_greedy(tmp_path):
             _agree(o.outputs[0], r.outputs[0])
             assert o.metrics["num_draft_tokens"] > 0
         assert (eng.cache.num_free_blocks, eng.cache.num_free_slots) == start
+    assert 4 in replays                 # verify steps of K + 1 rows came from the graphs

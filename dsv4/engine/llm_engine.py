@@ -205,10 +205,12 @@ class LLMEngine:
         self.model.attach_cache(self.cache, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.cache,
                                    self.prefix)
+        verify_rows = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
         if self.workers is not None:
-            self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs, snaps)
+            self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs, snaps,
+                               verify_rows)
         self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs,
-                                  None if self.workers is None else self.workers.broadcast_step)
+                                  None if self.workers is None else self.workers.broadcast_step, verify_rows)
         self.backend_name = f"{'kernels' if self.model.ops.kernels else 'torch twins'}" + \
             ("+cuda-graphs" if self.runner.graphs is not None else "") + (f", tensor parallel {tp}" if tp > 1 else "")
         self.sampler = Sampler(mc.eos_token_id)

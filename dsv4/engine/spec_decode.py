@@ -7,8 +7,13 @@ and ``--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'`` on
 
 One engine step of a speculating sequence (``LLMEngine.step``):
 
-1. **verify**: the target runs ``[pending token, d_1 .. d_k]`` at positions ``N .. N+k`` as one
-   chunk (``N`` = tokens already in the cache) and returns the logits of every row;
+1. **verify**: the target runs ``[pending token, d_1 .. d_k]`` at positions ``N .. N+k``
+   (``N`` = tokens already in the cache) and returns the logits of every row. It runs on the decode
+   path (``engine.runner``): a ``DecodeContext`` of ``k + 1`` rows per sequence, the verify chunks
+   of one length batched into one forward, replayed from a CUDA graph captured for ``K + 1`` rows
+   where graphs are on (shorter chunks, near ``max_tokens`` or ``max_model_len``, run it eagerly).
+   Everything row-wise runs once over all rows; each layer advances the per-slot rings row by row
+   in position order, as ``k + 1`` plain decode steps would (``layers.attention``);
 2. **accept**: row j is sampled exactly as a plain decode step would sample it with ``d_1 .. d_j``
    appended to the output (penalties, logit_bias, min_tokens, temperature / top-k / top-p, the
    request's generator). The draft tokens are accepted while row j's token equals ``d_{j+1}``; the
@@ -22,7 +27,10 @@ One engine step of a speculating sequence (``LLMEngine.step``):
 3. **roll back**: everything the cache keeps is indexed by position (window ring, compressed
    entries and indexer keys by entry number, the counters) except the compressors' fp32 rings of
    pending rows, which a rejected position may have overwritten while they still hold rows an
-   accepted position needs (a ring of ``coff * m`` rows wraps inside a verify chunk). The engine
+   accepted position needs (a ring of ``coff * m`` rows wraps inside a verify chunk). Whatever
+   the path, after a verify chunk ring row ``q % rows`` holds position ``q``'s row for the last
+   ``rows`` positions of the chunk and is untouched elsewhere (the decode path writes each row's,
+   the prefill path keeps the chunk's last ``rows``). The engine
    copies what a verify chunk's positions map to in every per-slot ring (the window pages and the
    compressor rings) before it runs and writes back those of the rejected positions
    (``KVCache.save_positions`` / ``restore_positions``), then sets the state to the accepted

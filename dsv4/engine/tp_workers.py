@@ -98,19 +98,19 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
     model = build_model(spec, dev, group, log=log)
     setup = [None]
     dist.broadcast_object_list(setup, src=0, group=ctrl)
-    num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots = setup[0]
+    num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots, verify_rows = setup[0]
     cache = KVCache(model.cfg, CacheConfig(max_num_seqs=max_num_seqs + 1, num_blocks=num_blocks, device=str(dev),
                                            num_snapshots=num_snapshots))
     model.attach_cache(cache, max_model_len)
-    runner = ModelRunner(model, max_num_seqs, graphs)
+    runner = ModelRunner(model, max_num_seqs, graphs, verify_rows=verify_rows)
     while True:
         msg = [None]
         dist.broadcast_object_list(msg, src=0, group=ctrl)
         if msg[0] is None:
             break
-        chunks, scores, restores, captures = msg[0]
+        chunks, scores, restores, captures, all_rows, keep = msg[0]
         runner.forward([(torch.tensor(ids, dtype=torch.long), StepState(pos, slot, bt)) for ids, pos, slot, bt in chunks],
-                       scores, restores=restores, captures=captures)
+                       scores, all_rows, keep, restores=restores, captures=captures)
     dist.destroy_process_group()
 
 
@@ -208,20 +208,23 @@ class TPWorkers:
                 os._exit(1)
             time.sleep(POLL_S)
 
-    def setup(self, num_blocks: int, max_num_seqs: int, max_model_len: int, graphs: bool, num_snapshots: int) -> None:
-        """Announce the cache geometry; returns once every worker has loaded its slice and taken it
-        (or raises naming a worker that exited meanwhile). Then the serving watchdog starts."""
+    def setup(self, num_blocks: int, max_num_seqs: int, max_model_len: int, graphs: bool, num_snapshots: int,
+              verify_rows: int = 1) -> None:
+        """Announce the cache geometry and the decode graphs to capture (``ModelRunner``); returns once
+        every worker has loaded its slice and taken it (or raises naming a worker that exited
+        meanwhile). Then the serving watchdog starts."""
         import torch.distributed as dist
         self._while_workers_live("loading the model", lambda: dist.broadcast_object_list(
-            [(num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots)], src=0, group=self.ctrl))
+            [(num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots, verify_rows)], src=0, group=self.ctrl))
         threading.Thread(target=self._watch, daemon=True).start()
 
-    def broadcast_step(self, chunks, scores=None, restores=None, captures=None) -> None:
-        """Send the step's chunks, the rows to score and the prefix-cache snapshots to restore and
-        take to every worker (before rank 0 runs them)."""
+    def broadcast_step(self, chunks, scores=None, restores=None, captures=None, all_rows=(), keep=()) -> None:
+        """Send the step's chunks, the rows to score, the prefix-cache snapshots to restore and take,
+        and the verify / kept chunks to every worker (before rank 0 runs them): every rank must run
+        each chunk on the same path (their collectives pair up)."""
         import torch.distributed as dist
         msg = [([(ids.tolist(), st.pos, st.slot, list(st.block_table)) for ids, st in chunks], scores or {},
-                restores or [], captures or {})]
+                restores or [], captures or {}, set(all_rows), set(keep))]
         dist.broadcast_object_list(msg, src=0, group=self.ctrl)
 
     def stop(self) -> None:

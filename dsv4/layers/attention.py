@@ -1,12 +1,13 @@
 """The V4 attention layer (spec §4-§6): its weights as stored, and the one attention orchestration.
 
-One forward for every batch kind (``ctx``: a ``DecodeContext`` of one token per sequence with
-fixed shapes, or a ``PrefillContext`` of chunks): the row-wise projections, q/kv prologue with the
-FP8 cache insert, the compressor (and, on CSA layers, indexer) updates, sparse attention over the
-window + compressed entries, inverse RoPE and the grouped output projection. The only difference
-between the kinds is where a token's window rows and compressor windows come from: in a decode
-step every row is written into its slot's ring / pages and read back by index lists built without
-host synchronisation (capturable in a CUDA graph); in a prefill chunk the chunk's own keys go to a
+One forward for every batch kind (``ctx``: a ``DecodeContext`` of a fixed number of tokens per
+sequence with fixed shapes, or a ``PrefillContext`` of chunks): the row-wise projections, q/kv
+prologue with the FP8 cache insert, the compressor (and, on CSA layers, indexer) updates, sparse
+attention over the window + compressed entries, inverse RoPE and the grouped output projection. The
+only difference between the kinds is where a token's window rows and compressor windows come from:
+in a decode step every row is written into its slot's ring / pages and read back by index lists
+built without host synchronisation (capturable in a CUDA graph), the rows of one sequence (a
+speculative verify step) one position after the other; in a prefill chunk the chunk's own keys go to a
 scratch page buffer that also holds the ring's previous entries (a long chunk would overwrite its
 own ring), and each sequence's compressor update is one launch.
 
@@ -169,13 +170,23 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ decode step
     def _decode(self, x, ctx):
+        """Decode rows: ``ctx.rows`` rows per sequence (1 for a plain step, K+1 for a speculative
+        verify), j-major (row j of sequence b at j*B + b, position pos_b + j). Everything row-wise runs
+        once over all rows; the per-slot rings are advanced row group by row group, as R plain steps
+        would: the compressors' ring write and pooling (a completing row reads rows written by the
+        earlier rows of the step; a ring of coff*m rows wraps), then -- with every entry written, each
+        row's lists only reaching the entries its own position completes -- the indexer over all rows
+        at once, then per group the window insert and the attention (the insert of position p+1
+        overwrites position p-127, which row p still reads)."""
         ops, lc, L, trace = self.ops, self.lc, f"L{self.layer_id}.", ctx.trace
         m = ctx.meta
         pos, slots, bt = ctx.pos, ctx.slots, ctx.bt
+        T = pos.shape[0]
+        R = ctx.rows
+        B = T // R
+        groups = [slice(j * B, (j + 1) * B) for j in range(R)]
         _f, cos, sin = m[("attn", id(self.rope))]
         q, kv, qr, rows, iw = self._projections(x, pos)
-        q, kv = ops.kv_insert(q, kv, cos, sin, lc.window, m["win_slot"], WINDOW_PAGE, self.eps)
-        q, kv = trace(L + "q", q), trace(L + "kv", kv)
         extra_idx = None
         if self.ratio:
             epb = lc.entries_per_block
@@ -183,28 +194,44 @@ class Attention(nn.Module):
                 ic = self.index_comp
                 iq = self._index_queries(qr, cos, sin)
                 _f, icos, isin = m[(("comp", 4), id(ic.rope))]
-                ops.compress_decode(lc.index_state, slots, pos, *rows["index"], ic.norm_w, icos, isin, ratio=4,
-                                    indexer=True, eps=ic.eps, pages=lc.index_keys, page_slots=m["index_wid"],
-                                    page_size=INDEX_PAGE)
+                ik, isc = rows["index"]
+                wid = m["index_wid"]
+                for g in groups:
+                    ops.compress_decode(lc.index_state, slots[g], pos[g], ik[g], isc[g], ic.norm_w, icos[g], isin[g],
+                                        ratio=4, indexer=True, eps=ic.eps, pages=lc.index_keys, page_slots=wid[g],
+                                        page_size=INDEX_PAGE)
+            c = self.compressor
+            _f, ccos, csin = m[(("comp", c.ratio), id(c.rope))]
+            ck, cs = rows["main"]
+            wid = m[("wid", self.ratio, epb)]
+            done = [ops.compress_decode(lc.comp_state, slots[g], pos[g], ck[g], cs[g], c.norm_w, ccos[g], csin[g],
+                                        ratio=c.ratio, indexer=False, eps=c.eps, pages=lc.entries,
+                                        page_slots=wid[g], page_size=epb) for g in groups]
+            if ctx.trace.trace_on:
+                trace(L + "compressor", torch.cat([torch.where(cp[:, None], new, 0) for new, cp in done]))
+            if self.ratio == 4:
                 n_max = ctx.max_blocks * INDEX_PAGE
                 scores = ops.index_scores(iq, iw, lc.index_keys, bt, pos, n=n_max)
                 picks = ops.index_topk(scores, min(self.index_topk, n_max), n_valid=m["index_nvalid"])
                 picks = trace(L + "indexer_topk", picks)
-            c = self.compressor
-            _f, ccos, csin = m[(("comp", c.ratio), id(c.rope))]
-            new, complete = ops.compress_decode(lc.comp_state, slots, pos, *rows["main"], c.norm_w, ccos, csin,
-                                                ratio=c.ratio, indexer=False, eps=c.eps, pages=lc.entries,
-                                                page_slots=m[("wid", self.ratio, epb)], page_size=epb)
-            if ctx.trace.trace_on:
-                trace(L + "compressor", torch.where(complete[:, None], new, 0))
-            if self.ratio == 4:
-                extra_idx = ops.entry_ids(bt, picks, epb, 4)
+                extra_idx = ops.entry_ids(bt, picks, epb, 4).to(torch.int32)
             else:
-                extra_idx = m[("visible", self.ratio, epb)]
-        o = ops.sparse_decode(q, m["widx32"], lc.window, WINDOW_PAGE,
-                              None if extra_idx is None else extra_idx.to(torch.int32),
-                              lc.entries, lc.entries_per_block or 64, sinks=self.sink, scale=self.scale)
-        o = trace(L + "sparse_attn", o)
+                extra_idx = m[("visible", self.ratio, epb)].to(torch.int32)
+        win_slot, widx = m["win_slot"], m["widx32"]
+        qs, kvs, os_ = [], [], []
+        for g in groups:
+            qg, kvg = ops.kv_insert(q[g], kv[g], cos[g], sin[g], lc.window, win_slot[g], WINDOW_PAGE, self.eps)
+            if R == 1:                      # a traced value may be replaced (dsv4 validate's forcing)
+                qg, kvg = trace(L + "q", qg), trace(L + "kv", kvg)
+            og = ops.sparse_decode(qg, widx[g], lc.window, WINDOW_PAGE, None if extra_idx is None else extra_idx[g],
+                                   lc.entries, lc.entries_per_block or 64, sinks=self.sink, scale=self.scale)
+            qs.append(qg)
+            kvs.append(kvg)
+            os_.append(og)
+        if R > 1 and trace.trace_on:
+            trace(L + "q", torch.cat(qs))
+            trace(L + "kv", torch.cat(kvs))
+        o = trace(L + "sparse_attn", os_[0] if R == 1 else torch.cat(os_))
         return self._output(o, cos, sin, trace)
 
     # ------------------------------------------------------------------ prefill chunks

@@ -4,8 +4,9 @@
 (FP8 codes + scales, packed FP4 + scales, bf16 / fp32 where the checkpoint has them; see
 ``dsv4.layers``) and ``load(reader)`` streams the checkpoint into it tensor by tensor through
 per-parameter loaders. ``forward(ctx)`` runs one step over a per-step context built by the engine's
-runner: a ``DecodeContext`` (one new token per sequence, fixed shapes, CUDA-graph capturable) or a
-``PrefillContext`` (chunks of any length of any sequences). Both go through the same layer body
+runner: a ``DecodeContext`` (a fixed number of new tokens per sequence: 1, or K + 1 for a
+speculative verify step; fixed shapes, CUDA-graph capturable) or a ``PrefillContext`` (chunks of any
+length of any sequences). Both go through the same layer body
 (mHC pre -> RMSNorm -> attention -> mHC post -> mHC pre -> RMSNorm -> MoE -> mHC post) and the same
 attention orchestration; every op is called through the op table (``dsv4.ops``): kernels on a GPU,
 torch twins on a CPU.
@@ -211,11 +212,15 @@ class PrefillContext:
 
 @dataclass
 class DecodeContext:
-    ids: torch.Tensor                  # int64 [B]: the new tokens
-    pos: torch.Tensor                  # int64 [B]
-    slots: torch.Tensor                # int64 [B]
-    bt: torch.Tensor                   # int64 [B, max_blocks], -1 padded
+    """``rows`` tokens per sequence at consecutive positions (1: a plain decode step; K+1: a
+    speculative verify step), T = rows * B rows laid out j-major: row j of sequence b is row j*B + b,
+    at position pos_b + j, with the sequence's slot and block table. Every per-row field has T rows."""
+    ids: torch.Tensor                  # int64 [T]: the new tokens
+    pos: torch.Tensor                  # int64 [T]
+    slots: torch.Tensor                # int64 [T]
+    bt: torch.Tensor                   # int64 [T, max_blocks], -1 padded
     max_blocks: int
+    rows: int = 1
     meta: dict | None = None           # the step's index vectors and RoPE rows (``DeepseekV4._meta``)
     trace: _Trace = field(default_factory=_Trace)
     keep_hidden: bool = False
@@ -440,8 +445,15 @@ class DeepseekV4(nn.Module):
         memo.update(win_slot=m.win_slot, widx32=m.widx, index_nvalid=m.n_valid)
         return memo
 
-    def decode_context(self, tokens, pos, slots, bt) -> DecodeContext:
-        return DecodeContext(tokens, pos, slots, bt, self.max_blocks)
+    def decode_context(self, tokens, pos, slots, bt, rows: int = 1) -> DecodeContext:
+        """``tokens`` [rows * B] j-major (``DecodeContext``); ``pos`` (each sequence's first row),
+        ``slots`` [B] and ``bt`` [B, max_blocks] per sequence, spread over its rows on the device
+        (no host synchronisation: capturable)."""
+        if rows > 1:
+            B = pos.shape[0]
+            pos = (pos[None, :] + torch.arange(rows, device=pos.device)[:, None]).reshape(rows * B)
+            slots, bt = slots.repeat(rows), bt.repeat(rows, 1)
+        return DecodeContext(tokens, pos, slots, bt, self.max_blocks, rows)
 
     def prefill_context(self, chunks, all_logits=False, snaps: list | None = None) -> PrefillContext:
         return prefill_context(chunks, self.max_blocks, self.scratch_block, self.device, self.rope_rows, all_logits,
@@ -555,52 +567,73 @@ class DeepseekV4(nn.Module):
 
 
 class CudaGraphDecoder:
-    """Captures the model's decode step once per batch-size bucket and replays it (as vLLM and
-    nano-vllm do). Inputs are copied into static buffers; padding rows use the model's scratch slot
-    and an all -1 block table."""
+    """Captures the model's decode step once per (batch-size bucket, rows per sequence) and replays
+    it (as vLLM and nano-vllm do): ``rows`` 1 for the plain step, K + 1 for a speculative verify
+    step (``DecodeContext``). Each graph has its own static inputs, filled by one host-to-device copy
+    each from the caller's (pinned) tensors:
 
-    def __init__(self, model: DeepseekV4, max_num_seqs: int, buckets=(1, 2, 4, 8, 16, 32, 64, 128)):
+    * ``inp`` int64 [3, bucket * rows]: row 0 the tokens, j-major over the bucket (token j of
+      sequence b at j * bucket + b); rows 1 and 2 in their first ``bucket`` entries each sequence's
+      first position and slot;
+    * ``bt`` int64 [bucket, max_blocks]: the block tables, -1 padded.
+
+    Padding sequences have the model's scratch slot, position 0, token 0 and an all -1 block table
+    (``layout``). A replay returns views of the graph's static outputs: the fp32 logits of every row
+    [bucket * rows, V] and the final residual streams [bucket * rows, hc, d], valid until the same
+    graph is replayed again."""
+
+    def __init__(self, model: DeepseekV4, max_num_seqs: int, rows=(1,), buckets=(1, 2, 4, 8, 16, 32, 64, 128)):
         self.model = model
-        dev = model.device
         self.buckets = [b for b in buckets if b <= max_num_seqs] or [1]
-        maxb = self.buckets[-1]
-        self.tokens = torch.zeros(maxb, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(maxb, dtype=torch.long, device=dev)
-        self.slots = torch.full((maxb,), model.scratch_slot, dtype=torch.long, device=dev)
-        self.bt = torch.full((maxb, model.max_blocks), -1, dtype=torch.long, device=dev)
-        self.graphs, self.outputs = {}, {}
+        self.rows = sorted(set(rows))
+        self.graphs = {}                 # (bucket, rows) -> (graph, inp, bt, logits, hidden)
         self.pool = None
-        for b in reversed(self.buckets):
-            self._capture(b)
+        for r in reversed(self.rows):
+            for b in reversed(self.buckets):
+                self._capture(b, r)
 
-    def _ctx(self, b):
-        return self.model.decode_context(self.tokens[:b], self.pos[:b], self.slots[:b], self.bt[:b])
+    def bucket(self, n: int, rows: int = 1) -> int | None:
+        """The captured bucket that takes ``n`` sequences of ``rows`` rows, or None (run eagerly)."""
+        if rows not in self.rows:
+            return None
+        return next((b for b in self.buckets if b >= n), None)
 
-    def _capture(self, b):
+    def layout(self, tokens: list[list[int]], pos: list[int], slots: list[int], bucket: int) -> list[list[int]]:
+        """The three rows of ``inp`` (class doc), ``bucket * rows`` long each, for sequences with
+        ``tokens`` (each ``rows`` long), first positions ``pos`` and ``slots``, padded to ``bucket``."""
+        n, rows = len(tokens), len(tokens[0])
+        pad, tail = bucket - n, [0] * (bucket * (rows - 1))
+        ids = [t[j] for j in range(rows) for t in tokens + [[0] * rows] * pad]
+        return [ids, list(pos) + [0] * pad + tail, list(slots) + [self.model.scratch_slot] * pad + tail]
+
+    def _capture(self, b, rows):
+        dev, m = self.model.device, self.model
+        inp = torch.zeros(3, b * rows, dtype=torch.long, device=dev)
+        inp[2].fill_(m.scratch_slot)
+        bt = torch.full((b, m.max_blocks), -1, dtype=torch.long, device=dev)
+
+        def run():
+            ctx = m.decode_context(inp[0], inp[1, :b], inp[2, :b], bt, rows)
+            ctx.keep_hidden = True
+            return m(ctx), ctx
+
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):                       # warm up (Triton compiles, allocator settles)
-                self.model(self._ctx(b))
+                run()
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            out = self.model(self._ctx(b))
+            out, ctx = run()
         self.pool = g.pool()
-        self.graphs[b], self.outputs[b] = g, out
+        self.graphs[(b, rows)] = (g, inp, bt, out, ctx.hidden)
 
-    def __call__(self, tokens, pos, slots, bt):
-        n = tokens.shape[0]
-        b = next((x for x in self.buckets if x >= n), None)
-        if b is None:
-            return self.model(self.model.decode_context(tokens, pos, slots, bt))
-        self.tokens[:n].copy_(tokens)
-        self.pos[:n].copy_(pos)
-        self.slots[:n].copy_(slots)
-        self.bt[:n].copy_(bt)
-        self.tokens[n:b].zero_()
-        self.pos[n:b].zero_()
-        self.slots[n:b].fill_(self.model.scratch_slot)
-        self.bt[n:b].fill_(-1)
-        self.graphs[b].replay()
-        return self.outputs[b][:n]
+    def replay(self, bucket: int, rows: int, inp: torch.Tensor, bt: torch.Tensor):
+        """Run graph (bucket, rows) on ``inp`` [3, bucket * rows] and ``bt`` [bucket, max_blocks]
+        (class doc; pinned host tensors are copied without blocking) -> (logits, streams)."""
+        g, s_inp, s_bt, out, hidden = self.graphs[(bucket, rows)]
+        s_inp.copy_(inp, non_blocking=True)
+        s_bt.copy_(bt, non_blocking=True)
+        g.replay()
+        return out, hidden
