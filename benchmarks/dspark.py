@@ -8,11 +8,11 @@ figure is a projection from measured step times, never a measured acceptance.
     PYTHONPATH=. python benchmarks/dspark.py --model flash --layers 43 --experts 128 --batch 1,16 --n 5 --ctx 8192
 
 * plain decode: the engine's CUDA-graph replay of one decode step (``graph_time``, L2 flushed);
-* verify: N + 1 rows per sequence through the target as the engine runs them: the graph-captured
-  multi-row decode step where the model has one (``CudaGraphDecoder`` with ``rows``), else the eager
-  prefill path (``do_bench`` median, launch overhead included);
+* verify: N + 1 rows per sequence through the target's multi-row decode step, as the engine's CUDA
+  graph replays it (``graph_time``), beside the old eager prefill path (``do_bench`` median);
 * draft: ``dspark_extend`` of the N + 1 committed rows per sequence (eager, its largest fill: all
-  drafts accepted) plus the draft block, replayed from its CUDA graph (``CudaGraphDraft``);
+  drafts accepted; ``do_bench``) plus the draft block as ``CudaGraphDraft`` replays it
+  (``graph_time``; eager beside it);
 * projected TPOT at acceptance length L = (verify + extend + draft) / L; the plain step is its own TPOT.
 """
 from __future__ import annotations
@@ -33,7 +33,6 @@ from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
 from dsv4.formats.kv_entry import write_entries  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS, WINDOW_PAGE  # noqa: E402
 from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
-from dsv4.model.dspark import CudaGraphDraft  # noqa: E402
 
 ACCEPTANCE = (2.9, 4.0, 5.4)
 
@@ -80,13 +79,6 @@ def main():
     print(model.describe(), flush=True)
     slots = [cache.allocate_slot() for _ in range(Bmax)]
     tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
-    graphs = CudaGraphDraft(model, Bmax, N) if dev.type == "cuda" else None
-    verify_graphs = None
-    try:                                     # the multi-row decode step, where the model has one
-        from dsv4.model.deepseek_v4 import CudaGraphDecoder
-        verify_graphs = CudaGraphDecoder(model, Bmax, rows=(1, N + 1)) if dev.type == "cuda" else None
-    except TypeError:
-        pass
     V = min(128000, cfg.vocab_size)
     rows = []
     for B in batches:
@@ -107,24 +99,18 @@ def main():
                 model(ctx)
                 return ctx.hidden
             hidden = verify_eager()
-            how = "eager prefill path"
-            if verify_graphs is not None:
-                vt = torch.stack(ids, 1).reshape(-1)            # j-major: row j of every sequence
-                vpos = (pos[None, :] + torch.arange(N + 1, device=dev)[:, None]).reshape(-1)
-                ver = graph_time(lambda: verify_graphs(vt, vpos, sl.repeat(N + 1), bt.repeat(N + 1, 1), rows=N + 1))
-                how = "graph (multi-row decode)"
-            else:
-                ver = eager_ms(verify_eager)
+            # the engine's verify: N + 1 rows per sequence through the decode step (rows j-major), as
+            # its CUDA graph replays it
+            vt = torch.stack(ids, 0).t().reshape(-1)
+            ver = graph_time(lambda: model(model.decode_context(vt, pos, sl, bt, N + 1)))
+            ver_eager = eager_ms(verify_eager)
             fills = [(s.slot, a.ctx - (N + 1), hidden[r * (N + 1):(r + 1) * (N + 1)]) for r, s in enumerate(seqs)]
             ext = eager_ms(lambda: model.dspark_extend(fills))
-            anchors = tokens
-            if graphs is not None:
-                dr = graph_time(lambda: graphs(sl, anchors, pos))
-            else:
-                dr = eager_ms(lambda: model.dspark_draft(sl, anchors, pos, N))
-            dr_eager = eager_ms(lambda: model.dspark_draft(sl, anchors, pos, N))
-        rows.append((B, plain, ver, ext, dr, dr_eager, how))
-        print(f"B={B:3d} N={N}: plain decode {plain * 1e3:9.1f} us, verify ({how}) {ver * 1e3:9.1f} us, "
+            dr = graph_time(lambda: model.dspark_draft(sl, tokens, pos, N))
+            dr_eager = eager_ms(lambda: model.dspark_draft(sl, tokens, pos, N))
+        rows.append((B, plain, ver, ver_eager, ext, dr, dr_eager))
+        print(f"B={B:3d} N={N}: plain decode {plain * 1e3:9.1f} us, verify graph {ver * 1e3:9.1f} us (prefill path "
+              f"eager {ver_eager * 1e3:9.1f} us), "
               f"extend {ext * 1e3:8.1f} us, draft graph {dr * 1e3:8.1f} us (eager {dr_eager * 1e3:8.1f} us)",
               flush=True)
     md = [f"## DSpark speculative decoding, synthetic {a.model} ({a.layers} layers, {cfg.n_routed_experts} experts, "
@@ -134,12 +120,13 @@ def main():
           f"{'' if a.experts is None else f'--experts {a.experts} '}--batch {a.batch} --n {N} --ctx {a.ctx}`. "
           "Projected TPOT = (verify + extend + draft) / acceptance length: a projection at reported acceptance "
           "lengths, not a measured acceptance (random weights accept almost nothing).", "",
-          "| batch | plain decode step us | verify (N+1 rows) us | how | extend us | draft (graph) us | draft eager us | "
+          "| batch | plain decode step us | verify (N+1 rows, graph) us | verify, prefill path eager us | extend us | "
+          "draft (graph) us | draft eager us | "
           + " | ".join(f"TPOT at L={L} us" for L in ACCEPTANCE) + " |",
           "|---|---|---|---|---|---|---|" + "---|" * len(ACCEPTANCE)]
-    for B, plain, ver, ext, dr, dre, how in rows:
+    for B, plain, ver, vere, ext, dr, dre in rows:
         tot = ver + ext + dr
-        md.append(f"| {B} | {plain * 1e3:.1f} | {ver * 1e3:.1f} | {how} | {ext * 1e3:.1f} | {dr * 1e3:.1f} | "
+        md.append(f"| {B} | {plain * 1e3:.1f} | {ver * 1e3:.1f} | {vere * 1e3:.1f} | {ext * 1e3:.1f} | {dr * 1e3:.1f} | "
                   f"{dre * 1e3:.1f} | " + " | ".join(f"{tot * 1e3 / L:.1f}" for L in ACCEPTANCE) + " |")
     text = "\n".join(md) + "\n"
     print(text)

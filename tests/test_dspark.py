@@ -289,3 +289,49 @@ def test_dspark_speculative_config_defaults_limits_and_refusals(tmp_path, ckpt):
         with pytest.raises(SpeculativeConfigError, match=r"speculative_config\.method: 'dspark' needs the checkpoint's "
                                                           r"DSpark draft, but this checkpoint has " + what):
             LLM(d, speculative_config={"method": "dspark"}, **KW)
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_dspark_on_the_kernels(ckpt):
+    """On the GPU kernels: the production draft (its block attention and stages on the kernels,
+    replayed from its CUDA graph) drafts the twins' tokens from the same rings; and the engine with
+    DSpark speculation (oracle proposals right and wrong at chosen positions, then the real drafts)
+    gives the plain greedy tokens, returning every block and slot."""
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, kv_cache_memory="2GiB",
+              device="cuda", log=False)
+    prompts = [{"prompt_token_ids": _ids(n, 50 + i)} for i, n in enumerate((300, 126, 9))]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = LLM(ckpt, **kw).generate(prompts, sp)
+    spec = LLM(ckpt, speculative_config={"method": "dspark"}, **kw)
+    eng = spec.engine
+    assert eng.model.ops.kernels and eng.drafter.graphs is not None
+    start = (eng.cache.num_free_blocks, eng.cache.num_free_slots)
+    real = eng.drafter
+    cont = {tuple(p["prompt_token_ids"]): r.outputs[0].token_ids for p, r in zip(prompts, ref)}
+    for drafter in (OracleDSpark(real, cont), OracleDSpark(real, cont, wrong=(2, 3, 8)), real):
+        eng.drafter = drafter
+        outs = spec.generate(prompts, sp)
+        for o, r in zip(outs, ref):
+            _agree(o.outputs[0], r.outputs[0])
+            assert o.metrics["num_draft_tokens"] > 0
+        assert (eng.cache.num_free_blocks, eng.cache.num_free_slots) == start
+    # kernels vs twins on the same weights and rings: the draft tokens and logits
+    m = eng.model
+    slot = eng.cache.allocate_slot()
+    feats = torch.randn(200, m.dspark.feature_dim, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    m.dspark_extend([(slot, 0, feats.bfloat16())])
+    args = (torch.tensor([slot], device="cuda"), torch.tensor([17], device="cuda"), torch.tensor([200], device="cuda"))
+    graph = real.graphs(*args)
+    kern = m.dspark_draft(*args, 5)
+    saved = dict(m.ops.__dict__)           # every module holds this op table: switch it to the twins
+    try:
+        m.ops.__init__(m.device, False)
+        tw = m.dspark_draft(*args, 5)
+    finally:
+        m.ops.__dict__.clear()
+        m.ops.__dict__.update(saved)
+    eng.cache.free_slot(slot)
+    assert graph.tolist() == kern["tokens"].tolist()
+    assert _cos(kern["logits"], tw["logits"]) > 0.999
+    assert kern["tokens"].tolist() == tw["tokens"].tolist()
