@@ -155,6 +155,20 @@ def test_dspark_greedy_is_the_plain_greedy(ckpt, plain_out, N):
     assert st["spec_num_draft_tokens"] <= N * st["spec_num_drafts"]
 
 
+@pytest.mark.parametrize("layout", ["hf", "modelopt-nvfp4"])
+def test_the_dspark_draft_drafts_from_every_layout(tmp_path, layout):
+    """The DSpark draft loads from the transformers layout (``model.mtp.*``) and from NVIDIA's NVFP4
+    port layout (its experts left MXFP4) and drafts; greedy tokens are the plain engine's."""
+    d = make_tiny(str(tmp_path / layout), layout=layout, cfg=small("dspark"))
+    prompt = [{"prompt_token_ids": _ids(*PROMPTS[0])}]
+    spec = LLM(d, speculative_config={"method": "dspark", "num_speculative_tokens": 3}, **KW)
+    assert spec.engine.model.dspark is not None
+    got = _greedy(spec, prompt, 6)[0]
+    want = _greedy(LLM(d, **KW), prompt, 6)[0]
+    assert got.metrics["num_draft_tokens"] > 0
+    assert _agree(got.outputs[0], want.outputs[0]) == 6
+
+
 def test_the_rings_hold_the_committed_positions_under_acceptance_and_preemption(ckpt, plain):
     """Oracle proposals (right, and wrong at chosen positions) in an engine that must preempt: the
     outputs are the plain engine's, and every DSpark ring row of a running sequence is the row of
