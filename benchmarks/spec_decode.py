@@ -11,9 +11,9 @@ the engine runs it: the decode step of K + 1 rows per sequence (``DecodeContext.
 graph -- its GPU time with ``graph_time`` like the plain step, and the engine's whole call
 (``CudaGraphDecoder.replay``: the host inputs' copies and the replay) with ``triton.testing.do_bench``
 (median; host time included where the GPU waits on it). Beside it the verify as the engine ran it
-before, eagerly through the prefill path (do_bench). The draft runs eagerly through the prefill path
-(do_bench), timed at its largest fill (all K drafts accepted: K + 1 rows per sequence). The
-projected TPOT of one sequence at acceptance length L is (verify + draft) / L, with the engine's
+before, eagerly through the prefill path (do_bench). The draft is the engine's MTP drafter call (fill
+and draft steps replayed from CUDA graphs, host included; do_bench), timed at its largest fill (all K
+drafts accepted: K + 1 rows per sequence). The projected TPOT of one sequence at acceptance length L is (verify + draft) / L, with the engine's
 verify call (and, for comparison, the prefill-path verify); plain decode's is its step.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dsv4.checkpoint.synthetic import iter_synthetic_tensors, synthetic_config  
 from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
 from dsv4.engine.spec_decode import MTPDrafter  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS  # noqa: E402
-from dsv4.model.deepseek_v4 import CudaGraphDecoder, DeepseekV4  # noqa: E402
+from dsv4.model.deepseek_v4 import CudaGraphDecoder, CudaGraphMTP, DeepseekV4  # noqa: E402
 
 ACCEPTANCE = {1: 1.6, 3: 2.8}          # SGLang CI floors for V4 MTP (serving-anchors.md)
 
@@ -95,7 +95,9 @@ def main():
     print(model.describe(), flush=True)
     slots = [cache.allocate_slot() for _ in range(Bmax)]
     tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
-    drafter = MTPDrafter(model, per_sequence=dev.type != "cuda")
+    # the engine's drafter: fills of up to K + 1 rows and the draft steps replayed from CUDA graphs
+    drafter = MTPDrafter(model, per_sequence=dev.type != "cuda", max_rows=Kmax + 1,
+                         graphs=CudaGraphMTP(model, Bmax, Kmax + 1) if dev.type == "cuda" else None)
     rows = []
     for B in batches:
         seqs = [_Seq(a.ctx, slots[r], tables[r]) for r in range(B)]

@@ -218,7 +218,12 @@ class LLMEngine:
         if self.spec is not None:
             from .spec_decode import DSparkDrafter, MTPDrafter
             if self.spec.method == "mtp":
-                self.drafter = MTPDrafter(self.model, self.runner.per_sequence)
+                graphs = None
+                if self.runner.graphs is not None:          # the decode step is captured: so are the MTP calls
+                    from ..model.deepseek_v4 import CudaGraphMTP
+                    graphs = CudaGraphMTP(self.model, cfg.max_num_seqs, self.spec.num_speculative_tokens + 1)
+                self.drafter = MTPDrafter(self.model, self.runner.per_sequence, graphs,
+                                          max_rows=self.spec.num_speculative_tokens + 1)
             else:
                 graphs = None
                 if self.runner.graphs is not None:          # the decode step is captured: so is the draft

@@ -47,7 +47,10 @@ The MTP drafter (``MTPDrafter``): MTP row ``i`` combines the target's pre-``hc_h
 position ``i`` with the embedding of token ``i + 1`` and predicts token ``i + 2`` (vLLM's and
 DeepSeek-V3's convention; spec §9); it has its own 128-token window (a draft layer of the KV cache)
 at the target's positions. Draft step 1 is the MTP row of the last committed position; step
-``s > 1`` feeds the previous step's output residual and draft token at the next position. What those
+``s > 1`` feeds the previous step's output residual and draft token at the next position. Fills of
+up to K + 1 rows (the accepted rows of a verify) and the draft steps run through the decode step
+(``DeepseekV4.mtp_decode``), replayed from CUDA graphs on the GPU (``CudaGraphMTP``); longer fills
+(prefill chunks) through the prefill path. What those
 speculative MTP rows overwrite in the MTP window is put back once the drafts are made.
 
 Sequences with structured outputs do not speculate (their grammar would have to walk the draft
@@ -177,9 +180,9 @@ def rejection_sample(target: torch.Tensor, draft_probs: torch.Tensor, draft: tor
 
 @dataclass
 class _At:
-    """Where MTP rows go: ``prefill_context`` reads a chunk's position, slot and block table. The
-    MTP block has only a window (ring per slot), so the table is only checked for length: it is
-    padded with the model's scratch block where speculative rows run past the sequence's blocks."""
+    """Where a long MTP fill's rows go: ``prefill_context`` reads a chunk's position, slot and block
+    table. The MTP block has only a window (ring per slot), so the table is only checked for length:
+    it is padded with the model's scratch block where rows run past the sequence's blocks."""
     pos: int
     slot: int
     block_table: list
@@ -187,27 +190,46 @@ class _At:
 
 class MTPDrafter:
     """Drafts with the target's April MTP block (module doc). ``propose`` fills the MTP window with
-    the rows the target computed and drafts for the sequences that speculate next step."""
+    the rows the target computed and drafts for the sequences that speculate next step. Every MTP
+    call goes through the decode step (``DeepseekV4.mtp_decode``: a fill of n rows per sequence,
+    then single draft rows), replayed from ``graphs`` (a ``CudaGraphMTP``) when given; fills are
+    grouped by length. The draft tokens stay on the device until the last step."""
 
-    def __init__(self, model, per_sequence: bool):
-        self.model, self.per_sequence = model, per_sequence
+    def __init__(self, model, per_sequence: bool, graphs=None, max_rows: int = 8):
+        """``max_rows``: fills up to this many rows go through the decode step; longer ones (prefill
+        chunks) through the prefill path, whose cost does not grow with a per-row cache loop."""
+        self.model, self.per_sequence, self.graphs, self.max_rows = model, per_sequence, graphs, max_rows
 
-    def _at(self, seq, pos: int, n: int) -> _At:
+    def _prefill_fill(self, g):
+        """A group of long fills through the prefill path -> per fill (logits of its last row [V],
+        output streams of its last row [hc, d])."""
         from ..formats.paging import blocks_needed
-        bt = list(seq.block_table)
-        bt += [self.model.scratch_block] * max(0, blocks_needed(pos + n) - len(bt))
-        return _At(pos, seq.slot, bt)
+        m = self.model
+        chunks = []
+        for seq, p0, _, nxt in g:
+            bt = list(seq.block_table)
+            bt += [m.scratch_block] * max(0, blocks_needed(p0 + len(nxt)) - len(bt))
+            chunks.append((torch.tensor(nxt, dtype=torch.long), _At(p0, seq.slot, bt)))
+        ctx = m.prefill_context(chunks)
+        logits, x = m.mtp_forward(ctx, torch.cat([h for _, _, h, _ in g]))
+        return [(logits[j], x[sg.r1 - 1]) for j, sg in enumerate(ctx.segs)]
 
-    def _run(self, items):
-        """items: [(seq, position, token ids [n], streams [n, hc, d])] -> per item (logits of its last
-        row [V], output streams of its last row [hc, d])."""
-        out = []
-        groups = [[it] for it in items] if self.per_sequence else [items]
-        for g in groups:
-            ctx = self.model.prefill_context([(ids, self._at(seq, pos, ids.numel())) for seq, pos, ids, _ in g])
-            logits, x = self.model.mtp_forward(ctx, torch.cat([h for *_, h in g]))
-            out += [(logits[j], x[s.r1 - 1]) for j, s in enumerate(ctx.segs)]
-        return out
+    def _call(self, tokens, seqs, pos, rows, h):
+        m, dev = self.model, self.model.device
+        bt = torch.full((len(seqs), m.max_blocks), -1, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            bt[r, :len(s.block_table)] = torch.as_tensor(s.block_table, dtype=torch.long)
+        args = (tokens, torch.tensor(pos, device=dev), torch.tensor([s.slot for s in seqs], device=dev), bt.to(dev),
+                rows, h)
+        return self.graphs(*args) if self.graphs is not None else m.mtp_decode(*args)
+
+    def _groups(self, items, key):
+        if self.per_sequence:
+            return [[it] for it in items]
+        by = {}
+        for it in items:
+            by.setdefault(key(it), []).append(it)
+        return list(by.values())
 
     @torch.no_grad()
     def propose(self, fills, k_of: dict) -> None:
@@ -216,28 +238,39 @@ class MTPDrafter:
         sequence with ``k_of[seq] = k > 0`` gets ``k`` greedy draft tokens in ``seq.draft_ids``
         (its fill ends at its last committed position)."""
         dev = self.model.device
-        items = [(seq, p0, torch.tensor(nxt, dtype=torch.long, device=dev), h) for seq, p0, h, nxt in fills]
-        if not items:
-            return
-        res = self._run(items)
-        live = []
-        for (seq, p0, ids, _), (logits, x) in zip(items, res):
-            k = k_of.get(seq, 0)
-            if k > 0:
-                seq.draft_ids = [int(logits.argmax())]
-                live.append((seq, p0 + ids.numel(), k, x))
+        live = []                      # [seq, N, k, last output streams [hc, d], draft tokens (device)]
+        long = [it for it in fills if len(it[3]) > self.max_rows]
+        for g in self._groups(long, key=lambda it: 0):
+            for (seq, p0, _, nxt), (logits, x) in zip(g, self._prefill_fill(g)):
+                k = k_of.get(seq, 0)
+                if k > 0:
+                    live.append([seq, p0 + len(nxt), k, x.clone(), [logits.argmax()]])
+        for g in self._groups([it for it in fills if len(it[3]) <= self.max_rows], key=lambda it: len(it[3])):
+            n, B = len(g[0][3]), len(g)
+            tokens = torch.tensor([[nxt[j] for _, _, _, nxt in g] for j in range(n)], device=dev).view(-1)
+            h = torch.stack([h for _, _, h, _ in g], 1).reshape(n * B, *g[0][2].shape[1:])
+            logits, x = self._call(tokens, [s for s, *_ in g], [p0 for _, p0, _, _ in g], n, h)
+            d1 = logits.argmax(dim=-1)
+            xl = x.view(n, B, *x.shape[1:])[n - 1]
+            for b, (seq, p0, _, _) in enumerate(g):
+                k = k_of.get(seq, 0)
+                if k > 0:
+                    live.append([seq, p0 + n, k, xl[b].clone(), [d1[b].clone()]])
         # the speculative MTP rows (positions N .. N+k-2) overwrite ring entries of positions 128
         # earlier that later drafts still read: they are put back once the drafts are made
-        saved = [(seq, pos, self.model.cache.save_positions(seq.slot, pos, pos + k - 1, draft=True))
-                 for seq, pos, k, _ in live if k > 1]
-        for step in range(1, max((k for _, _, k, _ in live), default=0)):
-            live = [it for it in live if it[2] > step]
-            step_items = [(seq, pos + step - 1, torch.tensor(seq.draft_ids[-1:], dtype=torch.long, device=dev),
-                           x[None]) for seq, pos, _, x in live]
-            res = self._run(step_items)
-            for (seq, *_), (logits, _) in zip(live, res):
-                seq.draft_ids.append(int(logits.argmax()))
-            live = [(seq, pos, k, x2) for (seq, pos, k, _), (_, x2) in zip(live, res)]
+        saved = [(it[0], it[1], self.model.cache.save_positions(it[0].slot, it[1], it[1] + it[2] - 1, draft=True))
+                 for it in live if it[2] > 1]
+        for step in range(1, max((it[2] for it in live), default=0)):
+            for g in self._groups([it for it in live if it[2] > step], key=lambda it: 0):
+                tokens = torch.stack([it[4][-1] for it in g])
+                h = torch.stack([it[3] for it in g])
+                logits, x = self._call(tokens, [it[0] for it in g], [it[1] + step - 1 for it in g], 1, h)
+                nxt = logits.argmax(dim=-1)
+                for b, it in enumerate(g):
+                    it[4].append(nxt[b].clone())
+                    it[3] = x[b].clone()
+        for it in live:
+            it[0].draft_ids = torch.stack(it[4]).tolist()
         for seq, pos, rows in saved:
             n = len(seq.draft_ids) - 1
             self.model.cache.restore_positions(seq.slot, pos, pos + n, rows, pos, draft=True)

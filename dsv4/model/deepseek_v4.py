@@ -505,6 +505,23 @@ class DeepseekV4(nn.Module):
         return self.group.all_gather(ops.linear(self.head, y).float(), dim=-1), x
 
     @torch.no_grad()
+    def mtp_decode(self, tokens, pos, slots, bt, rows: int, h_main: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block over ``rows`` rows per sequence through the decode step (``decode_context``:
+        ``tokens`` and ``h_main`` [rows * B, hc, d] j-major, ``pos`` the first row's position per
+        sequence in the MTP window). Returns (fp32 logits [B, V] of each sequence's last row, the
+        block's output streams [rows * B, hc, d], j-major). No host synchronisation: capturable."""
+        if self.mtp is None:
+            raise RuntimeError("the model was built without its MTP block (draft='mtp')")
+        ctx = self.decode_context(tokens, pos, slots, bt, rows)
+        ctx.meta = self._meta(ctx)
+        m, ops, B = self.mtp, self.ops, pos.shape[0]
+        x = m(F.embedding(ctx.ids, self.embed), h_main, ctx)
+        hh = m.hc_head
+        xs = x[(rows - 1) * B:].contiguous()
+        y = ops.rms_norm(ops.hc_head(xs, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, self.cfg.rms_norm_eps)
+        return self.group.all_gather(ops.linear(self.head, y).float(), dim=-1), x
+
+    @torch.no_grad()
     def dspark_extend(self, rows: list) -> None:
         """DSpark context rows into the stages' rings: ``rows`` [(slot, p0, features [n, S*d])], the
         target's features (``forward`` with ``keep_hidden``) of positions p0 .. p0+n-1 of the sequence
@@ -637,3 +654,65 @@ class CudaGraphDecoder:
         s_bt.copy_(bt, non_blocking=True)
         g.replay()
         return out, hidden
+
+
+class CudaGraphMTP:
+    """The MTP block's decode-path calls (``DeepseekV4.mtp_decode``) replayed from CUDA graphs, one
+    per (batch bucket, rows): ``rows`` 1 .. K + 1 (a fill of the accepted rows, then single draft
+    rows). Padding rows use the scratch slot, position 0, an all -1 block table and zero streams;
+    their outputs are dropped."""
+
+    def __init__(self, model: DeepseekV4, max_num_seqs: int, max_rows: int, buckets=(1, 2, 4, 8, 16, 32, 64, 128)):
+        self.model = model
+        self.buckets = [b for b in buckets if b <= max_num_seqs] or [1]
+        self.graphs, self.pool = {}, None
+        for r in range(max_rows, 0, -1):
+            for b in reversed(self.buckets):
+                self._capture(b, r)
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _capture(self, b: int, rows: int):
+        m, dev = self.model, self.model.device
+        cfg = m.cfg
+        tok = torch.zeros(b * rows, dtype=torch.long, device=dev)
+        pos = torch.zeros(b, dtype=torch.long, device=dev)
+        slots = torch.full((b,), m.scratch_slot, dtype=torch.long, device=dev)
+        bt = torch.full((b, m.max_blocks), -1, dtype=torch.long, device=dev)
+        h = torch.zeros(b * rows, cfg.hc_mult, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+        run = lambda: m.mtp_decode(tok, pos, slots, bt, rows, h)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):                       # warm up (Triton compiles, allocator settles)
+                run()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = run()
+        self.pool = g.pool()
+        self.graphs[(b, rows)] = (g, (tok, pos, slots, bt, h), out)
+
+    def __call__(self, tokens, pos, slots, bt, rows: int, h_main):
+        """As ``mtp_decode`` for n <= the largest bucket sequences (else eager); outputs are views of
+        the graph's static buffers, valid until its next replay."""
+        n = pos.shape[0]
+        b = self.bucket(n)
+        if b is None or (b, rows) not in self.graphs:
+            return self.model.mtp_decode(tokens, pos, slots, bt, rows, h_main)
+        g, (tok, p, sl, btab, h), (logits, x) = self.graphs[(b, rows)]
+        m = self.model
+        tok.view(rows, b)[:, :n].copy_(tokens.view(rows, n))
+        tok.view(rows, b)[:, n:].zero_()
+        p[:n].copy_(pos)
+        p[n:].zero_()
+        sl[:n].copy_(slots)
+        sl[n:].fill_(m.scratch_slot)
+        btab[:n].copy_(bt)
+        btab[n:].fill_(-1)
+        h.view(rows, b, *h.shape[1:])[:, :n].copy_(h_main.view(rows, n, *h_main.shape[1:]))
+        h.view(rows, b, *h.shape[1:])[:, n:].zero_()
+        g.replay()
+        return logits[:n], x.view(rows, b, *x.shape[1:])[:, :n].reshape(rows * n, *x.shape[1:])
+
