@@ -11,7 +11,7 @@ verify as one decode forward, against each one's prefill-path verify:
   the prefill's leads by ``MARGIN`` nats, its log-prob within ``LP_TOL``): the two paths round
   differently in the last bits (the attention over 1 vs R rows) and the tiny random model
   amplifies that;
-* the cache: with every layer's input forced to the prefill path's (``_Trace.force`` on the
+* the cache: with every layer's input forced to the prefill path's (``Trace.force`` on the
   layers' outputs), the window ring, the compressor rings, the compressed entries and the indexer
   keys of each sequence are bit for bit what the prefill path leaves, and each layer's attention
   output is within ``ATTN_TOL`` of the prefill's.

@@ -50,7 +50,7 @@ def build_model(spec: dict, device, group=None, reader=None, log=None):
         from ..checkpoint.schema import expert_format_of_config
         from ..checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
         mc = synthetic_config(spec["synthetic"], spec.get("synthetic_layers", 4), spec.get("synthetic_experts"),
-                              draft=draft or "mtp")
+                              **({"draft": draft} if draft is not None else {}))
         model = DeepseekV4(mc, expert_format_of_config(mc), "fp8", device, ops, group, draft)
         model.load(iter_synthetic_tensors(mc, spec.get("synthetic_seed", 0), device, draft=draft is not None))
     else:

@@ -135,7 +135,7 @@ class MTPLayer(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # per-step contexts (built by the engine's runner)
 
-class _Trace:
+class Trace:
     """Trace points for ``dsv4 validate``: record each named value; continue with a forced one
     where given (module-by-module comparison on identical inputs). ``force`` is a dict
     {name: value} or a callable ``(name, own value) -> value or None`` (None: keep the own)."""
@@ -190,7 +190,7 @@ class PrefillContext:
     max_blocks: int
     scratch_block: int
     logit_rows: torch.Tensor           # rows whose logits are returned
-    trace: _Trace = field(default_factory=_Trace)
+    trace: Trace = field(default_factory=Trace)
     decode = False
     _rope: dict = field(default_factory=dict)
     # prompt scoring (prompt logprobs): [(rows, next-token ids, k)]; the forward fills ``scored``
@@ -222,7 +222,7 @@ class DecodeContext:
     max_blocks: int
     rows: int = 1
     meta: dict | None = None           # the step's index vectors and RoPE rows (``DeepseekV4._meta``)
-    trace: _Trace = field(default_factory=_Trace)
+    trace: Trace = field(default_factory=Trace)
     keep_hidden: bool = False
     hidden: torch.Tensor | None = None
     decode = True

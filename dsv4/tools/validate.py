@@ -289,7 +289,7 @@ def check_dspark(args, cfg, prod, ref, ids, dev, agg) -> tuple[bool, list[str]]:
     """Part 3 of the module doc: module rows into ``agg``; (tokens and confidences agree, report lines)."""
     from ..formats.kv_entry import read_kv_entries
     from ..formats.paging import WINDOW, WINDOW_PAGE
-    from ..model.deepseek_v4 import _Trace
+    from ..model.deepseek_v4 import Trace
     _say(args, "DSpark draft: the reference target's features of the prompt into both drafts' rings, one block")
     rst = ref.new_state()
     anchor = int(ref.forward([(torch.tensor(ids, device=dev), rst)], capture=True)[0].argmax())
@@ -312,7 +312,7 @@ def check_dspark(args, cfg, prod, ref, ids, dev, agg) -> tuple[bool, list[str]]:
         for st in ref.dspark.stages:
             st.block.attn.trace = None
     rtr["dspark.hc_head"], rtr["dspark.logits"] = want.hidden, want.logits
-    tr, ptr = _Trace(), {}
+    tr, ptr = Trace(), {}
     tr.trace, tr.force = ptr, (lambda name, t: None) if args.free_running else Forcer(rtr)
     out = prod.dspark_draft(torch.tensor([slot], device=dev), torch.tensor([anchor], device=dev),
                             torch.tensor([n], device=dev), B, confidence=True, trace=tr)
