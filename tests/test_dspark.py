@@ -155,7 +155,6 @@ def test_dspark_greedy_is_the_plain_greedy(ckpt, plain_out, N):
     assert st["spec_num_draft_tokens"] <= N * st["spec_num_drafts"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["hf", "modelopt-nvfp4"])
 def test_the_dspark_draft_drafts_from_every_layout(tmp_path, layout):
     """The DSpark draft loads from the transformers layout (``model.mtp.*``) and from NVIDIA's NVFP4
