@@ -92,6 +92,16 @@ def graph_time(fn, reps=3):
     return max(capture(fn) - capture(lambda: None), 1e-6)
 
 
+def eager_ms(fn) -> float:
+    """Median ms of eager calls of ``fn`` (``triton.testing.do_bench``: host time included where the
+    GPU waits on it); on a CPU one call, and NaN."""
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=5, rep=60, return_mode="median")
+
+
 def gpu_experiment(script: str, why: str = ""):
     """(device, seeded generator, copy bandwidth) for a GPU-only experiment, the copy bandwidth printed;
     None (after saying so) without a GPU."""

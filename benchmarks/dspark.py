@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import graph_time  # noqa: E402
+from benchmarks.common import eager_ms, graph_time  # noqa: E402
 from benchmarks.decode_step import fill_caches  # noqa: E402
 from dsv4.checkpoint.synthetic import iter_synthetic_tensors, synthetic_config  # noqa: E402
 from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
@@ -40,14 +40,6 @@ ACCEPTANCE = (2.9, 4.0, 5.4)
 class _Seq:
     def __init__(self, pos, slot, block_table):
         self.pos, self.slot, self.block_table = pos, slot, block_table
-
-
-def eager_ms(fn) -> float:
-    if not torch.cuda.is_available():
-        fn()
-        return float("nan")
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=5, rep=60, return_mode="median")
 
 
 def main():

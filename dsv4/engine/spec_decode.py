@@ -301,6 +301,12 @@ class DSparkDrafter:
     def _groups(self, items):
         return [[it] for it in items] if self.per_sequence else ([items] if items else [])
 
+    def _inputs(self, g):
+        """Device (slots, anchors, anchor positions) of the live items ``g`` [(seq, position, anchor, k)]."""
+        dev = self.model.device
+        return (torch.tensor([s.slot for s, *_ in g], device=dev), torch.tensor([a for _, _, a, _ in g], device=dev),
+                torch.tensor([p for _, p, _, _ in g], device=dev))
+
     def _temperature(self, seq) -> float:
         p = seq.params
         return 0.0 if self.sample_method == "greedy" or p.is_greedy else float(p.temperature)
@@ -317,17 +323,13 @@ class DSparkDrafter:
         # sequences sampled at T > 0 with probabilistic drafts run on their own (their generator)
         greedy = [it for it in live if self._temperature(it[0]) == 0.0]
         if greedy and self.graphs is not None and max(k for *_, k in greedy) <= self.graphs.n_tokens:
-            toks = self.graphs(torch.tensor([s.slot for s, *_ in greedy], device=dev),
-                               torch.tensor([a for _, _, a, _ in greedy], device=dev),
-                               torch.tensor([p for _, p, _, _ in greedy], device=dev)).tolist()
+            toks = self.graphs(*self._inputs(greedy)).tolist()
             for r, (seq, _, _, k) in enumerate(greedy):
                 seq.draft_ids = toks[r][:k]
             greedy = []
         for g in self._groups(greedy) + [[it] for it in live if self._temperature(it[0]) > 0.0]:
             t = self._temperature(g[0][0])
-            out = m.dspark_draft(torch.tensor([s.slot for s, *_ in g], device=dev),
-                                 torch.tensor([a for _, _, a, _ in g], device=dev),
-                                 torch.tensor([p for _, p, _, _ in g], device=dev), max(k for *_, k in g),
+            out = m.dspark_draft(*self._inputs(g), max(k for *_, k in g),
                                  None if t == 0.0 else torch.tensor([t], device=dev),
                                  None if t == 0.0 else _device_generator(g[0][0], dev))
             toks = out["tokens"].tolist()

@@ -497,12 +497,16 @@ class DeepseekV4(nn.Module):
         ``ctx.logit_rows`` [rows, V], the block's output streams [T, hc, d])."""
         if self.mtp is None:
             raise RuntimeError("the model was built without its MTP block (draft='mtp')")
-        m = self.mtp
-        x = m(F.embedding(ctx.ids, self.embed), h_main, ctx)
-        ops, hh = self.ops, m.hc_head
-        xs = x[ctx.logit_rows].contiguous()
+        x = self.mtp(F.embedding(ctx.ids, self.embed), h_main, ctx)
+        return self._mtp_logits(x[ctx.logit_rows].contiguous()), x
+
+    def _mtp_logits(self, xs: torch.Tensor) -> torch.Tensor:
+        """The MTP block's head over its output streams ``xs`` [rows, hc, d]: its own hc_head and norm,
+        then the target's head -> fp32 logits [rows, V]."""
+        ops, m = self.ops, self.mtp
+        hh = m.hc_head
         y = ops.rms_norm(ops.hc_head(xs, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, self.cfg.rms_norm_eps)
-        return self.group.all_gather(ops.linear(self.head, y).float(), dim=-1), x
+        return self.head_fp32(y)
 
     @torch.no_grad()
     def mtp_decode(self, tokens, pos, slots, bt, rows: int, h_main: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -514,12 +518,8 @@ class DeepseekV4(nn.Module):
             raise RuntimeError("the model was built without its MTP block (draft='mtp')")
         ctx = self.decode_context(tokens, pos, slots, bt, rows)
         ctx.meta = self._meta(ctx)
-        m, ops, B = self.mtp, self.ops, pos.shape[0]
-        x = m(F.embedding(ctx.ids, self.embed), h_main, ctx)
-        hh = m.hc_head
-        xs = x[(rows - 1) * B:].contiguous()
-        y = ops.rms_norm(ops.hc_head(xs, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), m.norm, self.cfg.rms_norm_eps)
-        return self.group.all_gather(ops.linear(self.head, y).float(), dim=-1), x
+        x = self.mtp(F.embedding(ctx.ids, self.embed), h_main, ctx)
+        return self._mtp_logits(x[(rows - 1) * pos.shape[0]:].contiguous()), x
 
     @torch.no_grad()
     def dspark_extend(self, rows: list) -> None:
@@ -572,7 +572,7 @@ class DeepseekV4(nn.Module):
         ops, hh = self.ops, self.hc_head
         y = ops.rms_norm(ops.hc_head(h, hh.fn, hh.base, hh.scale, hh.hc_eps, hh.rms_eps), self.norm,
                          self.cfg.rms_norm_eps)
-        return ctx.trace("logits", self.group.all_gather(ops.linear(self.head, y).float(), dim=-1))
+        return ctx.trace("logits", self.head_fp32(y))
 
     def describe(self) -> str:
         gib = 2.0 ** 30

@@ -38,15 +38,9 @@ from ..formats.kv_entry import page_bytes
 from ..formats.paging import WINDOW, WINDOW_PAGE
 from ..layers.attention import Attention
 from ..layers.linear import Bf16Linear, Fp8Linear, copy_into
+from .deepseek_v4 import Block, HyperConnection, Trace
 
 EXTRA_PAGE = 64          # entries per page of a draft call's scratch (the block rows)
-
-
-class _NoTrace:
-    trace_on = False
-
-    def __call__(self, name, t):
-        return t
 
 
 @dataclass
@@ -61,7 +55,7 @@ class DraftContext:
     xidx: torch.Tensor
     scratch_ids: torch.Tensor
     tables: object
-    trace: object = field(default_factory=_NoTrace)
+    trace: Trace = field(default_factory=Trace)
     decode = False
     _rope: dict = field(default_factory=dict)
 
@@ -104,7 +98,6 @@ class DSparkDraft(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ops, ropes, expert_fmt: str, wo_a_fmt: str, device=None, group=None):
         super().__init__()
-        from .deepseek_v4 import Block, HyperConnection
         if cfg.draft_kind != "dspark":
             raise ValueError("dspark_target_layer_ids: the config announces no DSpark draft")
         S, d = cfg.num_draft_stages, cfg.hidden_size
