@@ -329,7 +329,7 @@ if triton_available():
         else:
             tl.store(OUT + b64 * stride_ob + d, tl.zeros([C], tl.float32).to(tl.bfloat16))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['base', 'first'])
     def _pref_pool(RK, RS, POOLED, NORMW, COS, SIN_, OUT, PAGES, PSLOTS, CNT, base, first,
                    stride_rk, stride_rs, stride_pb, stride_ob, page_size, page_nbytes, eps,
                    M: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr, CB: tl.constexpr,

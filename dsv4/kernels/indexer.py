@@ -109,7 +109,7 @@ if triton_available():
                  tl.reshape(q, [HB, 128]).to(tl.bfloat16), mask=hm[:, None])
 
     # -------------------------------------------------------------------------- scores
-    @triton.jit
+    @triton.jit(do_not_specialize=['POS', 'N', 'n_bt'])
     def _index_scores_kernel(Q, W, PAGES, BT, POS, OUT, H, N, n_bt, stride_qb, stride_qh, stride_wb,
                              stride_btb, stride_ob, page_nbytes,
                              TPP: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr,
@@ -194,7 +194,7 @@ if triton_available():
             return tl.minimum(tl.load(NV + b), N)
         return N
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['N', 'K', 'CH', 'NC'])
     def _topk_pass1(SC, NV, WS, N, K, stride_sb, CH, NC, WSTRIDE: tl.constexpr, TILE: tl.constexpr,
                     HAS_NV: tl.constexpr):
         """High-byte histogram of the chunk, added into the row's; the row's last chunk program
@@ -215,7 +215,7 @@ if triton_available():
             tl.store(ws + 3, tl.where(kk > 0, hb, -1))
             tl.store(ws + 4, above)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['N', 'K', 'CH', 'NC'])
     def _topk_pass2(SC, NV, WS, H2, BASE, N, K, stride_sb, CH, NC, WSTRIDE: tl.constexpr, G: tl.constexpr,
                     TILE: tl.constexpr, HAS_NV: tl.constexpr):
         """Low-byte histogram of the chunk's entries in bin hb (-> H2[b, c]) and its count above hb;
@@ -267,7 +267,7 @@ if triton_available():
                     carry_gt += tl.sum(g, axis=0)
                     carry_eq += tl.sum(eq, axis=0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['N', 'K', 'CH', 'NC'])
     def _topk_pass3(SC, NV, WS, BASE, BUF, OUT, N, K, stride_sb, stride_ob, CH, NC, WSTRIDE: tl.constexpr,
                     KP: tl.constexpr, TILE: tl.constexpr, SORT: tl.constexpr, HAS_NV: tl.constexpr):
         """The chunk's picks as (0xFFFF - key) << 32 | index at their BUF slots (every entry above
@@ -337,7 +337,7 @@ if triton_available():
         tl.store(orow + rank, (vi & 0xFFFFFFFF).to(OUT.dtype.element_ty), mask=i < kk)
         tl.store(orow + i, tl.full([RB], -1, tl.int32).to(OUT.dtype.element_ty), mask=(i >= kk) & (i < K))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['N', 'K'])
     def _topk_single(SC, NV, BUF, OUT, N, K, stride_sb, stride_ob, KP: tl.constexpr, TILE: tl.constexpr,
                      HAS_NV: tl.constexpr):
         """Whole row in one program (N <= TILE): both histograms, the selection and the sort with
@@ -409,6 +409,10 @@ def index_q_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     return out
 
 
+def _pad16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
 # ------------------------------------------------------------------------------ scores
 def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                  pos: torch.Tensor, n: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
@@ -426,11 +430,15 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_ta
                          f"{pages.dtype} {tuple(pages.shape)}")
     n_bt = block_table.shape[1]
     n = INDEX_PAGE * n_bt if n is None else n
-    out = torch.empty(B, n, dtype=out_dtype, device=q.device)
+    # rows padded to 16 entries: the row stride is a multiple of 16 whatever n is (one compiled
+    # variant of this kernel and of the top-k kernels that read the scores; aligned row starts)
+    out = torch.empty(B, _pad16(n), dtype=out_dtype, device=q.device)[:, :n]
     if B == 0 or n == 0:
         return out
     n_tiles = triton.cdiv(n, INDEX_PAGE)
-    tpp = pages_per_program or (1 if interpreting() else max(1, min(8, n_tiles * B // (8 * target(q.device).sm_count))))
+    # pages per program: 1, 2, 4 or 8 (powers of two: few compiled variants)
+    tpp = pages_per_program or (1 if interpreting() else
+                                1 << (max(1, min(8, n_tiles * B // (8 * target(q.device).sm_count))).bit_length() - 1))
     grid = (B, triton.cdiv(n_tiles, tpp))
     _index_scores_kernel[grid](q, w, pages, block_table, pos, out, H, n, n_bt, q.stride(0), q.stride(1),
                                w.stride(0), block_table.stride(0), out.stride(0), pages.shape[1],
@@ -455,7 +463,7 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
         raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
     B, N = scores.shape
     dev = scores.device
-    out = torch.empty(B, k, dtype=out_dtype, device=dev)
+    out = torch.empty(B, _pad16(k), dtype=out_dtype, device=dev)[:, :k]     # row stride: see index_scores
     if B == 0:
         return out
     has_nv = n_valid is not None
@@ -480,7 +488,7 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
     NC = chunks or max(1, min(n_tiles, 128 if B == 1 else triton.cdiv(4 * target(dev).sm_count, B)))
     CH = triton.cdiv(triton.cdiv(max(N, 1), NC), TILE) * TILE
     NC = triton.cdiv(max(N, 1), CH)
-    G = min(32, triton.next_power_of_2(NC))
+    G = 32          # chunks pass 2's last program reduces at a time (masked past NC): one compiled variant
     # counters, row fields, H1: zeros at entry, zeroed again by pass 3 (the shared arrival counters)
     ws = arrival_counters(dev, B * _TOPK_WS)
     h2 = torch.empty(B, NC, 256, dtype=torch.int32, device=dev)

@@ -413,7 +413,7 @@ if triton_available():
             tl.store(CNT + tb, 0)
 
     # ---------------------------------------------------------------- v2 large T: mix GEMM, finish, apply
-    @triton.jit
+    @triton.jit(do_not_specialize=['T'])
     def _hc_mix_tile(X, W, PART, T, K, stride_xt, k_per_split,
                      NMIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                      MODE: tl.constexpr, SEP: tl.constexpr):
@@ -442,7 +442,7 @@ if triton_available():
         tl.store(col[:, None] + (n * T)[None, :], acc, mask=tm[:, None] & nm[None, :])
         tl.store(col + (NP - 1) * T, tl.sum(sq, axis=1), mask=tm)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['T', 'S', 'iters'])
     def _hc_tokens(PART, BASE, SCALE, PRE, POST, COMB, T, S, inv_k, rms_eps, hc_eps, iters,
                    NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, HEAD: tl.constexpr):
         """Per-token finish, grid (token blocks of BT): the split partials reduced (split order), rsqrt,
@@ -615,9 +615,13 @@ def _tiled_mix(x, fn, nmix, np_, cfg):
     BK = cfg.get("block_k") or 64
     n_tb = triton.cdiv(T, BT)
     n_chunks = triton.cdiv(K, BK)
-    S = _splits(n_chunks, n_tb, 2, x.device, cfg)
-    if interp and "splits" not in cfg:
-        S = min(S, 2)
+    # splits from the power-of-two bucket of the token blocks, rounded up to a power of two (at most
+    # one per K block): the finish kernel's split tile (``_hc_tokens``' SP / BT) then takes one value
+    # per bucket, which a power-of-two token count (+ 1) reaches (engine.warmup); rounded up, not
+    # down: no split sums more K blocks than the per-SM rule gives
+    S = _splits(n_chunks, triton.next_power_of_2(n_tb), 2, x.device, cfg)
+    if "splits" not in cfg:
+        S = min(S, 2) if interp else min(n_chunks, triton.next_power_of_2(S))
     k_per_split = triton.cdiv(n_chunks, S) * BK
     S = triton.cdiv(K, k_per_split)
     part = torch.empty(S, np_, T, dtype=torch.float32, device=x.device)

@@ -130,7 +130,7 @@ if triton_available():
             for b0 in range(0, nb, QB):                # [QB, 128] tiles, as _act_quant_kernel's
                 quant_blocks(X, Q, SQ, t, b0, nb, stride_x, stride_q, stride_sq, QB, INTERP)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['P'])
     def _moe_sort_prep(EFLAT, PERM, OFFS, TCUM, INV, P, E, BM: tl.constexpr, EP: tl.constexpr,
                        PP: tl.constexpr, CH: tl.constexpr):
         """Grid (chunks of CH pairs), P <= PP: stable counting sort by expert id (sentinel E last) ->
@@ -158,7 +158,7 @@ if triton_available():
         tl.store(PERM + row, ii.to(tl.int64), mask=im)
         tl.store(INV + ii, row, mask=im)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['P'])
     def _moe_prep(SORTED_E, PERM, OFFS, TCUM, INV, P, E,
                   BM: tl.constexpr, EP: tl.constexpr, LOG2P: tl.constexpr, CH: tl.constexpr):
         """One program: OFFS[e] = first sorted row of expert e (e = 0..E, OFFS[E] = valid rows),

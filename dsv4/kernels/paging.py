@@ -20,7 +20,7 @@ if triton_available():
 
     BLOCK_TOKENS_C = tl.constexpr(BLOCK_TOKENS)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['n', 'n_blocks', 'per_block', 'ratio', 'stride_bt', 'stride_e', 'stride_o'])
     def _entry_ids_kernel(BT, E, OUT, n, n_blocks, per_block, ratio, stride_bt, stride_e, stride_o,
                           BLOCK: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
@@ -44,7 +44,7 @@ def entry_ids(bt: torch.Tensor, e: torch.Tensor, per_block: int, ratio: int) -> 
     if B and n:
         e2 = e if e.stride(1) == 1 else e.contiguous()
         bt2 = bt if bt.stride(1) == 1 else bt.contiguous()
-        BLOCK = min(1024, triton.next_power_of_2(n))
+        BLOCK = 128 if n <= 128 else 1024          # two tiles: few compiled variants over all context lengths
         kw = {} if interpreting() else {"num_warps": 4}
         _entry_ids_kernel[(B, triton.cdiv(n, BLOCK))](bt2, e2, out, n, bt.shape[1], per_block, ratio, bt2.stride(0),
                                                       e2.stride(0), out.stride(0), BLOCK=BLOCK, **kw)

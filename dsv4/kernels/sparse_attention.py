@@ -71,7 +71,7 @@ if triton_available():
         ie = tl.load(erow + (j - KW), mask=(j >= KW) & (j < KT), other=-1)
         return tl.where(j < KW, iw, ie)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['KW', 'KE', 'stride_wt', 'stride_et', 'blocks_per_split'])
     def _sparse_fwd(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, OP, MLP,
                     H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
                     w_psz, w_pbytes, e_psz, e_pbytes, blocks_per_split, qk_scale,

@@ -119,7 +119,7 @@ if triton_available():
             blk = tl.dot(a, tl.trans(w))
         return blk, sb
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['M'])
     def _fp4_fp8_kernel(A, SA, W, WS, WS2, C, CS, PERM, OFFS, TCUM, PW,
                         M, N_out, K, n_half, n_groups, top_k,
                         stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn,

@@ -144,7 +144,7 @@ if triton_available():
         w = _weight_tile(wrow, srow, nmask, k0, smax, FMT, DEC, KSPLIT, USE_ASM, BN, 128, RB)
         return tl.dot(a, tl.trans(w)), sb
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['M'])
     def _fp4_prefill_kernel(A16, SA, W, WS, WS2, C, CS, PERM, OFFS, TCUM, PW,
                             M, N_out, K, n_half, n_groups, top_k,
                             stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn,

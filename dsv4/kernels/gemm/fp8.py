@@ -38,7 +38,7 @@ if triton_available():
     from ..counters import arrive
     from ..lib import exp2i, grouped_tile, quant_blocks, quant_rows, store_bf16, swiglu_h
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['stride_s'])
     def _act_quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s,
                           BLOCKS: tl.constexpr, INTERP: tl.constexpr):
         quant_blocks(X, Q, S, tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCKS, K // 128,
@@ -68,7 +68,7 @@ if triton_available():
             sb = tl.where(sbb == 0, 5.877471754111438e-39, (sbb << 23).to(tl.float32, bitcast=True))
         return sb
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['M'])
     def _fp8_gemm_kernel(A, SA, B, SB, C, CS, OUT, CNT, M, N_out, K, n_half,
                          stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_csm, stride_om, limit,
                          k_per_split,

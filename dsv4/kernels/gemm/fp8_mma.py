@@ -129,7 +129,7 @@ if GLUON:
             f = part * (sw[:, None] * sa[None, :])
         return f
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=['M'])
     def _fp8_mma_kernel(A, SA, W, WS, C, PART, CNT, M, N, K, k_per_split, group_rows,
                         stride_am, stride_ag, stride_sam, stride_wn, stride_wsn, stride_cm,
                         ACT: gl.constexpr, SB_E8M0: gl.constexpr, SB_ROW: gl.constexpr, BM: gl.constexpr,

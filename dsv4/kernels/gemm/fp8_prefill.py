@@ -165,7 +165,7 @@ if triton_available():
         if NSUB == 2:
             _pf_store(C, acc1, m0, n0 + W, M, N, stride_cm, BM, W, EPI_TMA, INTERP)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=['M', 'stride_sak'])
     def _fp8_prefill_kernel(A, SA, B, SB, C, M, N, K, stride_am, stride_bn, stride_cm, stride_sam, stride_sak,
                             stride_sbn,
                             BM: tl.constexpr, BN: tl.constexpr, NSUB: tl.constexpr, GROUP_M: tl.constexpr,
