@@ -67,8 +67,8 @@ def _cmd_bench_throughput(a: argparse.Namespace) -> int:
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     """Engine settings shared by generate, bench throughput and serve."""
-    p.add_argument("--max-num-seqs", type=int, default=16, help='most sequences in a batch (default 16)')
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help='token budget of one step; prefill chunks are cut to it (default 512)')
+    p.add_argument("--max-num-seqs", type=int, default=None, help='most sequences in a batch (default 128 on a GPU, 16 on a CPU)')
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help='token budget of one step; prefill chunks are cut to it (default 8192 on a GPU, 512 on a CPU)')
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's max_position_embeddings, capped by the KV cache)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help='share of the GPU memory free after loading that the KV cache takes (default 0.9)')

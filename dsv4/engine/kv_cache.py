@@ -357,6 +357,19 @@ class KVCache:
             self._evictable.pop(b, None)
             self._ref[b] += 1
 
+    def drop_cached(self) -> int:
+        """Every unreferenced cached block back to the empty stack (``evict_hook`` is told of each):
+        nothing cached survives. Returns how many."""
+        n = 0
+        while self._evictable:
+            b, _ = self._evictable.popitem(last=False)
+            self._cacheable[b] = False
+            if self.evict_hook is not None:
+                self.evict_hook(b)
+            self._free_blocks.append(b)
+            n += 1
+        return n
+
     def mark_cached(self, block: int) -> None:
         """``block`` (in use) holds a cached prefix: at reference count 0 it stays reusable."""
         if self._ref[block] < 1:

@@ -1,6 +1,7 @@
 """The engine: requests in, vLLM-shaped ``RequestOutput`` out, one ``step()`` at a time."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -40,8 +41,9 @@ def parse_bytes(v: str | int | float) -> int:
 @dataclass
 class EngineConfig:
     model: str | None = None                 # checkpoint dir; None = the embedded default tiny model
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
+    # None: the device's default (``device_defaults``)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None         # None: the config's max_position_embeddings, capped by the KV cache
     kv_cache_memory: str | int | None = None  # bytes for the KV caches (CPU default 256MiB)
     gpu_memory_utilization: float = 0.9      # on CUDA when kv_cache_memory is not given
@@ -68,6 +70,25 @@ class EngineConfig:
     # prefix-cache snapshots of the window / compressor state at block boundaries; None: 4 per
     # sequence slot, at most a quarter of a memory budget (engine.prefix_cache)
     prefix_cache_snapshots: int | None = None
+    # requests over the size buckets the scheduler can produce before serving, so that no kernel
+    # compiles at request time (engine.warmup); None: on when the ops run compiled kernels (CUDA)
+    warmup: bool | None = None
+
+
+# Scheduler defaults per device. On a GPU the step budget is vLLM's `vllm serve` default on GPUs of
+# >= 70 GiB (8192): a prefill chunk of 8192 rows runs the expert GEMMs at 32-192 rows per expert,
+# 3.7x the tokens per second of 512-row chunks (BENCHMARKS.md, benchmarks/prefill.py, 2026-12-04);
+# 128 sequences is the largest decode batch with a CUDA graph (``CudaGraphDecoder``'s buckets; vLLM
+# defaults to 1024 there). On a CPU the tiny model's steps stay short.
+GPU_MAX_NUM_SEQS, GPU_MAX_NUM_BATCHED_TOKENS = 128, 8192
+CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS = 16, 512
+
+
+def device_defaults(device) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) an engine on ``device`` takes when they are not given."""
+    if torch.device(device).type == "cuda":
+        return GPU_MAX_NUM_SEQS, GPU_MAX_NUM_BATCHED_TOKENS
+    return CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS
 
 
 def engine_threads(device, world: int = 1) -> int:
@@ -112,6 +133,11 @@ class LLMEngine:
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.num_threads = engine_threads(self.device)
         torch.set_num_threads(self.num_threads)
+        seqs, budget = device_defaults(self.device)
+        cfg = dataclasses.replace(cfg, max_num_seqs=seqs if cfg.max_num_seqs is None else cfg.max_num_seqs,
+                                  max_num_batched_tokens=budget if cfg.max_num_batched_tokens is None
+                                  else cfg.max_num_batched_tokens)
+        self.cfg = cfg
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if cfg.max_model_len is not None and cfg.max_model_len < 2:
@@ -263,6 +289,12 @@ class LLMEngine:
             print(f"dsv4: default sampling parameters (--generation-config {cfg.generation_config}): {gen}",
                   file=sys.stderr)
             print(f"dsv4: {self.describe_prefix_caching()}", file=sys.stderr)
+        self.warmup = None
+        if cfg.warmup or (cfg.warmup is None and self.device.type == "cuda" and self.model.ops.kernels):
+            from .warmup import warm_up
+            self.warmup = warm_up(self, log)
+            if cfg.seed is not None:                # the warm-up must not move the global RNG
+                torch.manual_seed(cfg.seed)
 
     def _num_snapshots(self, budget: int | None, snap_bytes: int) -> int:
         """Prefix-cache snapshots to allocate: 0 with caching off or speculative decoding on; else

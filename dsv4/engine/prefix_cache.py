@@ -233,6 +233,17 @@ class PrefixCache:
             self._forget_snapshot(t)
             self.free_snaps.append(t)
 
+    def reset(self) -> None:
+        """Forget every cached prefix and snapshot and zero the counters (the engine's warm-up,
+        ``engine.warmup``). Only while no sequence holds a block: cached blocks in use would stay
+        in tables nothing can find any more."""
+        if self._pending or any(self.cache._ref[b] > 0 for b in self.hash_of):
+            raise RuntimeError("prefix cache reset while sequences hold cached blocks")
+        self.cache.drop_cached()
+        self.probation.clear()
+        self.protected.clear()
+        self.queries = self.hits = 0
+
     # ------------------------------------------------------------------ reporting
     @property
     def num_cached_blocks(self) -> int:
