@@ -230,11 +230,12 @@ def through_engine(args, cfg, prod, path, ids, greedy, margins, dev) -> tuple[bo
     prompts = [ids] + [_prompt(args, cfg, path, i, max(2, len(ids) * (i + 1) // B + 3 * i)) for i in range(1, B)]
     n_new = args.steps + 1
     max_len = max(len(p) for p in prompts) + n_new + 1
-    # no prefix caching: the alone run must compute the prompt again, not reuse the batched run's
+    # no prefix caching: the alone run must compute the prompt again, not reuse the batched run's;
+    # no warm-up: these few requests may compile what they need
     eng = LLMEngine(EngineConfig(model=path, max_num_seqs=B, max_num_batched_tokens=args.chunk,
                                  max_model_len=max_len, num_kv_blocks=B * -(-max_len // 256),
                                  device=str(dev), cuda_graphs=not args.enforce_eager, log=False,
-                                 enable_prefix_caching=False,
+                                 enable_prefix_caching=False, warmup=False,
                                  speculative_config={"method": "dspark"} if prod.dspark is not None else None),
                         prebuilt=prod)
     sp = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True, logprobs=0)
