@@ -43,7 +43,7 @@ def _tokens(outs):
 
 
 def test_warm_up_leaves_the_engine_as_a_fresh_one():
-    kw = dict(max_num_batched_tokens=64, max_num_seqs=3, max_model_len=300, log=False)
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=3, max_model_len=300, log=False, device="cpu")
     warm = LLM(**kw, warmup=True)
     cold = LLM(**kw, warmup=False)
     e = warm.engine
@@ -106,3 +106,16 @@ def test_no_kernel_compiles_after_start_up_on_a_mix_of_prompt_lengths():
     print(json.dumps({k: res[k] for k in ("startup_s", "warmup", "mixes")}))       # shown with -s
     assert res["warmup"]["variants"] > 0
     assert res["compiled"] == [], f"compiled after start-up: {res['compiled'][:10]} (mixes {res['mixes']})"
+
+
+def test_scheduler_defaults_follow_the_device():
+    from dsv4.engine.llm_engine import device_defaults
+    assert device_defaults("cuda") == (128, 8192)                   # vLLM serve's budget on H100 / H200
+    assert device_defaults("cpu") == (16, 512)
+    e = LLM(max_model_len=64, kv_cache_memory="64MiB", log=False, device="cpu").engine     # nothing given
+    assert (e.cfg.max_num_seqs, e.cfg.max_num_batched_tokens) == (16, 512)
+    assert e.scheduler.cfg.max_num_seqs == 16 and e.scheduler.cfg.max_num_batched_tokens == 512
+    assert e.warmup is None                                          # twins: nothing to compile
+    e = LLM(max_model_len=64, kv_cache_memory="64MiB", log=False, device="cpu", max_num_seqs=3,
+            max_num_batched_tokens=40).engine
+    assert (e.scheduler.cfg.max_num_seqs, e.scheduler.cfg.max_num_batched_tokens) == (3, 40)
