@@ -336,13 +336,7 @@ class KVCache:
             raise KVCacheError(f"out of KV blocks: need {n}, {self.num_free_blocks} of {self.num_blocks} free")
         out = []
         for _ in range(n):
-            if self._free_blocks:
-                b = self._free_blocks.pop()
-            else:
-                b, _ = self._evictable.popitem(last=False)
-                self._cacheable[b] = False
-                if self.evict_hook is not None:
-                    self.evict_hook(b)
+            b = self._free_blocks.pop() if self._free_blocks else self._evict_oldest()
             self._ref[b] = 1
             out.append(b)
         return out
@@ -357,18 +351,19 @@ class KVCache:
             self._evictable.pop(b, None)
             self._ref[b] += 1
 
-    def drop_cached(self) -> int:
+    def _evict_oldest(self) -> int:
+        """The least recently released cached block, no longer cached (``evict_hook`` is told)."""
+        b, _ = self._evictable.popitem(last=False)
+        self._cacheable[b] = False
+        if self.evict_hook is not None:
+            self.evict_hook(b)
+        return b
+
+    def drop_cached(self) -> None:
         """Every unreferenced cached block back to the empty stack (``evict_hook`` is told of each):
-        nothing cached survives. Returns how many."""
-        n = 0
+        nothing cached survives."""
         while self._evictable:
-            b, _ = self._evictable.popitem(last=False)
-            self._cacheable[b] = False
-            if self.evict_hook is not None:
-                self.evict_hook(b)
-            self._free_blocks.append(b)
-            n += 1
-        return n
+            self._free_blocks.append(self._evict_oldest())
 
     def mark_cached(self, block: int) -> None:
         """``block`` (in use) holds a cached prefix: at reference count 0 it stays reusable."""

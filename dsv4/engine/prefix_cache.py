@@ -236,12 +236,11 @@ class PrefixCache:
     def reset(self) -> None:
         """Forget every cached prefix and snapshot and zero the counters (the engine's warm-up,
         ``engine.warmup``). Only while no sequence holds a block: cached blocks in use would stay
-        in tables nothing can find any more."""
+        in tables nothing can find any more. Every snapshot is keyed by a cached block's hash, so
+        evicting the blocks (``_evicted``) frees them all."""
         if self._pending or any(self.cache._ref[b] > 0 for b in self.hash_of):
             raise RuntimeError("prefix cache reset while sequences hold cached blocks")
         self.cache.drop_cached()
-        self.probation.clear()
-        self.protected.clear()
         self.queries = self.hits = 0
 
     # ------------------------------------------------------------------ reporting

@@ -105,7 +105,7 @@ def _single_lengths(budget: int, limit: int) -> list[int]:
     out |= set(range(256, min(budget, 4096) + 1, 256))
     top = min(budget, limit)
     out.add(top)
-    return sorted(n for n in out if 1 <= n <= top)
+    return sorted(n for n in out if n <= top)
 
 
 def warmup_plan(budget: int, max_num_seqs: int, max_model_len: int) -> list[list[int]]:
@@ -155,8 +155,6 @@ def warm_up(engine, log=None) -> dict:
             engine.step()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-    engine.requests.clear()
-    engine.prompts.clear()
     for k, v in engine.stats.items():
         engine.stats[k] = [0] * len(v) if isinstance(v, list) else type(v)(0)
     engine.scheduler.num_preemptions = 0
