@@ -38,6 +38,7 @@ from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
 from dsv4.formats.index_key import write_index_keys  # noqa: E402
 from dsv4.formats.kv_entry import write_entries  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  # noqa: E402
+from dsv4.kernels.lib import PDL_ON  # noqa: E402
 from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
 
 
@@ -191,6 +192,7 @@ def main():
     model.attach_cache(cache, per_seq * BLOCK_TOKENS)
     fill_caches(cache, dev, gen, Bmax * per_seq + 1)
     log(f"{model.describe()}")
+    log(f"programmatic dependent launch (DSV4_PDL): {'on' if PDL_ON else 'off'}")
     copy_bw, _ = roofline(dev, dev.type != "cuda")
     log(f"roofline: copy {copy_bw / 1e12:.2f} TB/s; {args.model} {args.layers} layers, ratios "
         f"{cfg.compress_ratios[:args.layers]}, {cfg.n_routed_experts} experts, ctx {args.ctx}")
@@ -231,7 +233,8 @@ def main():
                 f"({x[3] / copy_bw * 1e6 / x[2] * 100:4.0f}%)")
     md = [f"## Decode step (DeepseekV4), synthetic {args.model} ({args.layers} layers), {datetime.date.today()}, "
           f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU smoke run'}", "",
-          f"Command: `PYTHONPATH=. {f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} "
+          f"Command: `{'DSV4_PDL=1 ' if PDL_ON else ''}PYTHONPATH=. "
+          f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} "
           f"benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
           f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}"
           f"{' --one-rank-collectives' if args.one_rank_collectives else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "

@@ -60,7 +60,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.contracts import check_compress_decode, check_compress_prefill, check_compressor_pages
-from .lib import interpreting, triton_available
+from .lib import PDL_LAUNCH, interpreting, triton_available
 from .counters import arrival_counters
 
 
@@ -69,7 +69,7 @@ if triton_available():
     import triton.language as tl
 
     from .counters import arrive
-    from .lib import e4m3_bits, exp2i, fp4_qdq_blocks, rne_bf16, ue8m0_exp, ue8m0_exp6
+    from .lib import e4m3_bits, exp2i, fp4_qdq_blocks, pdl_wait, rne_bf16, ue8m0_exp, ue8m0_exp6
 
     @triton.jit
     def _pool_part(STATE, SLOTS, POS, KIN, SIN_, APE, b, cb, stride_ss, stride_sr, stride_kb, stride_sb,
@@ -184,6 +184,7 @@ if triton_available():
                    stride_ss, stride_sr, stride_kb, stride_sb, stride_pb,
                    M: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
                    CB: tl.constexpr, FAST: tl.constexpr):
+        pdl_wait()
         b = tl.program_id(0)
         cb = tl.program_id(1)
         pooled, done, p = _pool_part(STATE, SLOTS, POS, KIN, SIN_, APE, b, cb, stride_ss, stride_sr,
@@ -296,6 +297,7 @@ if triton_available():
                    stride_pb, stride_ob, page_size, page_nbytes, eps,
                    M: tl.constexpr, C: tl.constexpr, INDEXER: tl.constexpr, WRITE: tl.constexpr,
                    FAST: tl.constexpr):
+        pdl_wait()
         b = tl.program_id(0)
         b64 = b.to(tl.int64)
         p = tl.load(POS + b)
@@ -315,6 +317,7 @@ if triton_available():
                     M: tl.constexpr, C: tl.constexpr, OVERLAP: tl.constexpr, HAS_APE: tl.constexpr,
                     INDEXER: tl.constexpr, WRITE: tl.constexpr, STORE_POOLED: tl.constexpr, FAST: tl.constexpr):
         """One program per token, all c channels: ring write + pooling + post-processing in one launch."""
+        pdl_wait()
         b = tl.program_id(0)
         b64 = b.to(tl.int64)
         pooled, done, p = _pool_part(STATE, SLOTS, POS, KIN, SIN_, APE, b, 0, stride_ss, stride_sr,
@@ -339,6 +342,7 @@ if triton_available():
         post-processes the entry (and writes its cache bytes): in the same program when CB == C, else
         in the entry's last-arriving channel-block program (CNT: per-entry arrival counters, zero at
         entry and reset by that program), from the pooled fp32 vector the others stored."""
+        pdl_wait()
         i64 = tl.program_id(0).to(tl.int64)
         cb = tl.program_id(1)
         j = i64 + first
@@ -410,15 +414,15 @@ def compress_decode(state: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                           complete.view(torch.int8), pg, ps_t, state.stride(0), state.stride(1), k.stride(0),
                           s.stride(0), pooled.stride(0), out.stride(0), page_size, pnb, eps, M=ratio, C=c,
                           OVERLAP=ratio == 4, HAS_APE=ape is not None, INDEXER=indexer, WRITE=write,
-                          STORE_POOLED=return_pooled, FAST=not interp, **kw)
+                          STORE_POOLED=return_pooled, FAST=not interp, **kw, **PDL_LAUNCH)
     else:
         _comp_pool[(B, c // CB)](state, slots, pos, k, s, ape_t, pooled,
                                  state.stride(0), state.stride(1), k.stride(0), s.stride(0), pooled.stride(0),
                                  M=ratio, C=c, OVERLAP=ratio == 4, HAS_APE=ape is not None, CB=CB, FAST=not interp,
-                                 **kw)
+                                 **kw, **PDL_LAUNCH)
         _comp_post[(B,)](pooled, _norm_weight(norm_w), cos, sin, pos, out, complete.view(torch.int8), pg,
                          ps_t, pooled.stride(0), out.stride(0), page_size, pnb, eps,
-                         M=ratio, C=c, INDEXER=indexer, WRITE=write, FAST=not interp, **kw)
+                         M=ratio, C=c, INDEXER=indexer, WRITE=write, FAST=not interp, **kw, **PDL_LAUNCH)
     res = (out, complete)
     return res + (pooled,) if return_pooled else res
 
@@ -472,7 +476,7 @@ def compress_prefill(rows_k: torch.Tensor, rows_s: torch.Tensor, base: int, firs
     _pref_pool[(n, c // CB)](rows_k, rows_s, pooled, w, cos, sin, out, pg, ps_t, cnt, int(base), int(first),
                              rows_k.stride(0), rows_s.stride(0), pooled.stride(0), out.stride(0), page_size, pnb,
                              eps, M=ratio, C=c, OVERLAP=ratio == 4, CB=CB, POST=True, INDEXER=indexer,
-                             WRITE=write, STORE_POOLED=return_pooled or CB != c, FAST=not interp, **kw)
+                             WRITE=write, STORE_POOLED=return_pooled or CB != c, FAST=not interp, **kw, **PDL_LAUNCH)
     return (out, pooled) if return_pooled else out
 
 

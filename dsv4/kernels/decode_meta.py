@@ -13,7 +13,7 @@ import torch
 
 from ..formats.decode_plan import ROPE_HALF, TABLE_NEG, DecodeMeta, MetaPlan, check_args
 from ..formats.paging import BLOCK_TOKENS, WINDOW
-from .lib import interpreting, triton_available
+from .lib import PDL_LAUNCH, interpreting, triton_available
 
 VIS_BLOCK = 1024        # visible entries per program
 
@@ -21,12 +21,15 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from .lib import pdl_wait
+
     @triton.jit
     def _decode_meta_kernel(POS, SLOTS, BT, TABS, ROPE_REQ, ROPE_OUT, WIN_SLOT, WIDX, WRITE_REQ, WRITE_OUT,
                             VIS_REQ, VIS0, VIS1, NVALID, B, W, tab_rows, scratch_block,
                             N_ROPE: tl.constexpr, N_WRITE: tl.constexpr, N_VIS: tl.constexpr,
                             WIN: tl.constexpr, HALF: tl.constexpr, NEG: tl.constexpr, VB: tl.constexpr,
                             BLOCK_TOK: tl.constexpr):
+        pdl_wait()
         b = tl.program_id(0)
         chunk = tl.program_id(1)
         p = tl.load(POS + b)
@@ -94,7 +97,7 @@ def decode_meta(pos, slots, bt, tables, plan: MetaPlan, scratch_block: int) -> D
                                      tables.shape[1], scratch_block,
                                      N_ROPE=R, N_WRITE=len(plan.write_reqs), N_VIS=len(vis),
                                      WIN=WINDOW, HALF=ROPE_HALF, NEG=TABLE_NEG, VB=VIS_BLOCK,
-                                     BLOCK_TOK=BLOCK_TOKENS, **kw)
+                                     BLOCK_TOK=BLOCK_TOKENS, **kw, **PDL_LAUNCH)
     return meta
 
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.paging import INDEX_PAGE      # keys per page
-from .lib import interpreting, target, triton_available
+from .lib import PDL_LAUNCH, interpreting, target, triton_available
 from .counters import arrival_counters
 
 HEAD_DIM = 128
@@ -57,7 +57,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .lib import e2m1_value, fp4_qdq_blocks
+    from .lib import e2m1_value, fp4_qdq_blocks, pdl_wait
     from .counters import arrive
     from .lib import rne_bf16
 
@@ -70,6 +70,7 @@ if triton_available():
         """Program (t, hb): heads hb*HB .. of token t. LOAD_H: the +-1 Hadamard operand is read from HMAT
         (bf16 [128, 128]; fp32 under the interpreter, L2-resident) instead of built from index bits
         (~650 fewer instructions a program at HB = 64)."""
+        pdl_wait()
         hb = tl.program_id(1)
         h = hb * HB + tl.arange(0, HB)
         hm = h < H
@@ -114,6 +115,7 @@ if triton_available():
                              stride_btb, stride_ob, page_nbytes,
                              TPP: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr,
                              DIRECT: tl.constexpr = False):
+        pdl_wait()
         b = tl.program_id(0)
         g = tl.program_id(1)
         b64 = b.to(tl.int64)
@@ -199,6 +201,7 @@ if triton_available():
                     HAS_NV: tl.constexpr):
         """High-byte histogram of the chunk, added into the row's; the row's last chunk program
         derives the threshold byte hb and #entries in higher bins -> WS[b, 3:5] (hb = -1: k == 0)."""
+        pdl_wait()
         b = tl.program_id(0)
         c = tl.program_id(1)
         nv = _row_len(NV, b, N, HAS_NV)
@@ -221,6 +224,7 @@ if triton_available():
         """Low-byte histogram of the chunk's entries in bin hb (-> H2[b, c]) and its count above hb;
         the row's last chunk program derives the exact threshold key, #entries above it, #ties to
         take (WS[b, 5:8]) and per chunk the picks above / ties in the chunks before it (BASE[b, c])."""
+        pdl_wait()
         b = tl.program_id(0)
         c = tl.program_id(1)
         nv = _row_len(NV, b, N, HAS_NV)
@@ -275,6 +279,7 @@ if triton_available():
         the k picks into OUT (else ``_topk_rank`` does, spread over programs). The row's last program
         zeroes its workspace row (counters, fields, H1): every program read its fields before arriving,
         and the next call starts from zeros without a memset launch."""
+        pdl_wait()
         b = tl.program_id(0)
         c = tl.program_id(1)
         nv = _row_len(NV, b, N, HAS_NV)
@@ -324,6 +329,7 @@ if triton_available():
     def _topk_rank(BUF, NV, OUT, N, K, stride_ob, KP: tl.constexpr, RB: tl.constexpr, HAS_NV: tl.constexpr):
         """Large k: the picks' final positions spread over k / RB programs; each counts, for RB picks,
         the picks with a smaller code (KP compares each) and writes its index at that rank."""
+        pdl_wait()
         b = tl.program_id(0)
         i = tl.program_id(1) * RB + tl.arange(0, RB)
         kk = tl.minimum(K, _row_len(NV, b, N, HAS_NV))
@@ -342,6 +348,7 @@ if triton_available():
                      HAS_NV: tl.constexpr):
         """Whole row in one program (N <= TILE): both histograms, the selection and the sort with
         the keys held in registers; one launch, no workspace to zero."""
+        pdl_wait()
         b = tl.program_id(0)
         nv = _row_len(NV, b, N, HAS_NV)
         kk = tl.minimum(K, nv)
@@ -405,7 +412,7 @@ def index_q_prologue(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     _index_q_kernel[(T, triton.cdiv(H, HB))](q, cos.contiguous(), sin.contiguous(), out,
                                              q if hmat is None else hmat, H, q.stride(0), q.stride(1), out.stride(0),
                                              out.stride(1), HB=HB, INTERP=interp, LOAD_H=hmat is not None,
-                                             **_kw(8 if HB >= 64 else 4, enable_fp_fusion=False))
+                                             **_kw(8 if HB >= 64 else 4, enable_fp_fusion=False), **PDL_LAUNCH)
     return out
 
 
@@ -443,7 +450,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_ta
     _index_scores_kernel[grid](q, w, pages, block_table, pos, out, H, n, n_bt, q.stride(0), q.stride(1),
                                w.stride(0), block_table.stride(0), out.stride(0), pages.shape[1],
                                TPP=tpp, HP=max(16, triton.next_power_of_2(H)), INTERP=interpreting(),
-                               DIRECT=direct, **_kw(num_warps))
+                               DIRECT=direct, **_kw(num_warps), **PDL_LAUNCH)
     return out
 
 
@@ -481,7 +488,7 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
     single_max = SINGLE_MAX if single_max is None else single_max
     if chunks is None and N <= single_max:
         _topk_single[(B,)](sc, n_valid, buf, out, N, k, sc.stride(0), out.stride(0), KP=KP,
-                           TILE=max(16, triton.next_power_of_2(N)), HAS_NV=has_nv, **kw)
+                           TILE=max(16, triton.next_power_of_2(N)), HAS_NV=has_nv, **kw, **PDL_LAUNCH)
         return out
     TILE = min(2048 if not interp else 256, triton.next_power_of_2(max(N, 16)))
     n_tiles = triton.cdiv(max(N, 1), TILE)
@@ -495,19 +502,19 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
     base = torch.empty(B, NC, 2, dtype=torch.int32, device=dev)
     grid = (B, NC)
     _topk_pass1[grid](sc, n_valid, ws, N, k, sc.stride(0), CH, NC, WSTRIDE=_TOPK_WS, TILE=TILE, HAS_NV=has_nv,
-                      **kw)
+                      **kw, **PDL_LAUNCH)
     _topk_pass2[grid](sc, n_valid, ws, h2, base, N, k, sc.stride(0), CH, NC, WSTRIDE=_TOPK_WS, G=G, TILE=TILE,
-                      HAS_NV=has_nv, **kw)
+                      HAS_NV=has_nv, **kw, **PDL_LAUNCH)
     # many rows (prefill): one in-kernel sort per row runs in parallel over the rows (B = 128, k = 1024
     # over 64K on the H200: 174 us with it, int64 codes then, vs 206 us with the rank launch); few rows: the rank launch
     # spreads a row's sort over k / 16 programs (B = 1, k = 2048 over 256K: 30.7 vs 41.1 us)
     sort = KP <= sort_max or B >= 32
     _topk_pass3[grid](sc, n_valid, ws, base, buf, out, N, k, sc.stride(0), out.stride(0), CH, NC,
-                      WSTRIDE=_TOPK_WS, KP=KP, TILE=TILE, SORT=sort, HAS_NV=has_nv, **kw)
+                      WSTRIDE=_TOPK_WS, KP=KP, TILE=TILE, SORT=sort, HAS_NV=has_nv, **kw, **PDL_LAUNCH)
     if not sort:
         RB = 16
         _topk_rank[(B, triton.cdiv(k, RB))](buf, n_valid, out, N, k, out.stride(0), KP=KP, RB=RB, HAS_NV=has_nv,
-                                            **kw)
+                                            **kw, **PDL_LAUNCH)
     return out
 
 

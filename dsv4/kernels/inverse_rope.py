@@ -17,17 +17,18 @@ from __future__ import annotations
 import torch
 
 from ..formats.contracts import check_inverse_rope
-from .lib import interpreting, triton_available
+from .lib import PDL_LAUNCH, interpreting, triton_available
 
 if triton_available():
     import triton
     import triton.language as tl
 
-    from .lib import e4m3_bits, exp2i, rne_bf16, rope_rows, ue8m0_exp
+    from .lib import e4m3_bits, exp2i, pdl_wait, rne_bf16, rope_rows, ue8m0_exp
 
     @triton.jit
     def _inverse_rope_kernel(O, COS, SIN, Y, YQ, YS, H, stride_ot, stride_oh, stride_yt,
                              HPB: tl.constexpr, FP8: tl.constexpr):
+        pdl_wait()
         t = tl.program_id(0)
         hb = tl.program_id(1)
         t64 = t.to(tl.int64)
@@ -68,12 +69,12 @@ def inverse_rope(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp8: boo
         if T:
             _inverse_rope_kernel[(T, triton.cdiv(H, hpb))](
                 o, cos, sin, ys, yq.view(torch.uint8), ys, H, o.stride(0), o.stride(1), yq.stride(0),
-                HPB=hpb, FP8=True, **kw)
+                HPB=hpb, FP8=True, **kw, **PDL_LAUNCH)
         return yq, ys
     y = torch.empty(T, H * 512, dtype=torch.bfloat16, device=o.device) if out is None else out
     if T:
         _inverse_rope_kernel[(T, triton.cdiv(H, hpb))](
-            o, cos, sin, y, y, y, H, o.stride(0), o.stride(1), y.stride(0), HPB=hpb, FP8=False, **kw)
+            o, cos, sin, y, y, y, H, o.stride(0), o.stride(1), y.stride(0), HPB=hpb, FP8=False, **kw, **PDL_LAUNCH)
     return y
 
 

@@ -34,7 +34,7 @@ import torch
 
 from ..formats.contracts import check_kv_insert
 from ..formats.kv_entry import KV_DIM
-from .lib import interpreting, triton_available
+from .lib import PDL_LAUNCH, interpreting, triton_available
 
 HEAD_DIM = KV_DIM  # 512
 
@@ -42,13 +42,14 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .lib import e4m3_bits, exp2i, rne_bf16, rope_rows, ue8m0_exp
+    from .lib import e4m3_bits, exp2i, pdl_wait, rne_bf16, rope_rows, ue8m0_exp
 
     @triton.jit
     def _kv_insert_kernel(Q, KV, COS, SIN, PAGES, SLOTS, QO, KVO,
                           H, stride_qt, stride_qh, stride_qot, stride_qoh, stride_kvt, stride_kvot,
                           page_size, page_nbytes, eps,
                           HPB: tl.constexpr):
+        pdl_wait()
         t = tl.program_id(0)
         hb = tl.program_id(1)
         n_hb = tl.num_programs(1) - 1
@@ -122,7 +123,7 @@ def kv_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.T
     _kv_insert_kernel[(T, n_hb + 1)](
         q, kv, cos, sin, pages, slot_mapping, q_out, kv_out,
         H, q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv.stride(0), kv_out.stride(0),
-        page_size, pages.shape[1], eps, HPB=hpb, **kw)
+        page_size, pages.shape[1], eps, HPB=hpb, **kw, **PDL_LAUNCH)
     return q_out, kv_out
 
 

@@ -12,6 +12,8 @@ Every name here is public: kernel files import them from here and never from eac
 * bit-exact number helpers (``rne_bf16``, ``e4m3_bits``, ``ue8m0_exp``, ``exp2i``, ``quant_rows``,
   ``store_bf16``, FP4 ``e2m1_*`` / ``fp4_qdq_blocks``), RoPE rows, the SwiGLU middle, the grouped
   (MoE) tile enumeration, and ``asm_text`` for inline PTX blocks.
+* programmatic dependent launch (``DSV4_PDL``, off by default): ``pdl_wait()`` opens every launched
+  kernel, ``PDL_LAUNCH`` goes into every launch (module ``pdl_mode`` doc).
 
 Numbers are rounded on their bits (round to nearest even) so that the GPU and the CPU interpreter,
 whose bf16 and fp8 casts truncate / mis-round, give the same values.
@@ -157,6 +159,32 @@ def u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
+def pdl_mode() -> bool:
+    """Programmatic dependent launch (sm_90+), read once from ``DSV4_PDL`` at import: '1' / 'on' turns it
+    on where the first CUDA device is sm_90 or newer and the interpreter is off; 'force' turns it on
+    regardless (offline compiles for sm_90 / sm_100); anything else, or unset, leaves it off (the
+    default until the H200 measures it).
+
+    Contract when on: every Triton launch of the package carries ``launch_pdl=True`` (``PDL_LAUNCH``)
+    and every launched kernel's first statement is ``pdl_wait()``: ``griddepcontrol.wait`` (nothing of
+    the kernel, no load and no store, runs before its predecessor in the stream has finished and its
+    writes are visible), then ``griddepcontrol.launch_dependents`` (the next launch may be scheduled
+    as soon as all of this grid's programs have started, so its launch and ramp overlap this kernel's
+    run). Waiting first makes each kernel as ordered as a plain launch: the gain is the launch gap, not
+    early reads. Kernels launched without the attribute (torch's, cuBLAS, NCCL, the Gluon kernels)
+    start only after their predecessor completes, as always; a kernel after them waits on them."""
+    mode = os.environ.get("DSV4_PDL", "").strip().lower()
+    if mode == "force":
+        return True
+    if mode not in ("1", "on", "true") or interpreting() or not triton_available():
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (9, 0)
+
+
+PDL_ON = pdl_mode()
+PDL_LAUNCH = {"launch_pdl": True} if PDL_ON else {}
+
+
 def asm_text(lines) -> str:
     """One inline-PTX block of ``lines``."""
     return "{ " + "\n".join(lines) + " }"
@@ -167,6 +195,14 @@ if triton_available():
     import triton.language as tl
 
     NOPE_DIM_C = tl.constexpr(NOPE_DIM)
+    PDL_C = tl.constexpr(PDL_ON)
+
+    @triton.jit
+    def pdl_wait():
+        """The first statement of every launched kernel (``pdl_mode`` doc); nothing when PDL is off."""
+        if PDL_C:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     # ------------------------------------------------------------------------------ numbers
     @triton.jit
@@ -368,5 +404,5 @@ if triton_available():
         return first_m + (tile % width) % gsize, (tile % width) // gsize
 
 
-__all__ = ["Choice", "QBLOCK", "SMEM_PER_BLOCK", "Target", "aot_target", "asm_text", "cuda_ok", "gluon_available",
-           "interpreting", "target", "triton_available", "u8"]
+__all__ = ["Choice", "PDL_LAUNCH", "PDL_ON", "QBLOCK", "SMEM_PER_BLOCK", "Target", "aot_target", "asm_text", "cuda_ok",
+           "gluon_available", "interpreting", "pdl_mode", "target", "triton_available", "u8"]

@@ -76,7 +76,7 @@ import weakref
 
 import torch
 
-from .lib import interpreting, target, triton_available
+from .lib import PDL_LAUNCH, interpreting, target, triton_available
 from .counters import arrival_counters
 
 HC = 4
@@ -87,7 +87,7 @@ if triton_available():
     import triton.language as tl
 
     from .counters import arrive
-    from .lib import rne_bf16
+    from .lib import pdl_wait, rne_bf16
 
     @triton.jit
     def _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP: tl.constexpr, MODE: tl.constexpr,
@@ -140,6 +140,7 @@ if triton_available():
         """MODE 0: fp32 FMA dot (IEEE, FN = fp32 [NMIX, K]); MODE 1: three bf16 tensor-core dots into one
         fp32 accumulator against the prepared weight FN = bf16 [K, 3*NP] (hi | mid | lo column groups,
         an exact split of fn)."""
+        pdl_wait()
         pid_t = tl.program_id(0)
         pid_s = tl.program_id(1)
         t = pid_t * BT + tl.arange(0, BT)
@@ -160,6 +161,7 @@ if triton_available():
     def _hc_finish(X, PART, SQ, BASE, SCALE, Y, POST, COMB, T, D, S, stride_xt, stride_yt,
                    inv_k, rms_eps, hc_eps, iters,
                    NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, HEAD: tl.constexpr):
+        pdl_wait()
         t = tl.program_id(0)
         db = tl.program_id(1)
         t64 = t.to(tl.int64)
@@ -199,6 +201,7 @@ if triton_available():
 
     @triton.jit
     def _hc_post_kernel(Yin, RES, POST, COMB, OUT, D, stride_yt, stride_rt, stride_ot, BD: tl.constexpr):
+        pdl_wait()
         t = tl.program_id(0)
         db = tl.program_id(1)
         t64 = t.to(tl.int64)
@@ -374,6 +377,7 @@ if triton_available():
         block's counter. The last of the S programs to arrive sums the partials in split order
         (deterministic whatever the arrival order), computes rsqrt, sigmoids, the Sinkhorn and the
         weighted stream sum (x re-read, from L2), and resets the counter to 0 for the next call."""
+        pdl_wait()
         pid_s = tl.program_id(0)
         tb = tl.program_id(1)
         t = tb * BT + tl.arange(0, BT)
@@ -422,6 +426,7 @@ if triton_available():
         MODE 0: fp32 FMA dot (``ieee``, W = fn fp32 [NMIX, K]); MODE 1: bf16x3 (W = the prepared bf16
         [K, 3*NP]): three tensor-core dots into three accumulators (independent MMA chains), summed
         at the end."""
+        pdl_wait()
         pid_s = tl.program_id(0)
         pid_t = tl.program_id(1)
         t = pid_t * BT + tl.arange(0, BT)
@@ -449,6 +454,7 @@ if triton_available():
         pre -> PRE [T, 4] fp32; hc_pre: post and the Sinkhorn comb. Token-parallel (a token per
         thread group): the 20-iteration Sinkhorn costs its serial latency once per block, not once
         per token."""
+        pdl_wait()
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         tm = t < T
         sv, bv = _coefs(BASE, SCALE, NMIX, NP)
@@ -467,6 +473,7 @@ if triton_available():
         """Streaming weighted stream sum, grid (tokens x NDB d blocks, d block fastest): y[t, d] =
         sum_j pre[t, j] x[t, j, d] (fp32, j in order, one bf16 rounding). REVERSE: last token first
         (the mix pass read those last: their x may still be in L2)."""
+        pdl_wait()
         pid = tl.program_id(0)
         db = pid % NDB
         ti = pid // NDB
@@ -537,7 +544,7 @@ def _mix_launch(x, fn, nmix, np_, config):
     kw = {} if interp else {"num_warps": cfg.get("num_warps", 4 if BT <= 16 else 8),
                             "num_stages": cfg.get("num_stages", 3)}
     _hc_mix_partial[(n_tb, S)](x, w, part, sq, T, K, x.stride(0), k_per_split,
-                               NMIX=nmix, NP=np_, BT=BT, BK=BK, MODE=mode, **kw)
+                               NMIX=nmix, NP=np_, BT=BT, BK=BK, MODE=mode, **kw, **PDL_LAUNCH)
     return part, sq, S
 
 
@@ -592,7 +599,7 @@ def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
     _hc_fused[(S, n_tb)](x, fn.contiguous(), part, cnt, base, scale, y, post, comb, T, K, D, S, x.stride(0),
                          y.stride(0), k_per_split, 1.0 / K, rms_eps, hc_eps, iters,
                          NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
-                         HEAD=head, **kw)
+                         HEAD=head, **kw, **PDL_LAUNCH)
 
 
 def _mode(cfg: dict) -> int:
@@ -629,7 +636,8 @@ def _tiled_mix(x, fn, nmix, np_, cfg):
     kw = {} if interp else {"num_warps": cfg.get("num_warps", 4 if BT <= 64 else 8),
                             "num_stages": cfg.get("num_stages", 3)}
     _hc_mix_tile[(S, n_tb)](x, w, part, T, K, x.stride(0), k_per_split,
-                            NMIX=nmix, NP=np_, BT=BT, BK=BK, MODE=mode, SEP=bool(cfg.get("sep", True)), **kw)
+                            NMIX=nmix, NP=np_, BT=BT, BK=BK, MODE=mode, SEP=bool(cfg.get("sep", True)), **kw,
+                            **PDL_LAUNCH)
     return part, S
 
 
@@ -651,13 +659,13 @@ def _tiled_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
     BTF = cfg.get("tokens_block") or max(1, min(64, 4096 // (SP * np_)))   # [SP, BTF, NP] tile <= 32 regs
     kw = {} if interp else {"num_warps": 4}
     _hc_tokens[(triton.cdiv(T, BTF),)](part, base, scale, pre, post, comb, T, S, 1.0 / K, rms_eps, hc_eps, iters,
-                                       NMIX=nmix, NP=np_, SP=SP, BT=BTF, HEAD=head, **kw)
+                                       NMIX=nmix, NP=np_, SP=SP, BT=BTF, HEAD=head, **kw, **PDL_LAUNCH)
     pow2_div = D & -D                     # d 7168: 1024 (no ragged last block), d 4096: 2048
     BD = cfg.get("apply_block_d") or min(2048, pow2_div if pow2_div >= 512 else triton.next_power_of_2(D))
     kw = {} if interp else {"num_warps": cfg.get("apply_warps", 4)}
     ndb = triton.cdiv(D, BD)
     _hc_apply[(T * ndb,)](x, pre, y, T, D, ndb, x.stride(0), y.stride(0), BD=BD,
-                          REVERSE=bool(cfg.get("reverse", True)), **kw)
+                          REVERSE=bool(cfg.get("reverse", True)), **kw, **PDL_LAUNCH)
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int = 20,
@@ -689,7 +697,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     _hc_finish[(T, triton.cdiv(D, BD))](x, part, sq, base, scale,
                                         y, post, comb, T, D, S, x.stride(0), y.stride(0),
                                         1.0 / (HC * D), rms_eps, hc_eps, iters,
-                                        NP=32, SP=triton.next_power_of_2(S), BD=BD, HEAD=False, **kw)
+                                        NP=32, SP=triton.next_power_of_2(S), BD=BD, HEAD=False, **kw, **PDL_LAUNCH)
     return y, post, comb
 
 
@@ -717,7 +725,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     _hc_finish[(T, triton.cdiv(D, BD))](x, part, sq, base, scale,
                                         y, y, y, T, D, S, x.stride(0), y.stride(0),
                                         1.0 / (HC * D), rms_eps, hc_eps, 1,
-                                        NP=16, SP=triton.next_power_of_2(S), BD=BD, HEAD=True, **kw)
+                                        NP=16, SP=triton.next_power_of_2(S), BD=BD, HEAD=True, **kw, **PDL_LAUNCH)
     return y
 
 
@@ -737,7 +745,7 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
         return out
     kw = {} if interpreting() else {"num_warps": num_warps}
     _hc_post_kernel[(T, triton.cdiv(D, block_d))](y, res, post, comb, out, D, y.stride(0), res.stride(0),
-                                                  out.stride(0), BD=block_d, **kw)
+                                                  out.stride(0), BD=block_d, **kw, **PDL_LAUNCH)
     return out
 
 

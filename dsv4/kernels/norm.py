@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from .lib import interpreting, triton_available
+from .lib import PDL_LAUNCH, interpreting, triton_available
 
 if triton_available():
     import triton
     import triton.language as tl
 
-    from .lib import store_bf16
+    from .lib import pdl_wait, store_bf16
 
     @triton.jit
     def _rms_norm_kernel(X, W, Y, D, stride_x, stride_y, eps, BD: tl.constexpr, INTERP: tl.constexpr):
+        pdl_wait()
         r = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BD)
         m = d < D
@@ -43,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         BD = triton.next_power_of_2(D)
         kw = {} if interpreting() else {"num_warps": 4 if BD <= 2048 else 8}
         _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, D, x2.stride(0), y.stride(0), float(eps),
-                                         BD=BD, INTERP=interpreting(), **kw)
+                                         BD=BD, INTERP=interpreting(), **kw, **PDL_LAUNCH)
     return y.view(x.shape)
 
 

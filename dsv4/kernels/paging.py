@@ -12,17 +12,20 @@ from __future__ import annotations
 import torch
 
 from ..formats.paging import BLOCK_TOKENS    # tokens per cache block
-from .lib import interpreting, triton_available
+from .lib import PDL_LAUNCH, interpreting, triton_available
 
 if triton_available():
     import triton
     import triton.language as tl
+
+    from .lib import pdl_wait
 
     BLOCK_TOKENS_C = tl.constexpr(BLOCK_TOKENS)
 
     @triton.jit(do_not_specialize=['n', 'n_blocks', 'per_block', 'ratio', 'stride_bt', 'stride_e', 'stride_o'])
     def _entry_ids_kernel(BT, E, OUT, n, n_blocks, per_block, ratio, stride_bt, stride_e, stride_o,
                           BLOCK: tl.constexpr):
+        pdl_wait()
         b = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = j < n
@@ -47,7 +50,7 @@ def entry_ids(bt: torch.Tensor, e: torch.Tensor, per_block: int, ratio: int) -> 
         BLOCK = 128 if n <= 128 else 1024          # two tiles: few compiled variants over all context lengths
         kw = {} if interpreting() else {"num_warps": 4}
         _entry_ids_kernel[(B, triton.cdiv(n, BLOCK))](bt2, e2, out, n, bt.shape[1], per_block, ratio, bt2.stride(0),
-                                                      e2.stride(0), out.stride(0), BLOCK=BLOCK, **kw)
+                                                      e2.stride(0), out.stride(0), BLOCK=BLOCK, **kw, **PDL_LAUNCH)
     return out
 
 

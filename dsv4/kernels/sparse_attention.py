@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.contracts import check_sparse_attention
-from .lib import Choice, Target, interpreting, target, triton_available
+from .lib import PDL_LAUNCH, Choice, Target, interpreting, target, triton_available
 
 HEAD_DIM = 512
 LAST_LAUNCH: dict = {}   # diagnostics: the last compiled kernels (n_regs, n_spills on a GPU)
@@ -49,7 +49,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .lib import rne_bf16
+    from .lib import pdl_wait, rne_bf16
 
     @triton.jit
     def _chunk(row, scw, valid, d, C: tl.constexpr, DT: tl.constexpr):
@@ -81,6 +81,7 @@ if triton_available():
         # DP = 2: this launch accumulates only output dims [256*DHALF, 256*DHALF + 256) (S is
         # computed in full by both halves): half the accumulator (registers on sm_90, tensor memory
         # on sm_100, whose 512 columns cannot hold a 64 x 512 fp32 accumulator plus S).
+        pdl_wait()
         hb = tl.program_id(0)
         sp = tl.program_id(1)
         t = tl.program_id(2)
@@ -221,6 +222,7 @@ if triton_available():
 
     @triton.jit
     def _combine(OP, MLP, SINK, O, H, NS, stride_ot, stride_oh, HB: tl.constexpr):
+        pdl_wait()
         hb = tl.program_id(0)
         t = tl.program_id(1)
         t64 = t.to(tl.int64)
@@ -340,11 +342,11 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
             window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1],
             bps, float(scale) * LOG2E,
             HB=HB, BN=BN, SPLIT=split, DT=dt, INTERP=interp, DP=dp, DHALF=dhalf,
-            PREFETCH=bool(cfg.get("prefetch", False)), **kw)
+            PREFETCH=bool(cfg.get("prefetch", False)), **kw, **PDL_LAUNCH)
     if split:
         hbc = 8 if H >= 8 else 4
         LAST_LAUNCH["combine"] = _combine[(triton.cdiv(H, hbc), T)](op, mlp, sinks, out, H, num_splits, out.stride(0), out.stride(1),
-                                           HB=hbc, **({} if interp else {"num_warps": 4}))
+                                           HB=hbc, **({} if interp else {"num_warps": 4}), **PDL_LAUNCH)
     return out
 
 

@@ -1,0 +1,162 @@
+"""Programmatic dependent launch (``DSV4_PDL``, ``kernels.lib.pdl_mode``): the contract that makes it
+safe (every launched Triton kernel of the package opens with ``pdl_wait()``, every launch carries
+``PDL_LAUNCH``), the switch, the PTX it compiles to for sm_90 / sm_100, and on a GPU the same bits
+with it on as off."""
+import ast
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kernel_helpers import run_aot_script
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "dsv4"
+
+
+def _is_triton_jit(fn: ast.FunctionDef) -> bool:
+    for d in fn.decorator_list:
+        d = d.func if isinstance(d, ast.Call) else d
+        if isinstance(d, ast.Attribute) and d.attr == "jit" and getattr(d.value, "id", "") == "triton":
+            return True
+    return False
+
+
+def _kernels_and_launches():
+    """({name: (file, FunctionDef)} of the package's @triton.jit functions, [(name, file, Call)] of
+    every ``name[grid](...)`` call of one of them)."""
+    jit, calls = {}, []
+    for f in sorted(PKG.rglob("*.py")):
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and _is_triton_jit(node):
+                assert node.name not in jit, f"two @triton.jit functions named {node.name}"
+                jit[node.name] = (f, node)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                v = node.func.value
+                calls.append((v.id if isinstance(v, ast.Name) else getattr(v, "attr", None), f, node))
+    return jit, [c for c in calls if c[0] in jit]
+
+
+def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribute():
+    jit, launches = _kernels_and_launches()
+    launched = {name for name, _f, _c in launches}
+    assert len(launched) >= 35                      # the hot path's kernels, not an empty scan
+    bad_calls = [f"{f.relative_to(ROOT)}:{c.lineno} {n}" for n, f, c in launches
+                 if not any(k.arg is None and getattr(k.value, "id", "") == "PDL_LAUNCH" for k in c.keywords)]
+    assert bad_calls == [], f"launches without **PDL_LAUNCH: {bad_calls}"
+    bad_kernels = []
+    for name in sorted(launched):
+        f, fn = jit[name]
+        body = fn.body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]                          # the docstring
+        first = body[0]
+        if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                and getattr(first.value.func, "id", "") == "pdl_wait"):
+            bad_kernels.append(f"{f.relative_to(ROOT)}:{fn.lineno} {name}")
+    assert bad_kernels == [], f"launched kernels whose first statement is not pdl_wait(): {bad_kernels}"
+    # a helper that waits would be a second wait inside a kernel: only launched kernels call it
+    helpers = [n for n, (_f, fn) in jit.items() if n not in launched and n != "pdl_wait"
+               and any(isinstance(x, ast.Call) and getattr(x.func, "id", "") == "pdl_wait" for x in ast.walk(fn))]
+    assert helpers == []
+
+
+@pytest.mark.parametrize("value,cuda_sm,expect", [
+    (None, (9, 0), False),          # off unless asked
+    ("0", (9, 0), False),
+    ("1", (9, 0), True),
+    ("on", (10, 0), True),
+    ("1", (8, 9), False),           # griddepcontrol is sm_90+
+    ("1", None, False),             # no GPU
+    ("force", None, True),          # offline compiles
+])
+def test_the_switch(monkeypatch, value, cuda_sm, expect):
+    from dsv4.kernels import lib
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if value is None:
+        monkeypatch.delenv("DSV4_PDL", raising=False)
+    else:
+        monkeypatch.setenv("DSV4_PDL", value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_sm is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_a: cuda_sm)
+    assert lib.pdl_mode() is expect
+    monkeypatch.setenv("TRITON_INTERPRET", "1")       # the interpreter has no grid dependencies
+    assert lib.pdl_mode() is (value == "force")
+
+
+def test_off_by_default_in_this_process():
+    from dsv4.kernels import lib
+    if os.environ.get("DSV4_PDL"):
+        pytest.skip("DSV4_PDL is set for this run")
+    assert lib.PDL_ON is False and lib.PDL_LAUNCH == {}
+
+
+_AOT = textwrap.dedent("""
+    import os, sys
+    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+    from kernel_helpers import aot_compile
+    from dsv4.kernels import lib, norm, mhc
+    from dsv4.kernels.gemm import gemv
+    want = os.environ["DSV4_PDL"] == "force"
+    assert lib.PDL_ON is want and lib.PDL_LAUNCH == ({"launch_pdl": True} if want else {})
+    P = lambda t: "*" + t
+    F = P("fp32")
+    cases = [
+        (norm._rms_norm_kernel, dict(X=P("bf16"), W=P("bf16"), Y=P("bf16"), eps="fp32"), dict(BD=4096, INTERP=False), 4),
+        (mhc._hc_post_kernel, dict(Yin=P("bf16"), RES=P("bf16"), POST=F, COMB=F, OUT=P("bf16")), dict(BD=1024), 4),
+    ]
+    for cap in (90, 100):
+        for fn, types, const, warps in cases:
+            ptx, _ = aot_compile(fn, types, const, cap, warps)
+            for ins in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+                assert (ins in ptx) is want, (fn.__name__, cap, ins, want)
+            if want:       # the wait comes before the kernel's first global load
+                assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), fn.__name__
+    print("ok", want)
+""")
+
+
+@pytest.mark.parametrize("mode", ["force", "0"])
+def test_aot_ptx_has_the_grid_dependency_instructions_only_when_on(mode):
+    run_aot_script(_AOT, ROOT, timeout=300, DSV4_PDL=mode)
+
+
+_SAME = textwrap.dedent("""
+    import json, sys
+    import torch
+    from dsv4.engine.llm import LLM
+    from dsv4.engine.sampling_params import SamplingParams
+    from dsv4.kernels import lib
+    llm = LLM(synthetic="flash", synthetic_layers=4, synthetic_experts=16, max_num_batched_tokens=1024,
+              max_num_seqs=8, max_model_len=4096, log=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(3, 100000, (n,), generator=g).tolist()} for n in (5, 300, 1500, 17)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3))
+    res = [[list(o.outputs[0].token_ids), [[(k, v.logprob) for k, v in sorted(d.items())] for d in o.outputs[0].logprobs]]
+           for o in outs]
+    print(json.dumps({"pdl": lib.PDL_ON, "graphs": llm.engine.runner.graphs is not None, "res": res}))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_same_tokens_and_logprobs_with_pdl_on_and_off():
+    """The engine (CUDA-graph decode, chunked prefill) in two fresh processes, DSV4_PDL=1 and 0:
+    PDL only moves launches earlier, every kernel waits first, so the bits are the same."""
+    runs = {}
+    for mode in ("1", "0"):
+        env = dict(os.environ, DSV4_PDL=mode, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        r = subprocess.run([sys.executable, "-c", _SAME], capture_output=True, text=True, env=env, cwd=ROOT,
+                           timeout=900)
+        assert r.returncode == 0, r.stderr[-4000:]
+        runs[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    cap = torch.cuda.get_device_capability()
+    assert runs["1"]["pdl"] is (cap >= (9, 0)) and runs["0"]["pdl"] is False
+    assert runs["1"]["graphs"] and runs["0"]["graphs"]
+    assert runs["1"]["res"] == runs["0"]["res"]
