@@ -401,6 +401,8 @@ def bench_fp4(dev, gen, timer, smoke, copy_bw, sweep_rows, quick=False):
 PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SWEEP_TOKENS = 8192
 # in-run tile sweep of fp4_fp8 (V4-Flash, 8192 tokens): (BM, num_warps, num_stages, SWAP)
+# in-run tile sweep of the pre-decoded path (V4-Flash, 8192 tokens): (BM, num_warps, num_stages)
+PREDEC_SWEEP = [(64, 8, 3), (64, 4, 4), (128, 8, 3), (128, 8, 4)]
 FP8MMA_SWEEP = [(64, 8, 3, False), (64, 4, 3, False), (64, 8, 4, False), (128, 8, 3, False), (32, 8, 3, True),
                 (64, 4, 4, True)]
 
@@ -441,6 +443,21 @@ class PrefillCase:
                                     0, fmt="mxfp4", config=dict(cfg2), **g)
         return f1, f2
 
+    def predec(self, cfg13, cfg2):
+        """(decode, GEMM 1, GEMM 2) of the pre-decoded path: ``predecode`` of w1|w3 and w2 (timed as one),
+        then the FP8 GEMMs on the e4m3 tiles (``moe_forward(path="predec")``'s calls)."""
+        from dsv4.kernels.gemm.fp4_fp8 import fp4_fp8_launch, predecode
+        perm, g = self.plan(cfg13["BM"])
+        w13, f13 = predecode(self.w13, self.s13)
+        w2, f2_ = predecode(self.w2, self.s2)
+        f0 = lambda: (predecode(self.w13, self.s13), predecode(self.w2, self.s2))
+        f1 = lambda: fp4_fp8_launch(self.xq, self.xs, w13, f13, None, self.h, self.hs, self.P, self.I, self.d,
+                                    self.I, fmt="mxfp4", swiglu=True, limit=10.0, perm=perm, pw=self.pw,
+                                    top_k=self.k, config=dict(cfg13), predecoded=True, **g)
+        f2 = lambda: fp4_fp8_launch(self.h, self.hs, w2, f2_, None, self.out, None, self.P, self.d, self.I,
+                                    0, fmt="mxfp4", config=dict(cfg2), predecoded=True, **g)
+        return f0, f1, f2
+
     def f16(self, cfg13, cfg2):
         from dsv4.kernels.gemm.fp4_prefill import f16_operand_split, fp4_prefill_launch
         perm, g = self.plan(cfg13["BM"])
@@ -469,7 +486,7 @@ def bench_prefill(dev, gen, timer, smoke, sweep_rows):
     """Routed-expert GEMMs at prefill sizes: ``fp4_fp8`` (FP8 wgmma) beside ``fp4_prefill`` (f16 MMA) and
     ``torch._scaled_mm`` on the dense FP8 problem of the same size (GEMM 1 [P, d] x [d, 2I], GEMM 2
     [P, I] x [I, d], per-tensor scales: no block scaling, no gather, one weight)."""
-    from dsv4.kernels.gemm.route import expert_path, fp4_fp8_config, fp4_prefill_config
+    from dsv4.kernels.gemm.route import expert_path, fp4_fp8_config, fp4_prefill_config, fp8_predec_config
     rows = []
     t = target(dev)
     for model in (("flash", "pro") if not smoke else ()):
@@ -496,6 +513,19 @@ def bench_prefill(dev, gen, timer, smoke, sweep_rows):
                     log(f"prefill sweep {name}: gemm1 {t1 * 1e3:.1f} us gemm2 {t2 * 1e3:.1f} us")
                 except Exception as e:
                     log(f"prefill sweep {bm} {nw} {st} {swap} failed: {type(e).__name__}: {str(e)[:300]}")
+            for bm, nw, st in PREDEC_SWEEP:
+                cfg = dict(BM=bm, BN=128, num_warps=nw, num_stages=st, SWAP=False)
+                try:
+                    f0, f1, f2 = case.predec(cfg, cfg)
+                    f1(), f2()
+                    t1, t2 = timer(f1), timer(f2)
+                    name = f"predec.bm{bm}.w{nw}.s{st}"
+                    sweep_rows.append(("predec flash T8192 gemm1", name, t1 * 1e3, case.err(), ""))
+                    sweep_rows.append(("predec flash T8192 gemm2", name, t2 * 1e3, case.err(), ""))
+                    log(f"prefill sweep {name}: gemm1 {t1 * 1e3:.1f} us gemm2 {t2 * 1e3:.1f} us")
+                    del f0, f1, f2
+                except Exception as e:
+                    log(f"prefill sweep predec {bm} {nw} {st} failed: {type(e).__name__}: {str(e)[:300]}")
             del case
         one = torch.ones((), device=dev)
         for T in PREFILL_TOKENS:
@@ -517,6 +547,13 @@ def bench_prefill(dev, gen, timer, smoke, sweep_rows):
                 del a1, b1, a2, b2
                 row.update(sm_us=(s1 + s2_) * 1e3, sm_tf=case.flops() / ((s1 + s2_) * 1e-3) / 1e12)
                 row["pct"] = 100 * row["sm_us"] / row["us"]
+                try:      # the pre-decoded path: its decode pass and its GEMMs
+                    f0, p1, p2 = case.predec(fp8_predec_config(r, t, swiglu=True), fp8_predec_config(r, t))
+                    p1(), p2()
+                    row.update(pd_us=timer(f0) * 1e3, pg_us=(timer(p1) + timer(p2)) * 1e3)
+                    del f0, p1, p2
+                except Exception as e:
+                    log(f"prefill {model} T{T} predec failed: {type(e).__name__}: {str(e)[:300]}")
                 if r > 16:
                     o1, o2 = case.f16(fp4_prefill_config(r, t, swiglu=True), fp4_prefill_config(r, t))
                     o1(), o2()
@@ -524,7 +561,8 @@ def bench_prefill(dev, gen, timer, smoke, sweep_rows):
                 rows.append(row)
                 log(f"prefill {model} T{T:6d} rows/expert {r:7.1f} [{row['path']}]: fp8mma {row['g1']:9.1f} + "
                     f"{row['g2']:9.1f} us = {row['tf']:6.0f} TF | _scaled_mm {row['sm_us']:9.1f} us "
-                    f"{row['sm_tf']:6.0f} TF ({row['pct']:.0f}%) | fp4_prefill {row.get('f16_us', 0):9.1f} us | err {err:.1e}")
+                    f"{row['sm_tf']:6.0f} TF ({row['pct']:.0f}%) | fp4_prefill {row.get('f16_us', 0):9.1f} us | "
+                    f"predec {row.get('pd_us', 0):8.1f} + {row.get('pg_us', 0):9.1f} us | err {err:.1e}")
                 del case
             except Exception as e:
                 log(f"prefill {model} T{T} failed: {type(e).__name__}: {e}")
@@ -687,14 +725,18 @@ def markdown(meta, fp8_rows, fp4_rows, moe_rows, sweep_rows, prefill_rows=()):
                  "T x 6 pairs spread evenly, random MXFP4 weights; fp8mma = `fp4_fp8` (e2m1 -> e4m3 in registers, FP8 "
                  "wgmma, per-128 promotion) at the router's tile; `_scaled_mm` = torch FP8 (per-tensor scales) on the "
                  "dense problem of the same size; fp4_prefill = the f16-MMA kernel; path = the router's choice at "
-                 "that size; err = GEMM 2 rows vs fp64.\n")
-        L.append("| model | T | rows / expert | path | fp8mma GEMM1 us | GEMM2 us | total us | TFLOP/s | _scaled_mm us (TFLOP/s) | % of _scaled_mm | fp4_prefill us | speedup | err |")
-        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "that size; predec = `fp4_fp8.predecode` of w1|w3 and w2 to e4m3 tiles (decode us) + the same "
+                 "kernel's GEMMs on those tiles (GEMMs us); err = GEMM 2 rows vs fp64.\n")
+        L.append("| model | T | rows / expert | path | fp8mma GEMM1 us | GEMM2 us | total us | TFLOP/s | _scaled_mm us (TFLOP/s) | % of _scaled_mm | fp4_prefill us | speedup | predec decode us | predec GEMMs us | predec total us (% of _scaled_mm) | err |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in prefill_rows:
             f16 = r.get("f16_us")
+            pd, pg = r.get("pd_us"), r.get("pg_us")
             L.append(f"| {r['model']} | {r['T']} | {r['rows']:.1f} | {r['path']} | {r['g1']:.1f} | {r['g2']:.1f} | "
                      f"{r['us']:.1f} | {r['tf']:.0f} | {r['sm_us']:.1f} ({r['sm_tf']:.0f}) | {r['pct']:.0f}% | "
-                     + (f"{f16:.1f} | {f16 / r['us']:.1f}x" if f16 else "- | -") + f" | {r['err']:.1e} |")
+                     + (f"{f16:.1f} | {f16 / r['us']:.1f}x" if f16 else "- | -")
+                     + (f" | {pd:.1f} | {pg:.1f} | {pd + pg:.1f} ({100 * r['sm_us'] / (pd + pg):.0f}%)" if pd else
+                        " | - | - | -") + f" | {r['err']:.1e} |")
     L.append("\n### MoE layer (route + sort + grouped FP4 w1|w3+SwiGLU + grouped FP4 w2 + shared FP8 expert + combine)\n")
     L.append("Triton graph = CUDA-graph replay (no host overhead, L2 flushed before every call), eager = plain call; loop = the reference's "
              "Python loop over experts in plain PyTorch on the GPU (same numerics: FP8 QDQ of x and h, bf16 "

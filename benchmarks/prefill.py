@@ -9,6 +9,10 @@ once untimed (compiles, allocator growth), then once timed on fresh prompts; tok
 wall time of the timed run. ``43-layer tok/s`` scales that time by 43 / layers (the embedding, head
 and sampler scaled too: slightly low). Then ``torch.profiler`` lists the GPU time per kernel of one
 prompt of ``--budget`` tokens (one chunk), largest first, beside the wall time of that step.
+
+``--predec-from R``: routed experts take ``moe_forward``'s pre-decoded FP8 path (``path="predec"``,
+not routed by default) wherever the router would take an FP8 / f16 prefill path at R or more rows per
+expert; this script wraps the router for that, the package is unchanged.
 """
 from __future__ import annotations
 
@@ -75,7 +79,17 @@ def main():
     ap.add_argument("--top", type=int, default=30, help="kernels listed in the profile")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default=None, help="append the markdown to this file")
+    ap.add_argument("--predec-from", type=float, default=None,
+                    help="rows per expert from which the experts take the pre-decoded FP8 path (module doc)")
     a = ap.parse_args()
+    if a.predec_from is not None:
+        from dsv4.kernels import moe
+        default_path = moe.router.expert_path
+
+        def expert_path(rows, fmt, t, fold_exact=True):
+            path = default_path(rows, fmt, t, fold_exact)
+            return "predec" if path in ("fp8mma", "prefill") and fold_exact and rows >= a.predec_from else path
+        moe.router.expert_path = expert_path
     cases = a.cases.split(",")
     longest = max(sum(int(p.split("x")[0]) for p in c.split("+")) for c in cases)
     t0 = time.perf_counter()
@@ -89,7 +103,8 @@ def main():
     md = [f"## Prefill, synthetic {a.model} ({a.layers} layers, {mc.n_routed_experts} experts), "
           f"{datetime.date.today()}, {dev}",
           "", f"Command: `PYTHONPATH=. python benchmarks/prefill.py --model {a.model} --layers {a.layers}"
-          + (f" --experts {a.experts}" if a.experts else "") + f" --cases {a.cases} --budget {a.budget}`; "
+          + (f" --experts {a.experts}" if a.experts else "") + f" --cases {a.cases} --budget {a.budget}"
+          + (f" --predec-from {a.predec_from:g}" if a.predec_from is not None else "") + "`; "
           f"engine start-up {startup:.1f} s.", "",
           f"| case | prompt tokens | steps | untimed run s | timed run s | tok/s ({a.layers} layers) | "
           f"{FULL_DEPTH}-layer tok/s |", "|---|---|---|---|---|---|---|"]

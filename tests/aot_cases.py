@@ -53,6 +53,8 @@ KERNELS = {
     "fp8_prefill": ("gemm.fp8_prefill", None, None, ("linear", "moe")),
     "fp4_prefill": ("gemm.fp4_prefill", "_fp4_prefill_kernel", FP4, ("moe",)),
     "fp4_fp8": ("gemm.fp4_fp8", "_fp4_fp8_kernel", dict(FP4, A=P("u8")), ("moe",)),
+    "fp4_fp8_predec": ("gemm.fp4_fp8", "_fp4_fp8_kernel", dict(FP4, A=P("u8"), WS=F), ("moe",)),
+    "predecode": ("gemm.fp4_fp8", "_predecode_kernel", dict(W=P("u8"), WS=P("u8"), W8=P("u8"), SB=F), ("moe",)),
     "moe_route": ("moe", "_route_kernel", dict(LOGIT=F, BIAS=F, TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"), W=F,
                                               EFLAT=P("i32"), X=P("bf16"), Q=P("u8"), SQ=F, route_scale="fp32"),
                   ("moe",)),
@@ -110,6 +112,15 @@ KERNELS = {
 # kernel -> [(constexprs, warps, stages)]
 FIXED = {
     "act_quant": [(dict(BLOCKS=8, INTERP=False), 4, None)],
+    # the MXFP4 experts decoded once to e4m3 tiles (``fp4_fp8.predecode``), then the FP8 grouped GEMM on them
+    "predecode": [(dict(BN=64, USE_ASM=True), 4, None)],
+    # PREDEC 1: pointer loads; 2: TMA weight tiles (sm_90+ only, ``cases``)
+    "fp4_fp8_predec": [(dict(GROUPED=True, GATHER=True, SWIGLU=True, HAS_PW=True, USE_ASM=True, SWAP=False, BM=64,
+                             BN=128, LOG2G=9, PREDEC=1, INTERP=False), 8, 3),
+                       (dict(GROUPED=True, GATHER=True, SWIGLU=True, HAS_PW=True, USE_ASM=True, SWAP=False, BM=64,
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False), 8, 3),
+                       (dict(GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False, USE_ASM=True, SWAP=False, BM=128,
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False), 8, 3)],
     "splitk_sum": [(dict(BLOCK=1024, INTERP=False), 4, None)],
     "swiglu_quant": [(dict(GATHER=True, HAS_PW=True, INTERP=False), 4, None)],
     "moe_route": [(dict(KTOP=6, KP=8, EP=256, HASH=False, QUANT=True, QB=8, INTERP=False), 4, None),
@@ -164,7 +175,7 @@ BASE_CONST = {
     "fp4_mma": dict(GROUPED=True, GATHER=True, BM=8, LOG2G=9, SPLIT=True, NUM_WARPS=4, BAND=False, A16=False),
     "fp8_mma": dict(SB_E8M0=False, SB_ROW=False, BM=8, BN=64, SPLIT=True, REDUCE=True, NUM_WARPS=4),
     "fp4_prefill": dict(GROUPED=True, USE_ASM=True, DEC=0, LOG2G=9, INTERP=False),
-    "fp4_fp8": dict(GROUPED=True, USE_ASM=True, LOG2G=9, INTERP=False),
+    "fp4_fp8": dict(GROUPED=True, USE_ASM=True, LOG2G=9, PREDEC=0, INTERP=False),
     "sparse_fwd": dict(INTERP=False),
 }
 
@@ -192,8 +203,10 @@ def types_of(kernel: str, const: dict) -> dict:
     if kernel == "fp8_gemm":
         types.update(A=P("bf16") if const.get("A_BF16") else P("u8"),
                      C=P("u8") if const.get("SWIGLU") else (F if const.get("SPLIT") else P("bf16")))
-    elif kernel in ("fp4_gemm", "fp4_prefill", "fp4_scaled", "fp4_fp8") and const.get("SWIGLU"):
+    elif kernel in ("fp4_gemm", "fp4_prefill", "fp4_scaled", "fp4_fp8", "fp4_fp8_predec") and const.get("SWIGLU"):
         types.update(C=P("u8"))
+    if kernel == "fp4_fp8_predec" and const.get("PREDEC") == 2:
+        types.update(W=P("fp8e4nv"))
     elif kernel == "gemv" and const.get("WFMT") == 3:
         types.update(A=P("bf16"), WS=F, C=P("bf16"))
     elif kernel == "fp8_mma":
@@ -219,6 +232,8 @@ def cases(cap: int, full: bool):
     out = []
     for kernel, variants in FIXED.items():
         for i, (const, warps, stages) in enumerate(variants):
+            if const.get("PREDEC") == 2 and cap < 90:       # TMA: the router takes it on sm_90+ only
+                continue
             out.append((f"{kernel}#{i}", kernel, const, warps, stages))
     for c in route.choices(t) + sparse_attention.choices(t):
         out.append((f"{c.kernel}:{c.why}:{sorted(c.constexprs.items())}", c.kernel, _router_const(c), c.num_warps,

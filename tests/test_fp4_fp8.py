@@ -214,6 +214,46 @@ def test_grouped_swiglu_and_w2():
     _compare(c, E, I, top_k, h, hs, out, ho, hso, outo)
 
 
+@pytest.mark.parametrize("spread", [11, 12])
+def test_predecode_is_the_kernels_own_fold(spread):
+    """``predecode``'s e4m3 bytes times its per-(row, 128-block) factors are the MXFP4 weight exactly,
+    the groups 2^12 or more below their block's maximum flushed to zero (the kernel's fold)."""
+    gen = torch.Generator().manual_seed(20 + spread)
+    N, K = 48, 384
+    wp, s = _weight(N, K, gen, drop=(3, spread))
+    w8, sb = F.predecode(torch.stack([wp, wp.flip(0)]).to(DEV), torch.stack([s, s.flip(0)]).to(DEV))
+    assert w8.shape == (2, N, K) and w8.dtype == torch.uint8 and sb.shape == (2, N, K // 128)
+    keep = torch.ones(N, K // 32)
+    if spread >= F.FLUSH_SPREAD:
+        keep.view(N, K // 128, 4)[:, :, 3] = 0
+    for e, (q, sc) in enumerate(((wp, s), (wp.flip(0), s.flip(0)))):
+        want = dequant_mxfp4(q, sc) * keep.flip(0).repeat_interleave(32, 1) if e else \
+            dequant_mxfp4(q, sc) * keep.repeat_interleave(32, 1)
+        got = w8[e].cpu().view(torch.float8_e4m3fn).float() * sb[e].cpu().repeat_interleave(128, 1)
+        assert torch.equal(got, want.float())
+
+
+@pytest.mark.parametrize("swap,wtma", [(True, False), (False, False), (False, True), (True, True)])
+def test_predecoded_weights_give_the_same_bits(swap, wtma):
+    """Grouped + gather + SwiGLU and grouped w2 on ``predecode``'s bytes (the FP8 tiles loaded, not
+    decoded; by pointer loads or by TMA through one descriptor over all experts' rows): h, its scales
+    and w2's output equal the decoding kernel's bit for bit."""
+    gen = torch.Generator().manual_seed(12)
+    E, d, I, top_k, limit = 4, 256, 128, 2, 6.0
+    c = _grouped(E, [3, 0, 37, 20], d, I, top_k, gen)
+    c["s13"].view(E, 2 * I, -1, 4)[..., 2] -= 7          # spread inside blocks
+    bm = 32 if DEV == "cpu" else 64
+    cfg = dict(BM=bm, BN=128, SWAP=swap)
+
+    def predec(a, sa, w, ws, *args, config, **kw):
+        w8, sb = F.predecode(w, ws)
+        return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True, config=dict(config, WTMA=wtma), **kw)
+    ref = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
+    got = _gemms(c, E, d, I, top_k, limit, predec, u8, cfg)
+    for r, g in zip(ref, got):
+        assert torch.equal(r.cpu(), g.cpu())
+
+
 def test_rejects_bad_inputs():
     a = torch.zeros(2, 256, dtype=torch.uint8)
     with pytest.raises(ValueError, match="mxfp4"):
@@ -222,6 +262,12 @@ def test_rejects_bad_inputs():
         F.fp4_fp8_launch(a[:, :200], None, None, None, None, None, None, 2, 64, 200, 0, fmt="mxfp4")
     with pytest.raises(ValueError, match="e4m3 bytes"):
         F.fp4_fp8_launch(a.half(), None, None, None, None, None, None, 2, 64, 256, 0, fmt="mxfp4")
+    w = torch.zeros(1, 64, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="predecoded weights"):    # packed FP4 given as predecoded
+        F.fp4_fp8_launch(a, None, w, torch.zeros(1, 64, 8, dtype=torch.uint8), None, None, None, 2, 64, 256, 0,
+                         fmt="mxfp4", predecoded=True)
+    with pytest.raises(ValueError, match="predecode: expected"):
+        F.predecode(w, torch.zeros(1, 64, 4, dtype=torch.uint8))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,3 +292,27 @@ def test_gpu_flash_dims(swap, bm, warps):
     ho, hso, outo = _gemms(c, E, d, I, top_k, limit, FP.fp4_prefill_launch, GC.f16_operand,
                            dict(BM=64, BN=128, KSPLIT=False, num_warps=8, num_stages=3))
     _compare(c, E, I, top_k, h, hs, out, ho, hso, outo)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bm,warps,stages,wtma", [(64, 8, 3, True), (64, 8, 3, False), (128, 8, 3, True),
+                                                (64, 4, 4, True)])
+def test_gpu_predecoded_flash_dims(bm, warps, stages, wtma):
+    """The pre-decoded path at V4-Flash dims (8 experts, 0 to 150 rows, scales spread up to 2^11 and a
+    flushed group): ``predecode``'s tiles through the same wgmma tile as the decoding kernel's
+    (SWAP=False: both operands from shared memory) give its bits."""
+    need_gpu()
+    gen = torch.Generator().manual_seed(6)
+    E, d, I, top_k, limit = 8, 4096, 2048, 6, 10.0
+    c = _grouped(E, [96, 150, 0, 90, 1, 96, 64, 17], d, I, top_k, gen)
+    c["s13"].view(E, 2 * I, -1, 4)[..., 1] -= 11
+    c["s2"].view(E, d, -1, 4)[..., 3] -= 13
+    cfg = dict(BM=bm, BN=128, SWAP=False, num_warps=warps, num_stages=stages)
+
+    def predec(a, sa, w, ws, *args, config, **kw):
+        w8, sb = F.predecode(w, ws)
+        return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True, config=dict(config, WTMA=wtma), **kw)
+    ref = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
+    got = _gemms(c, E, d, I, top_k, limit, predec, u8, cfg)
+    for r, g in zip(ref, got):
+        assert torch.equal(r, g)

@@ -155,7 +155,7 @@ def test_combine_sums_split_partials(S):
                                                   (False, 9, "gemv", 2), (True, 7, "gemv", 4), (False, 1, "gemv", 1),
                                                   (True, 2, None, None), (False, 12, None, None),
                                                   (False, 30, "prefill", None), (True, 9, "prefill", None),
-                                                  (False, 30, "fp8mma", None)])
+                                                  (False, 30, "fp8mma", None), (True, 30, "predec", None)])
 def test_moe_forward(hash_layer, T, path, bm):
     """Every expert-GEMM path: the MMA kernels, the prefill kernel (fp4_prefill.py: one K=128 dot per
     block, split-K-order operands) and the decode GEMV (1/2/4-row tiles); the shared expert on the
@@ -181,6 +181,17 @@ def test_moe_forward(hash_layer, T, path, bm):
     first[:, 1] = idx[:, 1] != idx[:, 0]
     counts = torch.bincount(idx[first], minlength=8)
     assert torch.equal(parts["offs"].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
+
+
+def test_predec_path_refuses_weights_it_cannot_fold():
+    """The pre-decoded FP8 path holds only MXFP4 whose scales fold exactly into e4m3: NVFP4 is refused
+    with the reason, not computed on a lossy fold."""
+    gen = torch.Generator().manual_seed(31)
+    ref = _ref_moe(8, 256, 128, 2, gen, False, dup_row=4)
+    w = Mo.MoEWeights.from_reference(ref, fmt="nvfp4", allow_lossy=True).to(DEV)
+    x = torch.randn(30, 256, generator=gen).bfloat16().to(DEV)
+    with pytest.raises(ValueError, match="predec path: MXFP4 experts whose scales fold exactly"):
+        Mo.moe_forward(x, torch.zeros(30, dtype=torch.long, device=DEV), w, path="predec")
 
 
 def _rank_slice(w, e0, n):

@@ -37,6 +37,12 @@ FP8 prefill path (``path="fp8mma"``, the default for MXFP4 on sm_90 from ``route
 the same steps on ``fp4_fp8.py``'s kernel (weights decoded to e4m3 in registers, FP8 wgmma, per-128
 promotion), activations and h as plain e4m3 bytes.
 
+Pre-decoded FP8 path (``path="predec"``, MXFP4 whose scales fold exactly; chosen by the caller, not by
+the router until the H200 has measured it): ``fp4_fp8.predecode`` writes the local experts' w1|w3, then
+w2, as e4m3 tiles with per-(row, 128-block) fp32 factors into transient buffers (2x the weights'
+bytes: 4.3 + 2.1 GB for 256 V4-Flash experts, one at a time), and ``fp4_fp8.py``'s kernel loads those
+tiles instead of decoding FP4 in its K loop: the same bits as ``fp8mma``.
+
 Prefill path (``path="prefill"``, MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
 per expert outside the FP8 path's range or whose scales do not fold into e4m3): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
 activations and h as split-K-order f16 operands), same epilogues.
@@ -69,13 +75,13 @@ from .gemm.fp8 import act_quant_fp8, fp8_gemm_partials, fp8_swiglu, fp8_weight_e
 from .gemm.fp8 import fp8_gemm as fp8_gemm_tiles
 from .gemm.gemv import gemv_launch, swiglu_quant
 from .gemm.linear import fp8_gemm
-from .lib import QBLOCK, interpreting, target, triton_available, u8
+from .lib import PDL_LAUNCH, QBLOCK, interpreting, target, triton_available, u8
 
 if triton_available():
     import triton
     import triton.language as tl
 
-    from .lib import quant_blocks, rne_bf16
+    from .lib import pdl_wait, quant_blocks, rne_bf16
 
     @triton.jit
     def _sqrt_softplus(z):
@@ -100,6 +106,7 @@ if triton_available():
         to the sentinel EL (one rank: E0 = 0, EL = E). QUANT: also the token's 1x128 FP8
         quantisation (``gemm.fp8.act_quant_fp8``'s bytes and scales: the expert GEMMs' operand, one
         launch fewer)."""
+        pdl_wait()
         t = tl.program_id(0).to(tl.int64)
         jk = tl.arange(0, KP)
         km = jk < KTOP
@@ -137,6 +144,7 @@ if triton_available():
         PERM[row] = pair id, INV[pair] = row; program 0 writes OFFS / TCUM as ``_moe_prep``. A pair's row
         is the number of pairs of a smaller expert id plus the earlier pairs of its own (CH x CH compare
         blocks over all P pairs: O(P^2) work, P / CH programs, for decode sizes)."""
+        pdl_wait()
         if tl.program_id(0) == 0:
             e = tl.arange(0, EP)
             i = tl.arange(0, PP)
@@ -163,6 +171,7 @@ if triton_available():
                   BM: tl.constexpr, EP: tl.constexpr, LOG2P: tl.constexpr, CH: tl.constexpr):
         """One program: OFFS[e] = first sorted row of expert e (e = 0..E, OFFS[E] = valid rows),
         TCUM = inclusive prefix of ceil(count / BM) with TCUM[0] = 0, INV[perm[i]] = i."""
+        pdl_wait()
         e = tl.arange(0, EP)
         lo = tl.zeros([EP], tl.int32)
         hi = tl.zeros([EP], tl.int32) + P
@@ -201,6 +210,7 @@ if triton_available():
         bf16 rounding. SPLIT: OUT holds the w2 GEMM's fp32 split-K partials [S, pairs, d]; each row is
         their sum in split order rounded to bf16 (``common.sum_splits``' bits, without its launch).
         F32: Y is fp32 and keeps the unrounded sum (expert parallelism: a rank's partial sum)."""
+        pdl_wait()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
         cm = cols < d
@@ -434,7 +444,7 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
             xs if quant else logits, E, w.expert0, w.n_experts, logits.stride(0), float(w.route_scale), d // QBLOCK,
             x.stride(0) if quant else 0, xq.stride(0) if quant else 0, xs.stride(0) if quant else 0,
             KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, QUANT=quant,
-            QB=min(8, triton.next_power_of_2(max(1, d // QBLOCK))), INTERP=interpreting(), **kw)
+            QB=min(8, triton.next_power_of_2(max(1, d // QBLOCK))), INTERP=interpreting(), **kw, **PDL_LAUNCH)
     return idx, weights, eflat, xq, xs
 
 
@@ -455,12 +465,12 @@ def sort_pairs(eflat: torch.Tensor, n_experts: int, bm: int):
         perm = torch.empty(P, dtype=torch.int64, device=dev)
         _moe_sort_prep[(triton.cdiv(P, 64),)](eflat, perm, offs, tcum, inv, P, n_experts, BM=bm,
                                               EP=triton.next_power_of_2(n_experts + 1), PP=triton.next_power_of_2(P),
-                                              CH=64, **kw)
+                                              CH=64, **kw, **PDL_LAUNCH)
         return perm, offs, tcum, inv
     sorted_e, perm = torch.sort(eflat, stable=True)       # perm int64, read as is by the kernels
     _moe_prep[(1,)](sorted_e, perm, offs, tcum, inv, P, n_experts, BM=bm,
                     EP=triton.next_power_of_2(n_experts + 1), LOG2P=max(1, P.bit_length()),
-                    CH=min(1024, triton.next_power_of_2(max(P, 1))), **kw)
+                    CH=min(1024, triton.next_power_of_2(max(P, 1))), **kw, **PDL_LAUNCH)
     return perm, offs, tcum, inv
 
 
@@ -502,9 +512,12 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         path = router.expert_path(rows_per_expert, w.fmt, t)
         if path == "fp8mma" and not w.fp8_fold_exact():
             path = router.expert_path(rows_per_expert, w.fmt, t, fold_exact=False)
+    if path == "predec" and (w.fmt != "mxfp4" or not w.fp8_fold_exact()):
+        raise ValueError("moe predec path: MXFP4 experts whose scales fold exactly into e4m3 only "
+                         f"(format {w.fmt}, fold exact: {w.fmt == 'mxfp4' and w.fp8_fold_exact()})")
     xq = xs = None
     if routing is None:    # the paths that take x as plain e4m3 + scales get it from the router's launch
-        idx, rw, eflat, xq, xs = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma"))
+        idx, rw, eflat, xq, xs = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma", "predec"))
     else:
         idx, rw = routing
         first = torch.ones_like(idx, dtype=torch.bool)
@@ -523,10 +536,11 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
             raise ValueError("moe prefill path: both GEMMs need the same BM and K order")
         bm, ksplit = pcfg["13"]["BM"], pcfg["13"]["KSPLIT"]
         operand = f16_operand_split if ksplit else f16_operand
-    elif path == "fp8mma":
-        from .gemm.fp4_fp8 import fp4_fp8_launch
-        pcfg = {"13": dict(router.fp4_fp8_config(rows_per_expert, t, swiglu=True), **(config or {})),
-                "2": dict(router.fp4_fp8_config(rows_per_expert, t), **(config or {}))}
+    elif path in ("fp8mma", "predec"):
+        from .gemm.fp4_fp8 import fp4_fp8_launch, predecode
+        tiles = router.fp4_fp8_config if path == "fp8mma" else router.fp8_predec_config
+        pcfg = {"13": dict(tiles(rows_per_expert, t, swiglu=True), **(config or {})),
+                "2": dict(tiles(rows_per_expert, t), **(config or {}))}
         if pcfg["13"]["BM"] != pcfg["2"]["BM"]:
             raise ValueError("moe fp8mma path: both GEMMs need the same BM")
         bm = pcfg["13"]["BM"]
@@ -537,10 +551,10 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     # activations: one quantisation per token (the shared expert's e4m3 copy and the FP4 operand)
-    if path in ("prefill", "fp8mma"):
+    if path in ("prefill", "fp8mma", "predec"):
         if xq is None:
             xq, xs = act_quant_fp8(x)
-        a = u8(xq) if path == "fp8mma" else operand(xq.view(torch.float8_e4m3fn))
+        a = operand(xq.view(torch.float8_e4m3fn)) if path == "prefill" else u8(xq)
     else:
         xq, xs, a16 = act_quant_fp8(x, with_f16=True)
         a = u8(xq) if path == "scaled" else a16
@@ -554,6 +568,15 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         fp4_fp8_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit,
                        perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)
         fp4_fp8_launch(h, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"], **grouped)
+    elif path == "predec":    # one expert set's e4m3 copy alive at a time
+        w8, f8 = predecode(w.w13, w.w13_s)
+        fp4_fp8_launch(a, xs, w8, f8, None, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit, perm=perm,
+                       pw=pw, top_k=k, config=pcfg["13"], predecoded=True, **grouped)
+        del w8, f8
+        w8, f8 = predecode(w.w2, w.w2_s)
+        fp4_fp8_launch(h, hs, w8, f8, None, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"], predecoded=True,
+                       **grouped)
+        del w8, f8
     elif path == "prefill":
         fp4_prefill_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
                            limit=w.limit, perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)
@@ -589,7 +612,7 @@ def _combine(out, inv, offs, sh, k, partial=False):
         out, inv, offs, add if add is not None else y, y, d, offs.numel() - 1, out.shape[0] if split else 1,
         out.stride(0) if split else 0, out.stride(-2), add.stride(0) if add is not None else 0, y.stride(0),
         KTOP=k, KP=triton.next_power_of_2(k), BD=BD, HAS_SHARED=add is not None, SPLIT=split, F32=partial,
-        INTERP=interpreting(), **kw)
+        INTERP=interpreting(), **kw, **PDL_LAUNCH)
     return (y, sh) if partial else y
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import QBLOCK, Target, interpreting, triton_available, u8
+from ..lib import PDL_LAUNCH, QBLOCK, Target, interpreting, triton_available, u8
 
 FP4_FORMATS = ("mxfp4", "nvfp4")
 
@@ -19,7 +19,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..lib import exp2i, quant_rows, store_bf16, swiglu_h, tile_rows
+    from ..lib import exp2i, pdl_wait, quant_rows, store_bf16, swiglu_h, tile_rows
 
     @triton.jit
     def tile(TCUM, OFFS, PERM, M, N_out, t, pid_n, n_groups, top_k, BM: tl.constexpr, BN: tl.constexpr,
@@ -61,6 +61,7 @@ if triton_available():
     @triton.jit
     def splitk_sum_kernel(WS, C, M, N, S, stride_cm, BLOCK: tl.constexpr, INTERP: tl.constexpr):
         """C[m, n] = bf16(sum over splits s = 0.. of WS[s, m, n]) (fp32, fixed order)."""
+        pdl_wait()
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         msk = i < M * N
         acc = tl.zeros([BLOCK], tl.float32)
@@ -73,6 +74,23 @@ if triton_available():
 def f16_operand(q: torch.Tensor) -> torch.Tensor:
     """e4m3 [M, K] -> the FP4 GEMM's A operand: the same values in f16 (exact), same layout."""
     return q.float().to(torch.float16).contiguous()
+
+
+_ALLOCATOR_SET = False
+
+
+def ensure_tma_allocator(device) -> None:
+    """Device-side tensor descriptors (``tl.make_tensor_descriptor``) need a global scratch allocator
+    (``triton.set_allocator``): set once per process, on the first launch that builds one."""
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET:
+        return
+
+    def alloc_fn(size: int, alignment: int, stream):
+        return torch.empty(size, device=device, dtype=torch.int8)
+
+    triton.set_allocator(alloc_fn)
+    _ALLOCATOR_SET = True
 
 
 def check_fp8_weight(w, ws):
@@ -185,10 +203,11 @@ def sum_splits(dst: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     BLOCK = 1024
     splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](dst, out, M, N, S, out.stride(0), BLOCK=BLOCK,
                                                     INTERP=interpreting(),
-                                                    **({} if interpreting() else {"num_warps": 4}))
+                                                    **({} if interpreting() else {"num_warps": 4}), **PDL_LAUNCH)
     return out
 
 
 __all__ = ["FP4_FORMATS", "check_fp4", "check_fp8_gemm_args", "check_fp8_weight", "decode_splits",
+           "ensure_tma_allocator",
            "f16_operand", "fp4_kernel_args", "launch_plan", "log2_groups", "nvfp4_row_scales", "sum_splits",
            "weight_scales"]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import QBLOCK, interpreting, target, triton_available, u8
+from ..lib import PDL_LAUNCH, QBLOCK, interpreting, target, triton_available, u8
 from . import route
 from .common import check_fp4, f16_operand, fp4_kernel_args, log2_groups, nvfp4_row_scales
 
@@ -45,7 +45,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..lib import e2m1_f16
+    from ..lib import e2m1_f16, pdl_wait
     from .common import fp4_epilogue, tile
 
     @triton.jit
@@ -108,6 +108,7 @@ if triton_available():
                          SWIGLU: tl.constexpr, HAS_PW: tl.constexpr, USE_ASM: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, LOG2G: tl.constexpr,
                          INTERP: tl.constexpr):
+        pdl_wait()
         pid_n = tl.program_id(1)
         live, r64, mrow, pair, arow, rn64, nmask, e64 = tile(TCUM, OFFS, PERM, M, N_out, tl.program_id(0), pid_n,
                                                               n_groups, top_k, BM, BN, LOG2G, GROUPED, GATHER)
@@ -167,6 +168,7 @@ if triton_available():
                            GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr,
                            HAS_PW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            LOG2G: tl.constexpr, INTERP: tl.constexpr):
+        pdl_wait()
         pid_n = tl.program_id(1)
         live, r64, mrow, pair, arow, rn64, nmask, e64 = tile(TCUM, OFFS, PERM, M, N_out, tl.program_id(0), pid_n,
                                                               n_groups, top_k, BM, BN, LOG2G, GROUPED, GATHER)
@@ -229,14 +231,15 @@ def fp4_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, swigl
             tcum if tcum is not None else sa, pw if pw is not None else sa,
             M, N_out, K, n_half, n_groups, top_k, a.stride(0), sa.stride(0), w.stride(0), w.stride(1),
             ws.stride(0), ws.stride(1), out.stride(0), out_s.stride(0) if out_s is not None else 0,
-            float(limit), **common, **kw)
+            float(limit), **common, **kw, **PDL_LAUNCH)
         return
     if use_asm is None:
         use_asm = t.use_asm
     _fp4_gemm_kernel[grid](
         *fp4_kernel_args(a, sa, w, ws, ws2, out, out_s, perm, offs, tcum, pw, M, N_out, K, n_half, n_groups,
                          top_k, limit),
-        FMT=(2 if (BM >= 64 and mx_fold) else 0) if fmt == "mxfp4" else 1, USE_ASM=use_asm, **common, **kw)
+        FMT=(2 if (BM >= 64 and mx_fold) else 0) if fmt == "mxfp4" else 1, USE_ASM=use_asm, **common, **kw,
+        **PDL_LAUNCH)
 
 
 def fp4_gemm(xq: torch.Tensor, xs: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,

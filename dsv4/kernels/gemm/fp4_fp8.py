@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import QBLOCK, interpreting, target, triton_available, u8
+from ..lib import PDL_LAUNCH, QBLOCK, interpreting, target, triton_available, u8
 from . import route
-from .common import fp4_kernel_args, log2_groups
+from .common import ensure_tma_allocator, fp4_kernel_args, log2_groups
 
 FLUSH_SPREAD = 12     # a group whose scale is >= 2^12 below its row's 128-block maximum is flushed to zero
 
@@ -52,7 +52,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..lib import exp2i, quant_rows, store_bf16, swiglu_h
+    from ..lib import exp2i, pdl_wait, quant_rows, store_bf16, swiglu_h
     from .common import tile
 
     # per byte lane (4 bytes of a word, each lane independent, so correct for any register layout):
@@ -103,16 +103,34 @@ if triton_available():
         return w.to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
-    def _fp8_block(a, wrow, srow, nmask, k0, SWAP: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr):
-        """(fresh fp32 partial of the 128-block at k0: [BN, BM] with SWAP else [BM, BN], fp32 [BN] weight
-        factor 2^(s_max - 133))."""
+    def _fp8_decode(wrow, srow, nmask, k0, USE_ASM: tl.constexpr, BN: tl.constexpr):
+        """(e4m3 [BN, 128] weight tile of the 128-block at k0, fp32 [BN] factor 2^(s_max - 133))."""
         j4 = tl.arange(0, 4)
         sg = tl.load(srow[:, None] + k0 // 32 + j4[None, :], mask=nmask[:, None], other=0).to(tl.int32)
         smax = tl.max(sg, axis=1)
         sb = ((smax + 6) << 23).to(tl.float32, bitcast=True) * (1.0 / 4096.0)      # 2^(smax - 133)
         jb = tl.arange(0, 64)
         b = tl.load(wrow[:, None] + k0 // 2 + jb[None, :], mask=nmask[:, None], other=0)
-        w = _fp8_weight_tile(b, sg - smax[:, None] + 12, USE_ASM, BN)
+        return _fp8_weight_tile(b, sg - smax[:, None] + 12, USE_ASM, BN), sb
+
+    @triton.jit
+    def _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, SWAP: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr,
+                   PREDEC: tl.constexpr):
+        """(fresh fp32 partial of the 128-block at k0: [BN, BM] with SWAP else [BM, BN], fp32 [BN] weight
+        factor). PREDEC 1: wrow / srow address ``predecode``'s e4m3 rows and fp32 factors; 2: the same
+        tile through the TMA descriptor WD at row wr0 (all of a tile's rows lie inside one expert's
+        weight: N_out and n_half are multiples of BN); 0: wrow / srow address the MXFP4 bytes and e8m0
+        scales, decoded here."""
+        if PREDEC == 2:
+            w = WD.load([wr0, k0])
+            sb = tl.load(srow + k0 // 128, mask=nmask, other=0.0)
+        elif PREDEC == 1:
+            kc = tl.arange(0, 128)
+            w = tl.load(wrow[:, None] + k0 + kc[None, :], mask=nmask[:, None], other=0)
+            w = w.to(tl.float8e4nv, bitcast=True)
+            sb = tl.load(srow + k0 // 128, mask=nmask, other=0.0)
+        else:
+            w, sb = _fp8_decode(wrow, srow, nmask, k0, USE_ASM, BN)
         if SWAP:
             blk = tl.dot(w, tl.trans(a))
         else:
@@ -126,10 +144,12 @@ if triton_available():
                         stride_w2e, stride_cm, stride_csm, limit,
                         GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_PW: tl.constexpr,
                         USE_ASM: tl.constexpr, SWAP: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, LOG2G: tl.constexpr, INTERP: tl.constexpr):
-        """A: e4m3 bytes [rows, K]; W uint8 [G, N, K/2]; WS e8m0 bytes [G, N, K/32]
-        (WS2 unused: the launcher signature of ``fp4_prefill``). One program = one [BM, BN] output tile;
-        program ids walk the column blocks of an m-tile first."""
+                        BN: tl.constexpr, LOG2G: tl.constexpr, PREDEC: tl.constexpr, INTERP: tl.constexpr):
+        """A: e4m3 bytes [rows, K]; W uint8 [G, N, K/2]; WS e8m0 bytes [G, N, K/32]; with PREDEC W e4m3
+        [G, N, K] (bytes for 1, float8 for 2: TMA) and WS fp32 [G, N, K/128] (``predecode``). WS2 unused:
+        the launcher signature of ``fp4_prefill``. One program = one [BM, BN] output tile; program ids
+        walk the column blocks of an m-tile first."""
+        pdl_wait()
         pid = tl.program_id(0)
         num_n = tl.cdiv(N_out, BN)
         t = pid // num_n
@@ -138,6 +158,13 @@ if triton_available():
                                                               n_groups, top_k, BM, BN, LOG2G, GROUPED, GATHER)
         if not live:
             return
+        n_rows = stride_we // stride_wn                          # weight rows per expert
+        wr0 = (e64 * n_rows + pid_n * BN).to(tl.int32)
+        if PREDEC == 2:
+            WD = tl.make_tensor_descriptor(W, shape=[n_groups * n_rows, K], strides=[stride_wn, 1],
+                                           block_shape=[BN, 128])
+        else:
+            WD = W
         wrow = W + e64 * stride_we + rn64 * stride_wn
         srow = WS + e64 * stride_wse + rn64 * stride_wsn
         wrow2 = wrow + n_half * stride_wn
@@ -155,13 +182,14 @@ if triton_available():
             sa = tl.load(sarow + k0 // 128, mask=mrow, other=0.0)
             a = tl.load(arow_p[:, None] + k0 + kc[None, :], mask=mrow[:, None], other=0)
             a = a.to(tl.float8e4nv, bitcast=True)
-            blk, sb = _fp8_block(a, wrow, srow, nmask, k0, SWAP, USE_ASM, BN)
+            blk, sb = _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, SWAP, USE_ASM, BN, PREDEC)
             if SWAP:                                           # official per-128 promotion
                 acc += blk * (sb[:, None] * sa[None, :])
             else:
                 acc += blk * (sa[:, None] * sb[None, :])
             if SWIGLU:                                         # w3 rows of the same columns
-                blk2, sb2 = _fp8_block(a, wrow2, srow2, nmask, k0, SWAP, USE_ASM, BN)
+                blk2, sb2 = _fp8_block(a, wrow2, srow2, nmask, k0, WD, wr0 + n_half, SWAP, USE_ASM, BN,
+                                       PREDEC)
                 if SWAP:
                     acc2 += blk2 * (sb2[:, None] * sa[None, :])
                 else:
@@ -182,6 +210,27 @@ if triton_available():
             store_bf16(C + r64[:, None] * stride_cm + rn64[None, :], acc, mrow[:, None] & nmask[None, :], INTERP)
 
 
+    @triton.jit
+    def _predecode_kernel(W, WS, W8, SB, N, KB, stride_we, stride_wn, stride_wse, stride_wsn,
+                          stride_8e, stride_8n, stride_sbe, stride_sbn, BN: tl.constexpr, USE_ASM: tl.constexpr):
+        """Grid (experts, row blocks of BN): every 128-block of rows n0 .. n0+BN of one expert, W8 = the
+        e4m3 bytes ``_fp8_decode`` forms in registers, SB = their fp32 factors 2^(s_max - 133)."""
+        pdl_wait()
+        e = tl.program_id(0).to(tl.int64)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = rn < N
+        rn64 = rn.to(tl.int64)
+        wrow = W + e * stride_we + rn64 * stride_wn
+        srow = WS + e * stride_wse + rn64 * stride_wsn
+        orow = W8 + e * stride_8e + rn64 * stride_8n
+        sbrow = SB + e * stride_sbe + rn64 * stride_sbn
+        kc = tl.arange(0, 128)
+        for kb in range(0, KB):
+            w, sb = _fp8_decode(wrow, srow, nmask, kb * 128, USE_ASM, BN)
+            tl.store(orow[:, None] + kb * 128 + kc[None, :], w.to(tl.uint8, bitcast=True), mask=nmask[:, None])
+            tl.store(sbrow + kb, sb, mask=nmask)
+
+
 # -------------------------------------------------------------------------------------------------
 # host side
 
@@ -193,14 +242,49 @@ def wide_spread(ws: torch.Tensor) -> bool:
     return bool(((s.amax(-1, keepdim=True) - s) >= FLUSH_SPREAD).any())
 
 
+def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 expert weights ``w`` uint8 [G, N, K/2] with e8m0 scales ``ws`` [G, N, K/32] -> (e4m3 bytes
+    [G, N, K], fp32 factors [G, N, K/128]): per 128-block and row the bytes and factor this module's
+    kernel forms in registers (module doc: exact, groups 2^12 below their block maximum flushed), so
+    that ``fp4_fp8_launch(..., predecoded=True)`` on them gives the same bits as on ``w``, ``ws``.
+    Costs a pass over the weights (read 0.53 byte, write 1.03 bytes per weight) and 2x their bytes of
+    memory: a prefill chunk with enough rows per expert that FP8 tensor cores on plain e4m3 tiles
+    repay it."""
+    w, ws = u8(w), u8(ws)
+    if w.dim() == 2:
+        w, ws = w[None], ws[None]
+    G, N, K2 = w.shape
+    K = 2 * K2
+    if K % QBLOCK or tuple(ws.shape) != (G, N, K // 32):
+        raise ValueError(f"predecode: expected w [G, N, K/2] (K % 128 == 0) and ws [G, N, K/32], got "
+                         f"{tuple(w.shape)} and {tuple(ws.shape)}")
+    w8 = torch.empty(G, N, K, dtype=torch.uint8, device=w.device)
+    sb = torch.empty(G, N, K // QBLOCK, dtype=torch.float32, device=w.device)
+    if G and N:
+        t = target(w.device)
+        BN = 16 if not t.compiled else 64
+        kw = {} if interpreting() else {"num_warps": 4}
+        _predecode_kernel[(G, triton.cdiv(N, BN))](
+            w, ws, w8, sb, N, K // QBLOCK, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), w8.stride(0),
+            w8.stride(1), sb.stride(0), sb.stride(1), BN=BN, USE_ASM=t.use_asm if use_asm is None else use_asm,
+            **kw, **PDL_LAUNCH)
+    return w8, sb
+
+
 def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, swiglu=False, limit=0.0,
                    perm=None, offs=None, tcum=None, pw=None, top_k=1, n_groups=1, n_tiles=None, config=None,
-                   use_asm=None):
+                   use_asm=None, predecoded=False):
     """``fp4_prefill.fp4_prefill_launch``'s arguments and outputs, MXFP4 only, with ``a`` the e4m3
-    activations [rows, K] (bytes or float8_e4m3fn; GEMM 2 takes GEMM 1's h as it is). ``config``: BM, BN (128 with ``swiglu``), num_warps,
-    num_stages, SWAP (default ``route.fp4_fp8_config``)."""
+    activations [rows, K] (bytes or float8_e4m3fn; GEMM 2 takes GEMM 1's h as it is). ``config``: BM, BN
+    (128 with ``swiglu``), num_warps, num_stages, SWAP (default ``route.fp4_fp8_config``).
+    ``predecoded``: ``w``, ``ws`` are ``predecode``'s e4m3 bytes and fp32 factors (the same products:
+    the same bits); ``config['WTMA']`` then loads the weight tiles with TMA (a device-side descriptor
+    over all experts' rows) instead of pointer loads."""
     if fmt != "mxfp4":
         raise ValueError(f"fp4_fp8: only mxfp4 weights fold exactly into e4m3, got {fmt!r}")
+    if predecoded and (u8(w).shape[-1] != K or ws.dtype != torch.float32):
+        raise ValueError(f"fp4_fp8: predecoded weights are e4m3 [.., N, {K}] with fp32 factors, got "
+                         f"{tuple(w.shape)} {w.dtype} and {ws.dtype}")
     if K % QBLOCK:
         raise ValueError(f"fp4_fp8: K={K} must be a multiple of 128")
     if a.dtype not in (torch.uint8, torch.float8_e4m3fn):
@@ -213,6 +297,10 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
     if swiglu:
         cfg["BN"] = QBLOCK
     BM, BN, swap = cfg.pop("BM"), cfg.pop("BN"), bool(cfg.pop("SWAP", True))
+    wtma = bool(cfg.pop("WTMA", False)) and predecoded
+    if wtma and (N_out % BN or n_half % BN):
+        raise ValueError(f"fp4_fp8: TMA weight tiles need N_out ({N_out}) and n_half ({n_half}) to be "
+                         f"multiples of BN ({BN})")
     kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     grouped = tcum is not None
     if grouped:
@@ -222,12 +310,15 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
     grid = (max(grid_m, 1) * triton.cdiv(N_out, BN),)
     if use_asm is None:
         use_asm = t.use_asm
+    if wtma:
+        ensure_tma_allocator(dev)
+        w = u8(w).view(torch.float8_e4m3fn)
     _fp4_fp8_kernel[grid](
-        *fp4_kernel_args(u8(a), sa, u8(w), u8(ws), ws2, out, out_s, perm, offs, tcum, pw, M, N_out, K, n_half,
-                         n_groups, top_k, limit),
+        *fp4_kernel_args(u8(a), sa, w if wtma else u8(w), ws if predecoded else u8(ws), ws2, out, out_s, perm,
+                         offs, tcum, pw, M, N_out, K, n_half, n_groups, top_k, limit),
         GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu, HAS_PW=pw is not None, USE_ASM=use_asm,
-        SWAP=swap, BM=BM, BN=BN, LOG2G=log2_groups(n_groups),
-        INTERP=interpreting(), **kw)
+        SWAP=swap, BM=BM, BN=BN, LOG2G=log2_groups(n_groups), PREDEC=(2 if wtma else 1) if predecoded else 0,
+        INTERP=interpreting(), **kw, **PDL_LAUNCH)
 
 
-__all__ = ["FLUSH_SPREAD", "fp4_fp8_launch", "wide_spread"]
+__all__ = ["FLUSH_SPREAD", "fp4_fp8_launch", "predecode", "wide_spread"]

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import QBLOCK, interpreting, target, triton_available
+from ..lib import PDL_LAUNCH, QBLOCK, interpreting, target, triton_available
 from . import route
 from .common import fp4_kernel_args, log2_groups
 
@@ -56,7 +56,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..lib import e2m1_f16
+    from ..lib import e2m1_f16, pdl_wait
     from .common import fp4_epilogue, tile
 
     @triton.jit
@@ -156,6 +156,7 @@ if triton_available():
                             INTERP: tl.constexpr):
         """FMT 2 = MXFP4 (scales relative to the block max), 1 = NVFP4. One program = one [BM, BN]
         output tile; program ids walk the column blocks of an m-tile first."""
+        pdl_wait()
         pid = tl.program_id(0)
         num_n = tl.cdiv(N_out, BN)
         t = pid // num_n
@@ -244,7 +245,7 @@ def fp4_prefill_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fm
         FMT=2 if fmt == "mxfp4" else 1, GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu,
         HAS_PW=pw is not None, USE_ASM=use_asm, DEC=dec, KSPLIT=ksplit, BM=BM, BN=BN,
         LOG2G=log2_groups(n_groups), RB=REL_BIAS if fmt == "mxfp4" else 0,
-        SB_SCALE=2.0 ** ((6 if dec == 0 else 14) - 6 - REL_BIAS), INTERP=interpreting(), **kw)
+        SB_SCALE=2.0 ** ((6 if dec == 0 else 14) - 6 - REL_BIAS), INTERP=interpreting(), **kw, **PDL_LAUNCH)
 
 
 __all__ = ["fp4_prefill_launch", "f16_operand_split", "REL_BIAS"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..counters import arrival_counters
-from ..lib import QBLOCK, interpreting, target, triton_available, u8
+from ..lib import PDL_LAUNCH, QBLOCK, interpreting, target, triton_available, u8
 from . import route
 from .common import check_fp8_gemm_args, check_fp8_weight, weight_scales
 
@@ -36,11 +36,12 @@ if triton_available():
     import triton.language as tl
 
     from ..counters import arrive
-    from ..lib import exp2i, grouped_tile, quant_blocks, quant_rows, store_bf16, swiglu_h
+    from ..lib import exp2i, grouped_tile, pdl_wait, quant_blocks, quant_rows, store_bf16, swiglu_h
 
     @triton.jit(do_not_specialize=['stride_s'])
     def _act_quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s,
                           BLOCKS: tl.constexpr, INTERP: tl.constexpr):
+        pdl_wait()
         quant_blocks(X, Q, S, tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCKS, K // 128,
                       stride_x, stride_q, stride_s, BLOCKS, INTERP)
 
@@ -79,6 +80,7 @@ if triton_available():
         in C = workspace [S, M, N]. SUM: the tile's last program to arrive on its counter (CNT, per
         output tile, reset to 0 by that program: ``counters.arrival_counters``) adds the S partials in
         split order, from 0 (``_splitk_sum``'s sums, bit for bit, without its launch), into bf16 OUT."""
+        pdl_wait()
         ks = tl.program_id(1)
         pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N_out, BN), GROUP_M)
         rm = pid_m * BM + tl.arange(0, BM)
@@ -170,7 +172,7 @@ def act_quant_fp8(x: torch.Tensor, block: int = QBLOCK, with_f16: bool = False):
         blocks = min(8, triton.next_power_of_2(nb))
         kw = {} if interpreting() else {"num_warps": 4}
         _act_quant_kernel[(M, triton.cdiv(nb, blocks))](
-            x2, q, s, K, x2.stride(0), K, s.stride(0), BLOCKS=blocks, INTERP=interpreting(), **kw)
+            x2, q, s, K, x2.stride(0), K, s.stride(0), BLOCKS=blocks, INTERP=interpreting(), **kw, **PDL_LAUNCH)
     qo = q.view(torch.float8_e4m3fn).reshape(shape)
     so = s.reshape(*shape[:-1], K // QBLOCK)
     if with_f16:
@@ -207,7 +209,7 @@ def launch(a, sa, w, ws, out, out_s, M, N_out, K, n_half, a_bf16, swiglu, limit,
         wsv.stride(0), dst.stride(-2), out_s.stride(0) if out_s is not None else 0,
         out.stride(0) if fused_sum else 0, float(limit), kps,
         SB_SHIFT=0 if per_row else 7, A_BF16=a_bf16, SB_E8M0=sb_e8m0, SWIGLU=swiglu,
-        BM=BM, BN=BN, GROUP_M=GM, SPLIT=split, SUM=fused_sum, INTERP=interpreting(), **kw)
+        BM=BM, BN=BN, GROUP_M=GM, SPLIT=split, SUM=fused_sum, INTERP=interpreting(), **kw, **PDL_LAUNCH)
     if partial:
         return dst
 

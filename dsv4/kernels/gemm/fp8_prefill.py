@@ -53,9 +53,9 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import QBLOCK, interpreting, target, triton_available, u8
+from ..lib import PDL_LAUNCH, QBLOCK, interpreting, target, triton_available, u8
 from . import route
-from .common import check_fp8_weight, weight_scales
+from .common import check_fp8_weight, ensure_tma_allocator, weight_scales
 
 LOADS = {"ptr": 0, "tma": 1, "tma_dev": 2}
 
@@ -67,7 +67,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..lib import grouped_tile, rne_bf16
+    from ..lib import grouped_tile, pdl_wait, rne_bf16
 
     @triton.jit
     def _pf_sb(SB, n0, kb, N, stride_sbn, W: tl.constexpr, SB_E8M0: tl.constexpr, SB_ROW: tl.constexpr):
@@ -175,6 +175,7 @@ if triton_available():
         """A / B: e4m3 [M, K] / [N, K] (uint8 for LOAD 0, host descriptors for 1, fp8 pointers for 2);
         SA fp32 activation scales (row stride stride_sam, K-block stride stride_sak); SB weight scales
         (e8m0 bytes or fp32); C bf16 [M, N] (a descriptor for EPI_TMA with LOAD 1)."""
+        pdl_wait()
         W: tl.constexpr = BN // NSUB
         if LOAD == 2:   # device-side descriptors (global scratch from triton.set_allocator)
             A = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, 128])
@@ -200,20 +201,6 @@ if triton_available():
 # -------------------------------------------------------------------------------------------------
 # host side
 
-_ALLOCATOR_SET = False
-
-
-def _ensure_allocator(device):
-    """Device-side tensor descriptors need a global scratch allocator (``triton.set_allocator``)."""
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET:
-        return
-
-    def alloc_fn(size: int, alignment: int, stream):
-        return torch.empty(size, device=device, dtype=torch.int8)
-
-    triton.set_allocator(alloc_fn)
-    _ALLOCATOR_SET = True
 
 
 def resolve_config(M: int, N: int, K: int, dev, config: dict | None) -> dict:
@@ -314,7 +301,7 @@ def fp8_gemm_prefill(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
         if epi_tma:
             C = TensorDescriptor.from_tensor(out, [BM, W])
     elif load == 2:
-        _ensure_allocator(xq.device)
+        ensure_tma_allocator(xq.device)
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     grid = (min(tiles, target(xq.device).sm_count) if cfg["PERSISTENT"] else tiles,)
     kw = {} if interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
@@ -322,7 +309,7 @@ def fp8_gemm_prefill(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: to
         A, sa, B, wsv, C, M, N, K, a.stride(0), b.stride(0), out.stride(0), s_m, s_k, wsv.stride(0),
         BM=BM, BN=BN, NSUB=NSUB, GROUP_M=cfg["GROUP_M"], LOAD=load, PERSISTENT=bool(cfg["PERSISTENT"]),
         FLATTEN=bool(cfg["FLATTEN"]), WS=ws_flag, SB_E8M0=sb_e8m0, SB_ROW=sb_row, EPI_TMA=epi_tma,
-        ORDER=bool(cfg["ORDER"]), INTERP=interpreting(), **kw)
+        ORDER=bool(cfg["ORDER"]), INTERP=interpreting(), **kw, **PDL_LAUNCH)
     return out
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import QBLOCK, interpreting, target, triton_available, u8
+from ..lib import PDL_LAUNCH, QBLOCK, interpreting, target, triton_available, u8
 from . import route
 from .common import check_fp4, check_fp8_weight, launch_plan, log2_groups, nvfp4_row_scales, sum_splits, \
     weight_scales
@@ -41,7 +41,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..lib import e2m1_f16, e4m3_bits, exp2i, quant_rows, store_bf16, swiglu_h, tile_rows, ue8m0_exp
+    from ..lib import e2m1_f16, e4m3_bits, exp2i, pdl_wait, quant_rows, store_bf16, swiglu_h, tile_rows, ue8m0_exp
 
     @triton.jit
     def _row_dot(w, A, SA, row, k0, kb, stride_am, stride_sam, NG: tl.constexpr, KG: tl.constexpr,
@@ -99,6 +99,7 @@ if triton_available():
         2 GB] values; FP8: [BN, 8, 16]), in the layout it is loaded in (every product and group sum
         inside one thread). BM in (1, 2, 4) rows, one accumulator each (a 4-D broadcast would make Triton
         pick a layout that moves the weights through shared memory)."""
+        pdl_wait()
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         ks = tl.program_id(2)
@@ -192,6 +193,7 @@ if triton_available():
     def _swiglu_quant_kernel(WSP, H, HS, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm,
                              GATHER: tl.constexpr, HAS_PW: tl.constexpr, INTERP: tl.constexpr):
         """h[r, 128 c ..] = FP8(swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols]))."""
+        pdl_wait()
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         i = c * 128 + tl.arange(0, 128)
@@ -259,7 +261,7 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
         a.stride(0), sa.stride(0) if sa is not None else 0, *strides, dst.stride(-2),
         WFMT=wfmt_i, SB_SHIFT=0 if per_row else 7, SB_E8M0=sb_e8m0, A_BF16=a_bf16, GROUPED=grouped,
         GATHER=perm is not None, USE_ASM=use_asm, BM=bm, BN=BN, NG=ng, GB=gb,
-        LOG2G=log2_groups(n_groups), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw)
+        LOG2G=log2_groups(n_groups), SPLIT=dst.dtype == torch.float32, INTERP=interpreting(), **kw, **PDL_LAUNCH)
     if partial or not split_sum:
         return dst
     return sum_splits(dst, out)
@@ -281,7 +283,7 @@ def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None):
         _swiglu_quant_kernel[(M, I // QBLOCK)](
             partials, h, hs, pw if pw is not None else partials, perm if perm is not None else partials,
             M, N2, I, S, float(limit), h.stride(0), hs.stride(0), GATHER=perm is not None,
-            HAS_PW=pw is not None, INTERP=interpreting(), **kw)
+            HAS_PW=pw is not None, INTERP=interpreting(), **kw, **PDL_LAUNCH)
     return h, hs
 
 

@@ -184,6 +184,18 @@ def fp4_fp8_config(rows_per_group: float, t: Target, swiglu: bool = False) -> di
             "num_stages": 3}
 
 
+def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) -> dict:
+    """Tile of ``fp4_fp8``'s kernel on pre-decoded e4m3 weights (``moe`` path 'predec', not routed by
+    default): both operands through shared memory (no register decode, so no ``SWAP``), the weight tiles
+    by TMA on sm_90+ (``WTMA``; the gathered activation rows by pointer loads), 64-token tiles
+    (two fp32 accumulators of 64 x 128 with SwiGLU: no spills at 8 warps, as ``fp4_fp8_config``'s).
+    Small tiles under the interpreter. Unmeasured on the H200: BENCHMARKS.md "Open targets"."""
+    if not t.compiled:
+        return {"BM": 16, "BN": 32, "SWAP": False, "WTMA": False}
+    return {"BM": 64, "BN": 128, "SWAP": False, "WTMA": t.capability[0] >= 9, "num_warps": 8 if swiglu else 4,
+            "num_stages": 3}
+
+
 def decode_kernel(t: Target) -> str:
     """The MoE decode path's expert GEMM: 'mma' (``fp4_mma``, sm_89+) or 'cuda-core' (``gemv``)."""
     return "mma" if t.gluon_mma else "cuda-core"
