@@ -183,6 +183,23 @@ def test_moe_forward(hash_layer, T, path, bm):
     assert torch.equal(parts["offs"].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
 
 
+def test_predec_passes_over_expert_ranges_give_one_pass_s_bits(monkeypatch):
+    """The pre-decoded path with a scratch budget of one to three experts per pass (ranges of the
+    sorted rows, rebased tile counts, grids with dead tiles) gives the single pass's bits."""
+    gen = torch.Generator().manual_seed(32)
+    ref = _ref_moe(8, 256, 128, 2, gen, False, dup_row=4)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = (torch.randn(40, 256, generator=gen) * 1.5).bfloat16().to(DEV)
+    ids = torch.zeros(40, dtype=torch.long, device=DEV)
+    one = Mo.moe_forward(x, ids, w, path="predec")
+    per_expert = 256 * (256 + 4 * 2)                        # w1|w3 rows x (K bytes + fp32 factors)
+    for n in (1, 3):
+        monkeypatch.setattr(GR, "PREDEC_SCRATCH_BYTES", n * per_expert)
+        assert GR.predec_experts_per_pass(8, 256, 256) == (1 if n == 1 else 3)
+        assert torch.equal(Mo.moe_forward(x, ids, w, path="predec"), one)
+    _check_moe(one, ref(x.cpu(), ids.cpu()))
+
+
 def test_predec_path_refuses_weights_it_cannot_fold():
     """The pre-decoded FP8 path holds only MXFP4 whose scales fold exactly into e4m3: NVFP4 is refused
     with the reason, not computed on a lossy fold."""

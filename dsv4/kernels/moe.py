@@ -40,8 +40,9 @@ promotion), activations and h as plain e4m3 bytes.
 Pre-decoded FP8 path (``path="predec"``, MXFP4 whose scales fold exactly; chosen by the caller, not by
 the router until the H200 has measured it): ``fp4_fp8.predecode`` writes the local experts' w1|w3, then
 w2, as e4m3 tiles with per-(row, 128-block) fp32 factors into transient buffers (2x the weights'
-bytes: 4.3 + 2.1 GB for 256 V4-Flash experts, one at a time), and ``fp4_fp8.py``'s kernel loads those
-tiles instead of decoding FP4 in its K loop: the same bits as ``fp8mma``.
+bytes, 4.3 + 2.1 GB for 256 V4-Flash experts: in passes over expert ranges of at most
+``router.PREDEC_SCRATCH_BYTES``, one alive at a time), and ``fp4_fp8.py``'s kernel loads those tiles
+instead of decoding FP4 in its K loop: the same bits as ``fp8mma``.
 
 Prefill path (``path="prefill"``, MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
 per expert outside the FP8 path's range or whose scales do not fold into e4m3): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
@@ -568,15 +569,23 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         fp4_fp8_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit,
                        perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)
         fp4_fp8_launch(h, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"], **grouped)
-    elif path == "predec":    # one expert set's e4m3 copy alive at a time
-        w8, f8 = predecode(w.w13, w.w13_s)
-        fp4_fp8_launch(a, xs, w8, f8, None, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit, perm=perm,
-                       pw=pw, top_k=k, config=pcfg["13"], predecoded=True, **grouped)
-        del w8, f8
-        w8, f8 = predecode(w.w2, w.w2_s)
-        fp4_fp8_launch(h, hs, w8, f8, None, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"], predecoded=True,
-                       **grouped)
-        del w8, f8
+    elif path == "predec":
+        # passes over expert ranges whose e4m3 copy fits router.PREDEC_SCRATCH_BYTES, one copy alive at a
+        # time; a pass's grid covers every tile its experts can have (the rest exit at once)
+        for wq, ws_, swiglu in ((w.w13, w.w13_s, True), (w.w2, w.w2_s, False)):
+            step = router.predec_experts_per_pass(E, wq.shape[1], 2 * wq.shape[2])
+            for e0 in range(0, E, step):
+                e1 = min(E, e0 + step)
+                part = dict(offs=offs[e0:e1 + 1], tcum=tcum[e0:e1 + 1] - tcum[e0], n_groups=e1 - e0,
+                            n_tiles=min(P, triton.cdiv(P, bm) + min(e1 - e0, P)))
+                w8, f8 = predecode(wq[e0:e1], ws_[e0:e1])
+                if swiglu:
+                    fp4_fp8_launch(a, xs, w8, f8, None, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit,
+                                   perm=perm, pw=pw, top_k=k, config=pcfg["13"], predecoded=True, **part)
+                else:
+                    fp4_fp8_launch(h, hs, w8, f8, None, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"],
+                                   predecoded=True, **part)
+                del w8, f8
     elif path == "prefill":
         fp4_prefill_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
                            limit=w.limit, perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)

@@ -184,6 +184,19 @@ def fp4_fp8_config(rows_per_group: float, t: Target, swiglu: bool = False) -> di
             "num_stages": 3}
 
 
+# the pre-decoded path's transient e4m3 copy of one GEMM's experts is made in passes of at most this many
+# bytes (V4-Flash: w1|w3 in 3 passes of 86 experts, w2 in 2 of 128; V4-Pro: 9 of 43, 5 of 77)
+PREDEC_SCRATCH_BYTES = 2 << 30
+
+
+def predec_experts_per_pass(n_experts: int, rows: int, K: int) -> int:
+    """Experts per pass of the pre-decoded path: as even as the scratch budget allows (e4m3 rows of K
+    bytes + K/128 fp32 factors each), at least one."""
+    per = max(1, PREDEC_SCRATCH_BYTES // (rows * (K + 4 * (K // QBLOCK))))
+    passes = -(-n_experts // per)
+    return -(-n_experts // passes)
+
+
 def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) -> dict:
     """Tile of ``fp4_fp8``'s kernel on pre-decoded e4m3 weights (``moe`` path 'predec', not routed by
     default): both operands through shared memory (no register decode, so no ``SWAP``), the weight tiles
