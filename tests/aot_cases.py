@@ -50,6 +50,7 @@ KERNELS = {
                                                                limit="fp32"), ("moe",)),
     "fp4_mma": ("gemm.fp4_mma", "_mma_gemv_kernel", MMA4, ("moe",)),
     "fp8_mma": ("gemm.fp8_mma", "_fp8_mma_kernel", MMA8, ("linear", "wo_a", "moe")),
+    "dequant_bf16": ("gemm.fp8", "_dequant_bf16_kernel", dict(W=P("u8"), SB=F, Y=P("bf16")), ("wo_a",)),
     "fp8_prefill": ("gemm.fp8_prefill", None, None, ("linear", "moe")),
     "fp4_prefill": ("gemm.fp4_prefill", "_fp4_prefill_kernel", FP4, ("moe",)),
     "fp4_fp8": ("gemm.fp4_fp8", "_fp4_fp8_kernel", dict(FP4, A=P("u8")), ("moe",)),
@@ -112,6 +113,7 @@ KERNELS = {
 # kernel -> [(constexprs, warps, stages)]
 FIXED = {
     "act_quant": [(dict(BLOCKS=8, INTERP=False), 4, None)],
+    "dequant_bf16": [(dict(SB_SHIFT=7, SB_E8M0=False, BN=64, INTERP=False), 4, None)],
     # the MXFP4 experts decoded once to e4m3 tiles (``fp4_fp8.predecode``), then the FP8 grouped GEMM on them
     "predecode": [(dict(BN=64, USE_ASM=True), 4, None)],
     # PREDEC 1: pointer loads; 2: TMA weight tiles (sm_90+ only, ``cases``)

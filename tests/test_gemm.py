@@ -71,6 +71,27 @@ def _act_inputs(M, K, gen):
     return x
 
 
+@pytest.mark.parametrize("N,K,per_row,e8m0", [(300, 512, False, True), (256, 384, True, False), (130, 256, False, False)])
+def test_dequant_bf16_is_torch_s_formula_bit_for_bit(N, K, per_row, e8m0):
+    """``fp8.dequant_bf16`` (one kernel pass; ``wo_a`` at prefill) = ``w.to(bf16) * s.to(bf16)`` with the
+    scales expanded, on every e4m3 byte (subnormals, -0, the largest) and on 128x128 block / per-row,
+    e8m0 / non-power-of-two fp32 scales (rounded once, to nearest even), partial row blocks."""
+    g = torch.Generator().manual_seed(N + K)
+    wb = torch.randint(0, 256, (N, K), generator=g, dtype=torch.uint8)
+    wb[(wb & 0x7F) == 0x7F] = 0x7E                          # e4m3fn has no infinities; 0x7F / 0xFF are NaN
+    wb[0, :256] = torch.arange(256, dtype=torch.uint8).clamp(max=0x7E)
+    w = wb.view(torch.float8_e4m3fn)
+    rows = N if per_row else -(-N // 128)
+    if e8m0:
+        s = torch.randint(100, 140, (rows, K // 128), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    else:
+        s = torch.rand(rows, K // 128, generator=g) * 0.01 + 1e-4
+    y = G8.dequant_bf16(w.to(DEV), s.to(DEV)).cpu()
+    full = s.float().repeat_interleave(1 if per_row else 128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+    ref = w.to(torch.bfloat16) * full.to(torch.bfloat16)
+    assert torch.equal(y.view(torch.int16), ref.view(torch.int16))
+
+
 @pytest.mark.parametrize("M,K", [(5, 256), (1, 384)])
 def test_act_quant_bit_exact(M, K):
     gen = torch.Generator().manual_seed(M + K)

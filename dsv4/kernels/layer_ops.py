@@ -6,7 +6,8 @@ size in ``gemm.route``); bf16-stored layers one bf16 tensor-core GEMM with fp32 
 products, fp32 sums: the official fp32 GEMM of bf16 operands up to summation order).
 ``wo_a(g, o)``: the official bf16 grouped einsum: ``fp8_mma`` reads the FP8 weight (bf16 activations,
 ``act="bf16"``) where ``route.wo_a_kernel`` says, otherwise the weight is dequantised to bf16 for the
-call (exact: e4m3 x 2^k fits bf16) and one batched GEMM runs.
+call (exact: e4m3 x 2^k fits bf16; one kernel pass) and one batched GEMM runs on strided views (no
+copies of o or of the result).
 ``moe(layer, x, ids)``: ``kernels.moe.moe_forward`` on the layer's stacked FP4 experts (MXFP4 /
 NVFP4); FP8 routed experts have no kernel (``takes_moe`` says which layers it takes). Under expert
 parallelism each rank's kernels return the fp32 sum of its experts, which is all-reduced before the
@@ -18,6 +19,7 @@ import torch
 
 from .gemm import fp8_mma as mma
 from .gemm import route
+from .gemm.fp8 import dequant_bf16 as fp8_dequant_bf16
 from .gemm.linear import fp8_linear
 from .lib import target
 from .moe import MoEWeights, moe_forward
@@ -40,10 +42,13 @@ def _linear(lin, x: torch.Tensor, portable: bool) -> torch.Tensor:
     return y.view(*x.shape[:-1], -1)
 
 
-def dequant_bf16(lin) -> torch.Tensor:
-    """bf16 values of an FP8 linear's weight (exact), or its bf16 weight."""
+def dequant_bf16(lin, portable: bool = True) -> torch.Tensor:
+    """bf16 values of an FP8 linear's weight (exact), or its bf16 weight. ``portable``: torch ops (the
+    scales expanded to [N, K], five passes); else ``fp8.dequant_bf16`` (one kernel pass, the same bits)."""
     if lin.kind != "fp8":
         return lin.weight
+    if not portable:
+        return fp8_dequant_bf16(lin.weight, lin.scale)
     N, K = lin.weight.shape
     s = lin.scale.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
     return (lin.weight.to(torch.bfloat16) * s.to(torch.bfloat16))
@@ -54,12 +59,20 @@ def wo_a(g, o: torch.Tensor) -> torch.Tensor:
 
 
 def _wo_a(g, o: torch.Tensor, portable: bool) -> torch.Tensor:
+    """[T, G, rank] bf16. The dequantised path runs one batched GEMM on strided views (o read as [G, T, D]
+    in place, the result written as [T, G, rank] in place): the layout ``wo_b`` reads, no copies."""
     T, G = o.shape[0], g.groups
     o = o.to(torch.bfloat16)
     if not portable and route.wo_a_kernel(T, g.fmt, target(o.device)) == "mma":
         z = mma.fp8_mma(g.lin.weight, g.lin.scale, x_bf16=o.reshape(T, -1), act="bf16", groups=G)
         return z.view(T, G, -1)
-    return torch.einsum("tgd,grd->tgr", o, dequant_bf16(g.lin).view(G, g.rank, -1))
+    wd = dequant_bf16(g.lin, portable).view(G, g.rank, -1)
+    if portable:
+        return torch.einsum("tgd,grd->tgr", o, wd)
+    o3 = o.reshape(T, G, -1)
+    z = torch.empty(T, G, g.rank, dtype=torch.bfloat16, device=o.device)
+    torch.bmm(o3.transpose(0, 1), wd.transpose(1, 2), out=z.transpose(0, 1))
+    return z
 
 
 def kernel_weights(layer) -> MoEWeights:

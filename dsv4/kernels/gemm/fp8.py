@@ -36,7 +36,7 @@ if triton_available():
     import triton.language as tl
 
     from ..counters import arrive
-    from ..lib import exp2i, grouped_tile, pdl_wait, quant_blocks, quant_rows, store_bf16, swiglu_h
+    from ..lib import exp2i, grouped_tile, pdl_wait, quant_blocks, quant_rows, rne_bf16, store_bf16, swiglu_h
 
     @triton.jit(do_not_specialize=['stride_s'])
     def _act_quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s,
@@ -144,6 +144,32 @@ if triton_available():
         else:
             store_bf16(C + rm64[:, None] * stride_cm + rn64[None, :], acc,
                         mm[:, None] & mn[None, :], INTERP)
+
+
+    @triton.jit
+    def _dequant_bf16_kernel(W, SB, Y, N, K, stride_wn, stride_sbn, stride_yn, SB_SHIFT: tl.constexpr,
+                             SB_E8M0: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+        """Y[n, k] = bf16(bf16(e4m3 W[n, k]) * bf16(scale of (n, k))): torch's ``w.to(bf16) * s.to(bf16)``
+        bit for bit (an e4m3 value is exact in bf16; the product of two bf16 values is exact in fp32
+        and rounded once, to nearest even). The e4m3 bytes are decoded in integer arithmetic (the
+        interpreter's fp8 casts are not trusted). Grid (row blocks of BN, 128-column blocks)."""
+        pdl_wait()
+        pid_n = tl.program_id(0)
+        kb = tl.program_id(1)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = kb * 128 + tl.arange(0, 128)
+        mn = rn < N
+        msk = mn[:, None] & (rk < K)[None, :]
+        rn64 = rn.to(tl.int64)
+        b = tl.load(W + rn64[:, None] * stride_wn + rk[None, :], mask=msk, other=0).to(tl.int32)
+        e = (b >> 3) & 15
+        m = b & 7
+        mag = tl.where(e == 0, m.to(tl.float32) * (1.0 / 512.0),
+                       (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True))     # 2^(e-7) (1 + m/8)
+        v = tl.where((b & 128) != 0, -mag, mag)
+        sb = _load_sb(SB, rn64, pid_n, kb, mn, stride_sbn, SB_SHIFT, SB_E8M0, BN)
+        y = rne_bf16(v * rne_bf16(sb)[:, None])
+        store_bf16(Y + rn64[:, None] * stride_yn + rk[None, :], y, msk, INTERP)
 
 
 def act_quant_fp8(x: torch.Tensor, block: int = QBLOCK, with_f16: bool = False):
@@ -265,6 +291,23 @@ def fp8_gemm_bf16(x2: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, out: torc
     return out
 
 
+def dequant_bf16(w: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] values of an FP8 weight (e4m3 [N, K], 128x128 block or per-row [N, K/128] scales, e8m0
+    or fp32) in one pass: the bits of ``w.to(bf16) * s.to(bf16)`` with ``s`` the scales expanded to
+    [N, K] (exact where the scales are powers of two)."""
+    check_fp8_weight(w, ws)
+    wsv, e8m0, per_row = weight_scales(w, ws)
+    N, K = w.shape
+    y = torch.empty(N, K, dtype=torch.bfloat16, device=w.device)
+    if N and K:
+        BN = 64
+        kw = {} if interpreting() else {"num_warps": 4}
+        _dequant_bf16_kernel[(triton.cdiv(N, BN), triton.cdiv(K, QBLOCK))](
+            u8(w), wsv, y, N, K, w.stride(0), wsv.stride(0), y.stride(0), SB_SHIFT=0 if per_row else 7,
+            SB_E8M0=e8m0, BN=BN, INTERP=interpreting(), **kw, **PDL_LAUNCH)
+    return y
+
+
 def fp8_swiglu(xq, xs, w13, w13s, limit: float, config: dict | None = None, x_bf16=None):
     """Shared-expert first half: [w1; w3] stacked FP8 [2I, K] -> (h e4m3 [M, I], hs fp32 [M, I/128])
     with h = act_quant(bf16(silu(clamp(bf16(x w1))) * clamp(bf16(x w3)))). Pass ``x_bf16`` (and
@@ -285,5 +328,5 @@ def fp8_swiglu(xq, xs, w13, w13s, limit: float, config: dict | None = None, x_bf
     return h.view(torch.float8_e4m3fn), hs
 
 
-__all__ = ["act_quant_fp8", "fp8_gemm", "fp8_gemm_bf16", "fp8_gemm_partials", "fp8_swiglu", "fp8_weight_exact",
+__all__ = ["act_quant_fp8", "dequant_bf16", "fp8_gemm", "fp8_gemm_bf16", "fp8_gemm_partials", "fp8_swiglu", "fp8_weight_exact",
            "launch"]
