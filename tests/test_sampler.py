@@ -268,6 +268,23 @@ def test_min_tokens_masks_eos_in_sampler():
     assert res.token_ids == [1, 7]
 
 
+def test_rows_left_with_no_token_after_the_masks_are_errors_and_the_others_sample():
+    """The post-processing check runs whenever a step changed the logits: min_tokens masking every
+    token of a row (eos and its stop id are the whole vocabulary) is that row's error; the other
+    rows of the batch, greedy and random, still get their tokens. A batch no step changed skips the
+    check and takes the plain argmax."""
+    lg = torch.tensor([[3.0, 1.0], [0.5, 2.0], [4.0, -1.0]])
+    s = Sampler(eos_token_id=0)
+    ps = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1]),
+          SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=3)]
+    res = s(lg, ps, [[], [], []], [[], [], []], [None, None, make_generator(3)])
+    assert res.token_ids[0] == -1 and "every token was masked" in res.errors[0]
+    assert res.token_ids[1] == 1 and res.errors[1] is None
+    assert res.token_ids[2] in (0, 1) and res.errors[2] is None
+    plain = s(lg, [SamplingParams(temperature=0)] * 3)
+    assert plain.token_ids == [0, 1, 0] and plain.errors == [None] * 3
+
+
 # ------------------------------------------------------------------------------ validation
 BAD = [
     (dict(n=0), "n"),
