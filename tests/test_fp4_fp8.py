@@ -233,6 +233,17 @@ def test_predecode_is_the_kernels_own_fold(spread):
         assert torch.equal(got, want.float())
 
 
+def _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma):
+    """GEMM 1 + SwiGLU and GEMM 2 on ``predecode``'s tiles (``WTMA``: through TMA) = on the FP4 bytes."""
+    def predec(a, sa, w, ws, *args, config, **kw):
+        w8, sb = F.predecode(w, ws)
+        return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True, config=dict(config, WTMA=wtma), **kw)
+    ref = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
+    got = _gemms(c, E, d, I, top_k, limit, predec, u8, cfg)
+    for r, g in zip(ref, got):
+        assert torch.equal(r.cpu(), g.cpu())
+
+
 @pytest.mark.parametrize("swap,wtma", [(True, False), (False, False), (False, True), (True, True)])
 def test_predecoded_weights_give_the_same_bits(swap, wtma):
     """Grouped + gather + SwiGLU and grouped w2 on ``predecode``'s bytes (the FP8 tiles loaded, not
@@ -244,14 +255,7 @@ def test_predecoded_weights_give_the_same_bits(swap, wtma):
     c["s13"].view(E, 2 * I, -1, 4)[..., 2] -= 7          # spread inside blocks
     bm = 32 if DEV == "cpu" else 64
     cfg = dict(BM=bm, BN=128, SWAP=swap)
-
-    def predec(a, sa, w, ws, *args, config, **kw):
-        w8, sb = F.predecode(w, ws)
-        return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True, config=dict(config, WTMA=wtma), **kw)
-    ref = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
-    got = _gemms(c, E, d, I, top_k, limit, predec, u8, cfg)
-    for r, g in zip(ref, got):
-        assert torch.equal(r.cpu(), g.cpu())
+    _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma)
 
 
 def test_rejects_bad_inputs():
@@ -308,11 +312,4 @@ def test_gpu_predecoded_flash_dims(bm, warps, stages, wtma):
     c["s13"].view(E, 2 * I, -1, 4)[..., 1] -= 11
     c["s2"].view(E, d, -1, 4)[..., 3] -= 13
     cfg = dict(BM=bm, BN=128, SWAP=False, num_warps=warps, num_stages=stages)
-
-    def predec(a, sa, w, ws, *args, config, **kw):
-        w8, sb = F.predecode(w, ws)
-        return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True, config=dict(config, WTMA=wtma), **kw)
-    ref = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
-    got = _gemms(c, E, d, I, top_k, limit, predec, u8, cfg)
-    for r, g in zip(ref, got):
-        assert torch.equal(r, g)
+    _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma)
