@@ -131,8 +131,10 @@ class Attention(nn.Module):
         return out
 
     # ------------------------------------------------------------------ shared parts
-    def _projections(self, x, pos):
-        """(q [T, H, D], kv [T, D], qr, compressor rows {name: (k, s)}, indexer head weights)."""
+    def _projections(self, x, pos, ape: bool = True):
+        """(q [T, H, D], kv [T, D], qr, compressor rows {name: (k, s)}, indexer head weights). ``ape``: the
+        score rows have their compressor's APE row (position % ratio) added; False leaves that to
+        ``compress_decode(ape=...)``, which adds it in its kernel (the same fp32 sum, no launches)."""
         ops, T = self.ops, x.shape[0]
         y = ops.linear(self.wq_a_wkv, x)
         qr = ops.rms_norm(y[:, :self.q_lora], self.q_norm, self.eps)
@@ -146,7 +148,8 @@ class Attention(nn.Module):
                 if comp is None:
                     continue
                 w = comp.coff * comp.dim
-                rows[name] = (z[:, o:o + w], z[:, o + w:o + 2 * w] + comp.ape[pos % comp.ratio])
+                sc = z[:, o + w:o + 2 * w]
+                rows[name] = (z[:, o:o + w], sc + comp.ape[pos % comp.ratio] if ape else sc)
                 o += 2 * w
             if self.index_comp is not None:
                 # the bf16 linear's rounding, then the scaled weights' (reference order)
@@ -186,7 +189,7 @@ class Attention(nn.Module):
         B = T // R
         groups = [slice(j * B, (j + 1) * B) for j in range(R)]
         _f, cos, sin = m[("attn", id(self.rope))]
-        q, kv, qr, rows, iw = self._projections(x, pos)
+        q, kv, qr, rows, iw = self._projections(x, pos, ape=False)
         extra_idx = None
         if self.ratio:
             epb = lc.entries_per_block
@@ -198,14 +201,14 @@ class Attention(nn.Module):
                 wid = m["index_wid"]
                 for g in groups:
                     ops.compress_decode(lc.index_state, slots[g], pos[g], ik[g], isc[g], ic.norm_w, icos[g], isin[g],
-                                        ratio=4, indexer=True, eps=ic.eps, pages=lc.index_keys, page_slots=wid[g],
-                                        page_size=INDEX_PAGE)
+                                        ratio=4, indexer=True, ape=ic.ape, eps=ic.eps, pages=lc.index_keys,
+                                        page_slots=wid[g], page_size=INDEX_PAGE)
             c = self.compressor
             _f, ccos, csin = m[(("comp", c.ratio), id(c.rope))]
             ck, cs = rows["main"]
             wid = m[("wid", self.ratio, epb)]
             done = [ops.compress_decode(lc.comp_state, slots[g], pos[g], ck[g], cs[g], c.norm_w, ccos[g], csin[g],
-                                        ratio=c.ratio, indexer=False, eps=c.eps, pages=lc.entries,
+                                        ratio=c.ratio, indexer=False, ape=c.ape, eps=c.eps, pages=lc.entries,
                                         page_slots=wid[g], page_size=epb) for g in groups]
             if ctx.trace.trace_on:
                 trace(L + "compressor", torch.cat([torch.where(cp[:, None], new, 0) for new, cp in done]))
