@@ -402,7 +402,7 @@ PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SWEEP_TOKENS = 8192
 # in-run tile sweep of fp4_fp8 (V4-Flash, 8192 tokens): (BM, num_warps, num_stages, SWAP)
 # in-run tile sweep of the pre-decoded path (V4-Flash, 8192 tokens): (BM, num_warps, num_stages)
-PREDEC_SWEEP = [(64, 8, 3), (64, 4, 4), (128, 8, 3), (128, 8, 4)]
+PREDEC_SWEEP = [(64, 8, 3, True), (64, 8, 3, False), (64, 8, 4, True), (64, 4, 3, True), (128, 8, 3, True)]
 FP8MMA_SWEEP = [(64, 8, 3, False), (64, 4, 3, False), (64, 8, 4, False), (128, 8, 3, False), (32, 8, 3, True),
                 (64, 4, 4, True)]
 
@@ -451,9 +451,15 @@ class PrefillCase:
         w13, f13 = predecode(self.w13, self.s13)
         w2, f2_ = predecode(self.w2, self.s2)
         f0 = lambda: (predecode(self.w13, self.s13), predecode(self.w2, self.s2))
-        f1 = lambda: fp4_fp8_launch(self.xq, self.xs, w13, f13, None, self.h, self.hs, self.P, self.I, self.d,
-                                    self.I, fmt="mxfp4", swiglu=True, limit=10.0, perm=perm, pw=self.pw,
-                                    top_k=self.k, config=dict(cfg13), predecoded=True, **g)
+
+        def f1():     # ATMA: GEMM 1's rows gathered into sorted order first (timed with it)
+            a, sa, pm, pw = self.xq, self.xs, perm, self.pw
+            if cfg13.get("ATMA"):
+                rows = perm // self.k
+                a, sa, pm, pw = self.xq.index_select(0, rows), self.xs.index_select(0, rows), None, self.pw[perm]
+            fp4_fp8_launch(a, sa, w13, f13, None, self.h, self.hs, self.P, self.I, self.d, self.I, fmt="mxfp4",
+                           swiglu=True, limit=10.0, perm=pm, pw=pw, top_k=self.k, config=dict(cfg13),
+                           predecoded=True, **g)
         f2 = lambda: fp4_fp8_launch(self.h, self.hs, w2, f2_, None, self.out, None, self.P, self.d, self.I,
                                     0, fmt="mxfp4", config=dict(cfg2), predecoded=True, **g)
         return f0, f1, f2
@@ -513,19 +519,19 @@ def bench_prefill(dev, gen, timer, smoke, sweep_rows):
                     log(f"prefill sweep {name}: gemm1 {t1 * 1e3:.1f} us gemm2 {t2 * 1e3:.1f} us")
                 except Exception as e:
                     log(f"prefill sweep {bm} {nw} {st} {swap} failed: {type(e).__name__}: {str(e)[:300]}")
-            for bm, nw, st in PREDEC_SWEEP:
-                cfg = dict(BM=bm, BN=128, num_warps=nw, num_stages=st, SWAP=False)
+            for bm, nw, st, atma in PREDEC_SWEEP:
+                cfg = dict(BM=bm, BN=128, num_warps=nw, num_stages=st, SWAP=False, WTMA=True, ATMA=atma)
                 try:
                     f0, f1, f2 = case.predec(cfg, cfg)
                     f1(), f2()
                     t1, t2 = timer(f1), timer(f2)
-                    name = f"predec.bm{bm}.w{nw}.s{st}"
+                    name = f"predec.bm{bm}.w{nw}.s{st}" + (".atma" if atma else "")
                     sweep_rows.append(("predec flash T8192 gemm1", name, t1 * 1e3, case.err(), ""))
                     sweep_rows.append(("predec flash T8192 gemm2", name, t2 * 1e3, case.err(), ""))
                     log(f"prefill sweep {name}: gemm1 {t1 * 1e3:.1f} us gemm2 {t2 * 1e3:.1f} us")
                     del f0, f1, f2
                 except Exception as e:
-                    log(f"prefill sweep predec {bm} {nw} {st} failed: {type(e).__name__}: {str(e)[:300]}")
+                    log(f"prefill sweep predec {bm} {nw} {st} {atma} failed: {type(e).__name__}: {str(e)[:300]}")
             del case
         one = torch.ones((), device=dev)
         for T in PREFILL_TOKENS:

@@ -118,11 +118,16 @@ FIXED = {
     "predecode": [(dict(BN=64, USE_ASM=True), 4, None)],
     # PREDEC 1: pointer loads; 2: TMA weight tiles (sm_90+ only, ``cases``)
     "fp4_fp8_predec": [(dict(GROUPED=True, GATHER=True, SWIGLU=True, HAS_PW=True, USE_ASM=True, SWAP=False, BM=64,
-                             BN=128, LOG2G=9, PREDEC=1, INTERP=False), 8, 3),
+                             BN=128, LOG2G=9, PREDEC=1, INTERP=False, ATMA=False), 8, 3),
                        (dict(GROUPED=True, GATHER=True, SWIGLU=True, HAS_PW=True, USE_ASM=True, SWAP=False, BM=64,
-                             BN=128, LOG2G=9, PREDEC=2, INTERP=False), 8, 3),
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=False), 8, 3),
                        (dict(GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False, USE_ASM=True, SWAP=False, BM=128,
-                             BN=128, LOG2G=9, PREDEC=2, INTERP=False), 8, 3)],
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=False), 8, 3),
+                       # ATMA: the activation tiles by TMA too (sorted rows)
+                       (dict(GROUPED=True, GATHER=False, SWIGLU=True, HAS_PW=True, USE_ASM=True, SWAP=False, BM=64,
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=True), 8, 3),
+                       (dict(GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False, USE_ASM=True, SWAP=False, BM=128,
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=True), 8, 3)],
     "splitk_sum": [(dict(BLOCK=1024, INTERP=False), 4, None)],
     "swiglu_quant": [(dict(GATHER=True, HAS_PW=True, INTERP=False), 4, None)],
     "moe_route": [(dict(KTOP=6, KP=8, EP=256, HASH=False, QUANT=True, QB=8, INTERP=False), 4, None),
@@ -178,7 +183,7 @@ BASE_CONST = {
     "fp4_mma": dict(GROUPED=True, GATHER=True, BM=8, LOG2G=9, SPLIT=True, NUM_WARPS=4, BAND=False, A16=False),
     "fp8_mma": dict(SB_E8M0=False, SB_ROW=False, BM=8, BN=64, SPLIT=True, REDUCE=True, NUM_WARPS=4),
     "fp4_prefill": dict(GROUPED=True, USE_ASM=True, DEC=0, LOG2G=9, INTERP=False),
-    "fp4_fp8": dict(GROUPED=True, USE_ASM=True, LOG2G=9, PREDEC=0, INTERP=False),
+    "fp4_fp8": dict(GROUPED=True, USE_ASM=True, LOG2G=9, PREDEC=0, ATMA=False, INTERP=False),
     "sparse_fwd": dict(INTERP=False),
 }
 
@@ -210,6 +215,8 @@ def types_of(kernel: str, const: dict) -> dict:
         types.update(C=P("u8"))
     if kernel == "fp4_fp8_predec" and const.get("PREDEC") == 2:
         types.update(W=P("fp8e4nv"))
+    if kernel == "fp4_fp8_predec" and const.get("ATMA"):
+        types.update(A=P("fp8e4nv"))
     elif kernel == "gemv" and const.get("WFMT") == 3:
         types.update(A=P("bf16"), WS=F, C=P("bf16"))
     elif kernel == "fp8_mma":

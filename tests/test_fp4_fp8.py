@@ -266,6 +266,9 @@ def test_rejects_bad_inputs():
         F.fp4_fp8_launch(a[:, :200], None, None, None, None, None, None, 2, 64, 200, 0, fmt="mxfp4")
     with pytest.raises(ValueError, match="e4m3 bytes"):
         F.fp4_fp8_launch(a.half(), None, None, None, None, None, None, 2, 64, 256, 0, fmt="mxfp4")
+    with pytest.raises(ValueError, match="ATMA"):                 # TMA activation rows cannot be gathered
+        F.fp4_fp8_launch(a, None, None, None, None, None, None, 2, 64, 256, 0, fmt="mxfp4", perm=torch.zeros(2),
+                         config={"ATMA": True})
     w = torch.zeros(1, 64, 128, dtype=torch.uint8)
     with pytest.raises(ValueError, match="predecoded weights"):    # packed FP4 given as predecoded
         F.fp4_fp8_launch(a, None, w, torch.zeros(1, 64, 8, dtype=torch.uint8), None, None, None, 2, 64, 256, 0,

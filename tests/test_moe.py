@@ -199,6 +199,19 @@ def test_predec_passes_over_expert_ranges_give_one_pass_s_bits(monkeypatch):
     _check_moe(one, ref(x.cpu(), ids.cpu()))
 
 
+@pytest.mark.parametrize("cfg", [{"ATMA": True}, {"ATMA": True, "WTMA": True}, {"WTMA": True}])
+def test_predec_with_tma_tiles_gives_the_pointer_loads_bits(cfg):
+    """The pre-decoded path with TMA activation tiles (GEMM 1's rows, scales and routing weights gathered
+    once into sorted order; GEMM 2's h as it is) and / or TMA weight tiles: the bits of pointer loads."""
+    gen = torch.Generator().manual_seed(33)
+    ref = _ref_moe(8, 256, 128, 2, gen, True, dup_row=4)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = (torch.randn(24, 256, generator=gen) * 1.5).bfloat16().to(DEV)
+    ids = torch.randint(0, 64, (24,), generator=gen).to(DEV)
+    base = Mo.moe_forward(x, ids, w, path="predec")
+    assert torch.equal(Mo.moe_forward(x, ids, w, path="predec", config=cfg), base)
+
+
 def test_predec_path_refuses_weights_it_cannot_fold():
     """The pre-decoded FP8 path holds only MXFP4 whose scales fold exactly into e4m3: NVFP4 is refused
     with the reason, not computed on a lossy fold."""

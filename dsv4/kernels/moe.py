@@ -571,7 +571,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         fp4_fp8_launch(h, hs, w.w2, w.w2_s, w.w2_s2, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"], **grouped)
     elif path == "predec":
         # passes over expert ranges whose e4m3 copy fits router.PREDEC_SCRATCH_BYTES, one copy alive at a
-        # time; a pass's grid covers every tile its experts can have (the rest exit at once)
+        # time; a pass's grid covers every tile its experts can have (the rest exit at once). ATMA (TMA
+        # activation tiles) takes GEMM 1's rows in sorted order: x, its scales and the routing weights
+        # gathered once here
+        g1 = dict(a=a, sa=xs, perm=perm, pw=pw)
+        if pcfg["13"].get("ATMA"):
+            rows_of = perm // k
+            g1 = dict(a=a.index_select(0, rows_of), sa=xs.index_select(0, rows_of), perm=None, pw=pw[perm])
         for wq, ws_, swiglu in ((w.w13, w.w13_s, True), (w.w2, w.w2_s, False)):
             step = router.predec_experts_per_pass(E, wq.shape[1], 2 * wq.shape[2])
             for e0 in range(0, E, step):
@@ -580,8 +586,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
                             n_tiles=min(P, triton.cdiv(P, bm) + min(e1 - e0, P)))
                 w8, f8 = predecode(wq[e0:e1], ws_[e0:e1])
                 if swiglu:
-                    fp4_fp8_launch(a, xs, w8, f8, None, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True, limit=w.limit,
-                                   perm=perm, pw=pw, top_k=k, config=pcfg["13"], predecoded=True, **part)
+                    fp4_fp8_launch(g1["a"], g1["sa"], w8, f8, None, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
+                                   limit=w.limit, perm=g1["perm"], pw=g1["pw"], top_k=k, config=pcfg["13"],
+                                   predecoded=True, **part)
                 else:
                     fp4_fp8_launch(h, hs, w8, f8, None, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"],
                                    predecoded=True, **part)

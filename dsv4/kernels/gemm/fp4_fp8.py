@@ -52,7 +52,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..lib import exp2i, pdl_wait, quant_rows, store_bf16, swiglu_h
+    from ..lib import exp2i, pdl_wait, quant_rows, store_bf16, swiglu_h, tile_rows
     from .common import tile
 
     # per byte lane (4 bytes of a word, each lane independent, so correct for any register layout):
@@ -144,11 +144,14 @@ if triton_available():
                         stride_w2e, stride_cm, stride_csm, limit,
                         GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_PW: tl.constexpr,
                         USE_ASM: tl.constexpr, SWAP: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, LOG2G: tl.constexpr, PREDEC: tl.constexpr, INTERP: tl.constexpr):
+                        BN: tl.constexpr, LOG2G: tl.constexpr, PREDEC: tl.constexpr, ATMA: tl.constexpr,
+                        INTERP: tl.constexpr):
         """A: e4m3 bytes [rows, K]; W uint8 [G, N, K/2]; WS e8m0 bytes [G, N, K/32]; with PREDEC W e4m3
         [G, N, K] (bytes for 1, float8 for 2: TMA) and WS fp32 [G, N, K/128] (``predecode``). WS2 unused:
         the launcher signature of ``fp4_prefill``. One program = one [BM, BN] output tile; program ids
-        walk the column blocks of an m-tile first."""
+        walk the column blocks of an m-tile first. ATMA (rows not gathered: A's row r is output row r): the
+        activation tiles through one TMA descriptor over A's M rows (rows past the tile's expert belong to
+        the next one or lie past M, read as zeros: their outputs are masked)."""
         pdl_wait()
         pid = tl.program_id(0)
         num_n = tl.cdiv(N_out, BN)
@@ -169,6 +172,9 @@ if triton_available():
         srow = WS + e64 * stride_wse + rn64 * stride_wsn
         wrow2 = wrow + n_half * stride_wn
         srow2 = srow + n_half * stride_wsn
+        if ATMA:
+            AD = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, 128])
+            _e, am0, _m_end, _live = tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         arow_p = A + arow * stride_am
         sarow = SA + arow * stride_sam
         kc = tl.arange(0, 128)
@@ -180,8 +186,11 @@ if triton_available():
             acc2 = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, 128):
             sa = tl.load(sarow + k0 // 128, mask=mrow, other=0.0)
-            a = tl.load(arow_p[:, None] + k0 + kc[None, :], mask=mrow[:, None], other=0)
-            a = a.to(tl.float8e4nv, bitcast=True)
+            if ATMA:
+                a = AD.load([am0.to(tl.int32), k0])
+            else:
+                a = tl.load(arow_p[:, None] + k0 + kc[None, :], mask=mrow[:, None], other=0)
+                a = a.to(tl.float8e4nv, bitcast=True)
             blk, sb = _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, SWAP, USE_ASM, BN, PREDEC)
             if SWAP:                                           # official per-128 promotion
                 acc += blk * (sb[:, None] * sa[None, :])
@@ -279,7 +288,8 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
     (128 with ``swiglu``), num_warps, num_stages, SWAP (default ``route.fp4_fp8_config``).
     ``predecoded``: ``w``, ``ws`` are ``predecode``'s e4m3 bytes and fp32 factors (the same products:
     the same bits); ``config['WTMA']`` then loads the weight tiles with TMA (a device-side descriptor
-    over all experts' rows) instead of pointer loads."""
+    over all experts' rows) instead of pointer loads. ``config['ATMA']``: the activation tiles by TMA too;
+    the rows must be in output order (``perm`` None: GEMM 2's h, or GEMM 1's x gathered beforehand)."""
     if fmt != "mxfp4":
         raise ValueError(f"fp4_fp8: only mxfp4 weights fold exactly into e4m3, got {fmt!r}")
     if predecoded and (u8(w).shape[-1] != K or ws.dtype != torch.float32):
@@ -298,6 +308,10 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
         cfg["BN"] = QBLOCK
     BM, BN, swap = cfg.pop("BM"), cfg.pop("BN"), bool(cfg.pop("SWAP", True))
     wtma = bool(cfg.pop("WTMA", False)) and predecoded
+    atma = bool(cfg.pop("ATMA", False))
+    if atma and perm is not None:
+        raise ValueError("fp4_fp8: TMA activation tiles (ATMA) need the rows in output order: gather them first "
+                         "(perm=None, pw per sorted row)")
     if wtma and (N_out % BN or n_half % BN):
         raise ValueError(f"fp4_fp8: TMA weight tiles need N_out ({N_out}) and n_half ({n_half}) to be "
                          f"multiples of BN ({BN})")
@@ -310,14 +324,17 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
     grid = (max(grid_m, 1) * triton.cdiv(N_out, BN),)
     if use_asm is None:
         use_asm = t.use_asm
-    if wtma:
+    if wtma or atma:
         ensure_tma_allocator(dev)
+    if wtma:
         w = u8(w).view(torch.float8_e4m3fn)
+    a = u8(a).view(torch.float8_e4m3fn) if atma else u8(a)
     _fp4_fp8_kernel[grid](
-        *fp4_kernel_args(u8(a), sa, w if wtma else u8(w), ws if predecoded else u8(ws), ws2, out, out_s, perm,
+        *fp4_kernel_args(a, sa, w if wtma else u8(w), ws if predecoded else u8(ws), ws2, out, out_s, perm,
                          offs, tcum, pw, M, N_out, K, n_half, n_groups, top_k, limit),
         GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu, HAS_PW=pw is not None, USE_ASM=use_asm,
         SWAP=swap, BM=BM, BN=BN, LOG2G=log2_groups(n_groups), PREDEC=(2 if wtma else 1) if predecoded else 0,
+        ATMA=atma,
         INTERP=interpreting(), **kw, **PDL_LAUNCH)
 
 

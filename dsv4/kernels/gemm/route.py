@@ -199,13 +199,17 @@ def predec_experts_per_pass(n_experts: int, rows: int, K: int) -> int:
 
 def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) -> dict:
     """Tile of ``fp4_fp8``'s kernel on pre-decoded e4m3 weights (``moe`` path 'predec', not routed by
-    default): both operands through shared memory (no register decode, so no ``SWAP``), the weight tiles
-    by TMA on sm_90+ (``WTMA``; the gathered activation rows by pointer loads), 64-token tiles
+    default): both operands through shared memory (no register decode, so no ``SWAP``), weight and
+    activation tiles by TMA on sm_90+ (``WTMA``, ``ATMA``: GEMM 1's rows gathered once), 64-token tiles
     (two fp32 accumulators of 64 x 128 with SwiGLU: no spills at 8 warps, as ``fp4_fp8_config``'s).
     Small tiles under the interpreter. Unmeasured on the H200: BENCHMARKS.md "Open targets"."""
     if not t.compiled:
-        return {"BM": 16, "BN": 32, "SWAP": False, "WTMA": False}
-    return {"BM": 64, "BN": 128, "SWAP": False, "WTMA": t.capability[0] >= 9, "num_warps": 8 if swiglu else 4,
+        return {"BM": 16, "BN": 32, "SWAP": False, "WTMA": False, "ATMA": False}
+    # ptxas (Triton 3.9, sm_90a, tests' AOT cases): with SwiGLU only the all-TMA form keeps its 64 x 128
+    # accumulator pair out of local memory (255 registers, no spills; pointer loads spill 52-64 bytes);
+    # w2 at 64 rows does not spill in any form (182-223 registers); 128-row tiles spill in every form
+    tma = t.capability[0] >= 9
+    return {"BM": 64, "BN": 128, "SWAP": False, "WTMA": tma, "ATMA": tma, "num_warps": 8 if swiglu else 4,
             "num_stages": 3}
 
 
