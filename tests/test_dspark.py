@@ -276,6 +276,30 @@ def test_probabilistic_dspark_in_the_engine_is_seeded_and_counted(ckpt):
     assert spec.engine.drafter.probs == {}
 
 
+def test_a_seeded_request_drafts_from_its_own_generator_on_the_draft_device():
+    """A seeded request whose sampler generator lives elsewhere than the draft (the GPU) gets a draft
+    generator on the draft's device from its own seed, made once and kept: equal seeds draw equal
+    streams, other seeds other ones, and that stream is not the sampler's. Unseeded: the global one."""
+    from types import SimpleNamespace
+
+    from dsv4.engine.spec_decode import _device_generator
+
+    def seq(seed):    # a generator that reports another device than the draft's (here the CPU)
+        g = torch.Generator().manual_seed(seed)
+        return SimpleNamespace(generator=SimpleNamespace(device=torch.device("cuda"), initial_seed=g.initial_seed),
+                               draft_generator=None)
+    a, b, c = seq(5), seq(5), seq(6)
+    ga = _device_generator(a, "cpu")
+    assert ga.device.type == "cpu" and _device_generator(a, "cpu") is ga and a.draft_generator is ga
+    draw = lambda g: torch.rand(8, generator=g)
+    assert torch.equal(draw(ga), draw(_device_generator(b, "cpu")))
+    assert not torch.equal(draw(torch.Generator().manual_seed(5)), draw(_device_generator(seq(5), "cpu")))
+    assert not torch.equal(draw(_device_generator(seq(5), "cpu")), draw(_device_generator(c, "cpu")))
+    own = SimpleNamespace(generator=torch.Generator().manual_seed(5), draft_generator=None)
+    assert _device_generator(own, "cpu") is own.generator                   # already on the draft's device
+    assert _device_generator(SimpleNamespace(generator=None, draft_generator=None), "cpu") is None
+
+
 # ----------------------------------------------------------------------------- config
 def test_dspark_speculative_config_defaults_limits_and_refusals(tmp_path, ckpt):
     s = parse_speculative_config('{"method": "dspark"}')
@@ -306,6 +330,22 @@ def test_dspark_speculative_config_defaults_limits_and_refusals(tmp_path, ckpt):
 
 
 # ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_seeded_probabilistic_drafts_are_reproducible(ckpt):
+    """Probabilistic DSpark drafts on the GPU: a batch of seeded requests gives the same tokens on every
+    run (their drafts come from their own generators on the GPU, not from the global one, whose state
+    moves on between runs)."""
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, kv_cache_memory="2GiB",
+              device="cuda", log=False)
+    spec = LLM(ckpt, speculative_config={"method": "dspark", "num_speculative_tokens": 3,
+                                         "draft_sample_method": "probabilistic"}, **kw)
+    prompts = [{"prompt_token_ids": _ids(40, 7)}, {"prompt_token_ids": _ids(30, 8)}]
+    sps = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=s) for s in (11, 12)]
+    runs = [[o.outputs[0].token_ids for o in spec.generate(prompts, sps)] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    assert spec.engine.stats["spec_num_draft_tokens"] > 0
+
+
 @pytest.mark.gpu
 def test_gpu_dspark_on_the_kernels(ckpt):
     """On the GPU kernels: the production draft (its block attention and stages on the kernels,

@@ -84,6 +84,7 @@ class Sequence:
         self.leader: Sequence = self
         seed = params.seed if params.seed is None else (params.seed + index) % 2 ** 64   # sample i: seed + i
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.draft_generator: torch.Generator | None = None   # spec_decode: the seeded drafts' on the GPU
         self.stop = StopChecker(params, eos_token_id, max_tokens)
         self.detok = detokenizer
         self.text = ""

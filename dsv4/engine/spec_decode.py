@@ -339,8 +339,24 @@ class DSparkDrafter:
                     self.probs[seq] = torch.softmax(out["logits"][r, :k].float() / t, dim=-1)
 
 
+# the draft generator's seed: the request's seed mixed with this constant, so the draft stream and the
+# sampler's are distinct streams of the same seed
+_DRAFT_SEED_MIX = 0x9E3779B97F4A7C15
+
+
 def _device_generator(seq, dev):
-    """The request's own generator when it lives on ``dev`` (a seeded request's draws then do not
-    depend on its batch), else None (the global one)."""
+    """A seeded request's generator on ``dev`` (its draws then depend on its seed only, not on its batch
+    or on other requests): its own when that lives on ``dev``, else one made on ``dev`` at its first
+    draft from the same seed and kept on the sequence. None for an unseeded request (the global one)."""
     g = getattr(seq, "generator", None)
-    return g if g is not None and g.device.type == torch.device(dev).type else None
+    if g is None:
+        return None
+    dev = torch.device(dev)
+    if g.device.type == dev.type:
+        return g
+    dg = getattr(seq, "draft_generator", None)
+    if dg is None:
+        dg = torch.Generator(device=dev)
+        dg.manual_seed((g.initial_seed() ^ _DRAFT_SEED_MIX) & 0xFFFF_FFFF_FFFF_FFFF)
+        seq.draft_generator = dg
+    return dg
