@@ -507,31 +507,22 @@ def bench_prefill(dev, gen, timer, smoke, sweep_rows):
         wts = (w13, s13, w2, s2)
         if model == "flash":
             case = PrefillCase(model, SWEEP_TOKENS, dev, gen, wts)
-            for bm, nw, st, swap in FP8MMA_SWEEP:
-                cfg = dict(BM=bm, BN=128, num_warps=nw, num_stages=st, SWAP=swap)
+            variants = [("fp8mma", f"bm{bm}.w{nw}.s{st}" + ("" if swap else ".noswap"),
+                         dict(BM=bm, BN=128, num_warps=nw, num_stages=st, SWAP=swap)) for bm, nw, st, swap in FP8MMA_SWEEP]
+            variants += [("predec", f"predec.bm{bm}.w{nw}.s{st}" + (".atma" if atma else ""),
+                          dict(BM=bm, BN=128, num_warps=nw, num_stages=st, SWAP=False, WTMA=True, ATMA=atma))
+                         for bm, nw, st, atma in PREDEC_SWEEP]
+            for path, name, cfg in variants:
                 try:
-                    f1, f2 = case.fp8mma(cfg, cfg)
+                    f1, f2 = case.fp8mma(cfg, cfg) if path == "fp8mma" else case.predec(cfg, cfg)[1:]
                     f1(), f2()
                     t1, t2 = timer(f1), timer(f2)
-                    name = f"bm{bm}.w{nw}.s{st}" + ("" if swap else ".noswap")
-                    sweep_rows.append(("fp8mma flash T8192 gemm1", name, t1 * 1e3, case.err(), ""))
-                    sweep_rows.append(("fp8mma flash T8192 gemm2", name, t2 * 1e3, case.err(), ""))
+                    sweep_rows.append((f"{path} flash T8192 gemm1", name, t1 * 1e3, case.err(), ""))
+                    sweep_rows.append((f"{path} flash T8192 gemm2", name, t2 * 1e3, case.err(), ""))
                     log(f"prefill sweep {name}: gemm1 {t1 * 1e3:.1f} us gemm2 {t2 * 1e3:.1f} us")
+                    del f1, f2
                 except Exception as e:
-                    log(f"prefill sweep {bm} {nw} {st} {swap} failed: {type(e).__name__}: {str(e)[:300]}")
-            for bm, nw, st, atma in PREDEC_SWEEP:
-                cfg = dict(BM=bm, BN=128, num_warps=nw, num_stages=st, SWAP=False, WTMA=True, ATMA=atma)
-                try:
-                    f0, f1, f2 = case.predec(cfg, cfg)
-                    f1(), f2()
-                    t1, t2 = timer(f1), timer(f2)
-                    name = f"predec.bm{bm}.w{nw}.s{st}" + (".atma" if atma else "")
-                    sweep_rows.append(("predec flash T8192 gemm1", name, t1 * 1e3, case.err(), ""))
-                    sweep_rows.append(("predec flash T8192 gemm2", name, t2 * 1e3, case.err(), ""))
-                    log(f"prefill sweep {name}: gemm1 {t1 * 1e3:.1f} us gemm2 {t2 * 1e3:.1f} us")
-                    del f0, f1, f2
-                except Exception as e:
-                    log(f"prefill sweep predec {bm} {nw} {st} {atma} failed: {type(e).__name__}: {str(e)[:300]}")
+                    log(f"prefill sweep {name} failed: {type(e).__name__}: {str(e)[:300]}")
             del case
         one = torch.ones((), device=dev)
         for T in PREFILL_TOKENS:
