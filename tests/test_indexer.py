@@ -82,6 +82,17 @@ def test_index_scores():
     assert torch.isinf(sc[1]).all()
     sc2 = index_scores(q, w, pages, bt, pos, n=200, pages_per_program=2, direct=True)
     _check_scores(sc2, ref[:, :200])
+    # the model's form: the fp32 weights_proj output (strided rows of a wider tensor) with w_scale, the
+    # head weights formed in the kernel as the twin forms them (bf16, times the scale, bf16)
+    z = torch.randn(3, H + 7, generator=gen).to(DEV) * 4
+    scale = 128 ** -0.5 * H ** -0.5
+    raw = index_scores(q, z[:, 7:], pages, bt, pos, w_scale=scale)
+    wb = (z[:, 7:].to(torch.bfloat16) * scale).to(torch.bfloat16)
+    assert torch.equal(index_scores_twin(q, z[:, 7:], pages, bt, pos, w_scale=scale),
+                       index_scores_twin(q, wb, pages, bt, pos))
+    assert torch.equal(raw, index_scores(q, wb, pages, bt, pos))
+    with pytest.raises(ValueError, match="fp32 weights_proj output"):
+        index_scores(q, wb, pages, bt, pos, w_scale=scale)
 
 
 _TOPK_PATHS = {"auto": {}, "chunked": dict(single_max=0), "chunked+rank": dict(single_max=0, sort_max=0)}

@@ -112,9 +112,10 @@ if triton_available():
     # -------------------------------------------------------------------------- scores
     @triton.jit(do_not_specialize=['POS', 'N', 'n_bt'])
     def _index_scores_kernel(Q, W, PAGES, BT, POS, OUT, H, N, n_bt, stride_qb, stride_qh, stride_wb,
-                             stride_btb, stride_ob, page_nbytes,
-                             TPP: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr,
+                             stride_btb, stride_ob, page_nbytes, w_scale,
+                             TPP: tl.constexpr, HP: tl.constexpr, INTERP: tl.constexpr, W_SCALE: tl.constexpr,
                              DIRECT: tl.constexpr = False):
+        """W_SCALE: W is the fp32 weights_proj output; the head weights are bf16(bf16(W) * w_scale)."""
         pdl_wait()
         b = tl.program_id(0)
         g = tl.program_id(1)
@@ -126,6 +127,8 @@ if triton_available():
         if INTERP:
             q = q.to(tl.float32)
         w = tl.load(W + b64 * stride_wb + hh, mask=hm, other=0.0).to(tl.float32)
+        if W_SCALE:
+            w = rne_bf16(rne_bf16(w) * w_scale)
         vis = (tl.load(POS + b) + 1) // 4
         e = tl.arange(0, 64)
         cb = tl.arange(0, 64)
@@ -423,15 +426,19 @@ def _pad16(n: int) -> int:
 # ------------------------------------------------------------------------------ scores
 def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                  pos: torch.Tensor, n: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                 pages_per_program: int | None = None, num_warps: int = 4, direct: bool = False) -> torch.Tensor:
+                 pages_per_program: int | None = None, num_warps: int = 4, direct: bool = False,
+                 w_scale: float | None = None) -> torch.Tensor:
     """Indexer scores over the MXFP4 paged keys: q bf16 [B, H, 128], w [B, H] (bf16 head weights),
     pages uint8 [num_blocks, 64*68], block_table int [B, W] (-1 pad), pos int [B] -> [B, n] (-inf
-    where not causal)."""
+    where not causal). ``w_scale``: w is the fp32 ``weights_proj`` output (rows may be strided views),
+    the head weights are bf16(bf16(w) * w_scale), formed in the kernel (the twin's order)."""
     B, H, D = q.shape
     if D != HEAD_DIM or q.dtype != torch.bfloat16 or q.stride(2) != 1:
         raise ValueError(f"q: expected bf16 [B, H, 128], got {q.dtype} {tuple(q.shape)}")
-    if w.shape != (B, H):
-        raise ValueError(f"w: expected [{B}, {H}], got {tuple(w.shape)}")
+    if w.shape != (B, H) or w.stride(1) != 1:
+        raise ValueError(f"w: expected [{B}, {H}] with unit column stride, got {tuple(w.shape)} {w.stride()}")
+    if w_scale is not None and w.dtype != torch.float32:
+        raise ValueError(f"w: with w_scale the weights are the fp32 weights_proj output, got {w.dtype}")
     if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != INDEX_PAGE * INDEX_ENTRY_BYTES:
         raise ValueError(f"pages: expected uint8 [num_blocks, {INDEX_PAGE * INDEX_ENTRY_BYTES}], got "
                          f"{pages.dtype} {tuple(pages.shape)}")
@@ -449,8 +456,9 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_ta
     grid = (B, triton.cdiv(n_tiles, tpp))
     _index_scores_kernel[grid](q, w, pages, block_table, pos, out, H, n, n_bt, q.stride(0), q.stride(1),
                                w.stride(0), block_table.stride(0), out.stride(0), pages.shape[1],
+                               float(w_scale if w_scale is not None else 1.0),
                                TPP=tpp, HP=max(16, triton.next_power_of_2(H)), INTERP=interpreting(),
-                               DIRECT=direct, **_kw(num_warps), **PDL_LAUNCH)
+                               W_SCALE=w_scale is not None, DIRECT=direct, **_kw(num_warps), **PDL_LAUNCH)
     return out
 
 

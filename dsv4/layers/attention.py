@@ -152,10 +152,13 @@ class Attention(nn.Module):
                 rows[name] = (z[:, o:o + w], sc + comp.ape[pos % comp.ratio] if ape else sc)
                 o += 2 * w
             if self.index_comp is not None:
-                # the bf16 linear's rounding, then the scaled weights' (reference order)
-                iw = z[:, o:].to(torch.bfloat16)
-                iw = (iw * (self.index_dim ** -0.5 * self.index_heads ** -0.5)).to(torch.bfloat16)
+                iw = z[:, o:]        # fp32: index_scores(w_scale=) rounds it, scales it and rounds again
         return q, kv, qr, rows, iw
+
+    @property
+    def _iw_scale(self) -> float:
+        """The indexer head weights' scale (reference: softmax_scale * n_heads^-0.5)."""
+        return self.index_dim ** -0.5 * self.index_heads ** -0.5
 
     def _output(self, o, cos, sin, trace):
         T = o.shape[0]
@@ -214,7 +217,7 @@ class Attention(nn.Module):
                 trace(L + "compressor", torch.cat([torch.where(cp[:, None], new, 0) for new, cp in done]))
             if self.ratio == 4:
                 n_max = ctx.max_blocks * INDEX_PAGE
-                scores = ops.index_scores(iq, iw, lc.index_keys, bt, pos, n=n_max)
+                scores = ops.index_scores(iq, iw, lc.index_keys, bt, pos, n=n_max, w_scale=self._iw_scale)
                 picks = ops.index_topk(scores, min(self.index_topk, n_max), n_valid=m["index_nvalid"])
                 picks = trace(L + "indexer_topk", picks)
                 extra_idx = ops.entry_ids(bt, picks, epb, 4).to(torch.int32)
@@ -356,9 +359,9 @@ class Attention(nn.Module):
                 # context would otherwise hold 2 GB of scores)
                 rb = max(1, min(s.n, SCORE_BYTES // (2 * n_e)))
                 picks = torch.cat([
-                    ops.index_topk(ops.index_scores(iq[r][i:i + rb].contiguous(), iw[r][i:i + rb].contiguous(),
+                    ops.index_topk(ops.index_scores(iq[r][i:i + rb].contiguous(), iw[r][i:i + rb],
                                                     lc.index_keys, s.bt.expand(min(rb, s.n - i), -1), p[i:i + rb],
-                                                    n=n_e),
+                                                    n=n_e, w_scale=self._iw_scale),
                                    min(self.index_topk, n_e), n_valid=(p[i:i + rb] + 1) // 4).long()
                     for i in range(0, s.n, rb)])
                 picks = ctx.trace(L + "indexer_topk", picks)

@@ -419,20 +419,26 @@ def _index_pages(g, n_blocks, dim):
 def index_scores(ctx: Context):
     c = ctx.cfg
 
-    def case(B):
+    def case(B, raw):
         def make():
-            g = _Gen(ctx, f"index_scores{B}")
+            g = _Gen(ctx, f"index_scores{B}{raw}")
             W = 4
             pages = _index_pages(g, B * W + 1, c.index_head_dim)
             bt = g.perm(B * W + 1)[:B * W].view(B, W).clone()
             bt[-1, W - 1] = -1
             pos = g.randint(4, W * BLOCK_TOKENS, (B,))
             q = g.randn(B, c.index_n_heads, c.index_head_dim, dtype=torch.bfloat16)
-            w = g.randn(B, c.index_n_heads, scale=0.1, dtype=torch.bfloat16)
-            return (q, w, pages, bt, pos), dict(n=W * INDEX_PAGE)
+            kw = dict(n=W * INDEX_PAGE)
+            if raw:   # the model's form: the fp32 weights_proj output, rounded and scaled by the op
+                w = g.randn(B, c.index_n_heads, scale=4.0)
+                kw["w_scale"] = c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5
+            else:
+                w = g.randn(B, c.index_n_heads, scale=0.1, dtype=torch.bfloat16)
+            return (q, w, pages, bt, pos), kw
         # one bf16 rounding point (dot, relu * w, head sum) can move by an ulp next to a tie
-        return Case(f"B={B}", make, _both("scores"), {"scores": Tol(max_rel=2.0 ** -5, flips=0.01)})
-    return [case(B) for B in _rows(ctx, (2,), (1, 2, 16))]
+        return Case(f"B={B}{' w_scale' if raw else ''}", make, _both("scores"),
+                    {"scores": Tol(max_rel=2.0 ** -5, flips=0.01)})
+    return [case(B, raw) for B in _rows(ctx, (2,), (1, 2, 16)) for raw in (True, False)]
 
 
 def index_topk(ctx: Context):

@@ -18,10 +18,14 @@ def index_q_prologue(q, cos, sin, **_):
     return fp4_qdq(hadamard_128(x, OFFICIAL), 32)
 
 
-def index_scores(q, w, pages, block_table, pos, n=None, out_dtype=torch.bfloat16, **_):
+def index_scores(q, w, pages, block_table, pos, n=None, out_dtype=torch.bfloat16, w_scale=None, **_):
     """The scoring part of ``reference.indexer.Indexer.select`` on the paged cache (official numerics).
     Only the entries some row can see are decoded and scored (the reference's own key count; the
-    rest are -inf): the table may span ``max_model_len`` while the sequences hold a few entries."""
+    rest are -inf): the table may span ``max_model_len`` while the sequences hold a few entries.
+    ``w_scale``: ``w`` is the fp32 ``weights_proj`` output; the head weights are then its bf16
+    rounding times ``w_scale``, rounded to bf16 (the reference's order)."""
+    if w_scale is not None:
+        w = (w.to(torch.bfloat16) * w_scale).to(torch.bfloat16)
     num = OFFICIAL
     B = q.shape[0]
     n_bt = block_table.shape[1]
