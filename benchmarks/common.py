@@ -143,3 +143,13 @@ def fp8_linear(x, w, ws, config=None, gemv=False):
     else:
         y = G8.fp8_gemm(*G8.act_quant_fp8(x2), w, ws, config=config)
     return y.reshape(*x.shape[:-1], N)
+
+
+def kernel_totals(prof) -> dict[str, tuple[int, float]]:
+    """{CUDA kernel name: (launches, GPU us)} of a finished ``torch.profiler.profile``."""
+    agg: dict[str, tuple[int, float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n, t = agg.get(e.name, (0, 0.0))
+            agg[e.name] = (n + 1, t + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)))
+    return agg

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import graph_time, roofline  # noqa: E402
+from benchmarks.common import graph_time, kernel_totals, roofline  # noqa: E402
 from dsv4.checkpoint.synthetic import iter_synthetic_tensors, synthetic_config  # noqa: E402
 from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
 from dsv4.formats.index_key import write_index_keys  # noqa: E402
@@ -131,12 +131,7 @@ def kernel_profile(fn, reps=5, top=25):
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    agg = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            n, t = agg.get(e.name, (0, 0.0))
-            agg[e.name] = (n + 1, t + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)))
-    rows = sorted(((k, n // reps, t / reps) for k, (n, t) in agg.items()), key=lambda r: -r[2])
+    rows = sorted(((k, n // reps, t / reps) for k, (n, t) in kernel_totals(prof).items()), key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
     comm = [r for r in rows if "nccl" in r[0].lower()]
     extra = [(f"(NCCL collectives: {sum(r[2] for r in comm) / total * 100:.1f}% of the step)",

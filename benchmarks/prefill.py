@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import kernel_totals  # noqa: E402
 from dsv4.engine.llm import LLM  # noqa: E402
 from dsv4.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -59,12 +60,7 @@ def kernel_table(llm, prompt, top: int) -> tuple[list, float, float]:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         wall, _ = timed_generate(llm, [prompt])
-    agg = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            n, t = agg.get(e.name, (0, 0.0))
-            agg[e.name] = (n + 1, t + (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3)
-    rows = sorted(((k, n, t) for k, (n, t) in agg.items()), key=lambda r: -r[2])
+    rows = sorted(((k, n, t / 1e3) for k, (n, t) in kernel_totals(prof).items()), key=lambda r: -r[2])
     return rows[:top], sum(r[2] for r in rows), wall * 1e3
 
 
