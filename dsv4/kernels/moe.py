@@ -543,7 +543,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         pcfg = {"13": dict(tiles(rows_per_expert, t, swiglu=True), **(config or {})),
                 "2": dict(tiles(rows_per_expert, t), **(config or {}))}
         if pcfg["13"]["BM"] != pcfg["2"]["BM"]:
-            raise ValueError("moe fp8mma path: both GEMMs need the same BM")
+            raise ValueError(f"moe {path} path: both GEMMs need the same BM")
         bm = pcfg["13"]["BM"]
     else:
         bm = router.fp4_config(rows_per_expert, t)["BM"]
