@@ -155,9 +155,6 @@ class LLMEngine:
         if cfg.kernel_check not in KERNEL_CHECKS:
             raise ValueError(f"kernel_check must be one of {', '.join(KERNEL_CHECKS)}, got {cfg.kernel_check!r}")
         self.spec = parse_speculative_config(cfg.speculative_config)
-        if self.spec is not None and tp > 1:
-            raise SpeculativeConfigError("speculative_config: speculative decoding with tensor_parallel_size > 1 "
-                                         "is not supported yet")
         draft = None if self.spec is None else self.spec.method
         self.workers, group = None, None
         spec = dict(path=None if cfg.synthetic or prebuilt is not None else resolve_model(cfg.model, cfg.revision),
@@ -234,7 +231,7 @@ class LLMEngine:
         verify_rows = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
         if self.workers is not None:
             self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs, snaps,
-                               verify_rows)
+                               self.spec, len(self.cache.draft_layers))
         self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs,
                                   None if self.workers is None else self.workers.broadcast_step, verify_rows)
         self.backend_name = f"{'kernels' if self.model.ops.kernels else 'torch twins'}" + \
@@ -242,21 +239,8 @@ class LLMEngine:
         self.sampler = Sampler(mc.eos_token_id)
         self.drafter = None
         if self.spec is not None:
-            from .spec_decode import DSparkDrafter, MTPDrafter
-            if self.spec.method == "mtp":
-                graphs = None
-                if self.runner.graphs is not None:          # the decode step is captured: so are the MTP calls
-                    from ..model.deepseek_v4 import CudaGraphMTP
-                    graphs = CudaGraphMTP(self.model, cfg.max_num_seqs, self.spec.num_speculative_tokens + 1)
-                self.drafter = MTPDrafter(self.model, self.runner.per_sequence, graphs,
-                                          max_rows=self.spec.num_speculative_tokens + 1)
-            else:
-                graphs = None
-                if self.runner.graphs is not None:          # the decode step is captured: so is the draft
-                    from ..model.dspark import CudaGraphDraft
-                    graphs = CudaGraphDraft(self.model, cfg.max_num_seqs, self.spec.num_speculative_tokens)
-                self.drafter = DSparkDrafter(self.model, self.runner.per_sequence, self.spec.draft_sample_method,
-                                             graphs)
+            from .spec_decode import make_drafter
+            self.drafter = make_drafter(self.model, self.spec, self.runner, cfg.max_num_seqs)
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size, mc.eos_token_id)
         self.requests: dict[str, list[Sequence]] = {}
         self.prompts: dict[str, str | None] = {}
@@ -463,6 +447,7 @@ class LLMEngine:
                     s.finish_reason = "length"
                     self.scheduler.finish(s)
             rows = [i for i in rows if batch[i].seq.max_tokens > 0]
+            self._cuts = []             # (verify chunk, accepted end) of those still running
             if rows:
                 self._sample(batch, rows, logits, p0, saved)
             if self.drafter is not None:
@@ -520,6 +505,7 @@ class LLMEngine:
             if not s.is_finished:
                 end = p0[i] + a + 1
                 self.cache.restore_positions(s.slot, p0[i], p0[i] + c.num_tokens, saved[i], end)
+                self._cuts.append((i, end))
                 s.state.advance_to(end)
                 s.num_computed = end
 
@@ -557,7 +543,7 @@ class LLMEngine:
     def _draft(self, batch, keep: set, p0: list[int]) -> None:
         """Give the drafter the rows each speculating sequence committed this step (with the token
         that follows each) and let it draft for the next step."""
-        fills, k_of = [], {}
+        fills, k_of, fill_of = [], {}, []
         for i in sorted(keep):
             s = batch[i].seq
             if s.is_finished or s.state is None:
@@ -567,8 +553,13 @@ class LLMEngine:
             if n <= 0 or len(nxt) != n:
                 continue
             fills.append((s, p0[i], self.runner.hidden[i][:n], nxt))
+            fill_of.append(i)
             if s.num_computed >= len(s.prompt_ids):
                 k_of[s] = self._k_of(s)
+        if self.workers is not None:        # every rank mirrors the cut-backs and runs the draft (tp_workers)
+            self.workers.broadcast_draft(self._cuts, [
+                (i, p0[i], len(nxt), nxt, s.slot, list(s.block_table), k_of.get(s, 0), s.params.is_greedy,
+                 float(s.params.temperature)) for i, (s, _, _, nxt) in zip(fill_of, fills)])
         self.drafter.propose(fills, k_of)
 
     def _k_of(self, s: Sequence) -> int:

@@ -146,6 +146,25 @@ def resolve(spec: SpeculativeConfig, cfg) -> SpeculativeConfig:
     return SpeculativeConfig(spec.method, k, spec.draft_sample_method)
 
 
+def make_drafter(model, spec: SpeculativeConfig, runner, max_num_seqs: int):
+    """The drafter ``spec`` (resolved) asks for, on ``model``, with its CUDA graphs wherever ``runner``
+    (a ``ModelRunner``) captures the decode step. Rank 0 and every tensor-parallel worker build it
+    the same way, in the same order after the runner: the graphs' captures run collectives that
+    pair up across ranks."""
+    k = spec.num_speculative_tokens
+    if spec.method == "mtp":
+        graphs = None
+        if runner.graphs is not None:          # the decode step is captured: so are the MTP calls
+            from ..model.deepseek_v4 import CudaGraphMTP
+            graphs = CudaGraphMTP(model, max_num_seqs, k + 1)
+        return MTPDrafter(model, runner.per_sequence, graphs, max_rows=k + 1)
+    graphs = None
+    if runner.graphs is not None:              # the decode step is captured: so is the draft
+        from ..model.dspark import CudaGraphDraft
+        graphs = CudaGraphDraft(model, max_num_seqs, k)
+    return DSparkDrafter(model, runner.per_sequence, spec.draft_sample_method, graphs)
+
+
 def accept_greedy_draft(sampled: list[int], draft: list[int]) -> int:
     """Number of draft tokens kept when row j of the verify chunk sampled ``sampled[j]`` (k + 1
     rows for k drafts): the longest prefix with ``sampled[j] == draft[j]``."""

@@ -34,7 +34,8 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -83,12 +84,11 @@ def _watch_parent(parent: int) -> None:
 
 
 def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent: int) -> None:
-    """Rank ``rank`` >= 1: load the slice, build the cache rank 0 announces, run every step."""
+    """Rank ``rank`` >= 1: load the slice, build the cache (and drafter) rank 0 announces, run every step
+    and draft message."""
     import torch.distributed as dist
 
     from .build import build_model
-    from .kv_cache import CacheConfig, KVCache
-    from .runner import ModelRunner
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     from .llm_engine import engine_threads
     torch.set_num_threads(engine_threads(kind, world))
@@ -98,20 +98,72 @@ def worker_main(rank: int, world: int, port: int, kind: str, spec: dict, parent:
     model = build_model(spec, dev, group, log=log)
     setup = [None]
     dist.broadcast_object_list(setup, src=0, group=ctrl)
-    num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots, verify_rows = setup[0]
-    cache = KVCache(model.cfg, CacheConfig(max_num_seqs=max_num_seqs + 1, num_blocks=num_blocks, device=str(dev),
-                                           num_snapshots=num_snapshots))
-    model.attach_cache(cache, max_model_len)
-    runner = ModelRunner(model, max_num_seqs, graphs, verify_rows=verify_rows)
+    worker = _Worker(model, dev, setup[0])
     while True:
         msg = [None]
         dist.broadcast_object_list(msg, src=0, group=ctrl)
         if msg[0] is None:
             break
-        chunks, scores, restores, captures, all_rows, keep = msg[0]
-        runner.forward([(torch.tensor(ids, dtype=torch.long), StepState(pos, slot, bt)) for ids, pos, slot, bt in chunks],
-                       scores, all_rows, keep, restores=restores, captures=captures)
+        kind, body = msg[0]
+        {"step": worker.step, "draft": worker.draft}[kind](*body)
     dist.destroy_process_group()
+
+
+@dataclass(eq=False)
+class DraftSeq:
+    """A worker's view of a speculating sequence in a draft call: what the drafters read (slot,
+    block table, the sampling parameters ``DSparkDrafter`` groups by) and write (``draft_ids``).
+    No generator: a worker's probabilistic drafts come from its global RNG; they are never used."""
+    slot: int
+    block_table: list
+    params: SimpleNamespace
+    generator: None = None
+    draft_ids: list = field(default_factory=list)
+
+
+class _Worker:
+    """A worker's model, cache, runner and drafter, and the messages of rank 0 it runs (module doc)."""
+
+    def __init__(self, model, dev, setup: dict):
+        from .kv_cache import CacheConfig, KVCache
+        from .runner import ModelRunner
+        from .spec_decode import SpeculativeConfig, make_drafter
+        self.model = model
+        self.cache = KVCache(model.cfg, CacheConfig(max_num_seqs=setup["max_num_seqs"] + 1,
+                                                    num_blocks=setup["num_blocks"], device=str(dev),
+                                                    num_snapshots=setup["num_snapshots"],
+                                                    draft_layers=setup["draft_layers"]))
+        model.attach_cache(self.cache, setup["max_model_len"])
+        spec = None if setup["spec"] is None else SpeculativeConfig(*setup["spec"])
+        verify_rows = 1 if spec is None else spec.num_speculative_tokens + 1
+        self.runner = ModelRunner(model, setup["max_num_seqs"], setup["graphs"], verify_rows=verify_rows)
+        self.drafter = None if spec is None else make_drafter(model, spec, self.runner, setup["max_num_seqs"])
+        self.saved: dict = {}              # verify chunk index -> (slot, start, end, saved rows)
+
+    def step(self, chunks, scores, restores, captures, all_rows, keep) -> None:
+        states = [StepState(pos, slot, bt) for _, pos, slot, bt in chunks]
+        self.saved = {i: (states[i].slot, states[i].pos, states[i].pos + len(chunks[i][0]),
+                          self.cache.save_positions(states[i].slot, states[i].pos, states[i].pos + len(chunks[i][0])))
+                      for i in all_rows}
+        self.runner.forward([(torch.tensor(ids, dtype=torch.long), st) for (ids, *_), st in zip(chunks, states)],
+                            scores, all_rows, keep, restores=restores, captures=captures)
+
+    def draft(self, cuts, fills) -> None:
+        """``cuts`` [(verify chunk index, accepted end position)] of the sequences still running;
+        ``fills`` [(chunk index, p0, rows committed, next tokens, slot, block table, drafts wanted,
+        greedy, temperature)]: ``LLMEngine._draft``'s fills, the streams taken from this rank's step."""
+        for i, end in cuts:
+            slot, start, stop, rows = self.saved[i]
+            self.cache.restore_positions(slot, start, stop, rows, end)
+        self.saved = {}
+        out, k_of = [], {}
+        for i, p0, n, nxt, slot, bt, k, greedy, temp in fills:
+            seq = DraftSeq(slot, bt, SimpleNamespace(is_greedy=greedy, temperature=temp))
+            out.append((seq, p0, self.runner.hidden[i][:n], nxt))
+            if k:
+                k_of[seq] = k
+        self.drafter.propose(out, k_of)
+        getattr(self.drafter, "probs", {}).clear()      # rank 0 keeps the q rows it verifies with
 
 
 class TPWorkers:
@@ -209,23 +261,35 @@ class TPWorkers:
             time.sleep(POLL_S)
 
     def setup(self, num_blocks: int, max_num_seqs: int, max_model_len: int, graphs: bool, num_snapshots: int,
-              verify_rows: int = 1) -> None:
-        """Announce the cache geometry and the decode graphs to capture (``ModelRunner``); returns once
-        every worker has loaded its slice and taken it (or raises naming a worker that exited
-        meanwhile). Then the serving watchdog starts."""
+              spec=None, draft_layers: int = 0) -> None:
+        """Announce the cache geometry, the decode graphs to capture (``ModelRunner``) and the
+        speculative decoding (a resolved ``SpeculativeConfig`` or None; ``draft_layers`` of the cache);
+        returns once every worker has loaded its slice and taken it (or raises naming a worker that
+        exited meanwhile). Then the serving watchdog starts."""
         import torch.distributed as dist
+        setup = dict(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len, graphs=graphs,
+                     num_snapshots=num_snapshots, draft_layers=draft_layers,
+                     spec=None if spec is None else (spec.method, spec.num_speculative_tokens,
+                                                     spec.draft_sample_method))
         self._while_workers_live("loading the model", lambda: dist.broadcast_object_list(
-            [(num_blocks, max_num_seqs, max_model_len, graphs, num_snapshots, verify_rows)], src=0, group=self.ctrl))
+            [setup], src=0, group=self.ctrl))
         threading.Thread(target=self._watch, daemon=True).start()
 
     def broadcast_step(self, chunks, scores=None, restores=None, captures=None, all_rows=(), keep=()) -> None:
         """Send the step's chunks, the rows to score, the prefix-cache snapshots to restore and take,
         and the verify / kept chunks to every worker (before rank 0 runs them): every rank must run
         each chunk on the same path (their collectives pair up)."""
+        self._send("step", ([(ids.tolist(), st.pos, st.slot, list(st.block_table)) for ids, st in chunks],
+                            scores or {}, restores or [], captures or {}, set(all_rows), set(keep)))
+
+    def broadcast_draft(self, cuts, fills) -> None:
+        """After rank 0 sampled a step of speculating sequences, before it drafts: the accepted end
+        of each verify chunk still running and the drafter's fills (``_Worker.draft``)."""
+        self._send("draft", (cuts, fills))
+
+    def _send(self, kind: str, body: tuple) -> None:
         import torch.distributed as dist
-        msg = [([(ids.tolist(), st.pos, st.slot, list(st.block_table)) for ids, st in chunks], scores or {},
-                restores or [], captures or {}, set(all_rows), set(keep))]
-        dist.broadcast_object_list(msg, src=0, group=self.ctrl)
+        dist.broadcast_object_list([(kind, body)], src=0, group=self.ctrl)
 
     def stop(self) -> None:
         if self._stopping:
