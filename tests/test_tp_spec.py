@@ -8,7 +8,8 @@ calls must pair up with the workers' collectives, and its MTP window / DSpark ri
 in production); then its proposals are replaced. The workers' own drafts are never used. What
 follows a rejected draft must not depend on what that draft was, bit for bit, on every rank: two
 runs whose wrong drafts differ give the same log-probs. A worker that kept what a rejected draft
-wrote in its window or compressor rings fails that (checked by disabling the workers' write-back)."""
+wrote in its window or compressor rings fails that (checked by disabling the workers' write-back).
+With prefix caching, a hit gives the cold run's drafts: every rank restored the drafter's rings."""
 from __future__ import annotations
 
 import pytest
@@ -84,6 +85,12 @@ def test_mtp_over_two_ranks_keeps_the_one_rank_greedy_tokens():
     try:
         assert "tensor parallel 2" in two.engine.backend_name
         _check_oracles(two, prompts, ref, two.engine.model_config.vocab_size, wrong_at=(1, 4, 5, 9))
+        # prefix caching: a 300-token prompt again hits its first block, and every rank restores
+        # the drafter's part of the snapshot (the drafts are the cold run's)
+        from test_spec_prefix import _run
+        a = _prompt(300, 5)
+        cold, hit = _run(two, a), _run(two, a)
+        assert cold[0] == 0 and hit[0] == 256 and cold[3] and hit[1:] == cold[1:]
     finally:
         two.engine.close()
 

@@ -45,7 +45,10 @@ constants and ``blocks_needed`` / ``block_table_tensor`` live in ``formats.pagin
   previous window the next entry overlaps: ``snap_comp`` / ``snap_index`` [num_snapshots, 4,
   2*2*dim] fp32). A ratio-128 compressor has nothing pending at b. ``capture`` / ``restore`` copy
   a slot's state to / from a snapshot; ``layers.attention`` captures boundaries inside a prefill
-  chunk straight from the chunk's rows.
+  chunk straight from the chunk's rows. Under speculative decoding a snapshot also holds each draft
+  layer's window ring (``capture_draft``: the drafter writes its rows after the target's step) and,
+  for the MTP block, the target's residual streams at b-1 (``snap_rows``): MTP's row b-1 reads
+  token b, which a sequence continuing from the snapshot may not share, so it recomputes that row.
 
 Memory: ``bytes_per_block`` (all layers' block pages), ``bytes_per_slot`` (windows + compressor
 states) and ``bytes_per_snapshot``; with ``CacheConfig.memory_bytes`` the cache takes
@@ -64,6 +67,7 @@ the states of that batch are no longer usable).
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -126,16 +130,22 @@ def layer_snapshot_bytes(cfg: ModelConfig, layer: int) -> int:
     return n
 
 
-def bytes_per_snapshot(cfg: ModelConfig) -> int:
-    return sum(layer_snapshot_bytes(cfg, i) for i in range(cfg.num_hidden_layers))
+def bytes_per_snapshot(cfg: ModelConfig, draft_layers: int = 0, draft_row: tuple = ()) -> int:
+    """A snapshot's bytes: every main layer's part, plus each draft layer's window ring and the bf16
+    draft row (``CacheConfig``) under speculative decoding."""
+    row = 2 * math.prod(draft_row) if draft_row else 0
+    return (sum(layer_snapshot_bytes(cfg, i) for i in range(cfg.num_hidden_layers))
+            + draft_layers * (WINDOW // WINDOW_PAGE) * page_bytes(WINDOW_PAGE) + row)
 
 
 def bytes_per_block(cfg: ModelConfig) -> int:
     return sum(layer_block_bytes(cfg, i) for i in range(cfg.num_hidden_layers))
 
 
-def bytes_per_slot(cfg: ModelConfig) -> int:
-    return sum(layer_slot_bytes(cfg, i) for i in range(cfg.num_hidden_layers))
+def bytes_per_slot(cfg: ModelConfig, draft_layers: int = 0) -> int:
+    """A sequence slot's bytes: every main layer's part, plus each draft layer's window ring."""
+    return (sum(layer_slot_bytes(cfg, i) for i in range(cfg.num_hidden_layers))
+            + draft_layers * (WINDOW // WINDOW_PAGE) * page_bytes(WINDOW_PAGE))
 
 
 @dataclass
@@ -143,13 +153,16 @@ class CacheConfig:
     """``max_num_seqs`` sequence slots; ``num_snapshots`` prefix-cache snapshots; KV blocks:
     ``num_blocks``, or as many as fit in ``memory_bytes`` after the slots and snapshots.
     ``device``: where the pools live. ``draft_layers``: window-only layers of a speculative drafter
-    (the MTP block), one 128-token ring per slot each."""
+    (the MTP block, the DSpark stages' rings), one 128-token ring per slot each, snapshotted with the
+    main layers. ``draft_row``: the shape of a bf16 row each snapshot also keeps for the drafter (the
+    MTP block's: the target's residual streams before the boundary, [hc, d]; ``()``: none)."""
     max_num_seqs: int
     num_blocks: int | None = None
     memory_bytes: int | None = None
     device: str | torch.device = "cpu"
     num_snapshots: int = 0
     draft_layers: int = 0
+    draft_row: tuple = ()
 
 
 @dataclass
@@ -190,9 +203,8 @@ class KVCache:
             raise ValueError(f"num_snapshots must be a non-negative integer, got {ns!r}")
         self.max_num_seqs, self.num_snapshots = S, ns
         self.bytes_per_block = bytes_per_block(model_cfg)
-        self.bytes_per_slot = bytes_per_slot(model_cfg) + cache_cfg.draft_layers * WINDOW // WINDOW_PAGE * \
-            page_bytes(WINDOW_PAGE)
-        self.bytes_per_snapshot = bytes_per_snapshot(model_cfg)
+        self.bytes_per_slot = bytes_per_slot(model_cfg, cache_cfg.draft_layers)
+        self.bytes_per_snapshot = bytes_per_snapshot(model_cfg, cache_cfg.draft_layers, cache_cfg.draft_row)
         fixed = S * self.bytes_per_slot + ns * self.bytes_per_snapshot
         what = f"max_num_seqs={S} slots ({self.bytes_per_slot} bytes each)" + (
             f" and {ns} prefix-cache snapshots ({self.bytes_per_snapshot} bytes each)" if ns else "")
@@ -244,8 +256,13 @@ class KVCache:
                     lc.snap_index = torch.zeros(ns, SNAP_ROWS, lc.index_state.shape[2], dtype=torch.float32,
                                                 device=dev)
             self.layers.append(lc)
-        self.draft_layers = [LayerCache(0, torch.zeros(2 * S, page_bytes(WINDOW_PAGE), dtype=torch.uint8, device=dev))
+        self.draft_layers = [LayerCache(0, torch.zeros(2 * S, page_bytes(WINDOW_PAGE), dtype=torch.uint8, device=dev),
+                                        snap_window=torch.zeros(2 * ns, page_bytes(WINDOW_PAGE), dtype=torch.uint8,
+                                                                device=dev))
                              for _ in range(cache_cfg.draft_layers)]
+        self.snap_rows = (torch.zeros(ns, *cache_cfg.draft_row, dtype=torch.bfloat16, device=dev)
+                          if cache_cfg.draft_row else None)
+        self.restored_rows: dict[int, Tensor] = {}     # slot -> its restored snapshot's draft row
         # free lists: stacks, lowest id handed out first
         self._free_blocks = list(range(nb - 1, -1, -1))
         self.reserved_blocks = 0
@@ -414,9 +431,23 @@ class KVCache:
                 lc.snap_comp[snap] = lc.comp_state[slot, rows]
                 lc.snap_index[snap] = lc.index_state[slot, rows]
 
+    def capture_draft(self, slot: int, snap: int, pos: int, row: Tensor | None = None) -> None:
+        """The draft layers' part of snapshot ``snap``: their window rings of the sequence in
+        ``slot``, which must hold exactly positions pos-128 .. pos-1 of its drafter (taken once the
+        drafter has seen the rows before ``pos`` and none after), and the draft row (``row``, when
+        the cache keeps one)."""
+        self._snap_check(snap, slot, pos)
+        for lc in self.draft_layers:
+            lc.snap_window[2 * snap:2 * snap + 2] = lc.window[2 * slot:2 * slot + 2]
+        if self.snap_rows is not None:
+            if row is None:
+                raise ValueError("this cache keeps a draft row per snapshot: capture_draft needs one")
+            self.snap_rows[snap] = row
+
     def restore(self, snap: int, slot: int, pos: int) -> None:
         """Put snapshot ``snap`` (taken at block boundary ``pos``) into ``slot``: the sequence there
-        continues at ``pos`` as the one the snapshot was taken from."""
+        continues at ``pos`` as the one the snapshot was taken from. The draft row, if kept, is left
+        in ``restored_rows[slot]`` for the drafter (which clears it)."""
         self._snap_check(snap, slot, pos)
         rows = self._pending_rows(pos)
         for lc in self.layers:
@@ -424,6 +455,10 @@ class KVCache:
             if lc.ratio == 4:
                 lc.comp_state[slot, rows] = lc.snap_comp[snap]
                 lc.index_state[slot, rows] = lc.snap_index[snap]
+        for lc in self.draft_layers:
+            lc.window[2 * slot:2 * slot + 2] = lc.snap_window[2 * snap:2 * snap + 2]
+        if self.snap_rows is not None:
+            self.restored_rows[slot] = self.snap_rows[snap].clone()
 
     def block_tables_tensor(self, tables: list[list[int]], width: int | None = None) -> Tensor:
         return block_table_tensor(tables, width, self.device)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats.paging import BLOCK_TOKENS
-from .kv_cache import CacheConfig, KVCache, bytes_per_snapshot
+from .kv_cache import CacheConfig, KVCache, bytes_per_slot, bytes_per_snapshot
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .sampler import Sampler
@@ -68,7 +68,7 @@ class EngineConfig:
     generation_config: str = "auto"          # default sampling parameters: auto | vllm | DIR (models.generation_defaults)
     enable_prefix_caching: bool = True       # reuse cached prefixes (engine.prefix_cache), as vLLM's flag
     # prefix-cache snapshots of the window / compressor state at block boundaries; None: 4 per
-    # sequence slot, at most a quarter of a memory budget (engine.prefix_cache)
+    # sequence slot, at most a quarter of a memory budget after the slots (engine.prefix_cache)
     prefix_cache_snapshots: int | None = None
     # requests over the size buckets the scheduler can produce before serving, so that no kernel
     # compiles at request time (engine.warmup); None: on when the ops run compiled kernels (CUDA)
@@ -211,12 +211,17 @@ class LLMEngine:
         except (TypeError, ValueError) as e:
             raise ValueError(f"generation_config.json of {path}: {e}") from None
         budget = None if cfg.num_kv_blocks is not None else self._kv_budget()
-        snaps = self._num_snapshots(budget, bytes_per_snapshot(mc))
+        # speculative decoding: the drafter's rings are snapshotted too, and the MTP block's row at
+        # a boundary is recomputed from the target's streams the snapshot keeps (kv_cache module doc)
+        draft_layers = 0 if self.model.draft is None else mc.num_draft_stages
+        draft_row = (mc.hc_mult, mc.hidden_size) if self.model.draft == "mtp" else ()
+        snaps = self._num_snapshots(budget, bytes_per_snapshot(mc, draft_layers, draft_row),
+                                    (cfg.max_num_seqs + 1) * bytes_per_slot(mc, draft_layers))
         # the model keeps one private scratch slot and block for padding / non-completing rows
         self.cache = KVCache(mc, CacheConfig(max_num_seqs=cfg.max_num_seqs + 1,
                                              num_blocks=None if cfg.num_kv_blocks is None else cfg.num_kv_blocks + 1,
                                              memory_bytes=budget, device=str(self.device), num_snapshots=snaps,
-                                             draft_layers=0 if self.model.draft is None else mc.num_draft_stages))
+                                             draft_layers=draft_layers, draft_row=draft_row))
         self.prefix = PrefixCache(self.cache) if snaps else None
         self.seq_blocks = self.cache.num_blocks - 1      # blocks sequences can hold (one is the model's scratch)
         cap = self.seq_blocks * BLOCK_TOKENS
@@ -231,7 +236,7 @@ class LLMEngine:
         verify_rows = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
         if self.workers is not None:
             self.workers.setup(self.cache.num_blocks, cfg.max_num_seqs, self.max_model_len, cfg.cuda_graphs, snaps,
-                               self.spec, len(self.cache.draft_layers))
+                               self.spec, draft_layers, draft_row)
         self.runner = ModelRunner(self.model, cfg.max_num_seqs, cfg.cuda_graphs,
                                   None if self.workers is None else self.workers.broadcast_step, verify_rows)
         self.backend_name = f"{'kernels' if self.model.ops.kernels else 'torch twins'}" + \
@@ -280,12 +285,12 @@ class LLMEngine:
             if cfg.seed is not None:                # the warm-up must not move the global RNG
                 torch.manual_seed(cfg.seed)
 
-    def _num_snapshots(self, budget: int | None, snap_bytes: int) -> int:
-        """Prefix-cache snapshots to allocate: 0 with caching off or speculative decoding on; else
-        ``prefix_cache_snapshots``, by default 4 per sequence slot and at most a quarter of a memory
-        budget (at least 1)."""
+    def _num_snapshots(self, budget: int | None, snap_bytes: int, slots_bytes: int = 0) -> int:
+        """Prefix-cache snapshots to allocate: 0 with caching off; else ``prefix_cache_snapshots``,
+        by default 4 per sequence slot and at most a quarter of what a memory budget leaves after
+        the sequence slots (``slots_bytes``; at least 1)."""
         cfg = self.cfg
-        if not cfg.enable_prefix_caching or self.spec is not None:
+        if not cfg.enable_prefix_caching:
             return 0
         n = cfg.prefix_cache_snapshots
         if n is not None:
@@ -294,15 +299,11 @@ class LLMEngine:
             return n
         n = 4 * cfg.max_num_seqs
         if budget is not None:
-            n = min(n, budget // 4 // snap_bytes)
+            n = min(n, max(0, budget - slots_bytes) // 4 // snap_bytes)
         return max(1, n)
 
     def describe_prefix_caching(self) -> str:
         if self.prefix is None:
-            if self.cfg.enable_prefix_caching and self.spec is not None:
-                # a snapshot holds the main layers' state only: the MTP block's window ring of a hit
-                # would be missing, and a verify chunk may cross a block boundary on draft tokens
-                return "prefix caching off: not supported together with speculative decoding"
             return "prefix caching off"
         c = self.cache
         return (f"prefix caching on: cached prefixes share the {self.seq_blocks} KV blocks "
@@ -424,7 +425,10 @@ class LLMEngine:
             # its residual streams for the drafter; a verify chunk returns every row's logits, and
             # what its positions overwrite in the per-slot rings is saved, to put back for the
             # rejected positions
-            keep = {i for i, c in enumerate(batch) if self.drafter is not None and c.seq.matcher is None}
+            # (with prefix caching, every sequence's rows go to the drafter: its rings are part of
+            # the snapshots the sequence takes, which sequences that do speculate may restore)
+            keep = {i for i, c in enumerate(batch)
+                    if self.drafter is not None and (c.seq.matcher is None or self.prefix is not None)}
             verify = {i for i, c in enumerate(batch) if c.num_draft}
             p0 = [c.seq.num_computed for c in batch]
             saved = {i: self.cache.save_positions(batch[i].seq.slot, p0[i], p0[i] + batch[i].num_tokens)
@@ -541,33 +545,53 @@ class LLMEngine:
         return forced
 
     def _draft(self, batch, keep: set, p0: list[int]) -> None:
-        """Give the drafter the rows each speculating sequence committed this step (with the token
-        that follows each) and let it draft for the next step."""
-        fills, k_of, fill_of = [], {}, []
+        """Give the drafter the rows each kept sequence committed this step (with the token that
+        follows each) and let the speculating ones draft for the next step. With prefix caching the
+        snapshots this step took get their draft part (``spec_decode.draft_step``); those that did not
+        (their sequence ended) are dropped. After a prefix-cache hit, MTP's row before the hit is
+        recomputed first, from the streams the snapshot kept and this sequence's next token."""
+        from .spec_decode import draft_step
+        items, k_of, msg = [], {}, []
         for i in sorted(keep):
-            s = batch[i].seq
+            c, s = batch[i], batch[i].seq
             if s.is_finished or s.state is None:
                 continue
             n = s.num_computed - p0[i]                      # rows committed (a verify chunk: accepted + 1)
             nxt = s.all_ids[p0[i] + 1:p0[i] + n + 1]
             if n <= 0 or len(nxt) != n:
                 continue
-            fills.append((s, p0[i], self.runner.hidden[i][:n], nxt))
-            fill_of.append(i)
-            if s.num_computed >= len(s.prompt_ids):
+            h, p = self.runner.hidden[i][:n], p0[i]
+            pre = c.restore is not None and s.slot in self.cache.restored_rows
+            if pre:
+                h, nxt, p = torch.cat([self.cache.restored_rows[s.slot][None], h]), [s.all_ids[p]] + nxt, p - 1
+            caps = [(x.pos, x.snap) for x in c.captures]
+            items.append((s, p, h, nxt, caps))
+            if s.num_computed >= len(s.prompt_ids) and s.matcher is None:
                 k_of[s] = self._k_of(s)
+            msg.append((i, p, len(nxt), nxt, s.slot, list(s.block_table), k_of.get(s, 0), s.params.is_greedy,
+                        float(s.params.temperature), caps, pre))
         if self.workers is not None:        # every rank mirrors the cut-backs and runs the draft (tp_workers)
-            self.workers.broadcast_draft(self._cuts, [
-                (i, p0[i], len(nxt), nxt, s.slot, list(s.block_table), k_of.get(s, 0), s.params.is_greedy,
-                 float(s.params.temperature)) for i, (s, _, _, nxt) in zip(fill_of, fills)])
-        self.drafter.propose(fills, k_of)
+            self.workers.broadcast_draft(self._cuts, msg)
+        done = draft_step(self.drafter, self.cache, items, k_of)
+        self.cache.restored_rows.clear()
+        if self.prefix is not None:
+            self.prefix.drop([x for c in batch for x in c.captures if x.snap not in done])
 
     def _k_of(self, s: Sequence) -> int:
         """Draft tokens ``s`` carries next step: the configured number, clipped so that the verify
-        chunk's tokens fit ``max_tokens`` and its positions ``max_model_len``."""
+        chunk's tokens fit ``max_tokens`` and its positions ``max_model_len``. With prefix caching,
+        a verify chunk never puts a draft token on the last position before a block boundary: the
+        pending token ``N`` reaches it itself, so the snapshot there (taken at ``N + 1``) and its
+        block's hash hold committed tokens only."""
         left = s.max_tokens - len(s.output_ids)
         room = self.max_model_len - 1 - s.num_computed
-        return max(0, min(self.spec.num_speculative_tokens, left - 1, room))
+        k = max(0, min(self.spec.num_speculative_tokens, left - 1, room))
+        if self.prefix is not None:
+            N = s.num_computed
+            b = (N // BLOCK_TOKENS + 1) * BLOCK_TOKENS     # the next boundary
+            if N < b - 1:
+                k = min(k, b - 2 - N)
+        return k
 
     def _append(self, s: Sequence, tok: int, lps: dict | None, err: str | None, rank: int | None = None) -> None:
         if s.is_finished:

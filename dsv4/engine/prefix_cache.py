@@ -49,6 +49,13 @@ asking for prompt logprobs does not read the cache (vLLM's rule: the prompt is s
 skipped), but its blocks are cached for others. Under tensor parallelism every decision is rank
 0's (the scheduler lives there); the workers get each step's restores and captures with its
 chunks and copy the same bytes in their own caches.
+
+Speculative decoding. A snapshot also holds the drafter's rings and, for MTP, the target's streams
+before the boundary (``kv_cache`` module doc); their part is taken after the step, when the drafter
+has seen the rows (``spec_decode.draft_step``), and a committed snapshot whose draft part was not
+taken is dropped (``drop``). The engine clips drafts so that no verify chunk has a draft token on
+the last position before a boundary (``LLMEngine._k_of``): a boundary a verify chunk passes is
+always passed by its pending token, so every capture and block hash covers committed tokens.
 """
 from __future__ import annotations
 
@@ -222,6 +229,14 @@ class PrefixCache:
             self.snap_of[c.key] = c.snap
             self.snap_key[c.snap] = c.key
             self.probation[c.snap] = None
+
+    def drop(self, captures: list[Capture]) -> None:
+        """Committed ``captures`` whose snapshots turned out incomplete (speculative decoding: the
+        drafter's part was not taken, ``LLMEngine._draft``): forgotten and freed."""
+        for c in captures:
+            if self.snap_of.get(c.key) == c.snap:
+                self._forget_snapshot(c.snap)
+                self.free_snaps.append(c.snap)
 
     def _evicted(self, block: int) -> None:
         """``KVCache`` reuses cached ``block``: the prefix through it is gone, and with it the

@@ -165,6 +165,38 @@ def make_drafter(model, spec: SpeculativeConfig, runner, max_num_seqs: int):
     return DSparkDrafter(model, runner.per_sequence, spec.draft_sample_method, graphs)
 
 
+def draft_step(drafter, cache, items, k_of: dict) -> set:
+    """One step's drafting with prefix-cache snapshots (``LLMEngine._draft``, and every tensor-parallel
+    worker alike). ``items`` [(seq, p0, streams [n, ...], next token ids [n], captures [(pos, snap)])]:
+    the drafter's fills (``propose``) and the block boundaries in (p0, p0 + n] where this step takes
+    a snapshot. A snapshot's draft part (``KVCache.capture_draft``) must see the drafter's rings
+    holding exactly the positions before its boundary, so each fill is cut at its boundaries and
+    the pieces run in rounds (piece r of every fill in round r), each boundary captured after the
+    round its piece ends in; a sequence drafts (``k_of``) in the round of its last piece. Without
+    captures this is one ``propose``. Returns the snapshots whose draft part was taken."""
+    pieces = []
+    for seq, p0, h, nxt, caps in items:
+        n = len(nxt)
+        bounds = [0] + sorted({pos - p0 for pos, _ in caps if 0 < pos - p0 < n}) + [n]
+        pieces.append(list(zip(bounds[:-1], bounds[1:])))
+    done = set()
+    for r in range(max(map(len, pieces), default=1)):
+        fills, ks, after = [], {}, []
+        for (seq, p0, h, nxt, caps), ps in zip(items, pieces):
+            if r >= len(ps):
+                continue
+            a, b = ps[r]
+            fills.append((seq, p0 + a, h[a:b], nxt[a:b]))
+            if r == len(ps) - 1 and seq in k_of:
+                ks[seq] = k_of[seq]
+            after += [(seq.slot, snap, pos, h[pos - 1 - p0]) for pos, snap in caps if pos - p0 == b]
+        drafter.propose(fills, ks)
+        for slot, snap, pos, row in after:
+            cache.capture_draft(slot, snap, pos, row)
+            done.add(snap)
+    return done
+
+
 def accept_greedy_draft(sampled: list[int], draft: list[int]) -> int:
     """Number of draft tokens kept when row j of the verify chunk sampled ``sampled[j]`` (k + 1
     rows for k drafts): the longest prefix with ``sampled[j] == draft[j]``."""

@@ -132,7 +132,8 @@ class _Worker:
         self.cache = KVCache(model.cfg, CacheConfig(max_num_seqs=setup["max_num_seqs"] + 1,
                                                     num_blocks=setup["num_blocks"], device=str(dev),
                                                     num_snapshots=setup["num_snapshots"],
-                                                    draft_layers=setup["draft_layers"]))
+                                                    draft_layers=setup["draft_layers"],
+                                                    draft_row=tuple(setup["draft_row"])))
         model.attach_cache(self.cache, setup["max_model_len"])
         spec = None if setup["spec"] is None else SpeculativeConfig(*setup["spec"])
         verify_rows = 1 if spec is None else spec.num_speculative_tokens + 1
@@ -150,19 +151,25 @@ class _Worker:
 
     def draft(self, cuts, fills) -> None:
         """``cuts`` [(verify chunk index, accepted end position)] of the sequences still running;
-        ``fills`` [(chunk index, p0, rows committed, next tokens, slot, block table, drafts wanted,
-        greedy, temperature)]: ``LLMEngine._draft``'s fills, the streams taken from this rank's step."""
+        ``fills`` [(chunk index, p0, rows, next tokens, slot, block table, drafts wanted, greedy,
+        temperature, snapshot captures, pre)]: ``LLMEngine._draft``'s items, the streams taken from
+        this rank's step (``pre``: after the row the restored snapshot keeps)."""
+        from .spec_decode import draft_step
         for i, end in cuts:
             slot, start, stop, rows = self.saved[i]
             self.cache.restore_positions(slot, start, stop, rows, end)
         self.saved = {}
-        out, k_of = [], {}
-        for i, p0, n, nxt, slot, bt, k, greedy, temp in fills:
+        items, k_of = [], {}
+        for i, p0, n, nxt, slot, bt, k, greedy, temp, caps, pre in fills:
             seq = DraftSeq(slot, bt, SimpleNamespace(is_greedy=greedy, temperature=temp))
-            out.append((seq, p0, self.runner.hidden[i][:n], nxt))
+            h = self.runner.hidden[i][:n - pre]
+            if pre:
+                h = torch.cat([self.cache.restored_rows[slot][None], h])
+            items.append((seq, p0, h, nxt, caps))
             if k:
                 k_of[seq] = k
-        self.drafter.propose(out, k_of)
+        draft_step(self.drafter, self.cache, items, k_of)
+        self.cache.restored_rows.clear()
         getattr(self.drafter, "probs", {}).clear()      # rank 0 keeps the q rows it verifies with
 
 
@@ -261,14 +268,15 @@ class TPWorkers:
             time.sleep(POLL_S)
 
     def setup(self, num_blocks: int, max_num_seqs: int, max_model_len: int, graphs: bool, num_snapshots: int,
-              spec=None, draft_layers: int = 0) -> None:
+              spec=None, draft_layers: int = 0, draft_row: tuple = ()) -> None:
         """Announce the cache geometry, the decode graphs to capture (``ModelRunner``) and the
-        speculative decoding (a resolved ``SpeculativeConfig`` or None; ``draft_layers`` of the cache);
+        speculative decoding (a resolved ``SpeculativeConfig`` or None; ``draft_layers`` and
+        ``draft_row`` of the cache, ``CacheConfig``);
         returns once every worker has loaded its slice and taken it (or raises naming a worker that
         exited meanwhile). Then the serving watchdog starts."""
         import torch.distributed as dist
         setup = dict(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len, graphs=graphs,
-                     num_snapshots=num_snapshots, draft_layers=draft_layers,
+                     num_snapshots=num_snapshots, draft_layers=draft_layers, draft_row=tuple(draft_row),
                      spec=None if spec is None else (spec.method, spec.num_speculative_tokens,
                                                      spec.draft_sample_method))
         self._while_workers_live("loading the model", lambda: dist.broadcast_object_list(
