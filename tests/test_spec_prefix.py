@@ -53,19 +53,26 @@ def _run(llm, prompt, n=12, cont=None):
     return o.num_cached_tokens, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], log
 
 
-def _check_hit_like_uncached(ckpt, spec, a, b):
+def _check_hit_like_uncached(ckpt, spec, a, b, exact=True, **kw):
     """Prompt ``a``, then ``b`` (``a``'s first block, another tail): ``b`` hits the block and runs
-    as on an engine with caching off, drafts included."""
-    on = LLM(ckpt, speculative_config=spec, **KW)
-    off = LLM(ckpt, speculative_config=spec, enable_prefix_caching=False, **KW)
+    as on an engine with caching off, drafts included. ``exact=False`` (GPU kernels, whose MTP rows
+    may round by the fill they are computed in): the same tokens, log-probs within 1e-3, and at
+    least 80 % of the steps drafting the same tokens (a drafter without its snapshot state drafts
+    next to none alike)."""
+    kw = dict(KW, **kw)
+    on = LLM(ckpt, speculative_config=spec, **kw)
+    off = LLM(ckpt, speculative_config=spec, enable_prefix_caching=False, **kw)
     assert "prefix caching on" in on.engine.describe_prefix_caching()
     assert on.engine.cache.num_snapshots > 0 and on.engine.cache.draft_layers[0].snap_window is not None
-    first = _run(on, a)
-    assert first[0] == 0 and first[3] and first[1:] == _run(off, a)[1:]
+    first, cold = _run(on, a), _run(off, a)
+    assert first[0] == 0 and first[3] and first[1] == cold[1] and (not exact or first[2:] == cold[2:])
     hit, ref = _run(on, b), _run(off, b)
-    assert hit[0] == BLOCK_TOKENS and ref[0] == 0
-    assert hit[1] == ref[1] and hit[2] == ref[2]
-    assert hit[3] == ref[3]
+    assert hit[0] == BLOCK_TOKENS and ref[0] == 0 and hit[1] == ref[1]
+    if exact:
+        assert hit[2:] == ref[2:]
+    else:
+        assert max(abs(x - y) for x, y in zip(hit[2], ref[2])) < 1e-3
+        assert len(hit[3]) == len(ref[3]) and sum(x == y for x, y in zip(hit[3], ref[3])) >= 0.8 * len(ref[3])
 
 
 def test_an_mtp_prefix_hit_drafts_as_without_the_cache():
@@ -109,3 +116,12 @@ def test_a_boundary_passed_while_speculating_is_snapshotted_and_hit():
     hit, ref = _run(on, nxt), _run(off, nxt)
     assert hit[0] == BLOCK_TOKENS and hit[1] == ref[1]
     assert max(abs(x - y) for x, y in zip(hit[2], ref[2])) < 0.3
+
+
+@pytest.mark.gpu
+def test_gpu_prefix_hits_under_mtp_on_the_kernels(tmp_path, monkeypatch):
+    """The same on the GPU kernels, decode, verify and MTP steps replayed from CUDA graphs."""
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+    a = _prompt(300, 5)
+    _check_hit_like_uncached(None, MTP3, a, a[:BLOCK_TOKENS] + _prompt(44, 6), exact=False, device="cuda",
+                             kv_cache_memory="2GiB")
