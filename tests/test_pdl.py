@@ -68,8 +68,11 @@ def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribut
 
 
 @pytest.mark.parametrize("value,cuda_sm,expect", [
-    (None, (9, 0), False),          # off unless asked
+    (None, (9, 0), True),           # on by default where the GPU has it
+    (None, (8, 0), False),
+    (None, None, False),
     ("0", (9, 0), False),
+    ("off", (10, 0), False),
     ("1", (9, 0), True),
     ("on", (10, 0), True),
     ("1", (8, 9), False),           # griddepcontrol is sm_90+
@@ -90,11 +93,20 @@ def test_the_switch(monkeypatch, value, cuda_sm, expect):
     assert lib.pdl_mode() is (value == "force")
 
 
-def test_off_by_default_in_this_process():
+def test_a_bad_value_is_refused(monkeypatch):
+    from dsv4.kernels import lib
+    monkeypatch.setenv("DSV4_PDL", "yes please")
+    with pytest.raises(ValueError, match="DSV4_PDL='yes please'"):
+        lib.pdl_mode()
+
+
+def test_this_process_has_it_exactly_where_the_gpu_has_griddepcontrol():
     from dsv4.kernels import lib
     if os.environ.get("DSV4_PDL"):
         pytest.skip("DSV4_PDL is set for this run")
-    assert lib.PDL_ON is False and lib.PDL_LAUNCH == {}
+    want = (not lib.interpreting() and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(0) >= (9, 0))
+    assert lib.PDL_ON is want and lib.PDL_LAUNCH == ({"launch_pdl": True} if want else {})
 
 
 _AOT = textwrap.dedent("""
