@@ -381,8 +381,9 @@ def test_official_tiny_writer_equals_the_shared_tool(official_seed1_dir, tmp_pat
     if not os.path.isfile(tool):
         skip_or_fail_without_shared(f"external tool {tool} (<repo>/../shared/tools/make_tiny_official.py)")
     out = tmp_path / "official_tool"
+    # on MKL's COMPATIBLE path, as the fixture's checkpoint is written (conftest.official_seed1_dir)
     subprocess.run([sys.executable, tool, str(out), "--seed", "1"], check=True, capture_output=True,
-                   timeout=300)
+                   timeout=300, env=dict(os.environ, MKL_CBWR="COMPATIBLE"))
     names = sorted(os.listdir(out))
     assert names == sorted(os.listdir(official_seed1_dir)) and len(names) == 5
     _, diff, errors = filecmp.cmpfiles(out, official_seed1_dir, names, shallow=False)
