@@ -9,6 +9,7 @@ import time
 
 def _engine_kw(a: argparse.Namespace) -> dict:
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                long_prefill_token_threshold=a.long_prefill_token_threshold,
                 max_model_len=a.max_model_len, kv_cache_memory=a.kv_cache_memory,
                 gpu_memory_utilization=a.gpu_memory_utilization, device=a.device,
                 cuda_graphs=not a.enforce_eager, log=not a.quiet, synthetic=a.synthetic,
@@ -69,6 +70,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     """Engine settings shared by generate, bench throughput and serve."""
     p.add_argument("--max-num-seqs", type=int, default=None, help='most sequences in a batch (default 128 on a GPU, 16 on a CPU)')
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help='token budget of one step; prefill chunks are cut to it (default 8192 on a GPU, 512 on a CPU)')
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="> 0: cut every prefill chunk of one request to this many tokens, so that long prompts "
+                        "share a step's budget and keep the running decodes' steps short (default 0: off)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's max_position_embeddings, capped by the KV cache)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB (CPU default 256MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help='share of the GPU memory free after loading that the KV cache takes (default 0.9)')

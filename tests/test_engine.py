@@ -294,3 +294,38 @@ def test_seed_seeds_the_sampling_of_requests_without_their_own(short):
     assert short.generate([p], UNSEEDED)[0].outputs[0].token_ids == short.first_draw
     torch.manual_seed(8)
     assert short.generate([p], UNSEEDED)[0].outputs[0].token_ids != short.first_draw
+
+
+def test_long_prefill_token_threshold_caps_each_prompt_s_chunk(tmp_path, monkeypatch, ref):
+    """vLLM's ``long_prefill_token_threshold``: no sequence takes more prefill tokens in a step than
+    the threshold, so two prompts share each step's budget (their chunks side by side) while another
+    decodes; the outputs stay the alone run's. 0 is off; a negative or non-integer value is refused."""
+    from dsv4.cli import _engine_kw, build_parser
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+    a = build_parser().parse_args(["generate", "x", "--long-prefill-token-threshold", "64"])
+    kw = _engine_kw(a)
+    assert kw["long_prefill_token_threshold"] == 64
+    llm = LLM(None, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=1024, log=False,
+              enable_prefix_caching=False, long_prefill_token_threshold=32)
+    sched = llm.engine.scheduler
+    steps = []
+    plain = sched.schedule
+
+    def recording():
+        out = plain()
+        steps.append([(c.seq.seq_id, c.num_tokens, c.seq.num_computed < len(c.seq.prompt_ids)) for c in out])
+        return out
+    monkeypatch.setattr(sched, "schedule", recording)
+    prompts = [_prompt(n, 40 + i) for i, n in enumerate((10, 150, 100))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1))
+    prefill_chunks = [n for s in steps for _, n, pre in s if pre]
+    assert max(prefill_chunks) == 32 and sum(prefill_chunks) == 260
+    # the 150- and 100-token prompts' chunks share steps (32 each), beside the first one's decodes
+    shared = [s for s in steps if sum(pre for _, _, pre in s) >= 2]
+    assert shared and any(any(not pre for _, _, pre in s) for s in steps[1:6])
+    for p, o in zip(prompts, outs):
+        _agree(o.outputs[0], _alone(ref, p, 3))
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+            LLM(None, max_num_seqs=2, log=False, long_prefill_token_threshold=bad)

@@ -44,6 +44,8 @@ class EngineConfig:
     # None: the device's default (``device_defaults``)
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    # vLLM's flag: > 0 caps every prefill chunk of one sequence at this many tokens (engine.scheduler)
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None         # None: the config's max_position_embeddings, capped by the KV cache
     kv_cache_memory: str | int | None = None  # bytes for the KV caches (CPU default 256MiB)
     gpu_memory_utilization: float = 0.9      # on CUDA when kv_cache_memory is not given
@@ -140,6 +142,9 @@ class LLMEngine:
         self.cfg = cfg
         if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not isinstance(cfg.long_prefill_token_threshold, int) or cfg.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
+                             f"got {cfg.long_prefill_token_threshold!r}")
         if cfg.max_model_len is not None and cfg.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {cfg.max_model_len}")
         if cfg.synthetic is not None and cfg.model is not None:
@@ -231,7 +236,8 @@ class LLMEngine:
                              f"{mc.max_position_embeddings}")
         self.max_model_len = cfg.max_model_len or limit
         self.model.attach_cache(self.cache, self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens), self.cache,
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                                   cfg.long_prefill_token_threshold), self.cache,
                                    self.prefix)
         verify_rows = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
         if self.workers is not None:

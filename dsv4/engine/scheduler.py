@@ -5,7 +5,9 @@ Policy, per step, under a budget of ``max_num_batched_tokens`` tokens:
 2. then prefill chunks, oldest first: running sequences with an unfinished (chunked) prefill,
    then waiting sequences admitted FCFS while a cache slot, ``max_num_seqs`` and the budget allow;
    a prefill is cut to what the budget has left (chunked prefill), so steps mix prefills and
-   decodes;
+   decodes; with ``long_prefill_token_threshold`` > 0 (vLLM's flag) every prefill chunk is also cut
+   to that many tokens, so that one long prompt neither takes a whole step's budget nor stretches
+   the running decodes' step (shorter prompts then start beside it);
 3. every scheduled sequence must hold KV blocks up to its new end; when the pool runs dry the
    most recently admitted running sequence is preempted (recompute: its slot and blocks are
    freed, it goes back to the front of the waiting queue and later re-prefills prompt + output).
@@ -31,6 +33,12 @@ from .sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0     # > 0: the most prefill tokens of one sequence in a step
+
+    def chunk_cap(self, budget: int) -> int:
+        """The most prefill tokens one sequence may take in a step with ``budget`` tokens left."""
+        t = self.long_prefill_token_threshold
+        return min(budget, t) if t > 0 else budget
 
 
 @dataclass
@@ -124,7 +132,7 @@ class Scheduler:
                 break
             if seq not in self.running or seq.num_computed >= len(seq.prompt_ids):
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, self.cfg.chunk_cap(budget))
             if self._grow(seq, seq.num_computed + n):
                 out.append(ScheduledChunk(seq, n))
                 budget -= n
@@ -137,7 +145,7 @@ class Scheduler:
                 continue
             hit = self._lookup(seq)
             start = hit.tokens if hit else 0
-            n = min(seq.num_tokens - start, budget)
+            n = min(seq.num_tokens - start, self.cfg.chunk_cap(budget))
             need = self.cache.blocks_needed(start + n) - (len(hit.blocks) if hit else 0)
             taken = self.prefix.evictable_among(hit) if hit else 0
             if need + taken > self.cache.num_free_blocks:
