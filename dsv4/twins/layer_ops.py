@@ -8,6 +8,8 @@ shared expert is added. GEMMs whose M is the token count run on padded rows (``t
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..formats.fp8 import dequant_fp8_weight
@@ -17,6 +19,38 @@ from . import moe as _moe
 from .lib import padded_rows
 
 QBLOCK = 128
+# fp32 values of constant CPU weights (dequantised FP8 spans, bf16 spans), kept on their ``Linear`` so
+# that a twin GEMM does not convert its weight on every call: the lm head's bf16 -> fp32 alone was
+# 40% of a CPU engine test's time. CPU only (on a GPU the twins are the fallback of an op whose kernel
+# failed, and device memory belongs to the KV cache), and at most ``WEIGHT_CACHE_BYTES`` in a process.
+WEIGHT_CACHE_BYTES = 2 << 30
+_cached = [0]                     # bytes held by live caches (a finalizer gives a Linear's back)
+
+
+def _release(nbytes: int) -> None:
+    _cached[0] -= nbytes
+
+
+def _weight_fp32(lin, a: int, b: int, convert) -> torch.Tensor:
+    """``convert()`` (the fp32 values of rows [a, b) of ``lin``'s weight), cached on CPU while the weight
+    and its scale are unchanged (same storage, same version counter)."""
+    w = lin.weight
+    if w.device.type != "cpu":
+        return convert()
+    sc = getattr(lin, "scale", None) if lin.kind == "fp8" else None
+    key = (w.data_ptr(), w._version) + ((sc.data_ptr(), sc._version) if sc is not None else ())
+    cache = lin.__dict__.setdefault("_twin_fp32", {})
+    hit = cache.get((a, b))
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    out = convert()
+    if hit is None and _cached[0] + out.numel() * 4 <= WEIGHT_CACHE_BYTES:
+        _cached[0] += out.numel() * 4
+        weakref.finalize(lin, _release, out.numel() * 4)
+    elif hit is None:
+        return out
+    cache[(a, b)] = (key, out)
+    return out
 
 
 def fp8_rows(w: torch.Tensor, s: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -32,13 +66,15 @@ def linear(lin, x: torch.Tensor) -> torch.Tensor:
 def _linear(lin, x: torch.Tensor) -> torch.Tensor:
     if lin.kind == "fp8":
         xq = dequant_activation_fp8(x.to(torch.bfloat16))
-        outs = [(xq @ fp8_rows(lin.weight, lin.scale, a, b).T).to(torch.bfloat16) for _, a, b in lin.spans()]
+        outs = [(xq @ _weight_fp32(lin, a, b, lambda: fp8_rows(lin.weight, lin.scale, a, b)).T).to(torch.bfloat16)
+                for _, a, b in lin.spans()]
     elif lin.kind == "bf16":
         xf = x.to(torch.bfloat16).float()
-        outs = [(xf @ lin.weight[a:b].float().T).to(torch.bfloat16) for _, a, b in lin.spans()]
+        outs = [(xf @ _weight_fp32(lin, a, b, lambda: lin.weight[a:b].float()).T).to(torch.bfloat16)
+                for _, a, b in lin.spans()]
     else:
         xf = x.float()
-        outs = [xf @ lin.weight[a:b].float().T for _, a, b in lin.spans()]
+        outs = [xf @ _weight_fp32(lin, a, b, lambda: lin.weight[a:b].float()).T for _, a, b in lin.spans()]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
