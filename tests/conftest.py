@@ -1,12 +1,14 @@
 import os
 
-# MKL's BLAS and vector math (torch's CPU matmul, exp, log, ...) pick a code path per CPU (SSE4.2, AVX2,
-# AVX-512 / AMX) whose last bits differ, and on its AVX-512 path a row of a matmul changes with the
-# number of rows (tests that hold the decode path to the prefill path bit for bit fail there). MKL_CBWR
-# pins one path (MKL's conditional numerical reproducibility): AVX2 gives the same bits on every CPU
-# that has AVX2, at about half the AVX-512 path's matmul speed (COMPATIBLE is 7x slower). It must be set
-# before MKL's first call, so before torch is imported.
-os.environ.setdefault("MKL_CBWR", "AVX2")
+# MKL's BLAS and vector math (torch's CPU matmul, exp, log, ...) pick a code path per CPU (SSE4.2, AVX,
+# AVX2, AVX-512 / AMX) whose last bits differ, and on the AVX2 and AVX-512 paths a row of a matmul can
+# change with the number of rows (the twins pad rows to a multiple of 8, ``twins.lib``, which holds only
+# on some paths): tests that hold a chunked, batched or decode-path run to another bit for bit fail
+# there. MKL_CBWR pins one path (MKL's conditional numerical reproducibility): the AVX path gives the
+# same bits on every CPU that has AVX, keeps those tests exact, and writes the golden checkpoint's
+# bytes; its fp32 GEMM runs at about 45 GFLOP/s on two cores. It must be set before MKL's first call,
+# so before torch is imported.
+os.environ.setdefault("MKL_CBWR", "AVX")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
