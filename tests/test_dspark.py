@@ -51,6 +51,21 @@ def _cos(a, b):
     return float(a @ b / (a.norm() * b.norm()))
 
 
+def _same_chain(got: dict, i: int, want: dict, j: int, tol: float = 0.3) -> None:
+    """Draft row ``i`` of ``got`` is row ``j`` of ``want``: the same greedy tokens, and logits within
+    ``tol``, up to a step where ``want``'s top-2 logits are within ``tol`` (a near tie: after a flip
+    there the chain goes on from another token). On the CPU twins a batch of two is not bit-exact with
+    each alone on every MKL code path: the DSpark block's logits move by up to 0.12 on MKL's AVX path
+    (2026-12-05), by 0 on its AVX2 path."""
+    for k, (a, b) in enumerate(zip(got["tokens"][i].tolist(), want["tokens"][j].tolist())):
+        lg, lw = got["logits"][i][k].float(), want["logits"][j][k].float()
+        assert float((lg - lw).abs().max()) < tol, k
+        if a != b:
+            top = lw.topk(2).values
+            assert float(top[0] - top[1]) < tol, (k, a, b)
+            return
+
+
 def test_the_production_draft_matches_the_reference():
     """Same weights, same prompt (longer than the 128-row window, prefilled in two chunks): the
     production model's DSpark features, ring rows, drafts, logits and confidences are the
@@ -101,8 +116,8 @@ def test_the_production_draft_matches_the_reference():
     prod.dspark_extend([(st2.slot, 0, rst.last_features[:40])])
     two = prod.dspark_draft(torch.tensor([st.slot, st2.slot]), torch.tensor([anchor, 7]), torch.tensor([n, 40]), B)
     alone = prod.dspark_draft(torch.tensor([st2.slot]), torch.tensor([7]), torch.tensor([40]), B)
-    assert two["tokens"][0].tolist() == out["tokens"][0].tolist()
-    assert two["tokens"][1].tolist() == alone["tokens"][0].tolist()
+    _same_chain(two, 0, out, 0)
+    _same_chain(two, 1, alone, 0)
     ref40 = ref.dspark.new_state()
     ref.dspark.extend(ref40, rst.last_features[:40], 0)
     assert _cos(alone["logits"][0], ref.dspark.draft(ref40, 7).logits) > 0.999

@@ -199,7 +199,9 @@ def test_predec_passes_over_expert_ranges_give_one_pass_s_bits(monkeypatch):
     _check_moe(one, ref(x.cpu(), ids.cpu()))
 
 
-@pytest.mark.parametrize("cfg", [{"ATMA": True}, {"ATMA": True, "WTMA": True}, {"WTMA": True}])
+@pytest.mark.parametrize("cfg", [{"ATMA": True, "WTMA": True},
+                                 pytest.param({"ATMA": True}, marks=pytest.mark.slow),
+                                 pytest.param({"WTMA": True}, marks=pytest.mark.slow)])
 def test_predec_with_tma_tiles_gives_the_pointer_loads_bits(cfg):
     """The pre-decoded path with TMA activation tiles (GEMM 1's rows, scales and routing weights gathered
     once into sorted order; GEMM 2's h as it is) and / or TMA weight tiles: the bits of pointer loads."""

@@ -94,6 +94,7 @@ def test_a_dspark_prefix_hit_drafts_as_without_the_cache(dspark_ckpt):
                              a[:BLOCK_TOKENS] + ids(44, 6))
 
 
+@pytest.mark.slow
 def test_a_boundary_passed_while_speculating_is_snapshotted_and_hit():
     """All drafts accepted (the target's continuation) from position 250 on: no verify chunk puts a
     draft on position 255, and the snapshot at 256 taken while decoding serves the prompt that

@@ -100,6 +100,7 @@ def dspark_ckpt(tmp_path_factory):
     return make_tiny(str(tmp_path_factory.mktemp("tp_dspark") / "ck"), cfg=small("dspark"))
 
 
+@pytest.mark.slow
 def test_dspark_over_two_ranks_keeps_the_one_rank_greedy_tokens(dspark_ckpt):
     """DSpark with 3 drafts on a tiny DSpark checkpoint over two ranks; then probabilistic drafts
     at temperature > 0 (the workers draw theirs from their own RNG, never used) keep running."""
