@@ -44,11 +44,12 @@ def _weight_fp32(lin, a: int, b: int, convert) -> torch.Tensor:
     if hit is not None and hit[0] == key:
         return hit[1]
     out = convert()
-    if hit is None and _cached[0] + out.numel() * 4 <= WEIGHT_CACHE_BYTES:
-        _cached[0] += out.numel() * 4
-        weakref.finalize(lin, _release, out.numel() * 4)
-    elif hit is None:
-        return out
+    if hit is None:                      # a new span: counted once, given back when ``lin`` goes
+        nbytes = out.numel() * 4
+        if _cached[0] + nbytes > WEIGHT_CACHE_BYTES:
+            return out
+        _cached[0] += nbytes
+        weakref.finalize(lin, _release, nbytes)
     cache[(a, b)] = (key, out)
     return out
 
