@@ -226,34 +226,33 @@ def test_engine_matches_official_golden(official_seed1, monkeypatch, tmp_path):
     llm = LLM(path, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=1024, kv_cache_memory="64MiB",
               log=False, enable_prefix_caching=False)
 
-    def request(case, k):                          # (prompt ids, the official steps it covers)
+    def request(case, k):                  # (prompt ids, the official steps it covers, case, first step)
         steps, j = case["steps"], k
         while j < len(steps) - 1 and margin(steps[j]) >= 0.5:
             j += 1
-        return case["prompt_ids"] + case["greedy_ids"][:k], steps[k:j + 1], (case, j + 1)
+        return case["prompt_ids"] + case["greedy_ids"][:k], steps[k:j + 1], case, k
 
     reqs = []
     for case in golden["cases"]:
         k = 0
         while k < len(case["steps"]):
             reqs.append(request(case, k))
-            k = reqs[-1][2][1]
+            k += len(reqs[-1][1])
     tally, rounds = GoldenTally(), 0
     while reqs:
         rounds += 1
-        outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in reqs],
+        outs = llm.generate([{"prompt_token_ids": p} for p, _, _, _ in reqs],
                             [SamplingParams(temperature=0, max_tokens=len(st), ignore_eos=True, logprobs=1)
-                             for _, st, _ in reqs])
+                             for _, st, _, _ in reqs])
         done, reqs = list(zip(reqs, outs)), []
-        for (prompt, steps, (case, _end)), o in done:
+        for (prompt, steps, case, k), o in done:
             c = o.outputs[0]
             assert len(c.token_ids) == len(steps)
             for i, step in enumerate(steps):
                 tally.add_token(c.token_ids[i], c.logprobs[i][c.token_ids[i]].logprob, step, f"{len(prompt)}+{i}")
                 if c.token_ids[i] != step["argmax"]:
-                    k = case["steps"].index(step) + 1
                     if i + 1 < len(steps):       # the rest of this request's steps, teacher-forced again
-                        reqs.append(request(case, k))
+                        reqs.append(request(case, k + i + 1))
                     break
     assert len(tally.where) == sum(len(c["steps"]) for c in golden["cases"]) and rounds <= 6
     tally.check()
