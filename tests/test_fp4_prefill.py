@@ -258,7 +258,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     import os, re, sys
     os.environ["TRITON_INTERPRET"] = "0"
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
-    from kernel_helpers import aot_compile
+    from kernel_helpers import aot_caps, aot_compile
     from dsv4.kernels.gemm import fp4_prefill as F
 
     DIV = ("K", "N_out", "n_half", "stride_am", "stride_sam", "stride_we", "stride_wn", "stride_wse",
@@ -269,7 +269,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     cases = [  # (SWIGLU, FMT, DEC, KSPLIT, BM, warps, stages)
         (True, 2, 0, False, 64, 8, 3), (False, 2, 0, False, 64, 4, 3), (True, 2, 1, True, 64, 8, 3),
         (False, 2, 0, True, 128, 8, 3), (True, 1, 0, False, 64, 8, 3), (False, 1, 1, True, 64, 4, 3)]
-    for cap in (90, 100):
+    for cap in aot_caps():
         for sw, fmt, dec, ks, bm, warps, stages in cases:
             const = dict(FMT=fmt, GROUPED=True, GATHER=sw, SWIGLU=sw, HAS_PW=sw, USE_ASM=True, DEC=dec, KSPLIT=ks,
                          BM=bm, BN=128, LOG2G=9, RB=14 if fmt == 2 else 0, SB_SCALE=2.0 ** -14, INTERP=False)

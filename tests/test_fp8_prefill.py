@@ -181,6 +181,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from dsv4.kernels.gemm.fp8_prefill import aot_spec
+    from kernel_helpers import aot_caps
 
     def comp(cfg, cap):
         fn, sig, const, attrs, opts = aot_spec(cfg)
@@ -191,7 +192,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         return ptx, k
 
     TMA = dict(LOAD="tma", WS=False, BM=128, BN=128, NSUB=1, num_warps=8, num_stages=4)
-    for cap in (90, 100):
+    for cap in aot_caps():
         for cfg in (TMA, dict(TMA, EPI_TMA=True, PERSISTENT=True), dict(TMA, LOAD="tma_dev", FLATTEN=True, PERSISTENT=True),
                     dict(TMA, LOAD="ptr", num_stages=3), dict(TMA, BM=64, num_warps=4),
                     dict(TMA, BM=64, num_warps=4, num_stages=3, EPI_TMA=True)):      # the H200 default

@@ -244,7 +244,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     import os, re, sys
     os.environ["TRITON_INTERPRET"] = "0"
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
-    from kernel_helpers import aot_compile
+    from kernel_helpers import aot_caps, aot_compile
     from dsv4.kernels.gemm import common as GC, fp4 as G4, fp8 as G8, gemv as V
     from dsv4.kernels import moe as Mo
 
@@ -261,7 +261,7 @@ _AOT_SCRIPT = textwrap.dedent("""
                 PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), PW=P("fp32"), limit="fp32")
     sct = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), C=P("bf16"), CS=P("fp32"), PERM=P("i64"),
                OFFS=P("i64"), TCUM=P("i64"), PW=P("fp32"), limit="fp32")
-    for cap in (90, 100):
+    for cap in aot_caps():
         comp(G8._act_quant_kernel, dict(X=P("bf16"), Q=P("u8"), S=P("fp32")), dict(BLOCKS=8, INTERP=False), cap, 4)
         ptx = comp(G8._fp8_gemm_kernel, fp8t, dict(SB_SHIFT=7, A_BF16=False, SB_E8M0=False, SWIGLU=False,
                                                   BM=128, BN=128, GROUP_M=8, SPLIT=False, SUM=False, INTERP=False), cap, 8, 4)

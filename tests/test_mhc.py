@@ -160,7 +160,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "0"
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
     import triton.language as tl
-    from kernel_helpers import aot_compile
+    from kernel_helpers import aot_caps, aot_compile
     from dsv4.kernels import mhc, compressor as cp, indexer as ix, norm as nm, paging as pg
 
     P = lambda t: "*" + t
@@ -248,7 +248,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         (nm._rms_norm_kernel, dict(X=P("bf16"), W=F, Y=P("bf16"), eps="fp32"), dict(BD=8192, INTERP=False), 8, False),
         (pg._entry_ids_kernel, dict(BT=P("i64"), E=P("i32"), OUT=P("i32")), dict(BLOCK=1024), 4, False),
     ]
-    for cap in (90, 100):
+    for cap in aot_caps():
         for fn, types, const, warps, want_mma in cases:
             _ptx, mma = aot_compile(fn, types, const, cap, warps)
             if want_mma:

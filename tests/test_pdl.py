@@ -112,7 +112,7 @@ def test_this_process_has_it_exactly_where_the_gpu_has_griddepcontrol():
 _AOT = textwrap.dedent("""
     import os, sys
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
-    from kernel_helpers import aot_compile
+    from kernel_helpers import aot_caps, aot_compile
     from dsv4.kernels import lib, norm, mhc
     from dsv4.kernels.gemm import gemv
     want = os.environ["DSV4_PDL"] == "force"
@@ -123,7 +123,7 @@ _AOT = textwrap.dedent("""
         (norm._rms_norm_kernel, dict(X=P("bf16"), W=P("bf16"), Y=P("bf16"), eps="fp32"), dict(BD=4096, INTERP=False), 4),
         (mhc._hc_post_kernel, dict(Yin=P("bf16"), RES=P("bf16"), POST=F, COMB=F, OUT=P("bf16")), dict(BD=1024), 4),
     ]
-    for cap in (90, 100):
+    for cap in aot_caps():
         for fn, types, const, warps in cases:
             ptx, _ = aot_compile(fn, types, const, cap, warps)
             for ins in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):

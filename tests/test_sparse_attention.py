@@ -187,7 +187,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "0"
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
     import triton.language as tl
-    from kernel_helpers import aot_compile
+    from kernel_helpers import aot_caps, aot_compile
     from dsv4.kernels import kv_insert as ki, sparse_attention as sa, inverse_rope as ir
 
     P = lambda t: "*" + t
@@ -201,7 +201,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         (ir._inverse_rope_kernel, dict(O=P("bf16"), COS=P("fp32"), SIN=P("fp32"), Y=P("bf16"), YQ=P("u8"),
                                        YS=P("fp32")), dict(HPB=4, FP8=True), 4),
     ]
-    for cap in (90, 100):
+    for cap in aot_caps():
         for fn, types, const, warps in cases:
             if const is None:   # the attention tile the launcher picks for 64 heads on this arch
                 cfg = sa.default_config(64, (cap // 10, cap % 10))
