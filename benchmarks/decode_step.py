@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import graph_time, kernel_totals, roofline  # noqa: E402
+from dsv4 import streams  # noqa: E402
 from dsv4.checkpoint.synthetic import iter_synthetic_tensors, synthetic_config  # noqa: E402
 from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
 from dsv4.formats.index_key import write_index_keys  # noqa: E402
@@ -151,6 +152,9 @@ def main():
                     help="also list the GPU kernels of this layer (torch.profiler, eager calls)")
     ap.add_argument("--profile-step", action="store_true",
                     help="also list the GPU kernels of one whole step (torch.profiler, eager call)")
+    ap.add_argument("--streams", default=None,
+                    help="comma list of on / off: time the step with the side stream (dsv4.streams) on and off "
+                         "in this process (default: the DSV4_STREAMS setting only)")
     ap.add_argument("--one-rank-collectives", action="store_true",
                     help="run inside a one-rank process group (NCCL on GPUs) whose collectives run "
                          "(parallel.Group(always=True)): the cost of the tensor-parallel calls themselves")
@@ -187,14 +191,19 @@ def main():
     model.attach_cache(cache, per_seq * BLOCK_TOKENS)
     fill_caches(cache, dev, gen, Bmax * per_seq + 1)
     log(f"{model.describe()}")
-    log(f"programmatic dependent launch (DSV4_PDL): {'on' if PDL_ON else 'off'}")
+    log(f"programmatic dependent launch (DSV4_PDL): {'on' if PDL_ON else 'off'}; side stream (DSV4_STREAMS): "
+        f"{args.streams or ('on' if streams.STREAMS_ON else 'off')}")
     copy_bw, _ = roofline(dev, dev.type != "cuda")
     log(f"roofline: copy {copy_bw / 1e12:.2f} TB/s; {args.model} {args.layers} layers, ratios "
         f"{cfg.compress_ratios[:args.layers]}, {cfg.n_routed_experts} experts, ctx {args.ctx}")
     slots = [cache.allocate_slot() for _ in range(Bmax)]
     tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
     rows, profiles = [], []
-    for B in batches:
+    modes = [None] if args.streams is None else [m.strip() == "on" for m in args.streams.split(",")]
+    for mode, B in [(mode, B) for mode in modes for B in batches]:
+        if mode is not None:
+            streams.STREAMS_ON = mode
+        tag = "" if len(modes) == 1 else f"streams {'on' if streams.STREAMS_ON else 'off'}: "
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(slots[:B], device=dev)
@@ -210,19 +219,19 @@ def main():
             per_layer = [timer(lambda i=i: model.layers[i](h0, ctx)) for i in range(args.layers)]
             head = timer(lambda: model.head_logits(h0, ctx))
         if args.profile_layer is not None and dev.type == "cuda":
-            profiles.append((B, f"layer {args.profile_layer}",
+            profiles.append((B, f"{tag}layer {args.profile_layer}",
                              kernel_profile(lambda: model.layers[args.profile_layer](h0, ctx))))
         if args.profile_step and dev.type == "cuda":
-            profiles.append((B, "the whole step",
+            profiles.append((B, f"{tag}the whole step",
                              kernel_profile(lambda: model(model.decode_context(tokens, pos, sl, bt)), top=60)))
         for i, t in enumerate(per_layer):
             r = cfg.compress_ratios[i]
             nb = layer_bytes(model, cfg, i, B, args.ctx, r)
-            rows.append((B, f"layer {i} ({'CSA' if r == 4 else 'HCA' if r else 'window'}"
+            rows.append((B, f"{tag}layer {i} ({'CSA' if r == 4 else 'HCA' if r else 'window'}"
                             f"{', hash' if i < cfg.num_hash_layers else ''})", t * 1e3, nb))
         hb = cfg.vocab_size * cfg.hidden_size * 2 // world          # this rank's vocabulary slice
-        rows.append((B, "hc_head + norm + head", head * 1e3, hb))
-        rows.append((B, "full step", step * 1e3, sum(x[3] for x in rows if x[0] == B and x[1] != "full step")))
+        rows.append((B, f"{tag}hc_head + norm + head", head * 1e3, hb))
+        rows.append((B, f"{tag}full step", step * 1e3, sum(x[3] for x in rows[-(args.layers + 1):])))
         for x in rows[-(args.layers + 2):]:
             log(f"B={x[0]:3d} {x[1]:28s} {x[2]:9.1f} us  floor {x[3] / copy_bw * 1e6:8.1f} us "
                 f"({x[3] / copy_bw * 1e6 / x[2] * 100:4.0f}%)")
@@ -232,7 +241,8 @@ def main():
           f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} "
           f"benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
           f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}"
-          f"{' --one-rank-collectives' if args.one_rank_collectives else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "
+          f"{' --one-rank-collectives' if args.one_rank_collectives else ''}"
+          f"{f' --streams {args.streams}' if args.streams else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "
           f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
           f"{cfg.n_routed_experts} routed experts (MXFP4); weights {model.weight_bytes() / 2**30:.2f} GiB"
           f"{f' per rank, tensor parallel over {world}' if world > 1 else ''}. Times: CUDA-graph replays, L2 flushed before each call"

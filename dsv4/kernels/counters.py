@@ -3,15 +3,18 @@
 Kernels that split a reduction over programs and let the last arriving program finish it (``mhc``'s
 fused hc_pre / hc_head, ``fp8_mma``'s in-kernel split-K sum) count arrivals in an int32 counter per
 output tile (``atomic_add``, acq_rel, gpu scope); the last arriver resets its counter to 0. So one
-zeroed buffer per device serves every such launch with no memset launch, as long as the launches on
-a device are stream-ordered (two of them running concurrently on two streams would share counters;
-everything in the engine runs on one stream). ``arrive`` is the Triton side: count a program in. ``indexer.index_topk`` keeps its per-row workspace
+zeroed buffer serves every such launch with no memset launch, as long as the launches that share it
+are stream-ordered. There is one buffer per device and stream role: the side stream of
+``dsv4.streams`` (whose branches run concurrently with the current stream's work) has its own, every
+other stream shares the main one (the engine's launches outside a branch are ordered on one stream).
+``arrive`` is the Triton side: count a program in. ``indexer.index_topk`` keeps its per-row workspace
 (counters, fields, histogram) in the same buffer across its launches; its last pass zeroes it.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import streams
 from .lib import triton_available
 
 _CNT_MIN = 1024       # counters kept per device (grown on demand)
@@ -25,6 +28,10 @@ def arrival_counters(device, n: int) -> torch.Tensor:
     memset is captured: correct at every replay)."""
     device = torch.device(device)
     key = str(device)
+    if device.type == "cuda":
+        side = streams.side_stream(device)
+        if side is not None and torch.cuda.current_stream(side.device) == side:
+            key += ":side"
     buf = _COUNTERS.get(key)
     if buf is not None and buf.numel() >= n:
         return buf

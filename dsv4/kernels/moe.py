@@ -68,6 +68,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from ..streams import Fork
 from .gemm import fp4_mma
 from .gemm import route as router
 from .gemm.common import f16_operand
@@ -673,6 +674,13 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     if xq is None:
         xq, xs = act_quant_fp8(x)
     xq = u8(xq)
+    # the shared expert on the side stream (``dsv4.streams``), beside the routed GEMMs; xq / xs live
+    # until the join
+    fork = Fork(dev) if w.sh13 is not None else None
+    sh = None
+    if fork is not None:
+        with fork.side():
+            sh = _shared_expert(xq, xs, w, portable)
     pw = rw.float().contiguous().reshape(-1)
     grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=n_tiles, config=cfg or None)
     if kernel == "mma":
@@ -689,7 +697,8 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
                                       **grouped)
     else:
         out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, bm=bm, split_sum=False, **grouped)
-    sh = _shared_expert(xq, xs, w, portable) if w.sh13 is not None else None
+    if fork is not None:
+        fork.join()
     y = _combine(out, inv, offs, sh, k, partial)
     if return_parts:      # out: w2's rows, or its split partials [S, pairs, d] where K was split
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,

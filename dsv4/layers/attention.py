@@ -21,6 +21,7 @@ from torch import nn
 from ..formats.kv_entry import page_bytes, page_views
 from ..formats.paging import INDEX_PAGE, WINDOW, WINDOW_PAGE, block_entry_ids
 from ..parallel import SINGLE
+from ..streams import Fork
 from .linear import Bf16Linear, Fp8Linear, GroupedFp8, copy_into, copy_part
 
 SCORE_BYTES = 256 << 20          # bound of one block of indexer scores during a prefill chunk
@@ -132,17 +133,28 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ shared parts
     def _projections(self, x, pos, ape: bool = True):
-        """(q [T, H, D], kv [T, D], qr, compressor rows {name: (k, s)}, indexer head weights). ``ape``: the
-        score rows have their compressor's APE row (position % ratio) added; False leaves that to
-        ``compress_decode(ape=...)``, which adds it in its kernel (the same fp32 sum, no launches)."""
-        ops, T = self.ops, x.shape[0]
+        """(q [T, H, D], kv [T, D], qr, compressor rows {name: (k, s)}, indexer head weights)."""
+        qr, kv = self._qr_kv(x)
+        rows, iw = self._comp_rows(x, pos, ape)
+        return self._q(qr), kv, qr, rows, iw
+
+    def _qr_kv(self, x):
+        """(q's low-rank rows after q_norm, kv after kv_norm): one GEMM of both projections."""
+        ops = self.ops
         y = ops.linear(self.wq_a_wkv, x)
-        qr = ops.rms_norm(y[:, :self.q_lora], self.q_norm, self.eps)
-        kv = ops.rms_norm(y[:, self.q_lora:], self.kv_norm, self.eps)
-        q = ops.linear(self.wq_b, qr).view(T, self.H, self.D)
+        return ops.rms_norm(y[:, :self.q_lora], self.q_norm, self.eps), \
+            ops.rms_norm(y[:, self.q_lora:], self.kv_norm, self.eps)
+
+    def _q(self, qr):
+        return self.ops.linear(self.wq_b, qr).view(qr.shape[0], self.H, self.D)
+
+    def _comp_rows(self, x, pos, ape: bool = True):
+        """(compressor rows {name: (k, s)}, indexer head weights) from x alone. ``ape``: the score rows
+        have their compressor's APE row (position % ratio) added; False leaves that to
+        ``compress_decode(ape=...)``, which adds it in its kernel (the same fp32 sum, no launches)."""
         rows, iw = {}, None
         if self.proj is not None:
-            z = ops.linear(self.proj, x)                 # fp32 [T, sum of members]
+            z = self.ops.linear(self.proj, x)                 # fp32 [T, sum of members]
             o = 0
             for name, comp in (("main", self.compressor), ("index", self.index_comp)):
                 if comp is None:
@@ -153,7 +165,7 @@ class Attention(nn.Module):
                 o += 2 * w
             if self.index_comp is not None:
                 iw = z[:, o:]        # fp32: index_scores(w_scale=) rounds it, scales it and rounds again
-        return q, kv, qr, rows, iw
+        return rows, iw
 
     @property
     def _iw_scale(self) -> float:
@@ -186,59 +198,86 @@ class Attention(nn.Module):
         overwrites position p-127, which row p still reads)."""
         ops, lc, L, trace = self.ops, self.lc, f"L{self.layer_id}.", ctx.trace
         m = ctx.meta
-        pos, slots, bt = ctx.pos, ctx.slots, ctx.bt
+        pos = ctx.pos
         T = pos.shape[0]
         R = ctx.rows
         B = T // R
         groups = [slice(j * B, (j + 1) * B) for j in range(R)]
         _f, cos, sin = m[("attn", id(self.rope))]
-        q, kv, qr, rows, iw = self._projections(x, pos, ape=False)
+        # two branches (``dsv4.streams``): the compressors and the indexer on the side stream, the q path
+        # and (one row per sequence) the window insert on this one; joined before the attention reads
+        # the entries and picks. Tensors crossing streams (x, qr, the picks) live until the join.
+        fork = Fork(x.device) if self.ratio else None
+        if fork is not None:
+            with fork.side():
+                rows, iw = self._comp_rows(x, pos, ape=False)
+                done = self._compress_step(ctx, rows, groups)
+        qr, kv = self._qr_kv(x)
         extra_idx = None
-        if self.ratio:
-            epb = lc.entries_per_block
-            if self.index_comp is not None:
-                ic = self.index_comp
-                iq = self._index_queries(qr, cos, sin)
-                _f, icos, isin = m[(("comp", 4), id(ic.rope))]
-                ik, isc = rows["index"]
-                wid = m["index_wid"]
-                for g in groups:
-                    ops.compress_decode(lc.index_state, slots[g], pos[g], ik[g], isc[g], ic.norm_w, icos[g], isin[g],
-                                        ratio=4, indexer=True, ape=ic.ape, eps=ic.eps, pages=lc.index_keys,
-                                        page_slots=wid[g], page_size=INDEX_PAGE)
-            c = self.compressor
-            _f, ccos, csin = m[(("comp", c.ratio), id(c.rope))]
-            ck, cs = rows["main"]
-            wid = m[("wid", self.ratio, epb)]
-            done = [ops.compress_decode(lc.comp_state, slots[g], pos[g], ck[g], cs[g], c.norm_w, ccos[g], csin[g],
-                                        ratio=c.ratio, indexer=False, ape=c.ape, eps=c.eps, pages=lc.entries,
-                                        page_slots=wid[g], page_size=epb) for g in groups]
-            if ctx.trace.trace_on:
-                trace(L + "compressor", torch.cat([torch.where(cp[:, None], new, 0) for new, cp in done]))
-            if self.ratio == 4:
-                n_max = ctx.max_blocks * INDEX_PAGE
-                scores = ops.index_scores(iq, iw, lc.index_keys, bt, pos, n=n_max, w_scale=self._iw_scale)
-                picks = ops.index_topk(scores, min(self.index_topk, n_max), n_valid=m["index_nvalid"])
-                picks = trace(L + "indexer_topk", picks)
-                extra_idx = ops.entry_ids(bt, picks, epb, 4).to(torch.int32)
-            else:
-                extra_idx = m[("visible", self.ratio, epb)].to(torch.int32)
+        if fork is not None:
+            fork.sync()                                   # the indexer's queries read qr
+            with fork.side():
+                extra_idx = self._decode_picks(ctx, qr, iw, cos, sin)
+        q = self._q(qr)
         win_slot, widx = m["win_slot"], m["widx32"]
         qs, kvs, os_ = [], [], []
-        for g in groups:
-            qg, kvg = ops.kv_insert(q[g], kv[g], cos[g], sin[g], lc.window, win_slot[g], WINDOW_PAGE, self.eps)
-            if R == 1:                      # a traced value may be replaced (dsv4 validate's forcing)
-                qg, kvg = trace(L + "q", qg), trace(L + "kv", kvg)
-            og = ops.sparse_decode(qg, widx[g], lc.window, WINDOW_PAGE, None if extra_idx is None else extra_idx[g],
+        if R == 1:     # the insert does not touch what the branch reads or writes
+            qs, kvs = ops.kv_insert(q, kv, cos, sin, lc.window, win_slot, WINDOW_PAGE, self.eps)
+            qs, kvs = [trace(L + "q", qs)], [trace(L + "kv", kvs)]   # a traced value may be replaced (forcing)
+        if fork is not None:
+            fork.join()
+            if ctx.trace.trace_on:
+                trace(L + "compressor", torch.cat([torch.where(cp[:, None], new, 0) for new, cp in done]))
+        for j, g in enumerate(groups):
+            if R > 1:       # the insert of position p+1 overwrites position p-127, which row p still reads
+                qg, kvg = ops.kv_insert(q[g], kv[g], cos[g], sin[g], lc.window, win_slot[g], WINDOW_PAGE, self.eps)
+                qs.append(qg)
+                kvs.append(kvg)
+            og = ops.sparse_decode(qs[j], widx[g], lc.window, WINDOW_PAGE, None if extra_idx is None else extra_idx[g],
                                    lc.entries, lc.entries_per_block or 64, sinks=self.sink, scale=self.scale)
-            qs.append(qg)
-            kvs.append(kvg)
             os_.append(og)
         if R > 1 and trace.trace_on:
             trace(L + "q", torch.cat(qs))
             trace(L + "kv", torch.cat(kvs))
         o = trace(L + "sparse_attn", os_[0] if R == 1 else torch.cat(os_))
         return self._output(o, cos, sin, trace)
+
+    def _compress_step(self, ctx, rows, groups):
+        """The decode step's compressor updates (ring write + pooling into the pages), row group by row
+        group: the indexer's compressor (CSA), then the main one. -> the main one's (new entries,
+        completed mask) per group."""
+        ops, lc, m = self.ops, self.lc, ctx.meta
+        pos, slots = ctx.pos, ctx.slots
+        if self.index_comp is not None:
+            ic = self.index_comp
+            _f, icos, isin = m[(("comp", 4), id(ic.rope))]
+            ik, isc = rows["index"]
+            wid = m["index_wid"]
+            for g in groups:
+                ops.compress_decode(lc.index_state, slots[g], pos[g], ik[g], isc[g], ic.norm_w, icos[g], isin[g],
+                                    ratio=4, indexer=True, ape=ic.ape, eps=ic.eps, pages=lc.index_keys,
+                                    page_slots=wid[g], page_size=INDEX_PAGE)
+        c, epb = self.compressor, lc.entries_per_block
+        _f, ccos, csin = m[(("comp", c.ratio), id(c.rope))]
+        ck, cs = rows["main"]
+        wid = m[("wid", self.ratio, epb)]
+        return [ops.compress_decode(lc.comp_state, slots[g], pos[g], ck[g], cs[g], c.norm_w, ccos[g], csin[g],
+                                    ratio=c.ratio, indexer=False, ape=c.ape, eps=c.eps, pages=lc.entries,
+                                    page_slots=wid[g], page_size=epb) for g in groups]
+
+    def _decode_picks(self, ctx, qr, iw, cos, sin):
+        """The compressed entries each row attends to (int32 entry ids): the indexer's top-k over the
+        index keys (CSA; every compressor write of the step is done), or every visible entry (HCA)."""
+        ops, lc, m, L = self.ops, self.lc, ctx.meta, f"L{self.layer_id}."
+        epb = lc.entries_per_block
+        if self.ratio != 4:
+            return m[("visible", self.ratio, epb)].to(torch.int32)
+        iq = self._index_queries(qr, cos, sin)
+        n_max = ctx.max_blocks * INDEX_PAGE
+        scores = ops.index_scores(iq, iw, lc.index_keys, ctx.bt, ctx.pos, n=n_max, w_scale=self._iw_scale)
+        picks = ops.index_topk(scores, min(self.index_topk, n_max), n_valid=m["index_nvalid"])
+        picks = ctx.trace(L + "indexer_topk", picks)
+        return ops.entry_ids(ctx.bt, picks, epb, 4).to(torch.int32)
 
     # ------------------------------------------------------------------ prefill chunks
     def _prefill(self, x, ctx):
