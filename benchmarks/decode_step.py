@@ -153,8 +153,9 @@ def main():
     ap.add_argument("--profile-step", action="store_true",
                     help="also list the GPU kernels of one whole step (torch.profiler, eager call)")
     ap.add_argument("--streams", default=None,
-                    help="comma list of on / off: time the step with the side stream (dsv4.streams) on and off "
-                         "in this process (default: the DSV4_STREAMS setting only)")
+                    help="comma list of off / on / auto: time the step with the side stream (dsv4.streams) off, "
+                         "on at every batch, on up to streams.MAX_ROWS rows (the default), in this process "
+                         "(default: the DSV4_STREAMS setting only)")
     ap.add_argument("--one-rank-collectives", action="store_true",
                     help="run inside a one-rank process group (NCCL on GPUs) whose collectives run "
                          "(parallel.Group(always=True)): the cost of the tensor-parallel calls themselves")
@@ -199,11 +200,15 @@ def main():
     slots = [cache.allocate_slot() for _ in range(Bmax)]
     tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
     rows, profiles = [], []
-    modes = [None] if args.streams is None else [m.strip() == "on" for m in args.streams.split(",")]
+    modes = [None] if args.streams is None else [m.strip() for m in args.streams.split(",")]
+    if any(m not in (None, "off", "on", "auto") for m in modes):
+        raise SystemExit(f"--streams: expected off / on / auto, got {args.streams!r}")
+    max_rows = streams.MAX_ROWS
     for mode, B in [(mode, B) for mode in modes for B in batches]:
         if mode is not None:
-            streams.STREAMS_ON = mode
-        tag = "" if len(modes) == 1 else f"streams {'on' if streams.STREAMS_ON else 'off'}: "
+            streams.STREAMS_ON = mode != "off"
+            streams.MAX_ROWS = 1 << 30 if mode == "on" else max_rows
+        tag = "" if len(modes) == 1 else f"streams {mode}: "
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(slots[:B], device=dev)

@@ -14,9 +14,13 @@ on the other stays referenced until after ``join``; the values never depend on t
 branches (each op reads only what its own branch, or the work before the fork / ``sync``, wrote), so
 results are bit-identical with the side stream on or off.
 
+Only steps of at most ``MAX_ROWS`` rows fork. There the branches' kernels are short and leave most
+SMs idle; at 64 rows the shared expert beside the routed GEMMs slowed the step (measured on an H100,
+docs/benchmarks-2026-12-06.md).
+
 ``DSV4_STREAMS``: unset / '1' / 'on' (the default): on for CUDA devices; '0' / 'off': every branch
-runs on the current stream. ``STREAMS_ON`` is read at each fork, so a benchmark can compare both in
-one process (graphs capture whichever was in force). CPU devices never fork.
+runs on the current stream. ``STREAMS_ON`` and ``MAX_ROWS`` are read at each fork, so a benchmark can
+compare settings in one process (graphs capture whichever was in force). CPU devices never fork.
 """
 from __future__ import annotations
 
@@ -36,12 +40,14 @@ def streams_mode() -> bool:
 
 
 STREAMS_ON = streams_mode()
+MAX_ROWS = 16
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
-def side_stream(dev: torch.device) -> "torch.cuda.Stream | None":
-    """The device's side stream, or None where branches run inline (CPU, ``STREAMS_ON`` false)."""
-    if not STREAMS_ON or dev.type != "cuda":
+def side_stream(dev: torch.device, rows: int = 0) -> "torch.cuda.Stream | None":
+    """The device's side stream, or None where branches run inline (CPU, ``STREAMS_ON`` false, a step
+    of more than ``MAX_ROWS`` rows)."""
+    if not STREAMS_ON or dev.type != "cuda" or rows > MAX_ROWS:
         return None
     i = dev.index if dev.index is not None else torch.cuda.current_device()
     s = _SIDE.get(i)
@@ -51,12 +57,12 @@ def side_stream(dev: torch.device) -> "torch.cuda.Stream | None":
 
 
 class Fork:
-    """One branch on the side stream (module doc): ``f = Fork(dev)``, ``with f.side(): ...`` (any number
-    of times, each continuing the branch), ``f.sync()``, ``f.join()``. Inline (no stream work at all)
-    where ``side_stream`` is None."""
+    """One branch on the side stream (module doc) of a step of ``rows`` rows: ``f = Fork(dev, rows)``,
+    ``with f.side(): ...`` (any number of times, each continuing the branch), ``f.sync()``,
+    ``f.join()``. Inline (no stream work at all) where ``side_stream`` is None."""
 
-    def __init__(self, dev: torch.device):
-        self.s = side_stream(dev)
+    def __init__(self, dev: torch.device, rows: int):
+        self.s = side_stream(dev, rows)
         self.main = None
         if self.s is not None:
             self.main = torch.cuda.current_stream(self.s.device)
@@ -76,4 +82,4 @@ class Fork:
             self.s = None
 
 
-__all__ = ["Fork", "STREAMS_ON", "side_stream", "streams_mode"]
+__all__ = ["Fork", "MAX_ROWS", "STREAMS_ON", "side_stream", "streams_mode"]

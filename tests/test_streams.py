@@ -24,7 +24,7 @@ def test_a_bad_value_is_refused(monkeypatch):
 def test_a_cpu_branch_runs_inline():
     dev = torch.device("cpu")
     assert streams.side_stream(dev) is None
-    f = streams.Fork(dev)
+    f = streams.Fork(dev, 1)
     with f.side():
         y = torch.ones(3) * 2
     f.sync()
@@ -35,7 +35,7 @@ def test_a_cpu_branch_runs_inline():
 def test_cpu_counters_are_one_buffer_per_device():
     from dsv4.kernels.counters import arrival_counters
     a = arrival_counters("cpu", 8)
-    f = streams.Fork(torch.device("cpu"))
+    f = streams.Fork(torch.device("cpu"), 1)
     with f.side():
         b = arrival_counters("cpu", 8)
     f.join()
@@ -51,7 +51,8 @@ def test_gpu_side_branch_has_its_own_counters_and_is_ordered_by_the_join(monkeyp
     dev = torch.device("cuda")
     main = arrival_counters(dev, 16)
     x = torch.randn(1 << 22, device=dev)
-    f = streams.Fork(dev)
+    assert streams.Fork(dev, streams.MAX_ROWS + 1).s is None      # large steps run their branches inline
+    f = streams.Fork(dev, streams.MAX_ROWS)
     assert f.s is not None and f.s != torch.cuda.current_stream()
     with f.side():
         assert torch.cuda.current_stream() == streams.side_stream(dev)
@@ -89,6 +90,7 @@ def test_gpu_same_tokens_and_logprobs_with_the_side_stream_on_and_off(monkeypatc
     """The engine (CUDA-graph decode with the branches captured, chunked prefill) with the side stream on
     and off: the branches read and write disjoint state, so the bits are the same."""
     runs = {}
+    monkeypatch.setattr(streams, "MAX_ROWS", 1 << 30)      # every captured bucket forks
     for mode in (True, False):
         monkeypatch.setattr(streams, "STREAMS_ON", mode)
         runs[mode] = _engine_run()

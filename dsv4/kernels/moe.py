@@ -676,7 +676,7 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     xq = u8(xq)
     # the shared expert on the side stream (``dsv4.streams``), beside the routed GEMMs; xq / xs live
     # until the join
-    fork = Fork(dev) if w.sh13 is not None else None
+    fork = Fork(dev, T) if w.sh13 is not None else None
     sh = None
     if fork is not None:
         with fork.side():

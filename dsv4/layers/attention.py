@@ -207,7 +207,7 @@ class Attention(nn.Module):
         # two branches (``dsv4.streams``): the compressors and the indexer on the side stream, the q path
         # and (one row per sequence) the window insert on this one; joined before the attention reads
         # the entries and picks. Tensors crossing streams (x, qr, the picks) live until the join.
-        fork = Fork(x.device) if self.ratio else None
+        fork = Fork(x.device, T) if self.ratio else None
         if fork is not None:
             with fork.side():
                 rows, iw = self._comp_rows(x, pos, ape=False)
