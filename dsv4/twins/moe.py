@@ -74,11 +74,17 @@ def route(x: torch.Tensor, ids: torch.Tensor | None, w) -> tuple[torch.Tensor, t
     return idx[:M], rw[:M]
 
 
-def shared_expert(x: torch.Tensor, sh13, sh13_s, sh2, sh2_s, limit: float) -> torch.Tensor:
+def shared_weights(sh13, sh13_s, sh2, sh2_s):
+    """fp32 (w1, w3, w2) of the FP8 shared expert."""
     s13 = dequant_fp8_weight(sh13.view(torch.float8_e4m3fn), sh13_s)
     s2 = dequant_fp8_weight(sh2.view(torch.float8_e4m3fn), sh2_s)
     Is = s13.shape[0] // 2
-    return row_invariant(expert)(x, s13[:Is], s13[Is:], s2, "fp8", limit)
+    return s13[:Is], s13[Is:], s2
+
+
+def shared_expert(x: torch.Tensor, sh13, sh13_s, sh2, sh2_s, limit: float, weights=None) -> torch.Tensor:
+    """``weights``: ``shared_weights`` of the same tensors, where the caller keeps them."""
+    return row_invariant(expert)(x, *(weights or shared_weights(sh13, sh13_s, sh2, sh2_s)), "fp8", limit)
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w, routing: tuple | None = None,
