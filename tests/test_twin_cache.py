@@ -66,3 +66,12 @@ def test_wo_a_follows_in_place_writes(model):
         assert not torch.equal(z1, z0) and torch.equal(z1, _uncached(run, lin))
     finally:
         lin.weight.copy_(w)
+
+
+def test_an_owner_without_weak_references_is_served_uncached():
+    import types
+    owner, calls = types.SimpleNamespace(), []
+    convert = lambda: calls.append(1) or torch.ones(2)     # noqa: E731
+    for _ in range(2):
+        assert torch.equal(layer_ops._cached_fp32(owner, "w", (torch.zeros(2),), convert), torch.ones(2))
+    assert len(calls) == 2 and "_twin_fp32" not in owner.__dict__

@@ -35,8 +35,8 @@ def _release(nbytes: int) -> None:
 def _cached_fp32(owner, what, sources, convert):
     """``convert()`` (fp32 tensors made from the tensors ``sources``), cached on ``owner`` under ``what``
     while every source is unchanged (same storage, same version counter). CPU sources only."""
-    if any(t.device.type != "cpu" for t in sources):
-        return convert()
+    if any(t.device.type != "cpu" for t in sources) or type(owner).__weakrefoffset__ == 0:
+        return convert()                 # (an owner with no weak references can't give its bytes back)
     key = tuple(x for t in sources for x in (t.data_ptr(), t._version))
     cache = owner.__dict__.setdefault("_twin_fp32", {})
     hit = cache.get(what)
