@@ -44,7 +44,7 @@ MAX_ROWS = 16
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
-def side_stream(dev: torch.device, rows: int = 0) -> "torch.cuda.Stream | None":
+def side_stream(dev: torch.device, rows: int) -> "torch.cuda.Stream | None":
     """The device's side stream, or None where branches run inline (CPU, ``STREAMS_ON`` false, a step
     of more than ``MAX_ROWS`` rows)."""
     if not STREAMS_ON or dev.type != "cuda" or rows > MAX_ROWS:
@@ -54,6 +54,12 @@ def side_stream(dev: torch.device, rows: int = 0) -> "torch.cuda.Stream | None":
     if s is None:
         s = _SIDE[i] = torch.cuda.Stream(device=i)
     return s
+
+
+def on_side_stream(dev: torch.device) -> bool:
+    """Whether work launched now on CUDA device ``dev`` goes to its side stream (inside a ``Fork.side()``)."""
+    s = _SIDE.get(dev.index if dev.index is not None else torch.cuda.current_device())
+    return s is not None and torch.cuda.current_stream(s.device) == s
 
 
 class Fork:
@@ -82,4 +88,4 @@ class Fork:
             self.s = None
 
 
-__all__ = ["Fork", "MAX_ROWS", "STREAMS_ON", "side_stream", "streams_mode"]
+__all__ = ["Fork", "MAX_ROWS", "STREAMS_ON", "on_side_stream", "side_stream", "streams_mode"]

@@ -23,7 +23,7 @@ def test_a_bad_value_is_refused(monkeypatch):
 
 def test_a_cpu_branch_runs_inline():
     dev = torch.device("cpu")
-    assert streams.side_stream(dev) is None
+    assert streams.side_stream(dev, 1) is None
     f = streams.Fork(dev, 1)
     with f.side():
         y = torch.ones(3) * 2
@@ -42,7 +42,6 @@ def test_cpu_counters_are_one_buffer_per_device():
     assert a is b and int(a.abs().sum()) == 0
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_side_branch_has_its_own_counters_and_is_ordered_by_the_join(monkeypatch):
@@ -55,10 +54,11 @@ def test_gpu_side_branch_has_its_own_counters_and_is_ordered_by_the_join(monkeyp
     f = streams.Fork(dev, streams.MAX_ROWS)
     assert f.s is not None and f.s != torch.cuda.current_stream()
     with f.side():
-        assert torch.cuda.current_stream() == streams.side_stream(dev)
+        assert torch.cuda.current_stream() == streams.side_stream(dev, 1) and streams.on_side_stream(dev)
         side = arrival_counters(dev, 16)
         y = (x * 3).sum()                 # long enough to still run when the join is enqueued
     f.join()
+    assert not streams.on_side_stream(dev)
     z = y + 1
     assert side is not main and side.data_ptr() != main.data_ptr()
     assert arrival_counters(dev, 16) is main

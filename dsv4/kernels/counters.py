@@ -28,10 +28,8 @@ def arrival_counters(device, n: int) -> torch.Tensor:
     memset is captured: correct at every replay)."""
     device = torch.device(device)
     key = str(device)
-    if device.type == "cuda":
-        side = streams.side_stream(device)
-        if side is not None and torch.cuda.current_stream(side.device) == side:
-            key += ":side"
+    if device.type == "cuda" and streams.on_side_stream(device):
+        key += ":side"
     buf = _COUNTERS.get(key)
     if buf is not None and buf.numel() >= n:
         return buf
