@@ -39,6 +39,7 @@ from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
 from dsv4.formats.index_key import write_index_keys  # noqa: E402
 from dsv4.formats.kv_entry import write_entries  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  # noqa: E402
+from dsv4.kernels.gemm import route as gemm_route  # noqa: E402
 from dsv4.kernels.lib import PDL_ON  # noqa: E402
 from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
 
@@ -156,6 +157,10 @@ def main():
                     help="comma list of off / on / auto: time the step with the side stream (dsv4.streams) off, "
                          "on at every batch, on up to streams.MAX_ROWS rows (the default), in this process "
                          "(default: the DSV4_STREAMS setting only)")
+    ap.add_argument("--dense-gemv", default=None,
+                    help="comma list of off / on: time the step with the fp32-output GEMMs (compressor projection, "
+                         "router gate) on torch's GEMMs or on kernels.gemm.dense_gemv up to its routed rows, in "
+                         "this process (default: the router's choice only)")
     ap.add_argument("--one-rank-collectives", action="store_true",
                     help="run inside a one-rank process group (NCCL on GPUs) whose collectives run "
                          "(parallel.Group(always=True)): the cost of the tensor-parallel calls themselves")
@@ -203,12 +208,17 @@ def main():
     modes = [None] if args.streams is None else [m.strip() for m in args.streams.split(",")]
     if any(m not in (None, "off", "on", "auto") for m in modes):
         raise SystemExit(f"--streams: expected off / on / auto, got {args.streams!r}")
-    max_rows = streams.MAX_ROWS
-    for mode, B in [(mode, B) for mode in modes for B in batches]:
+    gmodes = [None] if args.dense_gemv is None else [m.strip() for m in args.dense_gemv.split(",")]
+    if any(m not in (None, "off", "on") for m in gmodes):
+        raise SystemExit(f"--dense-gemv: expected off / on, got {args.dense_gemv!r}")
+    max_rows, gemv_max = streams.MAX_ROWS, gemm_route.DENSE_GEMV_MAX_WEIGHT
+    for mode, gmode, B in [(m, g, B) for m in modes for g in gmodes for B in batches]:
         if mode is not None:
             streams.STREAMS_ON = mode != "off"
             streams.MAX_ROWS = 1 << 30 if mode == "on" else max_rows
-        tag = "" if len(modes) == 1 else f"streams {mode}: "
+        if gmode is not None:
+            gemm_route.DENSE_GEMV_MAX_WEIGHT = 0 if gmode == "off" else gemv_max
+        tag = ("" if len(modes) == 1 else f"streams {mode}: ") + ("" if len(gmodes) == 1 else f"dense gemv {gmode}: ")
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(slots[:B], device=dev)
@@ -247,7 +257,8 @@ def main():
           f"benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
           f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}"
           f"{' --one-rank-collectives' if args.one_rank_collectives else ''}"
-          f"{f' --streams {args.streams}' if args.streams else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "
+          f"{f' --streams {args.streams}' if args.streams else ''}"
+          f"{f' --dense-gemv {args.dense_gemv}' if args.dense_gemv else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "
           f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
           f"{cfg.n_routed_experts} routed experts (MXFP4); weights {model.weight_bytes() / 2**30:.2f} GiB"
           f"{f' per rank, tensor parallel over {world}' if world > 1 else ''}. Times: CUDA-graph replays, L2 flushed before each call"

@@ -3,7 +3,8 @@
 
 ``linear(lin, x)``: FP8 layers run the block-scaled FP8 GEMM (``gemm.linear.fp8_linear``, routed by
 size in ``gemm.route``); bf16-stored layers one bf16 tensor-core GEMM with fp32 output (exact
-products, fp32 sums: the official fp32 GEMM of bf16 operands up to summation order).
+products, fp32 sums: the official fp32 GEMM of bf16 operands up to summation order): ``gemm.dense_gemv``
+at decode sizes (``route.dense_gemv``), cuBLAS otherwise and in the portable form.
 ``wo_a(g, o)``: the official bf16 grouped einsum: ``fp8_mma`` reads the FP8 weight (bf16 activations,
 ``act="bf16"``) where ``route.wo_a_kernel`` says, otherwise the weight is dequantised to bf16 for the
 call (exact: e4m3 x 2^k fits bf16; one kernel pass) and one batched GEMM runs on strided views (no
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .gemm import dense_gemv
 from .gemm import fp8_mma as mma
 from .gemm import route
 from .gemm.fp8 import dequant_bf16 as fp8_dequant_bf16
@@ -33,7 +35,9 @@ def _linear(lin, x: torch.Tensor, portable: bool) -> torch.Tensor:
     if lin.kind == "fp8":
         return fp8_linear(x, lin.weight, lin.scale, portable=portable)
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype == torch.bfloat16 and x2.is_cuda:
+    if lin.kind == "fp32" and not portable and dense_gemv.takes(x2, lin.weight):
+        y = dense_gemv.dense_gemv(x2, lin.weight)
+    elif x2.dtype == torch.bfloat16 and x2.is_cuda:
         y = torch.mm(x2, lin.weight.t(), out_dtype=torch.float32)
     else:
         y = x2.float() @ lin.weight.float().t()

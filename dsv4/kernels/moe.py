@@ -69,7 +69,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..streams import Fork
-from .gemm import fp4_mma
+from .gemm import dense_gemv, fp4_mma
 from .gemm import route as router
 from .gemm.common import f16_operand
 from .gemm.fp4 import fp4_launch
@@ -417,14 +417,18 @@ def route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights):
     return _route(x, ids, w)[:2]
 
 
-def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool = False):
+def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool = False, portable: bool = False):
     """``route`` -> (idx, weights, sort keys int32 [T * k], xq, xs): with ``quant`` also x's
     ``act_quant_fp8`` (e4m3 bytes uint8 [T, d], fp32 scales [T, d/128]) from the same launch, else
-    (..., None, None)."""
+    (..., None, None). The gate logits are the twin's fp32 GEMM: ``dense_gemv`` at decode sizes (one
+    launch, x upcast in its loads), else torch's (``portable``: always torch's)."""
     T, d = x.shape
     k, E = w.topk, w.n_routed
     dev = x.device
-    logits = x.float() @ w.gate_w.T                                       # the twin's fp32 GEMM
+    if not portable and dense_gemv.takes(x, w.gate_w):
+        logits = dense_gemv.dense_gemv(x, w.gate_w)
+    else:
+        logits = x.float() @ w.gate_w.T
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
     weights = torch.empty(T, k, dtype=torch.float32, device=dev)
     eflat = torch.empty(T * k, dtype=torch.int32, device=dev)
@@ -519,7 +523,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
                          f"(format {w.fmt}, fold exact: {w.fmt == 'mxfp4' and w.fp8_fold_exact()})")
     xq = xs = None
     if routing is None:    # the paths that take x as plain e4m3 + scales get it from the router's launch
-        idx, rw, eflat, xq, xs = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma", "predec"))
+        idx, rw, eflat, xq, xs = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma", "predec"),
+                                        portable=portable)
     else:
         idx, rw = routing
         first = torch.ones_like(idx, dtype=torch.bool)

@@ -109,6 +109,35 @@ def wo_a_kernel(T: int, fmt: str, t: Target) -> str:
     return "mma" if fmt == "fp8" and T <= WO_A_MAX_ROWS and t.gluon_mma else "dequant"
 
 
+# ---------------------------------------------------------------------------------------------- fp32-output dense GEMV
+# ``dense_gemv`` (bf16 / fp32 weights, fp32 output: the compressor / indexer projection and the router's gate) at
+# one row, on weights of up to DENSE_GEMV_MAX_WEIGHT elements (the output head, 530M elements, keeps cuBLAS: 96-99%
+# of its floor at batch 1, BENCHMARKS.md decode_step). H100, experiments/exp_dense_gemv.py (2026-12-06), GPU time
+# at one row, 8 x 256 tiles, ~4 programs per SM, against torch: V4-Flash CSA / HCA projection 11.9 / 7.2 us vs
+# 12.8 / 8.4, router 5.5 vs 8.9; V4-Pro CSA projection 18.4 vs 18.2, router 7.8 vs 12.7. At 4 and 16 rows a
+# tensor-core / FMA ``tl.dot`` form of the kernel lost (15.1-19.6 vs 12.9-15.3 us), so more rows stay on torch
+DENSE_GEMV_MAX_WEIGHT = 32 * 1024 * 1024
+
+
+def dense_gemv(M: int, N: int, K: int, dtype, t: Target) -> bool:
+    """Whether ``dense_gemv`` serves an [M, K] x [N, K]^T fp32-output GEMM on ``t`` (sm_80+, one row)."""
+    import torch
+    return (t.at_least((8, 0)) and M == 1 and N * K <= DENSE_GEMV_MAX_WEIGHT
+            and dtype in (torch.bfloat16, torch.float32))
+
+
+def dense_gemv_config(N: int, K: int, elem: int, t: Target) -> dict:
+    """``dense_gemv``'s tile: BN weight rows x BK columns per step, SPLIT K splits so that about four
+    programs per SM stream the weight (the sweep's best on every V4 shape, comment above). Small tiles
+    under the interpreter."""
+    if not t.compiled:
+        return {"BN": 16, "BK": 32, "SPLIT": 4}
+    bk, bn = 256, 8
+    blocks = -(-N // bn)
+    split = max(1, min(K // bk, -(-4 * t.sm_count // blocks)))
+    return {"BN": bn, "BK": bk, "SPLIT": split, "num_warps": 4, "num_stages": 3}
+
+
 # ---------------------------------------------------------------------------------------------- experts
 # the decode path up to these average rows per expert. docs/benchmarks-2026-11-30.md "MoE layer: decode path on the tensor-core kernel" (session 6): the
 # tensor-core decode kernel 1250.8 / 1707.7 / 2537.4 us at Flash T 64 / 256 / 512 against 2834.4 / 4158.0 /
@@ -336,6 +365,13 @@ def choices(t: Target) -> list[Choice]:
                     if kern == "fp4_gemm":
                         const["FMT"] = (2 if bm >= 64 else 0) if fmt == "mxfp4" else 1
                     add(_choice(kern, const, cfg, why))
+    import torch
+    for N, K, dt in ((2624, 4096, torch.bfloat16), (1024, 4096, torch.bfloat16), (256, 4096, torch.float32),
+                     (2624, 7168, torch.bfloat16), (384, 7168, torch.float32)):
+        if dense_gemv(1, N, K, dt, t):                  # the projections and the router's gate (Flash, Pro)
+            cfg = dense_gemv_config(N, K, dt.itemsize, t)
+            add(_choice("dense_gemv_f32" if dt == torch.float32 else "dense_gemv",
+                        {"BN": cfg["BN"], "BK": cfg["BK"], "SPLIT": cfg["SPLIT"] > 1}, cfg, f"dense gemv N={N} K={K} {dt}"))
     # the CUDA-core GEMV's FP8 form: the shared expert where no tensor-core decode kernel runs
     if decode_kernel(t) != "mma":
         cfg = gemv_config(4096, t, True)
@@ -344,7 +380,7 @@ def choices(t: Target) -> list[Choice]:
 
 
 __all__ = ["Choice", "FUSE_QUANT_MAX_ROWS", "GEMV_ROWS_PER_EXPERT", "MMA_GEMV_ROWS_PER_EXPERT", "MMA_MAX_ROWS",
-           "MMA_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "WO_A_MAX_ROWS",
-           "FP8MMA_MAX_ROWS_PER_EXPERT", "FP8MMA_ROWS_PER_EXPERT", "choices", "decode_kernel", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
+           "MMA_MAX_WEIGHT", "DENSE_GEMV_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "WO_A_MAX_ROWS",
+           "FP8MMA_MAX_ROWS_PER_EXPERT", "FP8MMA_ROWS_PER_EXPERT", "choices", "decode_kernel", "dense_gemv", "dense_gemv_config", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
            "fp4_fp8_config", "fp4_prefill_config", "fp8_kernel", "fp8_mma_config", "fp8_prefill_config", "fp8_split_k", "fp8_tiles",
            "gemv_config", "rows_tile", "wo_a_kernel"]
