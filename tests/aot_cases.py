@@ -120,7 +120,7 @@ FIXED = {
     "act_quant": [(dict(BLOCKS=8, INTERP=False), 4, None)],
     "dequant_bf16": [(dict(SB_SHIFT=7, SB_E8M0=False, BN=64, INTERP=False), 4, None)],
     # the MXFP4 experts decoded once to e4m3 tiles (``fp4_fp8.predecode``), then the FP8 grouped GEMM on them
-    "predecode": [(dict(BN=64, USE_ASM=True), 4, None)],
+    "predecode": [(dict(BN=32, KU=4, USE_ASM=True), 8, None)],
     # PREDEC 1: pointer loads; 2: TMA weight tiles (sm_90+ only, ``cases``)
     "fp4_fp8_predec": [(dict(GROUPED=True, GATHER=True, SWIGLU=True, HAS_PW=True, USE_ASM=True, SWAP=False, BM=64,
                              BN=128, LOG2G=9, PREDEC=1, INTERP=False, ATMA=False), 8, 3),

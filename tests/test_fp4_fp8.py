@@ -214,14 +214,16 @@ def test_grouped_swiglu_and_w2():
     _compare(c, E, I, top_k, h, hs, out, ho, hso, outo)
 
 
-@pytest.mark.parametrize("spread", [11, 12])
-def test_predecode_is_the_kernels_own_fold(spread):
+@pytest.mark.parametrize("spread,ku", [(11, 1), (12, 1), (12, 2), (11, 4)])
+def test_predecode_is_the_kernels_own_fold(spread, ku):
     """``predecode``'s e4m3 bytes times its per-(row, 128-block) factors are the MXFP4 weight exactly,
-    the groups 2^12 or more below their block's maximum flushed to zero (the kernel's fold)."""
+    the groups 2^12 or more below their block's maximum flushed to zero (the kernel's fold); with KU
+    128-blocks per step (KU 4 does not divide K's 3 blocks: the launcher falls back to 1)."""
     gen = torch.Generator().manual_seed(20 + spread)
-    N, K = 48, 384
+    N, K = 48, 384 if ku != 2 else 512
     wp, s = _weight(N, K, gen, drop=(3, spread))
-    w8, sb = F.predecode(torch.stack([wp, wp.flip(0)]).to(DEV), torch.stack([s, s.flip(0)]).to(DEV))
+    w8, sb = F.predecode(torch.stack([wp, wp.flip(0)]).to(DEV), torch.stack([s, s.flip(0)]).to(DEV),
+                         config={"KU": ku})
     assert w8.shape == (2, N, K) and w8.dtype == torch.uint8 and sb.shape == (2, N, K // 128)
     keep = torch.ones(N, K // 32)
     if spread >= F.FLUSH_SPREAD:

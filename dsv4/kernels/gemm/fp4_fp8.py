@@ -87,10 +87,10 @@ if triton_available():
         return tl.where(live, (e << 3) | mant | ((c & 8) << 4), 0)
 
     @triton.jit
-    def _fp8_weight_tile(b, k, USE_ASM: tl.constexpr, BN: tl.constexpr):
-        """packed e2m1 bytes b (uint8 [BN, 64]) and per-group shifts k = s_g - s_max + 12 (int32 [BN, 4])
-        -> e4m3 [BN, 128], natural K order (element 2j = the low nibble of byte j)."""
-        kb = tl.reshape(tl.broadcast_to(k[:, :, None], [BN, 4, 16]), [BN, 64])
+    def _fp8_weight_tile(b, k, USE_ASM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr = 4):
+        """packed e2m1 bytes b (uint8 [BN, 16 G]) and per-group shifts k = s_g - s_max + 12 (int32 [BN, G])
+        -> e4m3 [BN, 32 G], natural K order (element 2j = the low nibble of byte j)."""
+        kb = tl.reshape(tl.broadcast_to(k[:, :, None], [BN, G, 16]), [BN, 16 * G])
         if USE_ASM:
             kb8 = tl.where(kb >= 1, kb << 3, 0).to(tl.uint8)
             lo, hi = tl.inline_asm_elementwise(_DEC_ASM, "=r,=r,r,r", [b, kb8], dtype=(tl.uint8, tl.uint8),
@@ -99,7 +99,7 @@ if triton_available():
             bi = b.to(tl.int32)
             lo = _mag_byte(bi & 15, kb).to(tl.uint8)
             hi = _mag_byte(bi >> 4, kb).to(tl.uint8)
-        w = tl.reshape(tl.join(lo, hi), [BN, 128])
+        w = tl.reshape(tl.join(lo, hi), [BN, 32 * G])
         return w.to(tl.float8e4nv, bitcast=True)
 
     @triton.jit
@@ -219,11 +219,14 @@ if triton_available():
             store_bf16(C + r64[:, None] * stride_cm + rn64[None, :], acc, mrow[:, None] & nmask[None, :], INTERP)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N", "KB"])
     def _predecode_kernel(W, WS, W8, SB, N, KB, stride_we, stride_wn, stride_wse, stride_wsn,
-                          stride_8e, stride_8n, stride_sbe, stride_sbn, BN: tl.constexpr, USE_ASM: tl.constexpr):
+                          stride_8e, stride_8n, stride_sbe, stride_sbn, BN: tl.constexpr, KU: tl.constexpr,
+                          USE_ASM: tl.constexpr):
         """Grid (experts, row blocks of BN): every 128-block of rows n0 .. n0+BN of one expert, W8 = the
-        e4m3 bytes ``_fp8_decode`` forms in registers, SB = their fp32 factors 2^(s_max - 133)."""
+        e4m3 bytes ``_fp8_decode`` forms in registers, SB = their fp32 factors 2^(s_max - 133). KU
+        128-blocks per step (KB % KU == 0): one load of 64 KU packed bytes and 4 KU scales per row,
+        so each row streams longer contiguous runs."""
         pdl_wait()
         e = tl.program_id(0).to(tl.int64)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -233,11 +236,19 @@ if triton_available():
         srow = WS + e * stride_wse + rn64 * stride_wsn
         orow = W8 + e * stride_8e + rn64 * stride_8n
         sbrow = SB + e * stride_sbe + rn64 * stride_sbn
-        kc = tl.arange(0, 128)
-        for kb in range(0, KB):
-            w, sb = _fp8_decode(wrow, srow, nmask, kb * 128, USE_ASM, BN)
+        jg = tl.arange(0, 4 * KU)
+        jb = tl.arange(0, 64 * KU)
+        kc = tl.arange(0, 128 * KU)
+        ku = tl.arange(0, KU)
+        for kb in range(0, KB, KU):
+            sg = tl.load(srow[:, None] + kb * 4 + jg[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+            smax = tl.max(tl.reshape(sg, [BN, KU, 4]), axis=2)                      # [BN, KU]
+            shift = sg - tl.reshape(tl.broadcast_to(smax[:, :, None], [BN, KU, 4]), [BN, 4 * KU]) + 12
+            b = tl.load(wrow[:, None] + kb * 64 + jb[None, :], mask=nmask[:, None], other=0)
+            w = _fp8_weight_tile(b, shift, USE_ASM, BN, 4 * KU)
             tl.store(orow[:, None] + kb * 128 + kc[None, :], w.to(tl.uint8, bitcast=True), mask=nmask[:, None])
-            tl.store(sbrow + kb, sb, mask=nmask)
+            sb = ((smax + 6) << 23).to(tl.float32, bitcast=True) * (1.0 / 4096.0)      # 2^(smax - 133)
+            tl.store(sbrow[:, None] + kb + ku[None, :], sb, mask=nmask[:, None])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -251,14 +262,15 @@ def wide_spread(ws: torch.Tensor) -> bool:
     return bool(((s.amax(-1, keepdim=True) - s) >= FLUSH_SPREAD).any())
 
 
-def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
+              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 expert weights ``w`` uint8 [G, N, K/2] with e8m0 scales ``ws`` [G, N, K/32] -> (e4m3 bytes
     [G, N, K], fp32 factors [G, N, K/128]): per 128-block and row the bytes and factor this module's
     kernel forms in registers (module doc: exact, groups 2^12 below their block maximum flushed), so
     that ``fp4_fp8_launch(..., predecoded=True)`` on them gives the same bits as on ``w``, ``ws``.
     Costs a pass over the weights (read 0.53 byte, write 1.03 bytes per weight) and 2x their bytes of
     memory: a prefill chunk with enough rows per expert that FP8 tensor cores on plain e4m3 tiles
-    repay it."""
+    repay it. ``config`` overrides ``route.predecode_config`` (BN, KU, num_warps)."""
     w, ws = u8(w), u8(ws)
     if w.dim() == 2:
         w, ws = w[None], ws[None]
@@ -271,12 +283,15 @@ def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None) ->
     sb = torch.empty(G, N, K // QBLOCK, dtype=torch.float32, device=w.device)
     if G and N:
         t = target(w.device)
-        BN = 16 if not t.compiled else 64
-        kw = {} if interpreting() else {"num_warps": 4}
+        cfg = dict(route.predecode_config(t), **(config or {}))
+        BN, KU = cfg["BN"], cfg["KU"]
+        while (K // QBLOCK) % KU:
+            KU //= 2
+        kw = {} if interpreting() else {"num_warps": cfg.get("num_warps", 4)}
         _predecode_kernel[(G, triton.cdiv(N, BN))](
             w, ws, w8, sb, N, K // QBLOCK, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), w8.stride(0),
-            w8.stride(1), sb.stride(0), sb.stride(1), BN=BN, USE_ASM=t.use_asm if use_asm is None else use_asm,
-            **kw, **PDL_LAUNCH)
+            w8.stride(1), sb.stride(0), sb.stride(1), BN=BN, KU=KU,
+            USE_ASM=t.use_asm if use_asm is None else use_asm, **kw, **PDL_LAUNCH)
     return w8, sb
 
 
