@@ -10,9 +10,9 @@ wall time of the timed run. ``43-layer tok/s`` scales that time by 43 / layers (
 and sampler scaled too: slightly low). Then ``torch.profiler`` lists the GPU time per kernel of one
 prompt of ``--budget`` tokens (one chunk), largest first, beside the wall time of that step.
 
-``--predec-from R``: routed experts take ``moe_forward``'s pre-decoded FP8 path (``path="predec"``,
-not routed by default) wherever the router would take an FP8 / f16 prefill path at R or more rows per
-expert; this script wraps the router for that, the package is unchanged.
+``--predec-from R``: the routed experts take ``moe_forward``'s pre-decoded FP8 path (``path="predec"``)
+from R rows per expert instead of the router's ``route.PREDEC_ROWS_PER_EXPERT`` (this process only; a
+value above any chunk's rows, e.g. 1e9, compares with the path off).
 """
 from __future__ import annotations
 
@@ -76,16 +76,12 @@ def main():
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default=None, help="append the markdown to this file")
     ap.add_argument("--predec-from", type=float, default=None,
-                    help="rows per expert from which the experts take the pre-decoded FP8 path (module doc)")
+                    help="rows per expert from which the experts take the pre-decoded FP8 path (default: the "
+                         "router's; module doc)")
     a = ap.parse_args()
     if a.predec_from is not None:
-        from dsv4.kernels import moe
-        default_path = moe.router.expert_path
-
-        def expert_path(rows, fmt, t, fold_exact=True):
-            path = default_path(rows, fmt, t, fold_exact)
-            return "predec" if path in ("fp8mma", "prefill") and fold_exact and rows >= a.predec_from else path
-        moe.router.expert_path = expert_path
+        from dsv4.kernels.gemm import route
+        route.PREDEC_ROWS_PER_EXPERT = a.predec_from
     cases = a.cases.split(",")
     longest = max(sum(int(p.split("x")[0]) for p in c.split("+")) for c in cases)
     t0 = time.perf_counter()

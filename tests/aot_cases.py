@@ -189,6 +189,7 @@ BASE_CONST = {
     "fp8_mma": dict(SB_E8M0=False, SB_ROW=False, BM=8, BN=64, SPLIT=True, REDUCE=True, NUM_WARPS=4),
     "fp4_prefill": dict(GROUPED=True, USE_ASM=True, DEC=0, LOG2G=9, INTERP=False),
     "fp4_fp8": dict(GROUPED=True, USE_ASM=True, LOG2G=9, PREDEC=0, ATMA=False, INTERP=False),
+    "fp4_fp8_predec": dict(GROUPED=True, USE_ASM=True, LOG2G=9, INTERP=False),
     "sparse_fwd": dict(INTERP=False),
 }
 
@@ -199,6 +200,9 @@ def _router_const(c) -> dict:
     if c.kernel in ("fp4_gemm", "fp4_scaled", "fp4_prefill", "fp4_fp8"):
         sw = const["SWIGLU"]
         const.update(GATHER=sw, HAS_PW=sw)
+    if c.kernel == "fp4_fp8_predec":        # ATMA: GEMM 1's rows (and weights) gathered beforehand
+        sw = const["SWIGLU"]
+        const.update(GATHER=sw and not const["ATMA"], HAS_PW=sw)
     if c.kernel == "fp4_prefill":
         const.update(RB=14 if const["FMT"] == 2 else 0, SB_SCALE=2.0 ** -14)
     if c.kernel == "gemv":

@@ -344,7 +344,7 @@ def test_gpu_moe_flash_dims(hash_layer, T):
     expert take the decode path (tensor-core kernel and CUDA-core GEMV), 12 rows the tensor-core
     decode kernel on sm_89+ (else the MMA kernels; both run), 48 the FP8 tensor-core kernel on sm_90
     (``fp4_fp8``, where the scales fold exactly; else the prefill kernel's 64-row tiles), 150 the
-    prefill kernel's 128-row tiles."""
+    pre-decoded path on sm_90 where the scales fold (else the prefill kernel's 128-row tiles)."""
     _need_gpu()
     gen = torch.Generator().manual_seed(T)
     ref = _ref_moe(8, 4096, 2048, 6, gen, hash_layer, vocab=256, dup_row=3)
@@ -356,8 +356,10 @@ def test_gpu_moe_flash_dims(hash_layer, T):
     _check_moe(y, ref(x, ids))
     rows = T * 6 / 8
     gemv_max = GR.MMA_GEMV_ROWS_PER_EXPERT if target("cuda").gluon_mma else GR.GEMV_ROWS_PER_EXPERT
-    fp8mma = w.fp8_fold_exact() and GR.FP8MMA_ROWS_PER_EXPERT < rows <= GR.FP8MMA_MAX_ROWS_PER_EXPERT
-    assert parts["path"] == ("gemv" if rows <= gemv_max else "fp8mma" if fp8mma else
+    hopper = target("cuda").capability[0] == 9
+    fp8mma = hopper and w.fp8_fold_exact() and GR.FP8MMA_ROWS_PER_EXPERT < rows <= GR.FP8MMA_MAX_ROWS_PER_EXPERT
+    predec = hopper and w.fp8_fold_exact() and rows >= GR.PREDEC_ROWS_PER_EXPERT
+    assert parts["path"] == ("gemv" if rows <= gemv_max else "fp8mma" if fp8mma else "predec" if predec else
                              "prefill" if rows > GR.PREFILL_ROWS_PER_EXPERT else "dequant")
     if parts["path"] == "gemv":
         assert parts["kernel"] == ("mma" if target("cuda").gluon_mma else "cuda-core")

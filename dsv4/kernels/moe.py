@@ -37,12 +37,13 @@ FP8 prefill path (``path="fp8mma"``, the default for MXFP4 on sm_90 from ``route
 the same steps on ``fp4_fp8.py``'s kernel (weights decoded to e4m3 in registers, FP8 wgmma, per-128
 promotion), activations and h as plain e4m3 bytes.
 
-Pre-decoded FP8 path (``path="predec"``, MXFP4 whose scales fold exactly; chosen by the caller, not by
-the router until the H200 has measured it): ``fp4_fp8.predecode`` writes the local experts' w1|w3, then
+Pre-decoded FP8 path (``path="predec"``, MXFP4 whose scales fold exactly, sm_90, from
+``router.PREDEC_ROWS_PER_EXPERT`` rows per expert): ``fp4_fp8.predecode`` writes the local experts' w1|w3, then
 w2, as e4m3 tiles with per-(row, 128-block) fp32 factors into transient buffers (2x the weights'
 bytes, 4.3 + 2.1 GB for 256 V4-Flash experts: in passes over expert ranges of at most
-``router.PREDEC_SCRATCH_BYTES``, one alive at a time), and ``fp4_fp8.py``'s kernel loads those tiles
-instead of decoding FP4 in its K loop: the same bits as ``fp8mma``.
+``router.PREDEC_SCRATCH_BYTES``, one alive at a time: decoding the next pass on a second stream beside
+this pass's GEMM was slower, ``experiments/exp_predec.py``), and ``fp4_fp8.py``'s kernel loads those
+tiles instead of decoding FP4 in its K loop: the same bits as ``fp8mma``.
 
 Prefill path (``path="prefill"``, MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
 per expert outside the FP8 path's range or whose scales do not fold into e4m3): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
@@ -516,7 +517,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         config = dict(config or {}, kernel="cuda-core") if path == "gemv" else config
     if path is None:
         path = router.expert_path(rows_per_expert, w.fmt, t)
-        if path == "fp8mma" and not w.fp8_fold_exact():
+        if path in ("fp8mma", "predec") and not w.fp8_fold_exact():
             path = router.expert_path(rows_per_expert, w.fmt, t, fold_exact=False)
     if path == "predec" and (w.fmt != "mxfp4" or not w.fp8_fold_exact()):
         raise ValueError("moe predec path: MXFP4 experts whose scales fold exactly into e4m3 only "

@@ -19,8 +19,10 @@ Current choice, routed experts (``kernels.moe.moe_forward``), by the average row
 * up to 16 (sm_89+: the tensor-core decode kernel ``fp4_mma``) or 2 (elsewhere: the CUDA-core GEMV)
   rows: the decode path (``gemv``);
 * 17-64 rows, MXFP4 on sm_90 whose scales fold exactly into e4m3: ``fp4_fp8`` (the weights decoded
-  to e4m3 in registers, FP8 wgmma); above 32 rows otherwise (larger tiles, other MXFP4 weights) on
-  sm_90: ``fp4_prefill`` (one K=128 f16 MMA chain per block);
+  to e4m3 in registers, FP8 wgmma); from 128 rows the same weights pre-decoded (``predec``: one
+  ``fp4_fp8.predecode`` pass to e4m3 tiles per chunk, then FP8 wgmma on TMA tiles); above 32 rows
+  otherwise (larger tiles, other MXFP4 weights) on sm_90: ``fp4_prefill`` (one K=128 f16 MMA chain per
+  block);
 * otherwise ``fp4``'s kernels: ``dot_scaled`` for MXFP4 on sm_100 (``scaled``), the in-register
   dequant + f16 MMA kernel elsewhere (``dequant``).
 The shared expert (FP8): w1|w3 as split-K partials + the SwiGLU pass up to 64 rows, the tile kernel
@@ -154,6 +156,12 @@ PREFILL_ROWS_PER_EXPERT = 32.0
 # 256 and 384 rows (Flash 4096: 7772 vs 7211 us), 1.3x faster at 192 (Flash 8192: 11070 vs 13973)
 FP8MMA_ROWS_PER_EXPERT = 16.0
 FP8MMA_MAX_ROWS_PER_EXPERT = 64.0
+# the pre-decoded path (``predecode`` to e4m3 tiles, then the FP8 GEMMs on them; MXFP4 whose scales fold exactly,
+# sm_90) from this many rows per expert. H100, ``experiments/exp_predec.py`` (2026-12-06, the whole MoE layer,
+# V4-Flash shapes): with the former 4.6 ms decode pass predec already beat the router's ``prefill`` path at 192
+# rows (256 experts, 8192 tokens: 15.1 vs 15.5 ms) and 384 (22.3 vs 27.7; 128 experts: 11.0 vs 13.8); the
+# decode pass is now 1.8x faster (``predecode_config``)
+PREDEC_ROWS_PER_EXPERT = 128.0
 # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to this many rows; above, the
 # tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
 # 64 tokens with it, V4-Flash)
@@ -241,7 +249,7 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     default): both operands through shared memory (no register decode, so no ``SWAP``), weight and
     activation tiles by TMA on sm_90+ (``WTMA``, ``ATMA``: GEMM 1's rows gathered once), 64-token tiles
     (two fp32 accumulators of 64 x 128 with SwiGLU: no spills at 8 warps, as ``fp4_fp8_config``'s).
-    Small tiles under the interpreter. Unmeasured on the H200: BENCHMARKS.md "Open targets"."""
+    Small tiles under the interpreter."""
     if not t.compiled:
         return {"BM": 16, "BN": 32, "SWAP": False, "WTMA": False, "ATMA": False}
     # ptxas (Triton 3.9, sm_90a, tests' AOT cases): with SwiGLU only the all-TMA form keeps its 64 x 128
@@ -258,7 +266,7 @@ def decode_kernel(t: Target) -> str:
 
 
 def expert_path(rows_per_expert: float, fmt: str, t: Target, fold_exact: bool = True) -> str:
-    """'gemv' | 'fp8mma' | 'prefill' | 'scaled' | 'dequant' for FP4 routed experts (module doc).
+    """'gemv' | 'fp8mma' | 'predec' | 'prefill' | 'scaled' | 'dequant' for FP4 routed experts (module doc).
     ``fold_exact``: the MXFP4 weights' scales fold exactly into e4m3 (``fp4_fp8.wide_spread`` is False);
     else the f16 prefill kernel keeps them."""
     gemv_max = MMA_GEMV_ROWS_PER_EXPERT if decode_kernel(t) == "mma" else GEMV_ROWS_PER_EXPERT
@@ -267,6 +275,8 @@ def expert_path(rows_per_expert: float, fmt: str, t: Target, fold_exact: bool = 
     hopper_mx = fmt == "mxfp4" and t.compiled and t.capability[0] == 9
     if hopper_mx and fold_exact and FP8MMA_ROWS_PER_EXPERT < rows_per_expert <= FP8MMA_MAX_ROWS_PER_EXPERT:
         return "fp8mma"
+    if hopper_mx and fold_exact and rows_per_expert >= PREDEC_ROWS_PER_EXPERT:
+        return "predec"
     if hopper_mx and rows_per_expert > PREFILL_ROWS_PER_EXPERT:
         return "prefill"
     return fp4_path(fmt, t)
@@ -359,6 +369,14 @@ def choices(t: Target) -> list[Choice]:
                     cfg = fp4_fp8_config(r, t, swiglu=sw)
                     add(_choice("fp4_fp8", {"BM": cfg["BM"], "BN": QBLOCK if sw else cfg["BN"], "SWIGLU": sw,
                                             "SWAP": cfg["SWAP"]}, cfg, why))
+            elif path == "predec":
+                for sw in (True, False):
+                    cfg = fp8_predec_config(r, t, swiglu=sw)
+                    add(_choice("fp4_fp8_predec", {"BM": cfg["BM"], "BN": QBLOCK if sw else cfg["BN"], "SWIGLU": sw,
+                                                   "SWAP": cfg["SWAP"], "PREDEC": 2 if cfg["WTMA"] else 1,
+                                                   "ATMA": cfg["ATMA"]}, cfg, why))
+                pc = predecode_config(t)
+                add(_choice("predecode", {"BN": pc["BN"], "KU": pc["KU"]}, pc, why))
             elif path == "prefill":
                 for sw in (True, False):
                     cfg = fp4_prefill_config(r, t, swiglu=sw)
@@ -391,6 +409,6 @@ def choices(t: Target) -> list[Choice]:
 
 __all__ = ["Choice", "FUSE_QUANT_MAX_ROWS", "GEMV_ROWS_PER_EXPERT", "MMA_GEMV_ROWS_PER_EXPERT", "MMA_MAX_ROWS",
            "MMA_MAX_WEIGHT", "DENSE_GEMV_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "WO_A_MAX_ROWS",
-           "FP8MMA_MAX_ROWS_PER_EXPERT", "FP8MMA_ROWS_PER_EXPERT", "choices", "decode_kernel", "dense_gemv", "dense_gemv_config", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
-           "fp4_fp8_config", "fp4_prefill_config", "predecode_config", "fp8_kernel", "fp8_mma_config", "fp8_prefill_config", "fp8_split_k", "fp8_tiles",
+           "FP8MMA_MAX_ROWS_PER_EXPERT", "FP8MMA_ROWS_PER_EXPERT", "PREDEC_ROWS_PER_EXPERT", "choices", "decode_kernel", "dense_gemv", "dense_gemv_config", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
+           "fp4_fp8_config", "fp4_prefill_config", "fp8_predec_config", "predecode_config", "fp8_kernel", "fp8_mma_config", "fp8_prefill_config", "fp8_split_k", "fp8_tiles",
            "gemv_config", "rows_tile", "wo_a_kernel"]

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Experiment: the pre-decoded expert path (``moe_forward(path="predec")``) against the routed defaults at
+prefill sizes, and the tile of its decode pass (``fp4_fp8.predecode``).
+
+1. ``predecode`` of V4-Flash's w1|w3 (256 experts x 4096 x 4096 MXFP4) over BN rows per program, KU
+   128-blocks per step and warps: us and % of the copy rate on its bytes (read 0.53 + write 1.03 bytes
+   per weight).
+2. The whole MoE layer (router, sort, routed GEMMs, shared expert, combine) at T tokens: the router's
+   path, and the ``prefill`` and ``predec`` paths forced. do_bench medians (L2 flushed).
+
+    PYTHONPATH=. python experiments/exp_predec.py [--tokens 4096,5460,8192,16384] [--experts 256,128] [--quick]
+
+H100 (2026-12-06), V4-Flash w1|w3 of 256 experts: BN 32 / KU 4 / 8 warps 2,486 us (90% of copy), the former
+BN 64 / KU 1 / 4 warps 4,583 us (49%); KU 2 70-77%, KU 1 48-60%. With the former decode pass, predec with
+the next pass decoded on a second stream beside this pass's GEMM (two copies alive) was slower than one
+stream (256 experts, 8192 tokens: 17.3 vs 15.1 ms; 16384: 24.3 vs 22.3; 128 experts, 8192: 11.8 vs 11.0):
+the GEMM slows down beside the decode, so ``moe_forward`` runs the passes in turn.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import gpu_experiment, graph_time  # noqa: E402
+from benchmarks.gemm_moe import rand_mx  # noqa: E402
+from dsv4.formats.fp8 import quant_fp8_weight  # noqa: E402
+from dsv4.kernels import moe as Mo  # noqa: E402
+from dsv4.kernels.gemm import fp4_fp8 as F, route as R  # noqa: E402
+from dsv4.kernels.lib import target  # noqa: E402
+
+D, I, K_TOP = 4096, 2048, 6
+
+
+def weights(E, dev, gen):
+    w13, s13 = rand_mx(E, 2 * I, D, dev, gen)
+    w2, s2 = rand_mx(E, D, I, dev, gen)
+    sh13, sh13s = quant_fp8_weight(torch.randn(2 * I, D, device=dev, generator=gen) * 0.02)
+    sh2, sh2s = quant_fp8_weight(torch.randn(D, I, device=dev, generator=gen) * 0.02)
+    return Mo.MoEWeights(gate_w=torch.randn(E, D, device=dev, generator=gen) * 0.02,
+                         bias=torch.randn(E, device=dev, generator=gen) * 0.01, tid2eid=None, topk=K_TOP,
+                         route_scale=1.5, limit=10.0, fmt="mxfp4", w13=w13, w13_s=s13, w13_s2=None,
+                         w2=w2, w2_s=s2, w2_s2=None, sh13=sh13, sh13_s=sh13s.float(), sh2=sh2, sh2_s=sh2s.float())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="4096,5460,8192,16384")
+    ap.add_argument("--experts", default="256,128")
+    ap.add_argument("--quick", action="store_true", help="fewer decode tiles")
+    args = ap.parse_args()
+    setup = gpu_experiment("exp_predec", "compiled kernels")
+    if setup is None:
+        return
+    dev, gen, copy_bw = setup
+    import triton.testing
+    t = target(dev)
+    E0 = max(int(e) for e in args.experts.split(","))
+    w = weights(E0, dev, gen)
+    print(f"fold exact: {w.fp8_fold_exact()}; default predecode config {R.predecode_config(t)}")
+    # 1. the decode pass's tile
+    nbytes = w.w13.numel() + w.w13_s.numel() + 2 * w.w13.numel() + 4 * w.w13.numel() // 64
+    print("\n| predecode BN | KU | warps | us | % of copy |\n|---|---|---|---|---|")
+    ref = F.predecode(w.w13[:8], w.w13_s[:8])
+    grid = itertools.product((32, 64), (4, 8), (4, 8)) if args.quick else \
+        itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (4, 8))
+    for bn, ku, nw in grid:
+        cfg = dict(BN=bn, KU=ku, num_warps=nw)
+        try:
+            got = F.predecode(w.w13[:8], w.w13_s[:8], config=cfg)
+            same = torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+            us = graph_time(lambda: F.predecode(w.w13, w.w13_s, config=cfg)) * 1e3
+        except Exception as e:            # noqa: BLE001 - reported
+            print(f"| {bn} | {ku} | {nw} | failed: {type(e).__name__}: {str(e)[:150]} | |")
+            continue
+        print(f"| {bn} | {ku} | {nw} | {us:.0f}{'' if same else ' WRONG BITS'} | "
+              f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% |", flush=True)
+    # 2. the layer
+    print("\n| experts | T | rows / expert | router's path | its us | prefill us | predec us | predec = fp8mma bits |"
+          "\n|---|---|---|---|---|---|---|---|")
+    for E in (int(e) for e in args.experts.split(",")):
+        wE = w if E == E0 else weights(E, dev, gen)
+        for T in (int(x) for x in args.tokens.split(",")):
+            x = torch.randn(T, D, device=dev, generator=gen).bfloat16()
+            rows = T * K_TOP / E
+            path = R.expert_path(rows, "mxfp4", t)
+            us = {p: triton.testing.do_bench(lambda p=p: Mo.moe_forward(x, None, wE, path=p), warmup=50, rep=300)
+                  * 1e3 for p in (None, "prefill", "predec")}
+            same = torch.equal(Mo.moe_forward(x, None, wE, path="predec"), Mo.moe_forward(x, None, wE, path="fp8mma"))
+            print(f"| {E} | {T} | {rows:.0f} | {path} | {us[None]:.0f} | {us['prefill']:.0f} | {us['predec']:.0f} | "
+                  f"{same} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
