@@ -14,7 +14,17 @@ H100 (2026-12-06), V4-Flash w1|w3 of 256 experts: BN 32 / KU 4 / 8 warps 2,486 u
 BN 64 / KU 1 / 4 warps 4,583 us (49%); KU 2 70-77%, KU 1 48-60%. With the former decode pass, predec with
 the next pass decoded on a second stream beside this pass's GEMM (two copies alive) was slower than one
 stream (256 experts, 8192 tokens: 17.3 vs 15.1 ms; 16384: 24.3 vs 22.3; 128 experts, 8192: 11.8 vs 11.0):
-the GEMM slows down beside the decode, so ``moe_forward`` runs the passes in turn.
+the GEMM slows down beside the decode, so ``moe_forward`` runs the passes in turn. The layer with the new
+decode pass (us; the router's path was ``prefill`` at 96 rows, ``predec`` from 128):
+
+| experts | T | rows / expert | prefill path | predec |
+|---|---|---|---|---|
+| 256 | 4096 | 96 | 8,229 | 8,909 |
+| 256 | 8192 | 192 | 15,600 | 12,452 |
+| 256 | 16384 | 384 | 28,155 | 20,041 |
+| 128 | 4096 | 192 | 7,905 | 6,136 |
+| 128 | 8192 | 384 | 13,818 | 9,719 |
+| 128 | 16384 | 768 | 26,240 | 16,839 |
 """
 from __future__ import annotations
 

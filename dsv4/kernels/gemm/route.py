@@ -157,10 +157,10 @@ PREFILL_ROWS_PER_EXPERT = 32.0
 FP8MMA_ROWS_PER_EXPERT = 16.0
 FP8MMA_MAX_ROWS_PER_EXPERT = 64.0
 # the pre-decoded path (``predecode`` to e4m3 tiles, then the FP8 GEMMs on them; MXFP4 whose scales fold exactly,
-# sm_90) from this many rows per expert. H100, ``experiments/exp_predec.py`` (2026-12-06, the whole MoE layer,
-# V4-Flash shapes): with the former 4.6 ms decode pass predec already beat the router's ``prefill`` path at 192
-# rows (256 experts, 8192 tokens: 15.1 vs 15.5 ms) and 384 (22.3 vs 27.7; 128 experts: 11.0 vs 13.8); the
-# decode pass is now 1.8x faster (``predecode_config``)
+# sm_90) from this many rows per expert. H100, ``experiments/exp_predec.py`` (2026-12-06, the whole MoE layer, V4-Flash
+# shapes, the 2.5 ms decode pass of ``predecode_config``), predec against the ``prefill`` path: 256 experts, 96 rows
+# 8.9 vs 8.2 ms (slower), 192 rows 12.5 vs 15.6, 384 rows 20.0 vs 28.2; 128 experts, 192 / 384 / 768 rows 6.1 / 9.7
+# / 16.8 vs 7.9 / 13.8 / 26.2
 PREDEC_ROWS_PER_EXPERT = 128.0
 # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to this many rows; above, the
 # tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
