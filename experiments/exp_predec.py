@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--tokens", default="4096,5460,8192,16384")
     ap.add_argument("--experts", default="256,128")
     ap.add_argument("--quick", action="store_true", help="fewer decode tiles")
+    ap.add_argument("--no-tiles", action="store_true", help="skip the decode pass's tile sweep")
     args = ap.parse_args()
     setup = gpu_experiment("exp_predec", "compiled kernels")
     if setup is None:
@@ -78,7 +79,7 @@ def main():
     ref = F.predecode(w.w13[:8], w.w13_s[:8])
     grid = itertools.product((32, 64), (4, 8), (4, 8)) if args.quick else \
         itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (4, 8))
-    for bn, ku, nw in grid:
+    for bn, ku, nw in ([] if args.no_tiles else grid):
         cfg = dict(BN=bn, KU=ku, num_warps=nw)
         try:
             got = F.predecode(w.w13[:8], w.w13_s[:8], config=cfg)
@@ -90,20 +91,23 @@ def main():
         print(f"| {bn} | {ku} | {nw} | {us:.0f}{'' if same else ' WRONG BITS'} | "
               f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% |", flush=True)
     # 2. the layer
-    print("\n| experts | T | rows / expert | router's path | its us | prefill us | predec us | predec = fp8mma bits |"
-          "\n|---|---|---|---|---|---|---|---|")
+    print("\n| experts | T | rows / expert | router's path | its us | prefill us | predec us | predec, GEMM 1 unfused us |"
+          " predec = fp8mma bits | unfused = fused bits |\n|---|---|---|---|---|---|---|---|---|---|")
     for E in (int(e) for e in args.experts.split(",")):
         wE = w if E == E0 else weights(E, dev, gen)
         for T in (int(x) for x in args.tokens.split(",")):
             x = torch.randn(T, D, device=dev, generator=gen).bfloat16()
             rows = T * K_TOP / E
             path = R.expert_path(rows, "mxfp4", t)
-            us = {p: triton.testing.do_bench(lambda p=p: Mo.moe_forward(x, None, wE, path=p), warmup=50, rep=300)
-                  * 1e3 for p in (None, "prefill", "predec")}
-            same = torch.equal(Mo.moe_forward(x, None, wE, path="predec"), Mo.moe_forward(x, None, wE, path="fp8mma"))
-            print(f"| {E} | {T} | {rows:.0f} | {path} | {us[None]:.0f} | {us['prefill']:.0f} | {us['predec']:.0f} | "
-                  f"{same} |", flush=True)
-
+            runs = {"router": dict(path=None), "prefill": dict(path="prefill"), "predec": dict(path="predec"),
+                    "unfused": dict(path="predec", config={"UNFUSED": True})}
+            us = {k: triton.testing.do_bench(lambda kw=kw: Mo.moe_forward(x, None, wE, **kw), warmup=50, rep=300)
+                  * 1e3 for k, kw in runs.items()}
+            fused = Mo.moe_forward(x, None, wE, path="predec")
+            same = torch.equal(fused, Mo.moe_forward(x, None, wE, path="fp8mma"))
+            same_u = torch.equal(fused, Mo.moe_forward(x, None, wE, **runs["unfused"]))
+            print(f"| {E} | {T} | {rows:.0f} | {path} | {us['router']:.0f} | {us['prefill']:.0f} | {us['predec']:.0f} | "
+                  f"{us['unfused']:.0f} | {same} | {same_u} |", flush=True)
 
 if __name__ == "__main__":
     main()

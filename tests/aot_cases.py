@@ -48,6 +48,9 @@ KERNELS = {
     "gemv": ("gemm.gemv", "_gemv_kernel", GEMV, ("moe",)),
     "swiglu_quant": ("gemm.gemv", "_swiglu_quant_kernel", dict(WSP=F, H=P("u8"), HS=F, PW=F, PERM=P("i64"),
                                                                limit="fp32"), ("moe",)),
+    # the pre-decoded path's unfused GEMM 1: bf16 w1|w3 outputs in sorted order
+    "swiglu_quant_bf16": ("gemm.gemv", "_swiglu_quant_kernel", dict(WSP=P("bf16"), H=P("u8"), HS=F, PW=F,
+                                                                    PERM=P("i64"), limit="fp32"), ("moe",)),
     "fp4_mma": ("gemm.fp4_mma", "_mma_gemv_kernel", MMA4, ("moe",)),
     "fp8_mma": ("gemm.fp8_mma", "_fp8_mma_kernel", MMA8, ("linear", "wo_a", "moe")),
     "dequant_bf16": ("gemm.fp8", "_dequant_bf16_kernel", dict(W=P("u8"), SB=F, Y=P("bf16")), ("wo_a",)),
@@ -135,6 +138,7 @@ FIXED = {
                              BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=True), 8, 3)],
     "splitk_sum": [(dict(BLOCK=1024, INTERP=False), 4, None)],
     "swiglu_quant": [(dict(GATHER=True, HAS_PW=True, INTERP=False), 4, None)],
+    "swiglu_quant_bf16": [(dict(GATHER=False, HAS_PW=True, INTERP=False), 4, None)],
     "moe_route": [(dict(KTOP=6, KP=8, EP=256, HASH=False, QUANT=True, QB=8, INTERP=False), 4, None),
                   (dict(KTOP=6, KP=8, EP=512, HASH=True, QUANT=False, QB=8, INTERP=False), 4, None)],
     "moe_sort_prep": [(dict(BM=8, EP=512, PP=1024, CH=64), 4, None)],

@@ -585,6 +585,10 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         if pcfg["13"].get("ATMA"):
             rows_of = perm // k
             g1 = dict(a=a.index_select(0, rows_of), sa=xs.index_select(0, rows_of), perm=None, pw=pw[perm])
+        # UNFUSED (TMA activation tiles only): GEMM 1 writes w1|w3's bf16 outputs, then one pass forms h (the
+        # fused epilogue rounds both to bf16 first too: the same bits) and GEMM 1 runs at GEMM 2's tile
+        unfused = bool(pcfg["13"].get("UNFUSED")) and g1["perm"] is None
+        y13 = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=dev) if unfused else None
         for wq, ws_, swiglu in ((w.w13, w.w13_s, True), (w.w2, w.w2_s, False)):
             step = router.predec_experts_per_pass(E, wq.shape[1], 2 * wq.shape[2])
             for e0 in range(0, E, step):
@@ -592,7 +596,10 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
                 part = dict(offs=offs[e0:e1 + 1], tcum=tcum[e0:e1 + 1] - tcum[e0], n_groups=e1 - e0,
                             n_tiles=min(P, triton.cdiv(P, bm) + min(e1 - e0, P)))
                 w8, f8 = predecode(wq[e0:e1], ws_[e0:e1])
-                if swiglu:
+                if swiglu and unfused:
+                    fp4_fp8_launch(g1["a"], g1["sa"], w8, f8, None, y13, None, P, 2 * I, d, 0, fmt=w.fmt,
+                                   config=pcfg["2"], predecoded=True, **part)
+                elif swiglu:
                     fp4_fp8_launch(g1["a"], g1["sa"], w8, f8, None, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
                                    limit=w.limit, perm=g1["perm"], pw=g1["pw"], top_k=k, config=pcfg["13"],
                                    predecoded=True, **part)
@@ -600,6 +607,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
                     fp4_fp8_launch(h, hs, w8, f8, None, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"],
                                    predecoded=True, **part)
                 del w8, f8
+            if swiglu and unfused:
+                h, hs = swiglu_quant(y13[None], w.limit, pw=g1["pw"])
+                del y13
     elif path == "prefill":
         fp4_prefill_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
                            limit=w.limit, perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)

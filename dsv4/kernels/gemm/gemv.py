@@ -192,7 +192,8 @@ if triton_available():
     @triton.jit
     def _swiglu_quant_kernel(WSP, H, HS, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm,
                              GATHER: tl.constexpr, HAS_PW: tl.constexpr, INTERP: tl.constexpr):
-        """h[r, 128 c ..] = FP8(swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols]))."""
+        """h[r, 128 c ..] = FP8(swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols])); WSP fp32
+        partials or (S = 1) bf16 values."""
         pdl_wait()
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
@@ -201,8 +202,8 @@ if triton_available():
         gs = tl.zeros([128], tl.float32)
         us = tl.zeros([128], tl.float32)
         for s in range(0, S):
-            gs += tl.load(base + s * M * N2)
-            us += tl.load(base + s * M * N2 + n_half)
+            gs += tl.load(base + s * M * N2).to(tl.float32)
+            us += tl.load(base + s * M * N2 + n_half).to(tl.float32)
         if HAS_PW:
             if GATHER:
                 pair = tl.load(PERM + r).to(tl.int64)
@@ -268,7 +269,8 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
 
 
 def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None):
-    """fp32 partials [S, M, 2I] of the w1|w3 GEMM -> (h e4m3 bytes [M, I], hs fp32 [M, I/128]):
+    """fp32 partials [S, M, 2I] of the w1|w3 GEMM, or its bf16 output [1, M, 2I] -> (h e4m3 bytes [M, I],
+    hs fp32 [M, I/128]):
     the official expert middle (``lib.swiglu_h``: bf16 rounding, clamps, silu, routing weight ``pw``
     per pair id, one bf16 rounding) and its FP8 1x128 quantisation."""
     S, M, N2 = partials.shape
