@@ -6,7 +6,9 @@ prefill sizes, and the tile of its decode pass (``fp4_fp8.predecode``).
    128-blocks per step and warps: us and % of the copy rate on its bytes (read 0.53 + write 1.03 bytes
    per weight).
 2. The whole MoE layer (router, sort, routed GEMMs, shared expert, combine) at T tokens: the router's
-   path, and the ``prefill`` and ``predec`` paths forced. do_bench medians (L2 flushed).
+   path, and the ``prefill`` and ``predec`` paths forced, the latter with GEMM 1's SwiGLU fused or not
+   (``UNFUSED``) and with the scale operands row-major or block-major (``SCALE_T``). do_bench medians
+   (L2 flushed).
 
     PYTHONPATH=. python experiments/exp_predec.py [--tokens 4096,5460,8192,16384] [--experts 256,128] [--quick]
 
@@ -95,22 +97,26 @@ def main():
               f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% |", flush=True)
     # 2. the layer
     print("\n| experts | T | rows / expert | router's path | its us | prefill us | predec us | predec, GEMM 1 unfused us |"
-          " predec = fp8mma bits | unfused = fused bits |\n|---|---|---|---|---|---|---|---|---|---|")
+          " predec, scales block-major us | predec = fp8mma bits | unfused = fused bits | block-major = fused bits |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for E in (int(e) for e in args.experts.split(",")):
         wE = w if E == E0 else weights(E, dev, gen)
         for T in (int(x) for x in args.tokens.split(",")):
             x = torch.randn(T, D, device=dev, generator=gen).bfloat16()
             rows = T * K_TOP / E
             path = R.expert_path(rows, "mxfp4", t)
-            runs = {"router": dict(path=None), "prefill": dict(path="prefill"), "predec": dict(path="predec"),
-                    "unfused": dict(path="predec", config={"UNFUSED": True})}
+            runs = {"router": dict(path=None), "prefill": dict(path="prefill"),
+                    "predec": dict(path="predec", config={"UNFUSED": False, "SCALE_T": False}),
+                    "unfused": dict(path="predec", config={"UNFUSED": True, "SCALE_T": False}),
+                    "scale_t": dict(path="predec", config={"UNFUSED": True, "SCALE_T": True})}
             us = {k: triton.testing.do_bench(lambda kw=kw: Mo.moe_forward(x, None, wE, **kw), warmup=50, rep=300)
                   * 1e3 for k, kw in runs.items()}
-            fused = Mo.moe_forward(x, None, wE, path="predec")
+            fused = Mo.moe_forward(x, None, wE, **runs["predec"])
             same = torch.equal(fused, Mo.moe_forward(x, None, wE, path="fp8mma"))
             same_u = torch.equal(fused, Mo.moe_forward(x, None, wE, **runs["unfused"]))
+            same_t = torch.equal(fused, Mo.moe_forward(x, None, wE, **runs["scale_t"]))
             print(f"| {E} | {T} | {rows:.0f} | {path} | {us['router']:.0f} | {us['prefill']:.0f} | {us['predec']:.0f} | "
-                  f"{us['unfused']:.0f} | {same} | {same_u} |", flush=True)
+                  f"{us['unfused']:.0f} | {us['scale_t']:.0f} | {same} | {same_u} | {same_t} |", flush=True)
 
 if __name__ == "__main__":
     main()

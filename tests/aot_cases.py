@@ -194,6 +194,7 @@ BASE_CONST = {
     "fp4_prefill": dict(GROUPED=True, USE_ASM=True, DEC=0, LOG2G=9, INTERP=False),
     "fp4_fp8": dict(GROUPED=True, USE_ASM=True, LOG2G=9, PREDEC=0, ATMA=False, INTERP=False),
     "fp4_fp8_predec": dict(GROUPED=True, USE_ASM=True, LOG2G=9, INTERP=False),
+    "predecode": dict(USE_ASM=True),
     "sparse_fwd": dict(INTERP=False),
 }
 

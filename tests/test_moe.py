@@ -200,12 +200,15 @@ def test_predec_passes_over_expert_ranges_give_one_pass_s_bits(monkeypatch):
 
 
 @pytest.mark.parametrize("cfg", [{"ATMA": True, "WTMA": True}, {"ATMA": True, "WTMA": True, "UNFUSED": True},
+                                 {"ATMA": True, "WTMA": True, "UNFUSED": True, "SCALE_T": True},
+                                 pytest.param({"SCALE_T": True}, marks=pytest.mark.slow),
                                  pytest.param({"ATMA": True}, marks=pytest.mark.slow),
                                  pytest.param({"WTMA": True}, marks=pytest.mark.slow)])
 def test_predec_with_tma_tiles_gives_the_pointer_loads_bits(cfg):
     """The pre-decoded path with TMA activation tiles (GEMM 1's rows, scales and routing weights gathered
     once into sorted order; GEMM 2's h as it is) and / or TMA weight tiles: the bits of pointer loads;
-    ``UNFUSED``: GEMM 1's bf16 w1|w3 outputs, then the SwiGLU + quantisation pass, the same bits."""
+    ``UNFUSED``: GEMM 1's bf16 w1|w3 outputs, then the SwiGLU + quantisation pass; ``SCALE_T``: the scale
+    operands stored block-major: the same bits."""
     gen = torch.Generator().manual_seed(33)
     ref = _ref_moe(8, 256, 128, 2, gen, True, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)

@@ -114,21 +114,21 @@ if triton_available():
         return _fp8_weight_tile(b, sg - smax[:, None] + 12, USE_ASM, BN), sb
 
     @triton.jit
-    def _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, SWAP: tl.constexpr, USE_ASM: tl.constexpr, BN: tl.constexpr,
-                   PREDEC: tl.constexpr):
+    def _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, wsk, SWAP: tl.constexpr, USE_ASM: tl.constexpr,
+                   BN: tl.constexpr, PREDEC: tl.constexpr):
         """(fresh fp32 partial of the 128-block at k0: [BN, BM] with SWAP else [BM, BN], fp32 [BN] weight
         factor). PREDEC 1: wrow / srow address ``predecode``'s e4m3 rows and fp32 factors; 2: the same
         tile through the TMA descriptor WD at row wr0 (all of a tile's rows lie inside one expert's
         weight: N_out and n_half are multiples of BN); 0: wrow / srow address the MXFP4 bytes and e8m0
-        scales, decoded here."""
+        scales, decoded here. ``wsk``: the predecoded factors' 128-block stride."""
         if PREDEC == 2:
             w = WD.load([wr0, k0])
-            sb = tl.load(srow + k0 // 128, mask=nmask, other=0.0)
+            sb = tl.load(srow + (k0 // 128) * wsk, mask=nmask, other=0.0)
         elif PREDEC == 1:
             kc = tl.arange(0, 128)
             w = tl.load(wrow[:, None] + k0 + kc[None, :], mask=nmask[:, None], other=0)
             w = w.to(tl.float8e4nv, bitcast=True)
-            sb = tl.load(srow + k0 // 128, mask=nmask, other=0.0)
+            sb = tl.load(srow + (k0 // 128) * wsk, mask=nmask, other=0.0)
         else:
             w, sb = _fp8_decode(wrow, srow, nmask, k0, USE_ASM, BN)
         if SWAP:
@@ -141,7 +141,7 @@ if triton_available():
     def _fp4_fp8_kernel(A, SA, W, WS, WS2, C, CS, PERM, OFFS, TCUM, PW,
                         M, N_out, K, n_half, n_groups, top_k,
                         stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn,
-                        stride_w2e, stride_cm, stride_csm, limit,
+                        stride_w2e, stride_cm, stride_csm, limit, stride_sak, stride_wsk,
                         GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_PW: tl.constexpr,
                         USE_ASM: tl.constexpr, SWAP: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, LOG2G: tl.constexpr, PREDEC: tl.constexpr, ATMA: tl.constexpr,
@@ -151,7 +151,9 @@ if triton_available():
         the launcher signature of ``fp4_prefill``. One program = one [BM, BN] output tile; program ids
         walk the column blocks of an m-tile first. ATMA (rows not gathered: A's row r is output row r): the
         activation tiles through one TMA descriptor over A's M rows (rows past the tile's expert belong to
-        the next one or lie past M, read as zeros: their outputs are masked)."""
+        the next one or lie past M, read as zeros: their outputs are masked). stride_sak / stride_wsk: the
+        128-block strides of SA and of the predecoded factors (1 in the row-major layouts; a transposed
+        layout makes a tile's scales of one block contiguous)."""
         pdl_wait()
         pid = tl.program_id(0)
         num_n = tl.cdiv(N_out, BN)
@@ -185,20 +187,20 @@ if triton_available():
             acc = tl.zeros([BM, BN], tl.float32)
             acc2 = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, 128):
-            sa = tl.load(sarow + k0 // 128, mask=mrow, other=0.0)
+            sa = tl.load(sarow + (k0 // 128) * stride_sak, mask=mrow, other=0.0)
             if ATMA:
                 a = AD.load([am0.to(tl.int32), k0])
             else:
                 a = tl.load(arow_p[:, None] + k0 + kc[None, :], mask=mrow[:, None], other=0)
                 a = a.to(tl.float8e4nv, bitcast=True)
-            blk, sb = _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, SWAP, USE_ASM, BN, PREDEC)
+            blk, sb = _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, stride_wsk, SWAP, USE_ASM, BN, PREDEC)
             if SWAP:                                           # official per-128 promotion
                 acc += blk * (sb[:, None] * sa[None, :])
             else:
                 acc += blk * (sa[:, None] * sb[None, :])
             if SWIGLU:                                         # w3 rows of the same columns
-                blk2, sb2 = _fp8_block(a, wrow2, srow2, nmask, k0, WD, wr0 + n_half, SWAP, USE_ASM, BN,
-                                       PREDEC)
+                blk2, sb2 = _fp8_block(a, wrow2, srow2, nmask, k0, WD, wr0 + n_half, stride_wsk, SWAP, USE_ASM,
+                                       BN, PREDEC)
                 if SWAP:
                     acc2 += blk2 * (sb2[:, None] * sa[None, :])
                 else:
@@ -221,7 +223,7 @@ if triton_available():
 
     @triton.jit(do_not_specialize=["N", "KB"])
     def _predecode_kernel(W, WS, W8, SB, N, KB, stride_we, stride_wn, stride_wse, stride_wsn,
-                          stride_8e, stride_8n, stride_sbe, stride_sbn, BN: tl.constexpr, KU: tl.constexpr,
+                          stride_8e, stride_8n, stride_sbe, stride_sbn, stride_sbk, BN: tl.constexpr, KU: tl.constexpr,
                           USE_ASM: tl.constexpr):
         """Grid (experts, row blocks of BN): every 128-block of rows n0 .. n0+BN of one expert, W8 = the
         e4m3 bytes ``_fp8_decode`` forms in registers, SB = their fp32 factors 2^(s_max - 133). KU
@@ -248,7 +250,7 @@ if triton_available():
             w = _fp8_weight_tile(b, shift, USE_ASM, BN, 4 * KU)
             tl.store(orow[:, None] + kb * 128 + kc[None, :], w.to(tl.uint8, bitcast=True), mask=nmask[:, None])
             sb = ((smax + 6) << 23).to(tl.float32, bitcast=True) * (1.0 / 4096.0)      # 2^(smax - 133)
-            tl.store(sbrow[:, None] + kb + ku[None, :], sb, mask=nmask[:, None])
+            tl.store(sbrow[:, None] + (kb + ku[None, :]) * stride_sbk, sb, mask=nmask[:, None])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -263,14 +265,16 @@ def wide_spread(ws: torch.Tensor) -> bool:
 
 
 def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
-              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config: dict | None = None, scales_t: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 expert weights ``w`` uint8 [G, N, K/2] with e8m0 scales ``ws`` [G, N, K/32] -> (e4m3 bytes
     [G, N, K], fp32 factors [G, N, K/128]): per 128-block and row the bytes and factor this module's
     kernel forms in registers (module doc: exact, groups 2^12 below their block maximum flushed), so
     that ``fp4_fp8_launch(..., predecoded=True)`` on them gives the same bits as on ``w``, ``ws``.
     Costs a pass over the weights (read 0.53 byte, write 1.03 bytes per weight) and 2x their bytes of
     memory: a prefill chunk with enough rows per expert that FP8 tensor cores on plain e4m3 tiles
-    repay it. ``config`` overrides ``route.predecode_config`` (BN, KU, num_warps)."""
+    repay it. ``config`` overrides ``route.predecode_config`` (BN, KU, num_warps). ``scales_t``: the factors
+    stored K-block-major ([G, K/128, N] memory, returned as its [G, N, K/128] view), so that a GEMM tile
+    reads one block's factors of its rows contiguously."""
     w, ws = u8(w), u8(ws)
     if w.dim() == 2:
         w, ws = w[None], ws[None]
@@ -280,7 +284,10 @@ def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
         raise ValueError(f"predecode: expected w [G, N, K/2] (K % 128 == 0) and ws [G, N, K/32], got "
                          f"{tuple(w.shape)} and {tuple(ws.shape)}")
     w8 = torch.empty(G, N, K, dtype=torch.uint8, device=w.device)
-    sb = torch.empty(G, N, K // QBLOCK, dtype=torch.float32, device=w.device)
+    if scales_t:
+        sb = torch.empty(G, K // QBLOCK, N, dtype=torch.float32, device=w.device).transpose(1, 2)
+    else:
+        sb = torch.empty(G, N, K // QBLOCK, dtype=torch.float32, device=w.device)
     if G and N:
         t = target(w.device)
         cfg = dict(route.predecode_config(t), **(config or {}))
@@ -290,7 +297,7 @@ def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
         kw = {} if interpreting() else {"num_warps": cfg.get("num_warps", 4)}
         _predecode_kernel[(G, triton.cdiv(N, BN))](
             w, ws, w8, sb, N, K // QBLOCK, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), w8.stride(0),
-            w8.stride(1), sb.stride(0), sb.stride(1), BN=BN, KU=KU,
+            w8.stride(1), sb.stride(0), sb.stride(1), sb.stride(2), BN=BN, KU=KU,
             USE_ASM=t.use_asm if use_asm is None else use_asm, **kw, **PDL_LAUNCH)
     return w8, sb
 
@@ -347,6 +354,7 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
     _fp4_fp8_kernel[grid](
         *fp4_kernel_args(a, sa, w if wtma else u8(w), ws if predecoded else u8(ws), ws2, out, out_s, perm,
                          offs, tcum, pw, M, N_out, K, n_half, n_groups, top_k, limit),
+        sa.stride(1), ws.stride(-1) if predecoded else 1,
         GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu, HAS_PW=pw is not None, USE_ASM=use_asm,
         SWAP=swap, BM=BM, BN=BN, LOG2G=log2_groups(n_groups), PREDEC=(2 if wtma else 1) if predecoded else 0,
         ATMA=atma,

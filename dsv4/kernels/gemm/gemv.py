@@ -190,7 +190,7 @@ if triton_available():
             store_bf16(C + r64 * stride_cm + rn64, y, mask, INTERP)
 
     @triton.jit
-    def _swiglu_quant_kernel(WSP, H, HS, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm,
+    def _swiglu_quant_kernel(WSP, H, HS, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm, stride_hsc,
                              GATHER: tl.constexpr, HAS_PW: tl.constexpr, INTERP: tl.constexpr):
         """h[r, 128 c ..] = FP8(swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols])); WSP fp32
         partials or (S = 1) bf16 values."""
@@ -215,7 +215,7 @@ if triton_available():
         h = swiglu_h(gs[None, :], us[None, :], pw, limit, HAS_PW)
         q, eh = quant_rows(h, INTERP)
         tl.store(H + r * stride_hm + i[None, :], q.to(tl.uint8, bitcast=True))
-        tl.store(HS + r * stride_hsm + c + tl.arange(0, 1), exp2i(eh))
+        tl.store(HS + r * stride_hsm + (c + tl.arange(0, 1)) * stride_hsc, exp2i(eh))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -268,23 +268,25 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
     return sum_splits(dst, out)
 
 
-def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None):
+def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None, scales_t: bool = False):
     """fp32 partials [S, M, 2I] of the w1|w3 GEMM, or its bf16 output [1, M, 2I] -> (h e4m3 bytes [M, I],
     hs fp32 [M, I/128]):
     the official expert middle (``lib.swiglu_h``: bf16 rounding, clamps, silu, routing weight ``pw``
-    per pair id, one bf16 rounding) and its FP8 1x128 quantisation."""
+    per pair id, one bf16 rounding) and its FP8 1x128 quantisation. ``scales_t``: hs stored block-major
+    ([I/128, M] memory, returned as its [M, I/128] view)."""
     S, M, N2 = partials.shape
     I = N2 // 2
     if I % QBLOCK:
         raise ValueError(f"swiglu_quant: intermediate size {I} must be a multiple of 128")
     dev = partials.device
     h = torch.empty(M, I, dtype=torch.uint8, device=dev)
-    hs = torch.empty(M, I // QBLOCK, dtype=torch.float32, device=dev)
+    hs = torch.empty(I // QBLOCK, M, dtype=torch.float32, device=dev).t() if scales_t else \
+        torch.empty(M, I // QBLOCK, dtype=torch.float32, device=dev)
     if M:
         kw = {} if interpreting() else {"num_warps": 4}
         _swiglu_quant_kernel[(M, I // QBLOCK)](
             partials, h, hs, pw if pw is not None else partials, perm if perm is not None else partials,
-            M, N2, I, S, float(limit), h.stride(0), hs.stride(0), GATHER=perm is not None,
+            M, N2, I, S, float(limit), h.stride(0), hs.stride(0), hs.stride(1), GATHER=perm is not None,
             HAS_PW=pw is not None, INTERP=interpreting(), **kw, **PDL_LAUNCH)
     return h, hs
 

@@ -251,7 +251,9 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     64 x 128 with SwiGLU: no spills at 8 warps, as ``fp4_fp8_config``'s). ``UNFUSED`` (with ATMA): GEMM 1
     runs GEMM 2's plain tile into bf16 w1|w3 outputs and one pass forms h (the same bits; H100,
     ``experiments/exp_predec.py`` 2026-12-06: the MoE layer 3.6-3.9% faster at 192-768 rows per expert,
-    e.g. 256 experts x 8192 tokens 12.48 -> 12.00 ms). Small tiles under the interpreter."""
+    e.g. 256 experts x 8192 tokens 12.48 -> 12.00 ms). ``SCALE_T``: the scale operands stored block-major
+    (contiguous per K block instead of a row-strided gather; the same bits): off until a GPU has timed it.
+    Small tiles under the interpreter."""
     if not t.compiled:
         return {"BM": 16, "BN": 32, "SWAP": False, "WTMA": False, "ATMA": False}
     # ptxas (Triton 3.9, sm_90a, tests' AOT cases): with SwiGLU only the all-TMA form keeps its 64 x 128
@@ -259,7 +261,7 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     # w2 at 64 rows does not spill in any form (182-223 registers); 128-row tiles spill in every form
     tma = t.capability[0] >= 9
     return {"BM": 64, "BN": 128, "SWAP": False, "WTMA": tma, "ATMA": tma, "num_warps": 8 if swiglu else 4,
-            "num_stages": 3, "UNFUSED": tma and swiglu}
+            "num_stages": 3, "UNFUSED": tma and swiglu, "SCALE_T": False}
 
 
 def decode_kernel(t: Target) -> str:
