@@ -199,23 +199,33 @@ def test_predec_passes_over_expert_ranges_give_one_pass_s_bits(monkeypatch):
     _check_moe(one, ref(x.cpu(), ids.cpu()))
 
 
-@pytest.mark.parametrize("cfg", [{"ATMA": True, "WTMA": True}, {"ATMA": True, "WTMA": True, "UNFUSED": True},
-                                 {"ATMA": True, "WTMA": True, "UNFUSED": True, "SCALE_T": True},
-                                 pytest.param({"SCALE_T": True}, marks=pytest.mark.slow),
-                                 pytest.param({"ATMA": True}, marks=pytest.mark.slow),
-                                 pytest.param({"WTMA": True}, marks=pytest.mark.slow)])
-def test_predec_with_tma_tiles_gives_the_pointer_loads_bits(cfg):
-    """The pre-decoded path with TMA activation tiles (GEMM 1's rows, scales and routing weights gathered
-    once into sorted order; GEMM 2's h as it is) and / or TMA weight tiles: the bits of pointer loads;
-    ``UNFUSED``: GEMM 1's bf16 w1|w3 outputs, then the SwiGLU + quantisation pass; ``SCALE_T``: the scale
-    operands stored block-major: the same bits."""
+def _predec_variants_give_the_pointer_loads_bits(cfgs):
+    """The pre-decoded path in each variant of ``cfgs`` against its pointer-load form (one baseline)."""
     gen = torch.Generator().manual_seed(33)
     ref = _ref_moe(8, 256, 128, 2, gen, True, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
     x = (torch.randn(24, 256, generator=gen) * 1.5).bfloat16().to(DEV)
     ids = torch.randint(0, 64, (24,), generator=gen).to(DEV)
-    base = Mo.moe_forward(x, ids, w, path="predec")
-    assert torch.equal(Mo.moe_forward(x, ids, w, path="predec", config=cfg), base)
+    plain = {"ATMA": False, "WTMA": False, "UNFUSED": False, "SCALE_T": False}
+    base = Mo.moe_forward(x, ids, w, path="predec", config=plain)
+    for cfg in cfgs:
+        assert torch.equal(Mo.moe_forward(x, ids, w, path="predec", config=dict(plain, **cfg)), base), cfg
+
+
+def test_predec_with_tma_tiles_gives_the_pointer_loads_bits():
+    """The pre-decoded path with TMA activation tiles (GEMM 1's rows, scales and routing weights gathered
+    once into sorted order; GEMM 2's h as it is) and TMA weight tiles, GEMM 1 fused or ``UNFUSED`` (its
+    bf16 w1|w3 outputs, then the SwiGLU + quantisation pass), the scale operands row-major or stored
+    block-major (``SCALE_T``): the bits of pointer loads."""
+    _predec_variants_give_the_pointer_loads_bits([{"ATMA": True, "WTMA": True},
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True},
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "SCALE_T": True}])
+
+
+@pytest.mark.slow
+def test_predec_other_variants_give_the_pointer_loads_bits():
+    """TMA activation tiles alone, TMA weight tiles alone, block-major scales with pointer loads."""
+    _predec_variants_give_the_pointer_loads_bits([{"ATMA": True}, {"WTMA": True}, {"SCALE_T": True}])
 
 
 def test_predec_path_refuses_weights_it_cannot_fold():
