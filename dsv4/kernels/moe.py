@@ -613,7 +613,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
                                    predecoded=True, **part)
                 del w8, f8
             if swiglu and unfused:
-                h, hs = swiglu_quant(y13[None], w.limit, pw=g1["pw"], scales_t=st)
+                if st:
+                    hs = torch.empty(I // QBLOCK, P, dtype=torch.float32, device=dev).t()
+                swiglu_quant(y13[None], w.limit, pw=g1["pw"], out=(h, hs))
                 del y13
     elif path == "prefill":
         fp4_prefill_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,

@@ -268,20 +268,24 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
     return sum_splits(dst, out)
 
 
-def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None, scales_t: bool = False):
+def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None, out=None):
     """fp32 partials [S, M, 2I] of the w1|w3 GEMM, or its bf16 output [1, M, 2I] -> (h e4m3 bytes [M, I],
     hs fp32 [M, I/128]):
     the official expert middle (``lib.swiglu_h``: bf16 rounding, clamps, silu, routing weight ``pw``
-    per pair id, one bf16 rounding) and its FP8 1x128 quantisation. ``scales_t``: hs stored block-major
-    ([I/128, M] memory, returned as its [M, I/128] view)."""
+    per pair id, one bf16 rounding) and its FP8 1x128 quantisation. ``out``: the caller's (h, hs) to
+    write (h row-major, hs in any layout: a block-major [I/128, M] buffer's [M, I/128] view too)."""
     S, M, N2 = partials.shape
     I = N2 // 2
     if I % QBLOCK:
         raise ValueError(f"swiglu_quant: intermediate size {I} must be a multiple of 128")
     dev = partials.device
-    h = torch.empty(M, I, dtype=torch.uint8, device=dev)
-    hs = torch.empty(I // QBLOCK, M, dtype=torch.float32, device=dev).t() if scales_t else \
-        torch.empty(M, I // QBLOCK, dtype=torch.float32, device=dev)
+    if out is None:
+        out = (torch.empty(M, I, dtype=torch.uint8, device=dev),
+               torch.empty(M, I // QBLOCK, dtype=torch.float32, device=dev))
+    h, hs = out
+    if tuple(h.shape) != (M, I) or h.stride(1) != 1 or tuple(hs.shape) != (M, I // QBLOCK):
+        raise ValueError(f"swiglu_quant: out must be h [{M}, {I}] (row-major) and hs [{M}, {I // QBLOCK}], got "
+                         f"{tuple(h.shape)} strides {h.stride()} and {tuple(hs.shape)}")
     if M:
         kw = {} if interpreting() else {"num_warps": 4}
         _swiglu_quant_kernel[(M, I // QBLOCK)](
