@@ -215,17 +215,17 @@ def _predec_variants_give_the_pointer_loads_bits(cfgs):
 def test_predec_with_tma_tiles_gives_the_pointer_loads_bits():
     """The pre-decoded path with TMA activation tiles (GEMM 1's rows, scales and routing weights gathered
     once into sorted order; GEMM 2's h as it is) and TMA weight tiles, GEMM 1 fused or ``UNFUSED`` (its
-    bf16 w1|w3 outputs, then the SwiGLU + quantisation pass), the scale operands row-major or stored
-    block-major (``SCALE_T``): the bits of pointer loads."""
+    bf16 w1|w3 outputs, then the SwiGLU + quantisation pass; the sm_90 default): the bits of pointer loads."""
     _predec_variants_give_the_pointer_loads_bits([{"ATMA": True, "WTMA": True},
-                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True},
-                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "SCALE_T": True}])
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True}])
 
 
 @pytest.mark.slow
 def test_predec_other_variants_give_the_pointer_loads_bits():
-    """TMA activation tiles alone, TMA weight tiles alone, block-major scales with pointer loads."""
-    _predec_variants_give_the_pointer_loads_bits([{"ATMA": True}, {"WTMA": True}, {"SCALE_T": True}])
+    """TMA activation tiles alone, TMA weight tiles alone, the scale operands stored block-major
+    (``SCALE_T``, off by default) with pointer loads and with the default TMA / unfused form."""
+    _predec_variants_give_the_pointer_loads_bits([{"ATMA": True}, {"WTMA": True}, {"SCALE_T": True},
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "SCALE_T": True}])
 
 
 def test_predec_path_refuses_weights_it_cannot_fold():
