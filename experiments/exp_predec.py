@@ -97,26 +97,29 @@ def main():
               f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% |", flush=True)
     # 2. the layer
     print("\n| experts | T | rows / expert | router's path | its us | prefill us | predec us | predec, GEMM 1 unfused us |"
-          " predec, scales block-major us | predec = fp8mma bits | unfused = fused bits | block-major = fused bits |"
-          "\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+          " unfused, scales block-major us | unfused, tile factors us | unfused, tile factors, scales block-major us |"
+          " bits = fp8mma | variants' bits = predec |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for E in (int(e) for e in args.experts.split(",")):
         wE = w if E == E0 else weights(E, dev, gen)
         for T in (int(x) for x in args.tokens.split(",")):
             x = torch.randn(T, D, device=dev, generator=gen).bfloat16()
             rows = T * K_TOP / E
             path = R.expert_path(rows, "mxfp4", t)
-            runs = {"router": dict(path=None), "prefill": dict(path="prefill"),
-                    "predec": dict(path="predec", config={"UNFUSED": False, "SCALE_T": False}),
-                    "unfused": dict(path="predec", config={"UNFUSED": True, "SCALE_T": False}),
-                    "scale_t": dict(path="predec", config={"UNFUSED": True, "SCALE_T": True})}
+            pd = lambda **c: dict(path="predec", config=dict({"UNFUSED": False, "SCALE_T": False, "TILE": False}, **c))
+            runs = {"router": dict(path=None), "prefill": dict(path="prefill"), "predec": pd(),
+                    "unfused": pd(UNFUSED=True), "scale_t": pd(UNFUSED=True, SCALE_T=True),
+                    "tile": pd(UNFUSED=True, TILE=True), "tile_t": pd(UNFUSED=True, TILE=True, SCALE_T=True)}
             us = {k: triton.testing.do_bench(lambda kw=kw: Mo.moe_forward(x, None, wE, **kw), warmup=50, rep=300)
                   * 1e3 for k, kw in runs.items()}
             fused = Mo.moe_forward(x, None, wE, **runs["predec"])
             same = torch.equal(fused, Mo.moe_forward(x, None, wE, path="fp8mma"))
-            same_u = torch.equal(fused, Mo.moe_forward(x, None, wE, **runs["unfused"]))
-            same_t = torch.equal(fused, Mo.moe_forward(x, None, wE, **runs["scale_t"]))
+            same_v = all(torch.equal(fused, Mo.moe_forward(x, None, wE, **runs[k]))
+                         for k in ("unfused", "scale_t", "tile", "tile_t"))
             print(f"| {E} | {T} | {rows:.0f} | {path} | {us['router']:.0f} | {us['prefill']:.0f} | {us['predec']:.0f} | "
-                  f"{us['unfused']:.0f} | {us['scale_t']:.0f} | {same} | {same_u} | {same_t} |", flush=True)
+                  f"{us['unfused']:.0f} | {us['scale_t']:.0f} | {us['tile']:.0f} | {us['tile_t']:.0f} | {same} | "
+                  f"{same_v} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -58,7 +58,8 @@ KERNELS = {
     "fp4_prefill": ("gemm.fp4_prefill", "_fp4_prefill_kernel", FP4, ("moe",)),
     "fp4_fp8": ("gemm.fp4_fp8", "_fp4_fp8_kernel", dict(FP4, A=P("u8")), ("moe",)),
     "fp4_fp8_predec": ("gemm.fp4_fp8", "_fp4_fp8_kernel", dict(FP4, A=P("u8"), WS=F), ("moe",)),
-    "predecode": ("gemm.fp4_fp8", "_predecode_kernel", dict(W=P("u8"), WS=P("u8"), W8=P("u8"), SB=F), ("moe",)),
+    "predecode": ("gemm.fp4_fp8", "_predecode_kernel", dict(W=P("u8"), WS=P("u8"), W8=P("u8"), SB=F, SMX=P("u8")),
+                  ("moe",)),
     "moe_route": ("moe", "_route_kernel", dict(LOGIT=F, BIAS=F, TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"), W=F,
                                               EFLAT=P("i32"), X=P("bf16"), Q=P("u8"), SQ=F, route_scale="fp32"),
                   ("moe",)),
@@ -123,22 +124,30 @@ FIXED = {
     "act_quant": [(dict(BLOCKS=8, INTERP=False), 4, None)],
     "dequant_bf16": [(dict(SB_SHIFT=7, SB_E8M0=False, BN=64, INTERP=False), 4, None)],
     # the MXFP4 experts decoded once to e4m3 tiles (``fp4_fp8.predecode``), then the FP8 grouped GEMM on them
-    "predecode": [(dict(BN=32, KU=4, USE_ASM=True), 8, None)],
+    "predecode": [(dict(BN=32, KU=4, USE_ASM=True, TILE_MAX=False), 8, None),
+                  (dict(BN=32, KU=4, USE_ASM=True, TILE_MAX=True), 8, None)],
     # PREDEC 1: pointer loads; 2: TMA weight tiles (sm_90+ only, ``cases``)
     "fp4_fp8_predec": [(dict(GROUPED=True, GATHER=True, SWIGLU=True, HAS_PW=True, USE_ASM=True, SWAP=False, BM=64,
-                             BN=128, LOG2G=9, PREDEC=1, INTERP=False, ATMA=False), 8, 3),
+                             BN=128, LOG2G=9, PREDEC=1, INTERP=False, ATMA=False, SB_TILE=False, HOST_TMA=False), 8, 3),
                        (dict(GROUPED=True, GATHER=True, SWIGLU=True, HAS_PW=True, USE_ASM=True, SWAP=False, BM=64,
-                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=False), 8, 3),
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=False, SB_TILE=False, HOST_TMA=False), 8, 3),
                        (dict(GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False, USE_ASM=True, SWAP=False, BM=128,
-                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=False), 8, 3),
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=False, SB_TILE=False, HOST_TMA=False), 8, 3),
                        # ATMA: the activation tiles by TMA too (sorted rows)
                        (dict(GROUPED=True, GATHER=False, SWIGLU=True, HAS_PW=True, USE_ASM=True, SWAP=False, BM=64,
-                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=True), 8, 3),
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=True, SB_TILE=False, HOST_TMA=False), 8, 3),
                        (dict(GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False, USE_ASM=True, SWAP=False, BM=128,
-                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=True), 8, 3)],
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=True, SB_TILE=False, HOST_TMA=False), 8, 3),
+                       # one weight factor per 128 x 128 tile (``predecode(tile=True)``): the plain tile
+                       (dict(GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False, USE_ASM=True, SWAP=False, BM=64,
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=True, SB_TILE=True, HOST_TMA=False), 4, 3),
+                       # the sm_90 default: host-built descriptors, per-tile factors, GEMM 1 unfused (plain tiles)
+                       (dict(GROUPED=True, GATHER=False, SWIGLU=False, HAS_PW=False, USE_ASM=True, SWAP=False, BM=64,
+                             BN=128, LOG2G=9, PREDEC=2, INTERP=False, ATMA=True, SB_TILE=True, HOST_TMA=True), 4, 3)],
     "splitk_sum": [(dict(BLOCK=1024, INTERP=False), 4, None)],
-    "swiglu_quant": [(dict(GATHER=True, HAS_PW=True, INTERP=False), 4, None)],
-    "swiglu_quant_bf16": [(dict(GATHER=False, HAS_PW=True, INTERP=False), 4, None)],
+    "swiglu_quant": [(dict(GATHER=True, HAS_PW=True, BR=1, INTERP=False), 4, None),
+                     (dict(GATHER=True, HAS_PW=True, BR=16, INTERP=False), 4, None)],
+    "swiglu_quant_bf16": [(dict(GATHER=False, HAS_PW=True, BR=16, INTERP=False), 4, None)],
     "moe_route": [(dict(KTOP=6, KP=8, EP=256, HASH=False, QUANT=True, QB=8, INTERP=False), 4, None),
                   (dict(KTOP=6, KP=8, EP=512, HASH=True, QUANT=False, QB=8, INTERP=False), 4, None)],
     "moe_sort_prep": [(dict(BM=8, EP=512, PP=1024, CH=64), 4, None)],
@@ -192,7 +201,8 @@ BASE_CONST = {
     "fp4_mma": dict(GROUPED=True, GATHER=True, BM=8, LOG2G=9, SPLIT=True, NUM_WARPS=4, BAND=False, A16=False),
     "fp8_mma": dict(SB_E8M0=False, SB_ROW=False, BM=8, BN=64, SPLIT=True, REDUCE=True, NUM_WARPS=4),
     "fp4_prefill": dict(GROUPED=True, USE_ASM=True, DEC=0, LOG2G=9, INTERP=False),
-    "fp4_fp8": dict(GROUPED=True, USE_ASM=True, LOG2G=9, PREDEC=0, ATMA=False, INTERP=False),
+    "fp4_fp8": dict(GROUPED=True, USE_ASM=True, LOG2G=9, PREDEC=0, ATMA=False, SB_TILE=False, HOST_TMA=False,
+                    INTERP=False),
     "fp4_fp8_predec": dict(GROUPED=True, USE_ASM=True, LOG2G=9, INTERP=False),
     "predecode": dict(USE_ASM=True),
     "sparse_fwd": dict(INTERP=False),
@@ -227,10 +237,11 @@ def types_of(kernel: str, const: dict) -> dict:
                      C=P("u8") if const.get("SWIGLU") else (F if const.get("SPLIT") else P("bf16")))
     elif kernel in ("fp4_gemm", "fp4_prefill", "fp4_scaled", "fp4_fp8", "fp4_fp8_predec") and const.get("SWIGLU"):
         types.update(C=P("u8"))
+    host = const.get("HOST_TMA")
     if kernel == "fp4_fp8_predec" and const.get("PREDEC") == 2:
-        types.update(W=P("fp8e4nv"))
+        types.update(W=f"tensordesc<fp8e4nv[{const['BN']}, 128]>" if host else P("fp8e4nv"))
     if kernel == "fp4_fp8_predec" and const.get("ATMA"):
-        types.update(A=P("fp8e4nv"))
+        types.update(A=f"tensordesc<fp8e4nv[{const['BM']}, 128]>" if host else P("fp8e4nv"))
     elif kernel == "gemv" and const.get("WFMT") == 3:
         types.update(A=P("bf16"), WS=F, C=P("bf16"))
     elif kernel == "fp8_mma":

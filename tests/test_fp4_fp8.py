@@ -238,10 +238,11 @@ def test_predecode_is_the_kernels_own_fold(spread, ku):
         assert torch.equal(got, want.float())
 
 
-def _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma):
-    """GEMM 1 + SwiGLU and GEMM 2 on ``predecode``'s tiles (``WTMA``: through TMA) = on the FP4 bytes."""
+def _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, tile=False):
+    """GEMM 1 + SwiGLU and GEMM 2 on ``predecode``'s tiles (``WTMA``: through TMA; ``tile``: one factor per
+    128 x 128 weight tile) = on the FP4 bytes."""
     def predec(a, sa, w, ws, *args, config, **kw):
-        w8, sb = F.predecode(w, ws)
+        w8, sb = F.predecode(w, ws, tile=tile)
         return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True, config=dict(config, WTMA=wtma), **kw)
     ref = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
     got = _gemms(c, E, d, I, top_k, limit, predec, u8, cfg)
@@ -263,6 +264,55 @@ def test_predecoded_weights_give_the_same_bits(swap, wtma):
     _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma)
 
 
+def test_predecode_tile_fold():
+    """``predecode(tile=True)``: bytes folded against each 128 x 128 tile's largest scale, one factor per
+    tile; bytes times factors are the MXFP4 weight exactly while every group lies less than 2^12 below its
+    tile's maximum (rows' maxima shifted by up to 2^4), and ``wide_spread(tile=True)`` says when a
+    group does not (that group flushed, as the row fold flushes below its row's maximum)."""
+    gen = torch.Generator().manual_seed(31)
+    N, K = 256, 384
+    wp, s = _weight(N, K, gen)
+    s = s.clone()
+    s -= torch.randint(0, 5, (N, 1), generator=gen).to(torch.uint8)     # rows' maxima spread by up to 2^4
+    s.view(N, K // 128, 4)[:, :, 1] -= 3                                 # and groups inside blocks
+    assert not F.wide_spread(s[None], tile=True) and F.wide_spread(s[None, :100], tile=True)  # whole tiles only
+    w8, sb = F.predecode(wp[None].to(DEV), s[None].to(DEV), tile=True)
+    assert sb.shape == (1, N // 128, K // 128) and sb.dtype == torch.float32
+    got = w8[0].cpu().view(torch.float8_e4m3fn).float() * \
+        sb[0].cpu().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(got, dequant_mxfp4(wp, s).float())
+    w8r, _ = F.predecode(wp[None].to(DEV), s[None].to(DEV))
+    assert not torch.equal(w8r, w8)                                      # the folds differ where rows do
+    far = s.clone()
+    v = far.view(N, K // 128, 4)
+    r = int(v[:128, 1].amax(-1).argmin())                # the row of the tile with the lowest maximum
+    v[r, 1, 0] = v[:128, 1].max() - F.FLUSH_SPREAD        # 2^12 below its tile's maximum, not its row's
+    assert F.wide_spread(far[None], tile=True) and not F.wide_spread(far[None])
+    w8f, sbf = F.predecode(wp[None].to(DEV), far[None].to(DEV), tile=True)
+    keep = torch.ones(N, K // 32)
+    keep[r, 4] = 0
+    got = w8f[0].cpu().view(torch.float8_e4m3fn).float() * \
+        sbf[0].cpu().repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(got, (dequant_mxfp4(wp, far) * keep.repeat_interleave(32, 1)).float())
+    with pytest.raises(ValueError, match="whole 128-row tiles"):
+        F.predecode(wp[None, :64].to(DEV), s[None, :64].to(DEV), tile=True)
+
+
+def test_tile_factors_give_the_same_bits():
+    """Grouped + gather + SwiGLU and grouped w2 on ``predecode(tile=True)``'s tiles through TMA, promoted
+    with one scalar factor per 128 x 128 tile: the bits of the decoding kernel (each row's products are
+    the row fold's times one power of two)."""
+    gen = torch.Generator().manual_seed(13)
+    E, d, I, top_k, limit = 4, 256, 128, 2, 6.0
+    c = _grouped(E, [3, 0, 37, 20], d, I, top_k, gen)
+    c["s13"].view(E, 2 * I, -1, 4)[..., 2] -= 3
+    c["s13"] -= torch.randint(0, 4, (E, 2 * I, 1), generator=gen).to(torch.uint8)
+    c["s2"] -= torch.randint(0, 5, (E, d, 1), generator=gen).to(torch.uint8)
+    assert not F.wide_spread(c["s13"], tile=True) and not F.wide_spread(c["s2"], tile=True)
+    bm = 32 if DEV == "cpu" else 64
+    _same_bits_predecoded(c, E, d, I, top_k, limit, dict(BM=bm, BN=128, SWAP=False), True, tile=True)
+
+
 def test_rejects_bad_inputs():
     a = torch.zeros(2, 256, dtype=torch.uint8)
     with pytest.raises(ValueError, match="mxfp4"):
@@ -280,6 +330,13 @@ def test_rejects_bad_inputs():
                          fmt="mxfp4", predecoded=True)
     with pytest.raises(ValueError, match="predecode: expected"):
         F.predecode(w, torch.zeros(1, 64, 4, dtype=torch.uint8))
+    w8 = torch.zeros(1, 128, 256, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="per 128 x 128 tile"):     # factors of neither layout
+        F.fp4_fp8_launch(a, None, w8, torch.zeros(1, 2, 2), None, None, None, 2, 128, 256, 0, fmt="mxfp4",
+                         predecoded=True)
+    with pytest.raises(ValueError, match="WTMA"):                  # tile factors need the TMA weight tiles
+        F.fp4_fp8_launch(a, None, w8, torch.zeros(1, 1, 2), None, None, None, 2, 128, 256, 0, fmt="mxfp4",
+                         predecoded=True, config={"BM": 16, "BN": 128, "WTMA": False})
 
 
 # ------------------------------------------------------------------------------------------------

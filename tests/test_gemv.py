@@ -57,6 +57,35 @@ def test_gemv_rejects_bad_tile_rows():
         V.gemv_launch(a, torch.ones(3, 1), q, s, None, 3, 128, 128, wfmt="fp8", bm=3)
 
 
+@pytest.mark.parametrize("S,gather", [(1, False), (2, True)])
+def test_swiglu_quant_row_tiles(S, gather, monkeypatch):
+    """``swiglu_quant`` at 70 rows (16-row programs, the last one partial), on bf16 w1|w3 outputs or two
+    fp32 partials, routing weights by pair id (gathered) or by row: the reference expert middle's FP8
+    quantisation (bf16 w1 / w3 sums, clamped SwiGLU with the routing weight, one bf16 rounding, 1 x 128
+    blocks; silu's last fp32 ulp may differ), and one-row programs' bits exactly."""
+    from dsv4.kernels.gemm import gemv as V, route as GR
+    from dsv4.reference.moe import swiglu
+    from dsv4.reference.numerics import Numerics
+    gen = torch.Generator().manual_seed(40 + S)
+    M, I, limit = 70, 256, 6.0
+    parts = torch.randn(S, M, 2 * I, generator=gen) * 3
+    if S == 1:
+        parts = parts.bfloat16()
+    pw = torch.rand(2 * M, generator=gen) + 0.25
+    perm = torch.randperm(2 * M, generator=gen)[:M] if gather else None
+    assert GR.swiglu_rows(M) == 16
+    h, hs = V.swiglu_quant(parts.to(DEV), limit, pw=pw.to(DEV), perm=None if perm is None else perm.to(DEV))
+    tot = parts.float().sum(0)
+    href = swiglu(tot[:, :I].bfloat16(), tot[:, I:].bfloat16(), limit, pw[perm] if gather else pw[:M], Numerics())
+    got = (h.cpu().view(torch.float8_e4m3fn).float().view(M, I // 128, 128) * hs.cpu()[:, :, None]).view(M, I)
+    qr, sr = act_quant_ref(href)
+    want = (qr.view(torch.float8_e4m3fn).float().view(M, I // 128, 128) * sr.float()[:, :, None]).view(M, I)
+    torch.testing.assert_close(got, want, rtol=0.13, atol=1e-3 * want.abs().max().item())   # one e4m3 step
+    monkeypatch.setattr(GR, "SWIGLU_TILE_MIN_ROWS", 10 ** 9)          # one-row programs
+    h1, hs1 = V.swiglu_quant(parts.to(DEV), limit, pw=pw.to(DEV), perm=None if perm is None else perm.to(DEV))
+    assert torch.equal(h1, h) and torch.equal(hs1, hs)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU: V4-Flash shapes (skipped without CUDA by the conftest)
 

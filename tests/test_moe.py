@@ -18,7 +18,7 @@ import triton.language as tl  # noqa: E402
 from dsv4.formats.fp4 import dequant_mxfp4, dequant_nvfp4, quant_mxfp4, quant_nvfp4  # noqa: E402
 from dsv4.formats.fp8 import dequant_fp8_weight, quant_fp8_weight  # noqa: E402
 from dsv4.kernels.gemm import fp8 as G8, route as GR  # noqa: E402
-from dsv4.kernels.lib import target  # noqa: E402
+from dsv4.kernels.lib import target, u8  # noqa: E402
 from dsv4.kernels import moe as Mo  # noqa: E402
 from dsv4.reference.linear import Linear  # noqa: E402
 from dsv4.reference.moe import Expert, MoE  # noqa: E402
@@ -206,7 +206,8 @@ def _predec_variants_give_the_pointer_loads_bits(cfgs):
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
     x = (torch.randn(24, 256, generator=gen) * 1.5).bfloat16().to(DEV)
     ids = torch.randint(0, 64, (24,), generator=gen).to(DEV)
-    plain = {"ATMA": False, "WTMA": False, "UNFUSED": False, "SCALE_T": False}
+    plain = {"ATMA": False, "WTMA": False, "UNFUSED": False, "SCALE_T": False, "TILE": False, "HOST_TMA": False}
+    assert w.fp8_tile_max() is not None                   # TILE variants do take the per-tile factors
     base = Mo.moe_forward(x, ids, w, path="predec", config=plain)
     for cfg in cfgs:
         assert torch.equal(Mo.moe_forward(x, ids, w, path="predec", config=dict(plain, **cfg)), base), cfg
@@ -215,9 +216,13 @@ def _predec_variants_give_the_pointer_loads_bits(cfgs):
 def test_predec_with_tma_tiles_gives_the_pointer_loads_bits():
     """The pre-decoded path with TMA activation tiles (GEMM 1's rows, scales and routing weights gathered
     once into sorted order; GEMM 2's h as it is) and TMA weight tiles, GEMM 1 fused or ``UNFUSED`` (its
-    bf16 w1|w3 outputs, then the SwiGLU + quantisation pass; the sm_90 default): the bits of pointer loads."""
+    bf16 w1|w3 outputs, then the SwiGLU + quantisation pass), with per-row or per-tile (``TILE``) weight
+    factors, descriptors built per program or on the host (``HOST_TMA``; TMA, unfused, per-tile factors,
+    host descriptors: the sm_90 default): the bits of pointer loads."""
     _predec_variants_give_the_pointer_loads_bits([{"ATMA": True, "WTMA": True},
-                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True}])
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True},
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "TILE": True,
+                                                   "HOST_TMA": True}])
 
 
 @pytest.mark.slow
@@ -225,7 +230,35 @@ def test_predec_other_variants_give_the_pointer_loads_bits():
     """TMA activation tiles alone, TMA weight tiles alone, the scale operands stored block-major
     (``SCALE_T``, off by default) with pointer loads and with the default TMA / unfused form."""
     _predec_variants_give_the_pointer_loads_bits([{"ATMA": True}, {"WTMA": True}, {"SCALE_T": True},
-                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "SCALE_T": True}])
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "SCALE_T": True},
+                                                  {"ATMA": True, "WTMA": True, "TILE": True},
+                                                  {"ATMA": True, "WTMA": True, "HOST_TMA": True},
+                                                  {"WTMA": True, "HOST_TMA": True},
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "TILE": True},
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "SCALE_T": True,
+                                                   "TILE": True}])
+
+
+def test_tile_factors_only_where_the_scales_allow():
+    """``MoEWeights.fp8_tile_max``: the per-tile scale maxima where every group lies within 2^12 of its
+    128 x 128 tile's maximum; None where one group does not, though it does of its row's block maximum
+    (the path then keeps per-row factors), and None for weights that do not fold at all."""
+    from dataclasses import replace
+    gen = torch.Generator().manual_seed(34)
+    ref = _ref_moe(4, 256, 128, 2, gen, False, dup_row=4)
+    w = Mo.MoEWeights.from_reference(ref)
+    tm = w.fp8_tile_max()
+    assert tm is not None and tm[0].shape == (4, 2, 2) and tm[1].shape == (4, 2, 1)
+    assert torch.equal(tm[0][1, 0, 1], u8(w.w13_s)[1, :128, 4:8].max())
+    s13 = u8(w.w13_s).clone()
+    v = s13.view(4, 256, 2, 4)
+    r = int(v[0, :128, 0].amax(-1).argmin())
+    v[0, r, 0, 0] = v[0, :128, 0].max() - 12               # 2^12 below its tile's maximum
+    assert v[0, r, 0].max() - v[0, r, 0, 0] < 12            # but not below its row's
+    far = replace(w, w13_s=s13.view(w.w13_s.dtype))
+    assert far.fp8_fold_exact() and far.fp8_tile_max() is None
+    nv = Mo.MoEWeights.from_reference(ref, fmt="nvfp4", allow_lossy=True)
+    assert nv.fp8_tile_max() is None
 
 
 def test_predec_path_refuses_weights_it_cannot_fold():

@@ -39,11 +39,14 @@ promotion), activations and h as plain e4m3 bytes.
 
 Pre-decoded FP8 path (``path="predec"``, MXFP4 whose scales fold exactly, sm_90, from
 ``router.PREDEC_ROWS_PER_EXPERT`` rows per expert): ``fp4_fp8.predecode`` writes the local experts' w1|w3, then
-w2, as e4m3 tiles with per-(row, 128-block) fp32 factors into transient buffers (2x the weights'
-bytes, 4.3 + 2.1 GB for 256 V4-Flash experts: in passes over expert ranges of at most
-``router.PREDEC_SCRATCH_BYTES``, one alive at a time: decoding the next pass on a second stream beside
-this pass's GEMM was slower, ``experiments/exp_predec.py``), and ``fp4_fp8.py``'s kernel loads those
-tiles instead of decoding FP4 in its K loop: the same bits as ``fp8mma``.
+w2, as e4m3 tiles with fp32 factors into transient buffers (2x the weights' bytes, 4.3 + 2.1 GB for 256
+V4-Flash experts: in passes over expert ranges of at most ``router.PREDEC_SCRATCH_BYTES``, one alive at a
+time: decoding the next pass on a second stream beside this pass's GEMM was slower,
+``experiments/exp_predec.py``), and ``fp4_fp8.py``'s kernel loads those tiles instead of decoding FP4 in
+its K loop: the same bits as ``fp8mma``. The factors are one per 128 x 128 weight tile where the experts'
+scales allow it (``MoEWeights.fp8_tile_max``; the promotion is then one FFMA per element, as for a
+block-scaled FP8 weight), else one per (row, 128-block). GEMM 1 on sm_90 writes bf16 w1|w3 outputs and
+``gemv.swiglu_quant`` forms h from them.
 
 Prefill path (``path="prefill"``, MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
 per expert outside the FP8 path's range or whose scales do not fold into e4m3): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
@@ -284,6 +287,19 @@ class MoEWeights:
             got = not (wide_spread(self.w13_s) or wide_spread(self.w2_s))
             self.__dict__["_fold_exact"] = got
         return got
+
+    def fp8_tile_max(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w13's, w2's) largest scale byte per 128 x 128 weight tile (``fp4_fp8.tile_max``) when no group
+        lies 2^12 or more below its tile's maximum (``fp4_fp8.wide_spread(tile=True)``): the pre-decoded
+        path then folds per tile and promotes with one scalar per tile; else None (per-row factors).
+        Computed once per object (a device sync); None while a CUDA graph is being captured before."""
+        if "_tile_max" not in self.__dict__:
+            if not self.fp8_fold_exact() or (self.w13.is_cuda and torch.cuda.is_current_stream_capturing()):
+                return None
+            from .gemm.fp4_fp8 import tile_max, wide_spread
+            ok = all(s.shape[-2] % QBLOCK == 0 and not wide_spread(s, tile=True) for s in (self.w13_s, self.w2_s))
+            self.__dict__["_tile_max"] = (tile_max(self.w13_s), tile_max(self.w2_s)) if ok else None
+        return self.__dict__["_tile_max"]
 
     @property
     def n_experts(self) -> int:
@@ -585,6 +601,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         # SCALE_T: every scale operand of the GEMMs stored block-major (x's scales, the decoded factors, h's
         # scales), so that a tile reads one K block's scales of its rows contiguously
         st = bool(pcfg["13"].get("SCALE_T"))
+        # TILE (TMA weight tiles): one weight factor per 128 x 128 tile where the scales allow it, so the
+        # promotion multiplies by a scalar per K block (fp8_prefill's form) instead of a per-column vector
+        tmax = w.fp8_tile_max() if pcfg["13"].get("TILE") and pcfg["13"].get("WTMA") else None
         if pcfg["13"].get("ATMA"):
             rows_of = perm // k
             sa1 = xs.index_select(0, rows_of)
@@ -594,13 +613,14 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         # fused epilogue rounds both to bf16 first too: the same bits) and GEMM 1 runs at GEMM 2's tile
         unfused = bool(pcfg["13"].get("UNFUSED")) and g1["perm"] is None
         y13 = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=dev) if unfused else None
-        for wq, ws_, swiglu in ((w.w13, w.w13_s, True), (w.w2, w.w2_s, False)):
+        for j, (wq, ws_, swiglu) in enumerate(((w.w13, w.w13_s, True), (w.w2, w.w2_s, False))):
             step = router.predec_experts_per_pass(E, wq.shape[1], 2 * wq.shape[2])
             for e0 in range(0, E, step):
                 e1 = min(E, e0 + step)
                 part = dict(offs=offs[e0:e1 + 1], tcum=tcum[e0:e1 + 1] - tcum[e0], n_groups=e1 - e0,
                             n_tiles=min(P, triton.cdiv(P, bm) + min(e1 - e0, P)))
-                w8, f8 = predecode(wq[e0:e1], ws_[e0:e1], scales_t=st)
+                w8, f8 = predecode(wq[e0:e1], ws_[e0:e1], scales_t=st, tile=tmax is not None,
+                                   tile_smax=None if tmax is None else tmax[j][e0:e1])
                 if swiglu and unfused:
                     fp4_fp8_launch(g1["a"], g1["sa"], w8, f8, None, y13, None, P, 2 * I, d, 0, fmt=w.fmt,
                                    config=pcfg["2"], predecoded=True, **part)

@@ -26,6 +26,13 @@ a caller whether a weight has such groups (the MoE layer then keeps such weights
 exact to 2^28). NVFP4 (e4m3 per-16 scales: e2m1 x e4m3 products need up to 6 significant bits, e4m3
 has 4) is not folded here: ``fp4_prefill`` keeps it.
 
+Pre-decoded tiles (``predecode``): the same bytes and factors written once to memory for the kernel to load
+by TMA. ``predecode(tile=True)`` folds against the maximum over each 128 x 128 weight tile instead of each
+row's block (exact under the same 2^11 bound, now relative to the tile: ``wide_spread(ws, tile=True)``),
+so that one factor per tile and K block promotes the partial (``SB_TILE``): every row's bytes are the row
+fold's times 2^(row max - tile max) and its factor the inverse, the products and the per-block sums the
+same (tested bit for bit against the decoding kernel on the interpreter and on the H100's wgmma).
+
 Decode (``USE_ASM``): per 32-bit word of 4 packed bytes, byte-lane-parallel integer ops (shifts, logic,
 adds, one ``prmt`` to widen the live-lane mask): ~30 instructions per 8 values, no conversion
 instruction, each byte lane independent (the result does not depend on how Triton lays the packed bytes
@@ -115,15 +122,19 @@ if triton_available():
 
     @triton.jit
     def _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, wsk, SWAP: tl.constexpr, USE_ASM: tl.constexpr,
-                   BN: tl.constexpr, PREDEC: tl.constexpr):
+                   BN: tl.constexpr, PREDEC: tl.constexpr, SB_TILE: tl.constexpr):
         """(fresh fp32 partial of the 128-block at k0: [BN, BM] with SWAP else [BM, BN], fp32 [BN] weight
-        factor). PREDEC 1: wrow / srow address ``predecode``'s e4m3 rows and fp32 factors; 2: the same
-        tile through the TMA descriptor WD at row wr0 (all of a tile's rows lie inside one expert's
-        weight: N_out and n_half are multiples of BN); 0: wrow / srow address the MXFP4 bytes and e8m0
-        scales, decoded here. ``wsk``: the predecoded factors' 128-block stride."""
+        factor, or one scalar with SB_TILE). PREDEC 1: wrow / srow address ``predecode``'s e4m3 rows and
+        fp32 factors; 2: the same tile through the TMA descriptor WD at row wr0 (all of a tile's rows lie
+        inside one expert's weight: N_out and n_half are multiples of BN); 0: wrow / srow address the
+        MXFP4 bytes and e8m0 scales, decoded here. ``wsk``: the predecoded factors' 128-block stride.
+        SB_TILE (PREDEC 2): srow is the scalar address of the tile's factors (``predecode(tile=True)``)."""
         if PREDEC == 2:
             w = WD.load([wr0, k0])
-            sb = tl.load(srow + (k0 // 128) * wsk, mask=nmask, other=0.0)
+            if SB_TILE:
+                sb = tl.load(srow + (k0 // 128) * wsk)
+            else:
+                sb = tl.load(srow + (k0 // 128) * wsk, mask=nmask, other=0.0)
         elif PREDEC == 1:
             kc = tl.arange(0, 128)
             w = tl.load(wrow[:, None] + k0 + kc[None, :], mask=nmask[:, None], other=0)
@@ -137,6 +148,21 @@ if triton_available():
             blk = tl.dot(a, tl.trans(w))
         return blk, sb
 
+    @triton.jit
+    def _promo(sa, sb, SWAP: tl.constexpr, SB_TILE: tl.constexpr):
+        """Promotion factor of a K block's partial: sa [BM] x sb ([BN], or a scalar with SB_TILE), laid out
+        as the partial ([BN, BM] with SWAP, else [BM, BN]; a broadcast column / row for a scalar sb)."""
+        if SB_TILE:
+            if SWAP:
+                f = (sa * sb)[None, :]
+            else:
+                f = (sa * sb)[:, None]
+        elif SWAP:
+            f = sb[:, None] * sa[None, :]
+        else:
+            f = sa[:, None] * sb[None, :]
+        return f
+
     @triton.jit(do_not_specialize=['M'])
     def _fp4_fp8_kernel(A, SA, W, WS, WS2, C, CS, PERM, OFFS, TCUM, PW,
                         M, N_out, K, n_half, n_groups, top_k,
@@ -145,7 +171,7 @@ if triton_available():
                         GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_PW: tl.constexpr,
                         USE_ASM: tl.constexpr, SWAP: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, LOG2G: tl.constexpr, PREDEC: tl.constexpr, ATMA: tl.constexpr,
-                        INTERP: tl.constexpr):
+                        SB_TILE: tl.constexpr, HOST_TMA: tl.constexpr, INTERP: tl.constexpr):
         """A: e4m3 bytes [rows, K]; W uint8 [G, N, K/2]; WS e8m0 bytes [G, N, K/32]; with PREDEC W e4m3
         [G, N, K] (bytes for 1, float8 for 2: TMA) and WS fp32 [G, N, K/128] (``predecode``). WS2 unused:
         the launcher signature of ``fp4_prefill``. One program = one [BM, BN] output tile; program ids
@@ -153,7 +179,11 @@ if triton_available():
         activation tiles through one TMA descriptor over A's M rows (rows past the tile's expert belong to
         the next one or lie past M, read as zeros: their outputs are masked). stride_sak / stride_wsk: the
         128-block strides of SA and of the predecoded factors (1 in the row-major layouts; a transposed
-        layout makes a tile's scales of one block contiguous)."""
+        layout makes a tile's scales of one block contiguous). SB_TILE (PREDEC 2, BN <= 128): WS holds one
+        factor per 128 x 128 weight tile, fp32 [G, N/128, K/128]: the promotion multiplies by one scalar
+        per K block, as ``fp8_prefill``'s does. HOST_TMA: the TMA operands (W with PREDEC 2, A with ATMA)
+        arrive as host-built descriptors (W's over all experts' rows [G N, K], block [BN, 128]; A's over
+        [M, K], block [BM, 128]) instead of being built here per program."""
         pdl_wait()
         pid = tl.program_id(0)
         num_n = tl.cdiv(N_out, BN)
@@ -165,19 +195,33 @@ if triton_available():
             return
         n_rows = stride_we // stride_wn                          # weight rows per expert
         wr0 = (e64 * n_rows + pid_n * BN).to(tl.int32)
+        if SB_TILE:
+            srow = WS + e64 * stride_wse + ((pid_n * BN) // 128) * stride_wsn
+            srow2 = WS + e64 * stride_wse + ((pid_n * BN + n_half) // 128) * stride_wsn
+        else:
+            srow = WS + e64 * stride_wse + rn64 * stride_wsn
+            srow2 = srow + n_half * stride_wsn
         if PREDEC == 2:
-            WD = tl.make_tensor_descriptor(W, shape=[n_groups * n_rows, K], strides=[stride_wn, 1],
-                                           block_shape=[BN, 128])
+            if HOST_TMA:
+                WD = W
+            else:
+                WD = tl.make_tensor_descriptor(W, shape=[n_groups * n_rows, K], strides=[stride_wn, 1],
+                                               block_shape=[BN, 128])
+            wrow = srow                                           # unused: the tiles come through WD
+            wrow2 = srow2
         else:
             WD = W
-        wrow = W + e64 * stride_we + rn64 * stride_wn
-        srow = WS + e64 * stride_wse + rn64 * stride_wsn
-        wrow2 = wrow + n_half * stride_wn
-        srow2 = srow + n_half * stride_wsn
+            wrow = W + e64 * stride_we + rn64 * stride_wn
+            wrow2 = wrow + n_half * stride_wn
         if ATMA:
-            AD = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, 128])
+            if HOST_TMA:
+                AD = A
+            else:
+                AD = tl.make_tensor_descriptor(A, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, 128])
             _e, am0, _m_end, _live = tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
-        arow_p = A + arow * stride_am
+            arow_p = SA                                           # unused: the tiles come through AD
+        else:
+            arow_p = A + arow * stride_am
         sarow = SA + arow * stride_sam
         kc = tl.arange(0, 128)
         if SWAP:
@@ -193,18 +237,13 @@ if triton_available():
             else:
                 a = tl.load(arow_p[:, None] + k0 + kc[None, :], mask=mrow[:, None], other=0)
                 a = a.to(tl.float8e4nv, bitcast=True)
-            blk, sb = _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, stride_wsk, SWAP, USE_ASM, BN, PREDEC)
-            if SWAP:                                           # official per-128 promotion
-                acc += blk * (sb[:, None] * sa[None, :])
-            else:
-                acc += blk * (sa[:, None] * sb[None, :])
+            blk, sb = _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, stride_wsk, SWAP, USE_ASM, BN, PREDEC,
+                                 SB_TILE)
+            acc += blk * _promo(sa, sb, SWAP, SB_TILE)         # official per-128 promotion
             if SWIGLU:                                         # w3 rows of the same columns
                 blk2, sb2 = _fp8_block(a, wrow2, srow2, nmask, k0, WD, wr0 + n_half, stride_wsk, SWAP, USE_ASM,
-                                       BN, PREDEC)
-                if SWAP:
-                    acc2 += blk2 * (sb2[:, None] * sa[None, :])
-                else:
-                    acc2 += blk2 * (sa[:, None] * sb2[None, :])
+                                       BN, PREDEC, SB_TILE)
+                acc2 += blk2 * _promo(sa, sb2, SWAP, SB_TILE)
         if SWAP:
             acc = tl.trans(acc)
             acc2 = tl.trans(acc2)
@@ -222,13 +261,14 @@ if triton_available():
 
 
     @triton.jit(do_not_specialize=["N", "KB"])
-    def _predecode_kernel(W, WS, W8, SB, N, KB, stride_we, stride_wn, stride_wse, stride_wsn,
-                          stride_8e, stride_8n, stride_sbe, stride_sbn, stride_sbk, BN: tl.constexpr, KU: tl.constexpr,
-                          USE_ASM: tl.constexpr):
+    def _predecode_kernel(W, WS, W8, SB, SMX, N, KB, stride_we, stride_wn, stride_wse, stride_wsn,
+                          stride_8e, stride_8n, stride_sbe, stride_sbn, stride_sbk, stride_xe, stride_xn,
+                          BN: tl.constexpr, KU: tl.constexpr, USE_ASM: tl.constexpr, TILE_MAX: tl.constexpr):
         """Grid (experts, row blocks of BN): every 128-block of rows n0 .. n0+BN of one expert, W8 = the
         e4m3 bytes ``_fp8_decode`` forms in registers, SB = their fp32 factors 2^(s_max - 133). KU
         128-blocks per step (KB % KU == 0): one load of 64 KU packed bytes and 4 KU scales per row,
-        so each row streams longer contiguous runs."""
+        so each row streams longer contiguous runs. TILE_MAX: s_max is the maximum over the 128 x 128 weight
+        tile, read from SMX ([G, N/128, KB] scale bytes; the host writes the factors), not the row's."""
         pdl_wait()
         e = tl.program_id(0).to(tl.int64)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -244,28 +284,50 @@ if triton_available():
         ku = tl.arange(0, KU)
         for kb in range(0, KB, KU):
             sg = tl.load(srow[:, None] + kb * 4 + jg[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-            smax = tl.max(tl.reshape(sg, [BN, KU, 4]), axis=2)                      # [BN, KU]
+            if TILE_MAX:
+                smax = tl.load(SMX + e * stride_xe + (rn64 // 128)[:, None] * stride_xn + kb + ku[None, :],
+                               mask=nmask[:, None], other=0).to(tl.int32)
+            else:
+                smax = tl.max(tl.reshape(sg, [BN, KU, 4]), axis=2)                  # [BN, KU]
             shift = sg - tl.reshape(tl.broadcast_to(smax[:, :, None], [BN, KU, 4]), [BN, 4 * KU]) + 12
             b = tl.load(wrow[:, None] + kb * 64 + jb[None, :], mask=nmask[:, None], other=0)
             w = _fp8_weight_tile(b, shift, USE_ASM, BN, 4 * KU)
             tl.store(orow[:, None] + kb * 128 + kc[None, :], w.to(tl.uint8, bitcast=True), mask=nmask[:, None])
-            sb = ((smax + 6) << 23).to(tl.float32, bitcast=True) * (1.0 / 4096.0)      # 2^(smax - 133)
-            tl.store(sbrow[:, None] + (kb + ku[None, :]) * stride_sbk, sb, mask=nmask[:, None])
+            if not TILE_MAX:
+                sb = ((smax + 6) << 23).to(tl.float32, bitcast=True) * (1.0 / 4096.0)  # 2^(smax - 133)
+                tl.store(sbrow[:, None] + (kb + ku[None, :]) * stride_sbk, sb, mask=nmask[:, None])
 
 
 # -------------------------------------------------------------------------------------------------
 # host side
 
-def wide_spread(ws: torch.Tensor) -> bool:
+def tile_max(ws: torch.Tensor) -> torch.Tensor:
+    """Largest e8m0 scale byte of every 128 x 128 tile of MXFP4 scales ``ws`` [G, N, K/32] (N % 128 == 0)
+    -> uint8 [G, N/128, K/128]."""
+    G, N, KG = ws.shape
+    return u8(ws).view(G, N // QBLOCK, QBLOCK, KG // 4, 4).amax(dim=(2, 4))
+
+
+def wide_spread(ws: torch.Tensor, tile: bool = False) -> bool:
     """Whether an MXFP4 scale tensor [..., K/32] has a group whose scale lies 2^FLUSH_SPREAD or more below
-    its row's 128-block maximum (the groups this kernel flushes; module doc). Synchronises: call at
-    weight-load time."""
-    s = u8(ws).view(*ws.shape[:-1], ws.shape[-1] // 4, 4).int()
+    its row's 128-block maximum (the groups this kernel flushes; module doc); ``tile``: below the maximum
+    of its 128 x 128 weight tile (``predecode(..., tile=True)``'s reference; True where the rows do not
+    form whole tiles). Synchronises: call at weight-load time."""
+    s = u8(ws)
+    if tile:
+        if s.dim() < 2 or s.shape[-2] % QBLOCK:
+            return True
+        s = s.reshape(-1, *s.shape[-2:])
+        G, N, KG = s.shape
+        tmax = tile_max(s)[:, :, None, :, None]
+        return bool(((tmax - s.reshape(G, N // QBLOCK, QBLOCK, KG // 4, 4)) >= FLUSH_SPREAD).any())
+    s = s.view(*ws.shape[:-1], ws.shape[-1] // 4, 4)
     return bool(((s.amax(-1, keepdim=True) - s) >= FLUSH_SPREAD).any())
 
 
 def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
-              config: dict | None = None, scales_t: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              config: dict | None = None, scales_t: bool = False, tile: bool = False,
+              tile_smax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 expert weights ``w`` uint8 [G, N, K/2] with e8m0 scales ``ws`` [G, N, K/32] -> (e4m3 bytes
     [G, N, K], fp32 factors [G, N, K/128]): per 128-block and row the bytes and factor this module's
     kernel forms in registers (module doc: exact, groups 2^12 below their block maximum flushed), so
@@ -274,7 +336,12 @@ def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
     memory: a prefill chunk with enough rows per expert that FP8 tensor cores on plain e4m3 tiles
     repay it. ``config`` overrides ``route.predecode_config`` (BN, KU, num_warps). ``scales_t``: the factors
     stored K-block-major ([G, K/128, N] memory, returned as its [G, N, K/128] view), so that a GEMM tile
-    reads one block's factors of its rows contiguously."""
+    reads one block's factors of its rows contiguously. ``tile`` (N % 128 == 0): the fold is relative to
+    the largest scale of each 128 x 128 weight tile instead of each row's block, and the factors are one
+    per tile, fp32 [G, N/128, K/128] (exact where ``wide_spread(ws, tile=True)`` is False; a GEMM then
+    promotes with one scalar per tile and K block, as for a 128 x 128-block-scaled FP8 weight; every
+    row's bytes and factor differ from the row fold's by one power of two, so the products are the same).
+    ``tile_smax``: ``tile_max(ws)`` computed beforehand (the MoE layer keeps it with the weights)."""
     w, ws = u8(w), u8(ws)
     if w.dim() == 2:
         w, ws = w[None], ws[None]
@@ -283,8 +350,17 @@ def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
     if K % QBLOCK or tuple(ws.shape) != (G, N, K // 32):
         raise ValueError(f"predecode: expected w [G, N, K/2] (K % 128 == 0) and ws [G, N, K/32], got "
                          f"{tuple(w.shape)} and {tuple(ws.shape)}")
+    if tile and N % QBLOCK:
+        raise ValueError(f"predecode: tile factors need whole 128-row tiles, got {N} rows")
     w8 = torch.empty(G, N, K, dtype=torch.uint8, device=w.device)
-    if scales_t:
+    smx = None
+    if tile:
+        smx = tile_max(ws) if tile_smax is None else u8(tile_smax)   # uint8 [G, N/128, K/128]
+        if tuple(smx.shape) != (G, N // QBLOCK, K // QBLOCK) or not smx.is_contiguous():
+            raise ValueError(f"predecode: tile_smax must be contiguous [{G}, {N // QBLOCK}, {K // QBLOCK}], got "
+                             f"{tuple(smx.shape)}")
+        sb = ((smx.int() + 6) << 23).view(torch.float32) * (1.0 / 4096.0)   # 2^(s_max - 133)
+    elif scales_t:
         sb = torch.empty(G, K // QBLOCK, N, dtype=torch.float32, device=w.device).transpose(1, 2)
     else:
         sb = torch.empty(G, N, K // QBLOCK, dtype=torch.float32, device=w.device)
@@ -296,9 +372,10 @@ def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
             KU //= 2
         kw = {} if interpreting() else {"num_warps": cfg.get("num_warps", 4)}
         _predecode_kernel[(G, triton.cdiv(N, BN))](
-            w, ws, w8, sb, N, K // QBLOCK, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), w8.stride(0),
-            w8.stride(1), sb.stride(0), sb.stride(1), sb.stride(2), BN=BN, KU=KU,
-            USE_ASM=t.use_asm if use_asm is None else use_asm, **kw, **PDL_LAUNCH)
+            w, ws, w8, sb, smx if tile else ws, N, K // QBLOCK, w.stride(0), w.stride(1), ws.stride(0),
+            ws.stride(1), w8.stride(0), w8.stride(1), sb.stride(0), sb.stride(1), sb.stride(2),
+            smx.stride(0) if tile else 0, smx.stride(1) if tile else 0, BN=BN, KU=KU,
+            USE_ASM=t.use_asm if use_asm is None else use_asm, TILE_MAX=tile, **kw, **PDL_LAUNCH)
     return w8, sb
 
 
@@ -317,6 +394,11 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
     if predecoded and (u8(w).shape[-1] != K or ws.dtype != torch.float32):
         raise ValueError(f"fp4_fp8: predecoded weights are e4m3 [.., N, {K}] with fp32 factors, got "
                          f"{tuple(w.shape)} {w.dtype} and {ws.dtype}")
+    # predecode(tile=True)'s factors: one per 128 x 128 weight tile
+    sb_tile = predecoded and ws.shape[-2] != w.shape[-2]
+    if sb_tile and (ws.shape[-2] * QBLOCK != w.shape[-2] or ws.shape[-1] != K // QBLOCK):
+        raise ValueError(f"fp4_fp8: predecoded factors must be per row [.., N, K/128] or per 128 x 128 tile "
+                         f"[.., N/128, K/128], got {tuple(ws.shape)} for weights {tuple(w.shape)}")
     if K % QBLOCK:
         raise ValueError(f"fp4_fp8: K={K} must be a multiple of 128")
     if a.dtype not in (torch.uint8, torch.float8_e4m3fn):
@@ -337,6 +419,9 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
     if wtma and (N_out % BN or n_half % BN):
         raise ValueError(f"fp4_fp8: TMA weight tiles need N_out ({N_out}) and n_half ({n_half}) to be "
                          f"multiples of BN ({BN})")
+    if sb_tile and not (wtma and QBLOCK % BN == 0):
+        raise ValueError(f"fp4_fp8: per-tile weight factors need TMA weight tiles (WTMA) of at most 128 "
+                         f"columns dividing 128, got BN={BN}, WTMA={wtma}")
     kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     grouped = tcum is not None
     if grouped:
@@ -346,19 +431,29 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
     grid = (max(grid_m, 1) * triton.cdiv(N_out, BN),)
     if use_asm is None:
         use_asm = t.use_asm
-    if wtma or atma:
+    host_tma = bool(cfg.pop("HOST_TMA", False)) and (wtma or atma)
+    if (wtma or atma) and not host_tma:
         ensure_tma_allocator(dev)
     if wtma:
         w = u8(w).view(torch.float8_e4m3fn)
     a = u8(a).view(torch.float8_e4m3fn) if atma else u8(a)
+    args = list(fp4_kernel_args(a, sa, w if wtma else u8(w), ws if predecoded else u8(ws), ws2, out, out_s, perm,
+                                offs, tcum, pw, M, N_out, K, n_half, n_groups, top_k, limit))
+    if host_tma:      # the same boxes the kernel would build (W: all experts' rows as one [G N, K] matrix)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        if atma:
+            args[0] = TensorDescriptor.from_tensor(a[:M], [BM, QBLOCK])
+        if wtma:
+            if not w.is_contiguous():
+                raise ValueError("fp4_fp8: host TMA weight tiles need the predecoded weights contiguous")
+            args[2] = TensorDescriptor.from_tensor(w.view(-1, K), [BN, QBLOCK])
     _fp4_fp8_kernel[grid](
-        *fp4_kernel_args(a, sa, w if wtma else u8(w), ws if predecoded else u8(ws), ws2, out, out_s, perm,
-                         offs, tcum, pw, M, N_out, K, n_half, n_groups, top_k, limit),
+        *args,
         sa.stride(1), ws.stride(-1) if predecoded else 1,
         GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu, HAS_PW=pw is not None, USE_ASM=use_asm,
         SWAP=swap, BM=BM, BN=BN, LOG2G=log2_groups(n_groups), PREDEC=(2 if wtma else 1) if predecoded else 0,
-        ATMA=atma,
+        ATMA=atma, SB_TILE=sb_tile, HOST_TMA=host_tma,
         INTERP=interpreting(), **kw, **PDL_LAUNCH)
 
 
-__all__ = ["FLUSH_SPREAD", "fp4_fp8_launch", "predecode", "wide_spread"]
+__all__ = ["FLUSH_SPREAD", "fp4_fp8_launch", "predecode", "tile_max", "wide_spread"]

@@ -191,31 +191,32 @@ if triton_available():
 
     @triton.jit
     def _swiglu_quant_kernel(WSP, H, HS, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm, stride_hsc,
-                             GATHER: tl.constexpr, HAS_PW: tl.constexpr, INTERP: tl.constexpr):
+                             GATHER: tl.constexpr, HAS_PW: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
         """h[r, 128 c ..] = FP8(swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols])); WSP fp32
-        partials or (S = 1) bf16 values."""
+        partials or (S = 1) bf16 values. One program: BR rows x one 128-column block."""
         pdl_wait()
-        r = tl.program_id(0).to(tl.int64)
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        rm = r < M
         c = tl.program_id(1)
         i = c * 128 + tl.arange(0, 128)
-        base = WSP + r * N2 + i
-        gs = tl.zeros([128], tl.float32)
-        us = tl.zeros([128], tl.float32)
+        base = WSP + r[:, None] * N2 + i[None, :]
+        gs = tl.zeros([BR, 128], tl.float32)
+        us = tl.zeros([BR, 128], tl.float32)
         for s in range(0, S):
-            gs += tl.load(base + s * M * N2).to(tl.float32)
-            us += tl.load(base + s * M * N2 + n_half).to(tl.float32)
+            gs += tl.load(base + s * M * N2, mask=rm[:, None], other=0.0).to(tl.float32)
+            us += tl.load(base + s * M * N2 + n_half, mask=rm[:, None], other=0.0).to(tl.float32)
         if HAS_PW:
             if GATHER:
-                pair = tl.load(PERM + r).to(tl.int64)
+                pair = tl.load(PERM + r, mask=rm, other=0).to(tl.int64)
             else:
                 pair = r
-            pw = tl.load(PW + pair + tl.zeros([1], tl.int64))
+            pw = tl.load(PW + pair, mask=rm, other=0.0)
         else:
-            pw = tl.zeros([1], tl.float32)
-        h = swiglu_h(gs[None, :], us[None, :], pw, limit, HAS_PW)
+            pw = tl.zeros([BR], tl.float32)
+        h = swiglu_h(gs, us, pw, limit, HAS_PW)
         q, eh = quant_rows(h, INTERP)
-        tl.store(H + r * stride_hm + i[None, :], q.to(tl.uint8, bitcast=True))
-        tl.store(HS + r * stride_hsm + (c + tl.arange(0, 1)) * stride_hsc, exp2i(eh))
+        tl.store(H + r[:, None] * stride_hm + i[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None])
+        tl.store(HS + r * stride_hsm + c * stride_hsc, exp2i(eh), mask=rm)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -287,11 +288,12 @@ def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None, out=N
         raise ValueError(f"swiglu_quant: out must be h [{M}, {I}] (row-major) and hs [{M}, {I // QBLOCK}], got "
                          f"{tuple(h.shape)} strides {h.stride()} and {tuple(hs.shape)}")
     if M:
+        br = route.swiglu_rows(M)
         kw = {} if interpreting() else {"num_warps": 4}
-        _swiglu_quant_kernel[(M, I // QBLOCK)](
+        _swiglu_quant_kernel[(triton.cdiv(M, br), I // QBLOCK)](
             partials, h, hs, pw if pw is not None else partials, perm if perm is not None else partials,
             M, N2, I, S, float(limit), h.stride(0), hs.stride(0), hs.stride(1), GATHER=perm is not None,
-            HAS_PW=pw is not None, INTERP=interpreting(), **kw, **PDL_LAUNCH)
+            HAS_PW=pw is not None, BR=br, INTERP=interpreting(), **kw, **PDL_LAUNCH)
     return h, hs
 
 

@@ -253,7 +253,14 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     ``experiments/exp_predec.py`` 2026-12-06: the MoE layer 3.6-3.9% faster at 192-768 rows per expert,
     e.g. 256 experts x 8192 tokens 12.48 -> 12.00 ms). ``SCALE_T``: the scale operands stored block-major
     (contiguous per K block instead of a row-strided gather; the same bits): off until a GPU has timed it.
-    Small tiles under the interpreter."""
+    ``TILE`` (with WTMA): one weight factor per 128 x 128 tile where the experts' scales allow it
+    (``MoEWeights.fp8_tile_max``), so the per-128 promotion is one FFMA per element with a [BM] factor
+    instead of a product of a [BM] and a [BN] vector (H100, ``experiments/exp_predec_gemm.py`` 2026-12-06,
+    the default tile at 256 experts x 8192 tokens: GEMM 1 35% and GEMM 2 38% of ``_scaled_mm`` with per-row
+    factors, where the dense ``fp8_prefill`` kernel, scalar factors, reaches 56% / 68%). Small tiles under
+    the interpreter. ``HOST_TMA``: the TMA descriptors built on the host once per launch instead of by every
+    program (the dense ``fp8_prefill`` kernel, H100, same experiment: device-built descriptors cost it 4-14
+    points of ``_scaled_mm``)."""
     if not t.compiled:
         return {"BM": 16, "BN": 32, "SWAP": False, "WTMA": False, "ATMA": False}
     # ptxas (Triton 3.9, sm_90a, tests' AOT cases): with SwiGLU only the all-TMA form keeps its 64 x 128
@@ -261,7 +268,7 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     # w2 at 64 rows does not spill in any form (182-223 registers); 128-row tiles spill in every form
     tma = t.capability[0] >= 9
     return {"BM": 64, "BN": 128, "SWAP": False, "WTMA": tma, "ATMA": tma, "num_warps": 8 if swiglu else 4,
-            "num_stages": 3, "UNFUSED": tma and swiglu, "SCALE_T": False}
+            "num_stages": 3, "UNFUSED": tma and swiglu, "SCALE_T": False, "TILE": tma, "HOST_TMA": tma}
 
 
 def decode_kernel(t: Target) -> str:
@@ -299,6 +306,17 @@ def rows_tile(m: int) -> int:
     """The GEMV's row tile (1, 2 or 4 unrolled row accumulators) for m rows. The MoE decode path keeps 1-row
     tiles: they beat 2 and 4 at 1 and 1.5 rows per expert on the H200 (a padded row costs a full row)."""
     return 1 if m <= 1 else (2 if m == 2 else 4)
+
+
+# ``gemv.swiglu_quant``'s rows per program: one row x 128 columns at decode sizes (the layout the decode step's
+# graphs were measured with), 16 from SWIGLU_TILE_MIN_ROWS rows (the pre-decoded path's unfused GEMM 1 at 49,152
+# rows: one-row programs ran at ~18% of copy, H100 2026-12-06, ``experiments/exp_predec.py --profile``)
+SWIGLU_TILE_MIN_ROWS = 64
+
+
+def swiglu_rows(m: int) -> int:
+    """Rows per program of ``gemv.swiglu_quant`` for m rows."""
+    return 16 if m >= SWIGLU_TILE_MIN_ROWS else 1
 
 
 def fp4_mma_config() -> dict:
@@ -380,9 +398,13 @@ def choices(t: Target) -> list[Choice]:
                         continue
                     add(_choice("fp4_fp8_predec", {"BM": cfg["BM"], "BN": QBLOCK if sw else cfg["BN"], "SWIGLU": sw,
                                                    "SWAP": cfg["SWAP"], "PREDEC": 2 if cfg["WTMA"] else 1,
-                                                   "ATMA": cfg["ATMA"]}, cfg, why))
+                                                   "ATMA": cfg["ATMA"],
+                                                   "SB_TILE": bool(cfg.get("TILE") and cfg["WTMA"]),
+                                                   "HOST_TMA": bool(cfg.get("HOST_TMA") and cfg["WTMA"])},
+                                    cfg, why))
                 pc = predecode_config(t)
-                add(_choice("predecode", {"BN": pc["BN"], "KU": pc["KU"]}, pc, why))
+                tile = bool(cfg.get("TILE") and cfg["WTMA"])     # weights whose scales allow it (moe)
+                add(_choice("predecode", {"BN": pc["BN"], "KU": pc["KU"], "TILE_MAX": tile}, pc, why))
             elif path == "prefill":
                 for sw in (True, False):
                     cfg = fp4_prefill_config(r, t, swiglu=sw)

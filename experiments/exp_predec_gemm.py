@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Experiment: the pre-decoded path's two FP8 GEMMs alone (``fp4_fp8_launch(..., predecoded=True)`` on
+``predecode``'s e4m3 tiles), tile by tile, against ``torch._scaled_mm`` on the dense FP8 problem of the same
+size and against dsv4's dense ``fp8_prefill`` kernel (128 x 128 weight-scale blocks) on it.
+
+GEMM 1 as ``moe_forward`` runs it by default on sm_90 (UNFUSED: x's rows gathered in sorted order, TMA tiles,
+bf16 w1|w3 outputs [P, 2I]) and GEMM 2 ([P, I] e4m3 h -> bf16 [P, d]). Variants: tile (BM, BN), warps, stages,
+``SCALE_T`` (block-major scale operands), per-row weight factors or one per 128 x 128 tile (``.tile``:
+``predecode(tile=True)``, a scalar promotion factor per K block), and the "one group" row: the same kernel over the same rows with a
+single expert's weight (no per-expert tiling), which separates the grouping's cost from the tile body's.
+CUDA-graph replays, L2 flushed.
+
+    PYTHONPATH=. python experiments/exp_predec_gemm.py [--tokens 8192] [--experts 256] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import gpu_experiment, graph_time  # noqa: E402
+from benchmarks.gemm_moe import rand_mx  # noqa: E402
+from dsv4.kernels import moe as Mo  # noqa: E402
+from dsv4.kernels.gemm import fp4_fp8 as F  # noqa: E402
+from dsv4.kernels.gemm import fp8 as G8  # noqa: E402
+
+D, I, K_TOP = 4096, 2048, 6
+# (BM, BN, num_warps, num_stages)
+TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 8, 3)]
+QUICK_TILES = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="8192")
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    setup = gpu_experiment("exp_predec_gemm", "compiled kernels")
+    if setup is None:
+        return
+    dev, gen, _ = setup
+    from dsv4.kernels.gemm.fp8_prefill import fp8_gemm_prefill
+    E = args.experts
+    w13, s13 = rand_mx(E, 2 * I, D, dev, gen)
+    w2, s2 = rand_mx(E, D, I, dev, gen)
+    # weight factors: per row (row-major / block-major) or one per 128 x 128 tile (``predecode(tile=True)``)
+    dec = {mode: (F.predecode(w13, s13, scales_t=mode == "row_t", tile=mode == "tile"),
+                  F.predecode(w2, s2, scales_t=mode == "row_t", tile=mode == "tile"))
+           for mode in ("row", "row_t", "tile")}
+    modes = [("row", False), ("row_t", True), ("tile", False), ("tile", True)]
+    one = torch.ones((), device=dev)
+    print("| T | GEMM | variant | us | TFLOP/s | % of _scaled_mm | same bits |\n|---|---|---|---|---|---|---|")
+    for T in (int(x) for x in args.tokens.split(",")):
+        P = T * K_TOP
+        eflat = (torch.randperm(P, device=dev, generator=gen) % E).to(torch.int32)
+        x = torch.randn(P, D, device=dev, generator=gen).bfloat16()
+        xq, xs = G8.act_quant_fp8(x)                       # the gathered rows (sorted order: any rows)
+        hb = torch.randn(P, I, device=dev, generator=gen).bfloat16()
+        hq, hsc = G8.act_quant_fp8(hb)
+        y13 = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(P, D, dtype=torch.bfloat16, device=dev)
+        gemms = {"gemm1": (xq, xs, 0, y13, 2 * I, D), "gemm2": (hq, hsc, 1, out, D, I)}
+        for name, (aq, asc, wi, dst, N, K) in gemms.items():
+            flops = 2.0 * P * N * K
+            a8 = torch.randint(-100, 100, (P, K), device=dev).to(torch.float8_e4m3fn)
+            b8 = torch.randint(-100, 100, (N, K), device=dev).to(torch.float8_e4m3fn)
+            sm = graph_time(lambda: torch._scaled_mm(a8, b8.T, scale_a=one, scale_b=one,
+                                                      out_dtype=torch.bfloat16)) * 1e3
+            print(f"| {T} | {name} | `_scaled_mm` dense | {sm:.0f} | {flops / sm / 1e6:.0f} | 100% | |", flush=True)
+            wd = torch.randint(-100, 100, (N, K), device=dev).to(torch.float8_e4m3fn)
+            wds = torch.rand(N // 128, K // 128, device=dev) + 0.5
+            us = graph_time(lambda: fp8_gemm_prefill(aq, asc, wd, wds)) * 1e3
+            print(f"| {T} | {name} | dense `fp8_prefill` (128x128 weight scales) | {us:.0f} | "
+                  f"{flops / us / 1e6:.0f} | {100 * sm / us:.0f}% | |", flush=True)
+            ref = None
+            for bm, bn, nw, ns in (QUICK_TILES if args.quick else TILES):
+                perm, offs, tcum, _ = Mo.sort_pairs(eflat, E, bm)
+                g = dict(offs=offs, tcum=tcum, n_groups=E, n_tiles=min(P, -(-P // bm) + min(E, P)))
+                for mode, st in modes:
+                    if mode == "tile" and bn > 128:
+                        continue
+                    (w8, f8) = dec[mode][wi]
+                    sa = asc.t().contiguous().t() if st else asc
+                    cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, SWAP=False, WTMA=True, ATMA=True)
+                    tag = f"bm{bm}.bn{bn}.w{nw}.s{ns}" + (".tile" if mode == "tile" else "") + (".scale_t" if st else "")
+                    try:
+                        run = lambda: F.fp4_fp8_launch(aq, sa, w8, f8, None, dst, None, P, N, K, 0, fmt="mxfp4",
+                                                       config=dict(cfg), predecoded=True, **g)
+                        run()
+                        same = ""
+                        if bm == 64 and bn == 128:          # tiles of one BM share the sort: compare within
+                            got = dst.clone()
+                            same = "ref" if ref is None else str(torch.equal(got, ref))
+                            ref = got if ref is None else ref
+                        us = graph_time(run) * 1e3
+                        print(f"| {T} | {name} | {tag} | {us:.0f} | {flops / us / 1e6:.0f} | {100 * sm / us:.0f}% | "
+                              f"{same} |", flush=True)
+                    except Exception as e:      # noqa: BLE001 - reported
+                        print(f"| {T} | {name} | {tag} | failed: {type(e).__name__}: {str(e)[:200]} | | | |",
+                              flush=True)
+            # one group: every row against expert 0's weight (no per-expert tiles), the default-ish tile
+            for mode, st in modes:
+                (w8, f8) = dec[mode][wi]
+                sa = asc.t().contiguous().t() if st else asc
+                cfg = dict(BM=64, BN=128, num_warps=4, num_stages=3, SWAP=False, WTMA=True, ATMA=True)
+                try:
+                    run = lambda: F.fp4_fp8_launch(aq, sa, w8[:1], f8[:1], None, dst, None, P, N, K, 0,
+                                                   fmt="mxfp4", config=dict(cfg), predecoded=True)
+                    run()
+                    us = graph_time(run) * 1e3
+                    print(f"| {T} | {name} | one group bm64.bn128.w4.s3.{mode}{'.scale_t' if st else ''} | {us:.0f} | "
+                          f"{flops / us / 1e6:.0f} | {100 * sm / us:.0f}% | |", flush=True)
+                except Exception as e:          # noqa: BLE001 - reported
+                    print(f"| {T} | {name} | one group | failed: {type(e).__name__}: {str(e)[:200]} | | | |")
+
+
+if __name__ == "__main__":
+    main()
