@@ -11,6 +11,7 @@ prefill sizes, and the tile of its decode pass (``fp4_fp8.predecode``).
    (L2 flushed).
 
     PYTHONPATH=. python experiments/exp_predec.py [--tokens 4096,5460,8192,16384] [--experts 256,128] [--quick]
+    PYTHONPATH=. python experiments/exp_predec.py --no-tiles --profile 256x8192     # kernels of one layer call
 
 H100 (2026-12-06), V4-Flash w1|w3 of 256 experts: BN 32 / KU 4 / 8 warps 2,486 us (90% of copy), the former
 BN 64 / KU 1 / 4 warps 4,583 us (49%); KU 2 70-77%, KU 1 48-60%. With the former decode pass, predec with
@@ -30,6 +31,21 @@ decode pass (us; the router's path was ``prefill`` at 96 rows, ``predec`` from 1
 
 GEMM 1 unfused (``UNFUSED``: plain tiles into bf16 w1|w3 outputs, then ``swiglu_quant``; the same bits) took
 the layer 3.6-3.9% lower again (256 experts x 8192 tokens 12.48 -> 12.00 ms; 128 x 8192 9.74 -> 9.37).
+
+Later the same day (H100), one weight factor per 128 x 128 tile (``TILE``), host-built TMA descriptors
+(``HOST_TMA``) and ``swiglu_quant`` over 16-row programs (it took 947 us at 49,152 rows with one-row programs,
+204 us after): the router's path (all three) against the unfused per-row form, us:
+
+| experts | T | unfused, per-row factors | router's path now |
+|---|---|---|---|
+| 256 | 8192 | 10,818 | 10,042 |
+| 256 | 16384 | 17,409 | 15,620 |
+| 128 | 8192 | 8,262 | 7,605 |
+| 128 | 16384 | 14,591 | 12,957 |
+
+Kernels of one layer call at 256 experts x 8192 tokens (``--profile``, 10.07 ms): the FP8 GEMMs 4.37 ms (5
+launches: w1|w3 and w2 over the scratch passes), the decode passes 3.73 ms, the shared expert's GEMMs 0.76 ms,
+the router's fp32 gate GEMM 0.35 ms, ``swiglu_quant`` 0.20 ms, the combine 0.19 ms, the row gathers 0.15 ms.
 """
 from __future__ import annotations
 
@@ -62,12 +78,33 @@ def weights(E, dev, gen):
                          w2=w2, w2_s=s2, w2_s2=None, sh13=sh13, sh13_s=sh13s.float(), sh2=sh2, sh2_s=sh2s.float())
 
 
+def profile_layer(w, T, dev, gen):
+    """Kernels of one ``moe_forward`` call (the router's path) at T tokens: launches and GPU us, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.common import kernel_totals
+    x = torch.randn(T, D, device=dev, generator=gen).bfloat16()
+    for _ in range(3):
+        Mo.moe_forward(x, None, w)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        Mo.moe_forward(x, None, w)
+        torch.cuda.synchronize()
+    rows = sorted(kernel_totals(prof).items(), key=lambda kv: -kv[1][1])
+    total = sum(t for _, (_, t) in rows)
+    print(f"\nOne layer call, {w.n_experts} experts x {T} tokens: {total:.0f} us of kernels\n\n"
+          "| kernel | launches | GPU us | share |\n|---|---|---|---|")
+    for k, (n, us) in rows[:30]:
+        print(f"| `{k[:90]}` | {n} | {us:.0f} | {100 * us / total:.1f}% |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,5460,8192,16384")
     ap.add_argument("--experts", default="256,128")
     ap.add_argument("--quick", action="store_true", help="fewer decode tiles")
     ap.add_argument("--no-tiles", action="store_true", help="skip the decode pass's tile sweep")
+    ap.add_argument("--profile", default=None, metavar="ExT",
+                    help="GPU time per kernel of one router's-path layer call at E experts x T tokens, then exit")
     args = ap.parse_args()
     setup = gpu_experiment("exp_predec", "compiled kernels")
     if setup is None:
@@ -78,6 +115,10 @@ def main():
     E0 = max(int(e) for e in args.experts.split(","))
     w = weights(E0, dev, gen)
     print(f"fold exact: {w.fp8_fold_exact()}; default predecode config {R.predecode_config(t)}")
+    if args.profile:
+        profile_layer(w if int(args.profile.split("x")[0]) == E0 else weights(int(args.profile.split("x")[0]), dev, gen),
+                      int(args.profile.split("x")[1]), dev, gen)
+        return
     # 1. the decode pass's tile
     nbytes = w.w13.numel() + w.w13_s.numel() + 2 * w.w13.numel() + 4 * w.w13.numel() // 64
     print("\n| predecode BN | KU | warps | us | % of copy |\n|---|---|---|---|---|")

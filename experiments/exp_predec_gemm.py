@@ -11,10 +11,24 @@ single expert's weight (no per-expert tiling), which separates the grouping's co
 CUDA-graph replays, L2 flushed.
 
     PYTHONPATH=. python experiments/exp_predec_gemm.py [--tokens 8192] [--experts 256] [--quick]
+
+H100 (2026-12-06), 256 experts x 8192 tokens (192 rows per expert), 64 x 128 tiles, 4 warps, 3 stages, us
+(% of ``_scaled_mm``; GEMM 1 1,202 us, GEMM 2 595 us):
+
+| GEMM | per-row factors | + host descriptors | per-tile factors | + host descriptors | one group, tile + host | dense ``fp8_prefill`` |
+|---|---|---|---|---|---|---|
+| 1 | 3,297 (36%) | 3,192 (38%) | 2,506 (48%) | 2,464 (49%) | 2,325 (52%) | 2,024 (59%) |
+| 2 | 1,601 (37%) | 1,499 (40%) | 1,280 (47%) | 1,217 (49%) | 1,082 (55%) | 888 (67%) |
+
+The dense kernel's own variants locate the rest: device-built descriptors cost it 4-12 points (GEMM 2 67% ->
+55%), per-row weight scales 10-13 (59% -> 49%, 67% -> 54%); no TMA store ~1. 8 warps, 128-row tiles, 256-column
+tiles and 4 stages were slower in every form (128-row tiles 20-36%); block-major scale operands (``SCALE_T``)
+helped only per-row factors at 8 warps. All variants gave the same bits.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -30,7 +44,7 @@ from dsv4.kernels.gemm import fp8 as G8  # noqa: E402
 D, I, K_TOP = 4096, 2048, 6
 # (BM, BN, num_warps, num_stages)
 TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 8, 3)]
-QUICK_TILES = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3)]
+QUICK_TILES = [(64, 128, 4, 3)]
 
 
 def main():
@@ -52,6 +66,7 @@ def main():
                   F.predecode(w2, s2, scales_t=mode == "row_t", tile=mode == "tile"))
            for mode in ("row", "row_t", "tile")}
     modes = [("row", False), ("row_t", True), ("tile", False), ("tile", True)]
+    hosts = (False, True)
     one = torch.ones((), device=dev)
     print("| T | GEMM | variant | us | TFLOP/s | % of _scaled_mm | same bits |\n|---|---|---|---|---|---|---|")
     for T in (int(x) for x in args.tokens.split(",")):
@@ -73,20 +88,32 @@ def main():
             print(f"| {T} | {name} | `_scaled_mm` dense | {sm:.0f} | {flops / sm / 1e6:.0f} | 100% | |", flush=True)
             wd = torch.randint(-100, 100, (N, K), device=dev).to(torch.float8_e4m3fn)
             wds = torch.rand(N // 128, K // 128, device=dev) + 0.5
-            us = graph_time(lambda: fp8_gemm_prefill(aq, asc, wd, wds)) * 1e3
-            print(f"| {T} | {name} | dense `fp8_prefill` (128x128 weight scales) | {us:.0f} | "
-                  f"{flops / us / 1e6:.0f} | {100 * sm / us:.0f}% | |", flush=True)
+            wdr = torch.rand(N, K // 128, device=dev) + 0.5
+            # its default, then: device-side descriptors, no TMA store, per-row weight scales
+            for tag, scales, cfg in (("", wds, None), (" LOAD tma_dev", wds, {"LOAD": "tma_dev"}),
+                                     (" EPI_TMA off", wds, {"EPI_TMA": False}),
+                                     (" LOAD tma_dev, EPI_TMA off", wds, {"LOAD": "tma_dev", "EPI_TMA": False}),
+                                     (" per-row weight scales", wdr, None)):
+                try:
+                    us = graph_time(lambda: fp8_gemm_prefill(aq, asc, wd, scales, config=cfg)) * 1e3
+                    print(f"| {T} | {name} | dense `fp8_prefill`{tag} | {us:.0f} | "
+                          f"{flops / us / 1e6:.0f} | {100 * sm / us:.0f}% | |", flush=True)
+                except Exception as e:          # noqa: BLE001 - reported
+                    print(f"| {T} | {name} | dense `fp8_prefill`{tag} | failed: {type(e).__name__}: {str(e)[:200]} "
+                          "| | | |", flush=True)
             ref = None
             for bm, bn, nw, ns in (QUICK_TILES if args.quick else TILES):
                 perm, offs, tcum, _ = Mo.sort_pairs(eflat, E, bm)
                 g = dict(offs=offs, tcum=tcum, n_groups=E, n_tiles=min(P, -(-P // bm) + min(E, P)))
-                for mode, st in modes:
+                for (mode, st), host in itertools.product(modes, hosts):
                     if mode == "tile" and bn > 128:
                         continue
                     (w8, f8) = dec[mode][wi]
                     sa = asc.t().contiguous().t() if st else asc
-                    cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, SWAP=False, WTMA=True, ATMA=True)
-                    tag = f"bm{bm}.bn{bn}.w{nw}.s{ns}" + (".tile" if mode == "tile" else "") + (".scale_t" if st else "")
+                    cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, SWAP=False, WTMA=True, ATMA=True,
+                               HOST_TMA=host)
+                    tag = f"bm{bm}.bn{bn}.w{nw}.s{ns}" + (".tile" if mode == "tile" else "") + \
+                        (".scale_t" if st else "") + (".host" if host else "")
                     try:
                         run = lambda: F.fp4_fp8_launch(aq, sa, w8, f8, None, dst, None, P, N, K, 0, fmt="mxfp4",
                                                        config=dict(cfg), predecoded=True, **g)
@@ -103,16 +130,17 @@ def main():
                         print(f"| {T} | {name} | {tag} | failed: {type(e).__name__}: {str(e)[:200]} | | | |",
                               flush=True)
             # one group: every row against expert 0's weight (no per-expert tiles), the default-ish tile
-            for mode, st in modes:
+            for (mode, st), host in itertools.product(modes, hosts):
                 (w8, f8) = dec[mode][wi]
                 sa = asc.t().contiguous().t() if st else asc
-                cfg = dict(BM=64, BN=128, num_warps=4, num_stages=3, SWAP=False, WTMA=True, ATMA=True)
+                cfg = dict(BM=64, BN=128, num_warps=4, num_stages=3, SWAP=False, WTMA=True, ATMA=True, HOST_TMA=host)
                 try:
                     run = lambda: F.fp4_fp8_launch(aq, sa, w8[:1], f8[:1], None, dst, None, P, N, K, 0,
                                                    fmt="mxfp4", config=dict(cfg), predecoded=True)
                     run()
                     us = graph_time(run) * 1e3
-                    print(f"| {T} | {name} | one group bm64.bn128.w4.s3.{mode}{'.scale_t' if st else ''} | {us:.0f} | "
+                    print(f"| {T} | {name} | one group bm64.bn128.w4.s3.{mode}{'.scale_t' if st else ''}"
+                          f"{'.host' if host else ''} | {us:.0f} | "
                           f"{flops / us / 1e6:.0f} | {100 * sm / us:.0f}% | |", flush=True)
                 except Exception as e:          # noqa: BLE001 - reported
                     print(f"| {T} | {name} | one group | failed: {type(e).__name__}: {str(e)[:200]} | | | |")
