@@ -139,8 +139,8 @@ def main():
     # 2. the layer
     print("\n| experts | T | rows / expert | router's path | its us | prefill us | predec us | predec, GEMM 1 unfused us |"
           " unfused, scales block-major us | unfused, tile factors us | unfused, tile factors, scales block-major us |"
-          " bits = fp8mma | variants' bits = predec |"
-          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          " router's path, shared expert unfused us | bits = fp8mma | variants' bits = predec |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for E in (int(e) for e in args.experts.split(",")):
         wE = w if E == E0 else weights(E, dev, gen)
         for T in (int(x) for x in args.tokens.split(",")):
@@ -153,12 +153,16 @@ def main():
                     "tile": pd(UNFUSED=True, TILE=True), "tile_t": pd(UNFUSED=True, TILE=True, SCALE_T=True)}
             us = {k: triton.testing.do_bench(lambda kw=kw: Mo.moe_forward(x, None, wE, **kw), warmup=50, rep=300)
                   * 1e3 for k, kw in runs.items()}
+            R.SHARED_UNFUSED = True              # the router's path, the shared expert's w1|w3 on the dense kernel
+            us["shared"] = triton.testing.do_bench(lambda: Mo.moe_forward(x, None, wE), warmup=50, rep=300) * 1e3
+            R.SHARED_UNFUSED = False
             fused = Mo.moe_forward(x, None, wE, **runs["predec"])
             same = torch.equal(fused, Mo.moe_forward(x, None, wE, path="fp8mma"))
             same_v = all(torch.equal(fused, Mo.moe_forward(x, None, wE, **runs[k]))
                          for k in ("unfused", "scale_t", "tile", "tile_t"))
             print(f"| {E} | {T} | {rows:.0f} | {path} | {us['router']:.0f} | {us['prefill']:.0f} | {us['predec']:.0f} | "
-                  f"{us['unfused']:.0f} | {us['scale_t']:.0f} | {us['tile']:.0f} | {us['tile_t']:.0f} | {same} | "
+                  f"{us['unfused']:.0f} | {us['scale_t']:.0f} | {us['tile']:.0f} | {us['tile_t']:.0f} | "
+                  f"{us['shared']:.0f} | {same} | "
                   f"{same_v} |", flush=True)
 
 

@@ -261,6 +261,33 @@ def test_tile_factors_only_where_the_scales_allow():
     assert nv.fp8_tile_max() is None
 
 
+def test_shared_expert_unfused_on_the_dense_kernel(monkeypatch):
+    """``router.SHARED_UNFUSED`` (off by default): above the split-K sizes, where ``fp8_kernel`` picks the dense
+    TMA kernel (sm_90; forced here), the shared expert's w1|w3 runs there into bf16 and the SwiGLU pass forms
+    h: the fused epilogue's output up to the summation order inside a 128-block, and the dense kernel is
+    really the one called (for w1|w3 and w2)."""
+    from dsv4.kernels.gemm import fp8_prefill as FPF
+    gen = torch.Generator().manual_seed(35)
+    ref = _ref_moe(4, 256, 128, 2, gen, False)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = (torch.randn(80, 256, generator=gen) * 1.5).bfloat16().to(DEV)
+    xq, xs = G8.act_quant_fp8(x)
+    fused = Mo._shared_expert(xq, xs, w)
+    calls = []
+    real_kernel, real_prefill = GR.fp8_kernel, FPF.fp8_gemm_prefill
+    monkeypatch.setattr(GR, "fp8_kernel", lambda M, N, K, t, prequantised=False:
+                        "prefill" if prequantised and M >= 65 else real_kernel(M, N, K, t, prequantised))
+    monkeypatch.setattr(FPF, "fp8_gemm_prefill", lambda xq_, *a, **kw: calls.append(xq_.shape) or
+                        real_prefill(xq_, *a, **kw))
+    monkeypatch.setattr(GR, "SHARED_UNFUSED", True)
+    unfused = Mo._shared_expert(xq, xs, w)
+    assert calls == [(80, 256), (80, 128)]                 # w1|w3 on x, then w2 on h
+    torch.testing.assert_close(unfused.float(), fused.float(), rtol=0.02, atol=0.02 * fused.float().abs().max().item())
+    monkeypatch.setattr(GR, "SHARED_UNFUSED", False)
+    calls.clear()
+    assert torch.equal(Mo._shared_expert(xq, xs, w), fused) and calls == [(80, 128)]   # the fused epilogue, w2 dense
+
+
 def test_predec_path_refuses_weights_it_cannot_fold():
     """The pre-decoded FP8 path holds only MXFP4 whose scales fold exactly into e4m3: NVFP4 is refused
     with the reason, not computed on a lossy fold."""

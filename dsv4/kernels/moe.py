@@ -682,9 +682,16 @@ def _shared_expert(xq, xs, w: MoEWeights, portable: bool = False):
     the SwiGLU pass (``swiglu_quant``); above, the MMA kernel with the SwiGLU epilogue, which cannot
     split K (16 programs per 64 tokens at V4-Flash size: 47 us at 64 tokens on the H200,
     docs/benchmarks-2026-12-01.md). At 1-4 tokens the MMA partials are bit-equal to the CUDA-core
-    GEMV's and faster (H200, Flash / Pro: 15.2-17.1 vs 18.0-30.9 us, 27.5-28.0 vs 31.9-68.7 us). w2 through ``fp8_gemm`` (its decode-size routing)."""
-    if xq.shape[0] <= router.SHARED_SPLIT_MAX_ROWS:
+    GEMV's and faster (H200, Flash / Pro: 15.2-17.1 vs 18.0-30.9 us, 27.5-28.0 vs 31.9-68.7 us). With
+    ``router.SHARED_UNFUSED`` (off by default), where ``fp8_gemm`` routes the size to the dense TMA kernel: its
+    bf16 w1|w3 outputs, then the SwiGLU pass. w2 through ``fp8_gemm`` (its decode-size routing)."""
+    T = xq.shape[0]
+    if T <= router.SHARED_SPLIT_MAX_ROWS:
         hq, hsc = swiglu_quant(fp8_gemm_partials(xq, xs, w.sh13, w.sh13_s), w.limit)
+        hq = hq.view(torch.float8_e4m3fn)
+    elif (router.SHARED_UNFUSED and not portable and
+          router.fp8_kernel(T, w.sh13.shape[0], w.sh13.shape[1], target(xq.device), prequantised=True) == "prefill"):
+        hq, hsc = swiglu_quant(fp8_gemm(xq, xs, w.sh13, w.sh13_s)[None], w.limit)
         hq = hq.view(torch.float8_e4m3fn)
     else:
         hq, hsc = fp8_swiglu(u8(xq).view(torch.float8_e4m3fn), xs, w.sh13, w.sh13_s, w.limit)

@@ -166,6 +166,12 @@ PREDEC_ROWS_PER_EXPERT = 128.0
 # tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
 # 64 tokens with it, V4-Flash)
 SHARED_SPLIT_MAX_ROWS = 64
+# above SHARED_SPLIT_MAX_ROWS, where ``fp8_kernel`` picks the dense TMA kernel (``fp8_prefill``, sm_90): the shared
+# expert's w1|w3 there into bf16 outputs + the SwiGLU pass instead of the tile kernel's SwiGLU epilogue (the
+# same rounding: the epilogue rounds both outputs to bf16 first). Off until a GPU has timed it: at 8192 tokens
+# the fused tile kernel took 617 us (~32% of ``_scaled_mm``, H100 2026-12-06, exp_predec.py --profile), the
+# dense kernel runs this shape class at 56-59% (exp_predec_gemm.py)
+SHARED_UNFUSED = False
 
 
 def fp4_path(fmt: str, t: Target) -> str:
@@ -436,7 +442,8 @@ def choices(t: Target) -> list[Choice]:
 
 
 __all__ = ["Choice", "FUSE_QUANT_MAX_ROWS", "GEMV_ROWS_PER_EXPERT", "MMA_GEMV_ROWS_PER_EXPERT", "MMA_MAX_ROWS",
-           "MMA_MAX_WEIGHT", "DENSE_GEMV_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "WO_A_MAX_ROWS",
+           "MMA_MAX_WEIGHT", "DENSE_GEMV_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "SHARED_UNFUSED",
+           "WO_A_MAX_ROWS",
            "FP8MMA_MAX_ROWS_PER_EXPERT", "FP8MMA_ROWS_PER_EXPERT", "PREDEC_ROWS_PER_EXPERT", "choices", "decode_kernel", "dense_gemv", "dense_gemv_config", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
            "fp4_fp8_config", "fp4_prefill_config", "fp8_predec_config", "predecode_config", "fp8_kernel", "fp8_mma_config", "fp8_prefill_config", "fp8_split_k", "fp8_tiles",
            "gemv_config", "rows_tile", "wo_a_kernel"]
