@@ -7,7 +7,8 @@ prefill sizes, and the tile of its decode pass (``fp4_fp8.predecode``).
    per weight).
 2. The whole MoE layer (router, sort, routed GEMMs, shared expert, combine) at T tokens: the router's
    path, and the ``prefill`` and ``predec`` paths forced, the latter with GEMM 1's SwiGLU fused or not
-   (``UNFUSED``) and with the scale operands row-major or block-major (``SCALE_T``). do_bench medians
+   (``UNFUSED``), with per-row or per-tile weight factors (``TILE``) and host-built descriptors (``HOST_TMA``),
+   and the router's path with the shared expert unfused (``route.SHARED_UNFUSED``). do_bench medians
    (L2 flushed).
 
     PYTHONPATH=. python experiments/exp_predec.py [--tokens 4096,5460,8192,16384] [--experts 256,128] [--quick]
@@ -138,19 +139,19 @@ def main():
               f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% |", flush=True)
     # 2. the layer
     print("\n| experts | T | rows / expert | router's path | its us | prefill us | predec us | predec, GEMM 1 unfused us |"
-          " unfused, scales block-major us | unfused, tile factors us | unfused, tile factors, scales block-major us |"
+          " unfused, tile factors us | unfused, tile factors, host descriptors us |"
           " router's path, shared expert unfused us | bits = fp8mma | variants' bits = predec |"
-          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for E in (int(e) for e in args.experts.split(",")):
         wE = w if E == E0 else weights(E, dev, gen)
         for T in (int(x) for x in args.tokens.split(",")):
             x = torch.randn(T, D, device=dev, generator=gen).bfloat16()
             rows = T * K_TOP / E
             path = R.expert_path(rows, "mxfp4", t)
-            pd = lambda **c: dict(path="predec", config=dict({"UNFUSED": False, "SCALE_T": False, "TILE": False}, **c))
+            pd = lambda **c: dict(path="predec", config=dict({"UNFUSED": False, "TILE": False, "HOST_TMA": False}, **c))
             runs = {"router": dict(path=None), "prefill": dict(path="prefill"), "predec": pd(),
-                    "unfused": pd(UNFUSED=True), "scale_t": pd(UNFUSED=True, SCALE_T=True),
-                    "tile": pd(UNFUSED=True, TILE=True), "tile_t": pd(UNFUSED=True, TILE=True, SCALE_T=True)}
+                    "unfused": pd(UNFUSED=True), "tile": pd(UNFUSED=True, TILE=True),
+                    "host": pd(UNFUSED=True, TILE=True, HOST_TMA=True)}
             us = {k: triton.testing.do_bench(lambda kw=kw: Mo.moe_forward(x, None, wE, **kw), warmup=50, rep=300)
                   * 1e3 for k, kw in runs.items()}
             R.SHARED_UNFUSED = True              # the router's path, the shared expert's w1|w3 on the dense kernel
@@ -159,9 +160,9 @@ def main():
             fused = Mo.moe_forward(x, None, wE, **runs["predec"])
             same = torch.equal(fused, Mo.moe_forward(x, None, wE, path="fp8mma"))
             same_v = all(torch.equal(fused, Mo.moe_forward(x, None, wE, **runs[k]))
-                         for k in ("unfused", "scale_t", "tile", "tile_t"))
+                         for k in ("unfused", "tile", "host"))
             print(f"| {E} | {T} | {rows:.0f} | {path} | {us['router']:.0f} | {us['prefill']:.0f} | {us['predec']:.0f} | "
-                  f"{us['unfused']:.0f} | {us['scale_t']:.0f} | {us['tile']:.0f} | {us['tile_t']:.0f} | "
+                  f"{us['unfused']:.0f} | {us['tile']:.0f} | {us['host']:.0f} | "
                   f"{us['shared']:.0f} | {same} | "
                   f"{same_v} |", flush=True)
 

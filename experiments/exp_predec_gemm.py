@@ -5,7 +5,7 @@ size and against dsv4's dense ``fp8_prefill`` kernel (128 x 128 weight-scale blo
 
 GEMM 1 as ``moe_forward`` runs it by default on sm_90 (UNFUSED: x's rows gathered in sorted order, TMA tiles,
 bf16 w1|w3 outputs [P, 2I]) and GEMM 2 ([P, I] e4m3 h -> bf16 [P, d]). Variants: tile (BM, BN), warps, stages,
-``SCALE_T`` (block-major scale operands), per-row weight factors or one per 128 x 128 tile (``.tile``:
+block-major activation scales (``.scale_t``), per-row weight factors or one per 128 x 128 tile (``.tile``:
 ``predecode(tile=True)``, a scalar promotion factor per K block), and the "one group" row: the same kernel over the same rows with a
 single expert's weight (no per-expert tiling), which separates the grouping's cost from the tile body's.
 CUDA-graph replays, L2 flushed.
@@ -22,8 +22,9 @@ H100 (2026-12-06), 256 experts x 8192 tokens (192 rows per expert), 64 x 128 til
 
 The dense kernel's own variants locate the rest: device-built descriptors cost it 4-12 points (GEMM 2 67% ->
 55%), per-row weight scales 10-13 (59% -> 49%, 67% -> 54%); no TMA store ~1. 8 warps, 128-row tiles, 256-column
-tiles and 4 stages were slower in every form (128-row tiles 20-36%); block-major scale operands (``SCALE_T``)
-helped only per-row factors at 8 warps. All variants gave the same bits.
+tiles and 4 stages were slower in every form (128-row tiles 20-36%); block-major scale operands (x's, h's and
+the per-row factors: the ``SCALE_T`` option of that day, removed after this run) helped only per-row factors at
+8 warps. All variants gave the same bits.
 """
 from __future__ import annotations
 
@@ -61,11 +62,11 @@ def main():
     E = args.experts
     w13, s13 = rand_mx(E, 2 * I, D, dev, gen)
     w2, s2 = rand_mx(E, D, I, dev, gen)
-    # weight factors: per row (row-major / block-major) or one per 128 x 128 tile (``predecode(tile=True)``)
-    dec = {mode: (F.predecode(w13, s13, scales_t=mode == "row_t", tile=mode == "tile"),
-                  F.predecode(w2, s2, scales_t=mode == "row_t", tile=mode == "tile"))
-           for mode in ("row", "row_t", "tile")}
-    modes = [("row", False), ("row_t", True), ("tile", False), ("tile", True)]
+    # weight factors per row or one per 128 x 128 tile (``predecode(tile=True)``); the activation scales
+    # row-major or block-major (".scale_t": the kernel's K-block stride argument)
+    dec = {mode: (F.predecode(w13, s13, tile=mode == "tile"), F.predecode(w2, s2, tile=mode == "tile"))
+           for mode in ("row", "tile")}
+    modes = [("row", False), ("row", True), ("tile", False), ("tile", True)]
     hosts = (False, True)
     one = torch.ones((), device=dev)
     print("| T | GEMM | variant | us | TFLOP/s | % of _scaled_mm | same bits |\n|---|---|---|---|---|---|---|")

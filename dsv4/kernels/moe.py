@@ -598,17 +598,12 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         # activation tiles) takes GEMM 1's rows in sorted order: x, its scales and the routing weights
         # gathered once here
         g1 = dict(a=a, sa=xs, perm=perm, pw=pw)
-        # SCALE_T: every scale operand of the GEMMs stored block-major (x's scales, the decoded factors, h's
-        # scales), so that a tile reads one K block's scales of its rows contiguously
-        st = bool(pcfg["13"].get("SCALE_T"))
         # TILE (TMA weight tiles): one weight factor per 128 x 128 tile where the scales allow it, so the
         # promotion multiplies by a scalar per K block (fp8_prefill's form) instead of a per-column vector
         tmax = w.fp8_tile_max() if pcfg["13"].get("TILE") and pcfg["13"].get("WTMA") else None
         if pcfg["13"].get("ATMA"):
             rows_of = perm // k
-            sa1 = xs.index_select(0, rows_of)
-            g1 = dict(a=a.index_select(0, rows_of), sa=sa1.t().contiguous().t() if st else sa1, perm=None,
-                      pw=pw[perm])
+            g1 = dict(a=a.index_select(0, rows_of), sa=xs.index_select(0, rows_of), perm=None, pw=pw[perm])
         # UNFUSED (TMA activation tiles only): GEMM 1 writes w1|w3's bf16 outputs, then one pass forms h (the
         # fused epilogue rounds both to bf16 first too: the same bits) and GEMM 1 runs at GEMM 2's tile
         unfused = bool(pcfg["13"].get("UNFUSED")) and g1["perm"] is None
@@ -619,7 +614,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
                 e1 = min(E, e0 + step)
                 part = dict(offs=offs[e0:e1 + 1], tcum=tcum[e0:e1 + 1] - tcum[e0], n_groups=e1 - e0,
                             n_tiles=min(P, triton.cdiv(P, bm) + min(e1 - e0, P)))
-                w8, f8 = predecode(wq[e0:e1], ws_[e0:e1], scales_t=st, tile=tmax is not None,
+                w8, f8 = predecode(wq[e0:e1], ws_[e0:e1], tile=tmax is not None,
                                    tile_smax=None if tmax is None else tmax[j][e0:e1])
                 if swiglu and unfused:
                     fp4_fp8_launch(g1["a"], g1["sa"], w8, f8, None, y13, None, P, 2 * I, d, 0, fmt=w.fmt,
@@ -633,8 +628,6 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
                                    predecoded=True, **part)
                 del w8, f8
             if swiglu and unfused:
-                if st:
-                    hs = torch.empty(I // QBLOCK, P, dtype=torch.float32, device=dev).t()
                 swiglu_quant(y13[None], w.limit, pw=g1["pw"], out=(h, hs))
                 del y13
     elif path == "prefill":

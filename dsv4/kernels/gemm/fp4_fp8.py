@@ -326,7 +326,7 @@ def wide_spread(ws: torch.Tensor, tile: bool = False) -> bool:
 
 
 def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
-              config: dict | None = None, scales_t: bool = False, tile: bool = False,
+              config: dict | None = None, tile: bool = False,
               tile_smax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 expert weights ``w`` uint8 [G, N, K/2] with e8m0 scales ``ws`` [G, N, K/32] -> (e4m3 bytes
     [G, N, K], fp32 factors [G, N, K/128]): per 128-block and row the bytes and factor this module's
@@ -334,9 +334,8 @@ def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
     that ``fp4_fp8_launch(..., predecoded=True)`` on them gives the same bits as on ``w``, ``ws``.
     Costs a pass over the weights (read 0.53 byte, write 1.03 bytes per weight) and 2x their bytes of
     memory: a prefill chunk with enough rows per expert that FP8 tensor cores on plain e4m3 tiles
-    repay it. ``config`` overrides ``route.predecode_config`` (BN, KU, num_warps). ``scales_t``: the factors
-    stored K-block-major ([G, K/128, N] memory, returned as its [G, N, K/128] view), so that a GEMM tile
-    reads one block's factors of its rows contiguously. ``tile`` (N % 128 == 0): the fold is relative to
+    repay it. ``config`` overrides ``route.predecode_config`` (BN, KU, num_warps). ``tile`` (N % 128 == 0):
+    the fold is relative to
     the largest scale of each 128 x 128 weight tile instead of each row's block, and the factors are one
     per tile, fp32 [G, N/128, K/128] (exact where ``wide_spread(ws, tile=True)`` is False; a GEMM then
     promotes with one scalar per tile and K block, as for a 128 x 128-block-scaled FP8 weight; every
@@ -360,8 +359,6 @@ def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
             raise ValueError(f"predecode: tile_smax must be contiguous [{G}, {N // QBLOCK}, {K // QBLOCK}], got "
                              f"{tuple(smx.shape)}")
         sb = ((smx.int() + 6) << 23).view(torch.float32) * (1.0 / 4096.0)   # 2^(s_max - 133)
-    elif scales_t:
-        sb = torch.empty(G, K // QBLOCK, N, dtype=torch.float32, device=w.device).transpose(1, 2)
     else:
         sb = torch.empty(G, N, K // QBLOCK, dtype=torch.float32, device=w.device)
     if G and N:

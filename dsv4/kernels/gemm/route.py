@@ -257,8 +257,8 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     64 x 128 with SwiGLU: no spills at 8 warps, as ``fp4_fp8_config``'s). ``UNFUSED`` (with ATMA): GEMM 1
     runs GEMM 2's plain tile into bf16 w1|w3 outputs and one pass forms h (the same bits; H100,
     ``experiments/exp_predec.py`` 2026-12-06: the MoE layer 3.6-3.9% faster at 192-768 rows per expert,
-    e.g. 256 experts x 8192 tokens 12.48 -> 12.00 ms). ``SCALE_T``: the scale operands stored block-major
-    (contiguous per K block instead of a row-strided gather; the same bits): off until a GPU has timed it.
+    e.g. 256 experts x 8192 tokens 12.48 -> 12.00 ms). Storing the scale operands block-major (contiguous per
+    K block instead of row-strided gathers) was timed and removed: 35-37% of ``_scaled_mm`` either way at 4 warps.
     ``TILE`` (with WTMA): one weight factor per 128 x 128 tile where the experts' scales allow it
     (``MoEWeights.fp8_tile_max``), so the per-128 promotion is one FFMA per element with a [BM] factor
     instead of a product of a [BM] and a [BN] vector (H100, ``experiments/exp_predec_gemm.py`` 2026-12-06,
@@ -274,7 +274,7 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     # w2 at 64 rows does not spill in any form (182-223 registers); 128-row tiles spill in every form
     tma = t.capability[0] >= 9
     return {"BM": 64, "BN": 128, "SWAP": False, "WTMA": tma, "ATMA": tma, "num_warps": 8 if swiglu else 4,
-            "num_stages": 3, "UNFUSED": tma and swiglu, "SCALE_T": False, "TILE": tma, "HOST_TMA": tma}
+            "num_stages": 3, "UNFUSED": tma and swiglu, "TILE": tma, "HOST_TMA": tma}
 
 
 def decode_kernel(t: Target) -> str:
