@@ -59,7 +59,7 @@ def test_gemv_rejects_bad_tile_rows():
 
 @pytest.mark.parametrize("S,gather", [(1, False), (2, True)])
 def test_swiglu_quant_row_tiles(S, gather, monkeypatch):
-    """``swiglu_quant`` at 70 rows (16-row programs, the last one partial), on bf16 w1|w3 outputs or two
+    """``swiglu_quant`` at 70 rows (16-row programs forced, the last one partial), on bf16 w1|w3 outputs or two
     fp32 partials, routing weights by pair id (gathered) or by row: the reference expert middle's FP8
     quantisation (bf16 w1 / w3 sums, clamped SwiGLU with the routing weight, one bf16 rounding, 1 x 128
     blocks; silu's last fp32 ulp may differ), and one-row programs' bits exactly."""
@@ -73,6 +73,8 @@ def test_swiglu_quant_row_tiles(S, gather, monkeypatch):
         parts = parts.bfloat16()
     pw = torch.rand(2 * M, generator=gen) + 0.25
     perm = torch.randperm(2 * M, generator=gen)[:M] if gather else None
+    assert GR.swiglu_rows(4608) == 1 and GR.swiglu_rows(49152) == 16    # decode / verify sizes keep one row
+    monkeypatch.setattr(GR, "SWIGLU_TILE_MIN_ROWS", 64)
     assert GR.swiglu_rows(M) == 16
     h, hs = V.swiglu_quant(parts.to(DEV), limit, pw=pw.to(DEV), perm=None if perm is None else perm.to(DEV))
     tot = parts.float().sum(0)

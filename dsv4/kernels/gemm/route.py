@@ -314,10 +314,11 @@ def rows_tile(m: int) -> int:
     return 1 if m <= 1 else (2 if m == 2 else 4)
 
 
-# ``gemv.swiglu_quant``'s rows per program: one row x 128 columns at decode sizes (the layout the decode step's
-# graphs were measured with), 16 from SWIGLU_TILE_MIN_ROWS rows (the pre-decoded path's unfused GEMM 1 at 49,152
-# rows: one-row programs ran at ~18% of copy, H100 2026-12-06, ``experiments/exp_predec.py --profile``)
-SWIGLU_TILE_MIN_ROWS = 64
+# ``gemv.swiglu_quant``'s rows per program: one row x 128 columns at decode and verify sizes (the layout their
+# graphs were measured with; DSpark's 6-row verify at 128 sequences has 4,608 pairs), 16 from SWIGLU_TILE_MIN_ROWS
+# rows (the pre-decoded path's unfused GEMM 1: 49,152 rows at 8192 tokens, where one-row programs ran at ~18% of
+# copy, 947 -> 204 us, H100 2026-12-06, ``experiments/exp_predec.py --profile``)
+SWIGLU_TILE_MIN_ROWS = 8192
 
 
 def swiglu_rows(m: int) -> int:
