@@ -7,7 +7,8 @@ prefill sizes, and the tile of its decode pass (``fp4_fp8.predecode``).
    per weight).
 2. The whole MoE layer (router, sort, routed GEMMs, shared expert, combine) at T tokens: the router's
    path, and the ``prefill`` and ``predec`` paths forced, the latter with GEMM 1's SwiGLU fused or not
-   (``UNFUSED``), with per-row or per-tile weight factors (``TILE``) and host-built descriptors (``HOST_TMA``),
+   (``UNFUSED``), with per-row or per-tile weight factors (``TILE``), host-built descriptors (``HOST_TMA``) and
+   the scale operands loaded a K block ahead (``PREFETCH``),
    and the router's path with the shared expert unfused (``route.SHARED_UNFUSED``). do_bench medians
    (L2 flushed).
 
@@ -139,19 +140,21 @@ def main():
               f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% |", flush=True)
     # 2. the layer
     print("\n| experts | T | rows / expert | router's path | its us | prefill us | predec us | predec, GEMM 1 unfused us |"
-          " unfused, tile factors us | unfused, tile factors, host descriptors us |"
+          " unfused, tile factors us | unfused, tile factors, host descriptors us | the same + PREFETCH us |"
           " router's path, shared expert unfused us | bits = fp8mma | variants' bits = predec |"
-          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for E in (int(e) for e in args.experts.split(",")):
         wE = w if E == E0 else weights(E, dev, gen)
         for T in (int(x) for x in args.tokens.split(",")):
             x = torch.randn(T, D, device=dev, generator=gen).bfloat16()
             rows = T * K_TOP / E
             path = R.expert_path(rows, "mxfp4", t)
-            pd = lambda **c: dict(path="predec", config=dict({"UNFUSED": False, "TILE": False, "HOST_TMA": False}, **c))
+            pd = lambda **c: dict(path="predec", config=dict({"UNFUSED": False, "TILE": False, "HOST_TMA": False,
+                                                              "PREFETCH": False}, **c))
             runs = {"router": dict(path=None), "prefill": dict(path="prefill"), "predec": pd(),
                     "unfused": pd(UNFUSED=True), "tile": pd(UNFUSED=True, TILE=True),
-                    "host": pd(UNFUSED=True, TILE=True, HOST_TMA=True)}
+                    "host": pd(UNFUSED=True, TILE=True, HOST_TMA=True),
+                    "pf": pd(UNFUSED=True, TILE=True, HOST_TMA=True, PREFETCH=True)}
             us = {k: triton.testing.do_bench(lambda kw=kw: Mo.moe_forward(x, None, wE, **kw), warmup=50, rep=300)
                   * 1e3 for k, kw in runs.items()}
             R.SHARED_UNFUSED = True              # the router's path, the shared expert's w1|w3 on the dense kernel
@@ -160,9 +163,9 @@ def main():
             fused = Mo.moe_forward(x, None, wE, **runs["predec"])
             same = torch.equal(fused, Mo.moe_forward(x, None, wE, path="fp8mma"))
             same_v = all(torch.equal(fused, Mo.moe_forward(x, None, wE, **runs[k]))
-                         for k in ("unfused", "tile", "host"))
+                         for k in ("unfused", "tile", "host", "pf"))
             print(f"| {E} | {T} | {rows:.0f} | {path} | {us['router']:.0f} | {us['prefill']:.0f} | {us['predec']:.0f} | "
-                  f"{us['unfused']:.0f} | {us['tile']:.0f} | {us['host']:.0f} | "
+                  f"{us['unfused']:.0f} | {us['tile']:.0f} | {us['host']:.0f} | {us['pf']:.0f} | "
                   f"{us['shared']:.0f} | {same} | "
                   f"{same_v} |", flush=True)
 

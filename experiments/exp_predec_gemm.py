@@ -68,6 +68,9 @@ def main():
            for mode in ("row", "tile")}
     modes = [("row", False), ("row", True), ("tile", False), ("tile", True)]
     hosts = (False, True)
+    # (mode, block-major x scales, host descriptors, scale operands a K block ahead): the sweep's rows, then
+    # the default with PREFETCH
+    extra = [("tile", False, True, True), ("row", False, True, True)]
     one = torch.ones((), device=dev)
     print("| T | GEMM | variant | us | TFLOP/s | % of _scaled_mm | same bits |\n|---|---|---|---|---|---|---|")
     for T in (int(x) for x in args.tokens.split(",")):
@@ -106,15 +109,15 @@ def main():
             for bm, bn, nw, ns in (QUICK_TILES if args.quick else TILES):
                 perm, offs, tcum, _ = Mo.sort_pairs(eflat, E, bm)
                 g = dict(offs=offs, tcum=tcum, n_groups=E, n_tiles=min(P, -(-P // bm) + min(E, P)))
-                for (mode, st), host in itertools.product(modes, hosts):
+                for mode, st, host, pf in [(m, s_, h, False) for (m, s_), h in itertools.product(modes, hosts)] + extra:
                     if mode == "tile" and bn > 128:
                         continue
                     (w8, f8) = dec[mode][wi]
                     sa = asc.t().contiguous().t() if st else asc
                     cfg = dict(BM=bm, BN=bn, num_warps=nw, num_stages=ns, SWAP=False, WTMA=True, ATMA=True,
-                               HOST_TMA=host)
+                               HOST_TMA=host, PREFETCH=pf)
                     tag = f"bm{bm}.bn{bn}.w{nw}.s{ns}" + (".tile" if mode == "tile" else "") + \
-                        (".scale_t" if st else "") + (".host" if host else "")
+                        (".scale_t" if st else "") + (".host" if host else "") + (".pf" if pf else "")
                     try:
                         run = lambda: F.fp4_fp8_launch(aq, sa, w8, f8, None, dst, None, P, N, K, 0, fmt="mxfp4",
                                                        config=dict(cfg), predecoded=True, **g)

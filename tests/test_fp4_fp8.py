@@ -235,30 +235,32 @@ def test_predecode_is_the_kernels_own_fold(spread, ku):
         assert torch.equal(got, want.float())
 
 
-def _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, tile=False):
+def _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, tile=False, prefetch=False):
     """GEMM 1 + SwiGLU and GEMM 2 on ``predecode``'s tiles (``WTMA``: through TMA; ``tile``: one factor per
     128 x 128 weight tile) = on the FP4 bytes."""
     def predec(a, sa, w, ws, *args, config, **kw):
         w8, sb = F.predecode(w, ws, tile=tile)
-        return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True, config=dict(config, WTMA=wtma), **kw)
+        return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True,
+                                config=dict(config, WTMA=wtma, PREFETCH=prefetch), **kw)
     ref = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
     got = _gemms(c, E, d, I, top_k, limit, predec, u8, cfg)
     for r, g in zip(ref, got):
         assert torch.equal(r.cpu(), g.cpu())
 
 
-@pytest.mark.parametrize("swap,wtma", [(True, False), (False, False), (False, True), (True, True)])
-def test_predecoded_weights_give_the_same_bits(swap, wtma):
+@pytest.mark.parametrize("swap,wtma,prefetch", [(True, False, False), (False, False, False), (False, True, False),
+                                                (True, True, False), (True, True, True)])
+def test_predecoded_weights_give_the_same_bits(swap, wtma, prefetch):
     """Grouped + gather + SwiGLU and grouped w2 on ``predecode``'s bytes (the FP8 tiles loaded, not
-    decoded; by pointer loads or by TMA through one descriptor over all experts' rows): h, its scales
-    and w2's output equal the decoding kernel's bit for bit."""
+    decoded; by pointer loads or by TMA through one descriptor over all experts' rows, the scale operands
+    loaded a K block ahead or not): h, its scales and w2's output equal the decoding kernel's bit for bit."""
     gen = torch.Generator().manual_seed(12)
     E, d, I, top_k, limit = 4, 256, 128, 2, 6.0
     c = _grouped(E, [3, 0, 37, 20], d, I, top_k, gen)
     c["s13"].view(E, 2 * I, -1, 4)[..., 2] -= 7          # spread inside blocks
     bm = 32 if DEV == "cpu" else 64
     cfg = dict(BM=bm, BN=128, SWAP=swap)
-    _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma)
+    _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, prefetch=prefetch)
 
 
 def test_predecode_tile_fold():
@@ -295,10 +297,11 @@ def test_predecode_tile_fold():
         F.predecode(wp[None, :64].to(DEV), s[None, :64].to(DEV), tile=True)
 
 
-def test_tile_factors_give_the_same_bits():
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_tile_factors_give_the_same_bits(prefetch):
     """Grouped + gather + SwiGLU and grouped w2 on ``predecode(tile=True)``'s tiles through TMA, promoted
-    with one scalar factor per 128 x 128 tile: the bits of the decoding kernel (each row's products are
-    the row fold's times one power of two)."""
+    with one scalar factor per 128 x 128 tile, the factors loaded a K block ahead (``PREFETCH``) or not: the
+    bits of the decoding kernel (each row's products are the row fold's times one power of two)."""
     gen = torch.Generator().manual_seed(13)
     E, d, I, top_k, limit = 4, 256, 128, 2, 6.0
     c = _grouped(E, [3, 0, 37, 20], d, I, top_k, gen)
@@ -307,7 +310,8 @@ def test_tile_factors_give_the_same_bits():
     c["s2"] -= torch.randint(0, 5, (E, d, 1), generator=gen).to(torch.uint8)
     assert not F.wide_spread(c["s13"], tile=True) and not F.wide_spread(c["s2"], tile=True)
     bm = 32 if DEV == "cpu" else 64
-    _same_bits_predecoded(c, E, d, I, top_k, limit, dict(BM=bm, BN=128, SWAP=False), True, tile=True)
+    _same_bits_predecoded(c, E, d, I, top_k, limit, dict(BM=bm, BN=128, SWAP=False), True, tile=True,
+                          prefetch=prefetch)
 
 
 def test_rejects_bad_inputs():
@@ -361,9 +365,10 @@ def test_gpu_flash_dims(swap, bm, warps):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bm,warps,stages,wtma", [(64, 8, 3, True), (64, 8, 3, False), (128, 8, 3, True),
-                                                (64, 4, 4, True)])
-def test_gpu_predecoded_flash_dims(bm, warps, stages, wtma):
+@pytest.mark.parametrize("bm,warps,stages,wtma,prefetch", [(64, 8, 3, True, False), (64, 8, 3, False, False),
+                                                         (128, 8, 3, True, False), (64, 4, 4, True, False),
+                                                         (64, 8, 3, True, True)])
+def test_gpu_predecoded_flash_dims(bm, warps, stages, wtma, prefetch):
     """The pre-decoded path at V4-Flash dims (8 experts, 0 to 150 rows, scales spread up to 2^11 and a
     flushed group): ``predecode``'s tiles through the same wgmma tile as the decoding kernel's
     (SWAP=False: both operands from shared memory) give its bits."""
@@ -374,4 +379,4 @@ def test_gpu_predecoded_flash_dims(bm, warps, stages, wtma):
     c["s13"].view(E, 2 * I, -1, 4)[..., 1] -= 11
     c["s2"].view(E, d, -1, 4)[..., 3] -= 13
     cfg = dict(BM=bm, BN=128, SWAP=False, num_warps=warps, num_stages=stages)
-    _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma)
+    _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, prefetch=prefetch)

@@ -206,7 +206,7 @@ def _predec_variants_give_the_pointer_loads_bits(cfgs):
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
     x = (torch.randn(24, 256, generator=gen) * 1.5).bfloat16().to(DEV)
     ids = torch.randint(0, 64, (24,), generator=gen).to(DEV)
-    plain = {"ATMA": False, "WTMA": False, "UNFUSED": False, "TILE": False, "HOST_TMA": False}
+    plain = {"ATMA": False, "WTMA": False, "UNFUSED": False, "TILE": False, "HOST_TMA": False, "PREFETCH": False}
     assert w.fp8_tile_max() is not None                   # TILE variants do take the per-tile factors
     base = Mo.moe_forward(x, ids, w, path="predec", config=plain)
     for cfg in cfgs:
@@ -228,12 +228,14 @@ def test_predec_with_tma_tiles_gives_the_pointer_loads_bits():
 @pytest.mark.slow
 def test_predec_other_variants_give_the_pointer_loads_bits():
     """TMA activation tiles alone, TMA weight tiles alone (with device- or host-built descriptors), per-tile
-    weight factors with GEMM 1 fused or unfused."""
+    weight factors with GEMM 1 fused or unfused, the default with the scale operands a K block ahead."""
     _predec_variants_give_the_pointer_loads_bits([{"ATMA": True}, {"WTMA": True},
                                                   {"ATMA": True, "WTMA": True, "TILE": True},
                                                   {"ATMA": True, "WTMA": True, "HOST_TMA": True},
                                                   {"WTMA": True, "HOST_TMA": True},
-                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "TILE": True}])
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "TILE": True},
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "TILE": True,
+                                                   "HOST_TMA": True, "PREFETCH": True}])
 
 
 def test_tile_factors_only_where_the_scales_allow():

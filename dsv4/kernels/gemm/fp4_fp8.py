@@ -149,6 +149,24 @@ if triton_available():
         return blk, sb
 
     @triton.jit
+    def _wfactor(srow, nmask, kb, wsk, SB_TILE: tl.constexpr):
+        """Predecoded weight factors of K block kb: the tile's scalar (SB_TILE) or the [BN] column vector."""
+        if SB_TILE:
+            sb = tl.load(srow + kb * wsk)
+        else:
+            sb = tl.load(srow + kb * wsk, mask=nmask, other=0.0)
+        return sb
+
+    @triton.jit
+    def _tile_dot(a, w, SWAP: tl.constexpr):
+        """Fresh fp32 partial of one 128-K block: [BN, BM] with SWAP (weights first), else [BM, BN]."""
+        if SWAP:
+            blk = tl.dot(w, tl.trans(a))
+        else:
+            blk = tl.dot(a, tl.trans(w))
+        return blk
+
+    @triton.jit
     def _promo(sa, sb, SWAP: tl.constexpr, SB_TILE: tl.constexpr):
         """Promotion factor of a K block's partial: sa [BM] x sb ([BN], or a scalar with SB_TILE), laid out
         as the partial ([BN, BM] with SWAP, else [BM, BN]; a broadcast column / row for a scalar sb)."""
@@ -171,7 +189,8 @@ if triton_available():
                         GROUPED: tl.constexpr, GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_PW: tl.constexpr,
                         USE_ASM: tl.constexpr, SWAP: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, LOG2G: tl.constexpr, PREDEC: tl.constexpr, ATMA: tl.constexpr,
-                        SB_TILE: tl.constexpr, HOST_TMA: tl.constexpr, INTERP: tl.constexpr):
+                        SB_TILE: tl.constexpr, HOST_TMA: tl.constexpr, PREFETCH: tl.constexpr,
+                        INTERP: tl.constexpr):
         """A: e4m3 bytes [rows, K]; W uint8 [G, N, K/2]; WS e8m0 bytes [G, N, K/32]; with PREDEC W e4m3
         [G, N, K] (bytes for 1, float8 for 2: TMA) and WS fp32 [G, N, K/128] (``predecode``). WS2 unused:
         the launcher signature of ``fp4_prefill``. One program = one [BM, BN] output tile; program ids
@@ -183,7 +202,11 @@ if triton_available():
         factor per 128 x 128 weight tile, fp32 [G, N/128, K/128]: the promotion multiplies by one scalar
         per K block, as ``fp8_prefill``'s does. HOST_TMA: the TMA operands (W with PREDEC 2, A with ATMA)
         arrive as host-built descriptors (W's over all experts' rows [G N, K], block [BN, 128]; A's over
-        [M, K], block [BM, 128]) instead of being built here per program."""
+        [M, K], block [BM, 128]) instead of being built here per program. PREFETCH (PREDEC 2): the scale
+        operands of K block k+1 are loaded while block k runs (loop-carried registers), so that the factor
+        product sa * sb, which the compiler may schedule ahead of the block's wgmma, never waits on a global
+        load there (sm_90 SASS without it: the load issued after the stage's barrier, its product right
+        before the wgmma)."""
         pdl_wait()
         pid = tl.program_id(0)
         num_n = tl.cdiv(N_out, BN)
@@ -230,20 +253,43 @@ if triton_available():
         else:
             acc = tl.zeros([BM, BN], tl.float32)
             acc2 = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, K, 128):
-            sa = tl.load(sarow + (k0 // 128) * stride_sak, mask=mrow, other=0.0)
-            if ATMA:
-                a = AD.load([am0.to(tl.int32), k0])
-            else:
-                a = tl.load(arow_p[:, None] + k0 + kc[None, :], mask=mrow[:, None], other=0)
-                a = a.to(tl.float8e4nv, bitcast=True)
-            blk, sb = _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, stride_wsk, SWAP, USE_ASM, BN, PREDEC,
-                                 SB_TILE)
-            acc += blk * _promo(sa, sb, SWAP, SB_TILE)         # official per-128 promotion
-            if SWIGLU:                                         # w3 rows of the same columns
-                blk2, sb2 = _fp8_block(a, wrow2, srow2, nmask, k0, WD, wr0 + n_half, stride_wsk, SWAP, USE_ASM,
-                                       BN, PREDEC, SB_TILE)
-                acc2 += blk2 * _promo(sa, sb2, SWAP, SB_TILE)
+        if PREFETCH:
+            sa_n = tl.load(sarow, mask=mrow, other=0.0)
+            sb_n = _wfactor(srow, nmask, 0, stride_wsk, SB_TILE)
+            sb2_n = _wfactor(srow2, nmask, 0, stride_wsk, SB_TILE)
+            kb_last = K // 128 - 1
+            for k0 in range(0, K, 128):
+                sa = sa_n
+                sb = sb_n
+                sb2 = sb2_n
+                kn = tl.minimum(k0 // 128 + 1, kb_last)        # the last block reloads itself (unused)
+                sa_n = tl.load(sarow + kn * stride_sak, mask=mrow, other=0.0)
+                sb_n = _wfactor(srow, nmask, kn, stride_wsk, SB_TILE)
+                if SWIGLU:
+                    sb2_n = _wfactor(srow2, nmask, kn, stride_wsk, SB_TILE)
+                if ATMA:
+                    a = AD.load([am0.to(tl.int32), k0])
+                else:
+                    a = tl.load(arow_p[:, None] + k0 + kc[None, :], mask=mrow[:, None], other=0)
+                    a = a.to(tl.float8e4nv, bitcast=True)
+                acc += _tile_dot(a, WD.load([wr0, k0]), SWAP) * _promo(sa, sb, SWAP, SB_TILE)
+                if SWIGLU:
+                    acc2 += _tile_dot(a, WD.load([wr0 + n_half, k0]), SWAP) * _promo(sa, sb2, SWAP, SB_TILE)
+        else:
+            for k0 in range(0, K, 128):
+                sa = tl.load(sarow + (k0 // 128) * stride_sak, mask=mrow, other=0.0)
+                if ATMA:
+                    a = AD.load([am0.to(tl.int32), k0])
+                else:
+                    a = tl.load(arow_p[:, None] + k0 + kc[None, :], mask=mrow[:, None], other=0)
+                    a = a.to(tl.float8e4nv, bitcast=True)
+                blk, sb = _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, stride_wsk, SWAP, USE_ASM, BN, PREDEC,
+                                     SB_TILE)
+                acc += blk * _promo(sa, sb, SWAP, SB_TILE)         # official per-128 promotion
+                if SWIGLU:                                         # w3 rows of the same columns
+                    blk2, sb2 = _fp8_block(a, wrow2, srow2, nmask, k0, WD, wr0 + n_half, stride_wsk, SWAP, USE_ASM,
+                                           BN, PREDEC, SB_TILE)
+                    acc2 += blk2 * _promo(sa, sb2, SWAP, SB_TILE)
         if SWAP:
             acc = tl.trans(acc)
             acc2 = tl.trans(acc2)
@@ -429,6 +475,7 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
     if use_asm is None:
         use_asm = t.use_asm
     host_tma = bool(cfg.pop("HOST_TMA", False)) and (wtma or atma)
+    prefetch = bool(cfg.pop("PREFETCH", False)) and wtma
     if (wtma or atma) and not host_tma:
         ensure_tma_allocator(dev)
     if wtma:
@@ -449,7 +496,7 @@ def fp4_fp8_launch(a, sa, w, ws, ws2, out, out_s, M, N_out, K, n_half, *, fmt, s
         sa.stride(1), ws.stride(-1) if predecoded else 1,
         GROUPED=grouped, GATHER=perm is not None, SWIGLU=swiglu, HAS_PW=pw is not None, USE_ASM=use_asm,
         SWAP=swap, BM=BM, BN=BN, LOG2G=log2_groups(n_groups), PREDEC=(2 if wtma else 1) if predecoded else 0,
-        ATMA=atma, SB_TILE=sb_tile, HOST_TMA=host_tma,
+        ATMA=atma, SB_TILE=sb_tile, HOST_TMA=host_tma, PREFETCH=prefetch,
         INTERP=interpreting(), **kw, **PDL_LAUNCH)
 
 

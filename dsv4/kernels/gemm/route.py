@@ -266,7 +266,11 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     factors, where the dense ``fp8_prefill`` kernel, scalar factors, reaches 56% / 68%). Small tiles under
     the interpreter. ``HOST_TMA``: the TMA descriptors built on the host once per launch instead of by every
     program (the dense ``fp8_prefill`` kernel, H100, same experiment: device-built descriptors cost it 4-14
-    points of ``_scaled_mm``)."""
+    points of ``_scaled_mm``). ``PREFETCH``: the scale operands loaded one K block ahead. The sm_90 SASS
+    (Triton 3.9, offline) of the default tile without it issues the weight factor's load after the stage's
+    barrier and schedules the factor product sa * sb, which needs it, right before the block's wgmma: every
+    K block's wgmma waits for a global load. With it the product reads registers loaded a block earlier. Off
+    until a GPU has timed it (``experiments/exp_predec_gemm.py``, ``.pf`` rows)."""
     if not t.compiled:
         return {"BM": 16, "BN": 32, "SWAP": False, "WTMA": False, "ATMA": False}
     # ptxas (Triton 3.9, sm_90a, tests' AOT cases): with SwiGLU only the all-TMA form keeps its 64 x 128
@@ -274,7 +278,8 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     # w2 at 64 rows does not spill in any form (182-223 registers); 128-row tiles spill in every form
     tma = t.capability[0] >= 9
     return {"BM": 64, "BN": 128, "SWAP": False, "WTMA": tma, "ATMA": tma, "num_warps": 8 if swiglu else 4,
-            "num_stages": 3, "UNFUSED": tma and swiglu, "TILE": tma, "HOST_TMA": tma}
+            "num_stages": 3, "UNFUSED": tma and swiglu, "TILE": tma, "HOST_TMA": tma,
+            "PREFETCH": False}
 
 
 def decode_kernel(t: Target) -> str:
@@ -407,7 +412,8 @@ def choices(t: Target) -> list[Choice]:
                                                    "SWAP": cfg["SWAP"], "PREDEC": 2 if cfg["WTMA"] else 1,
                                                    "ATMA": cfg["ATMA"],
                                                    "SB_TILE": bool(cfg.get("TILE") and cfg["WTMA"]),
-                                                   "HOST_TMA": bool(cfg.get("HOST_TMA") and cfg["WTMA"])},
+                                                   "HOST_TMA": bool(cfg.get("HOST_TMA") and cfg["WTMA"]),
+                                                   "PREFETCH": bool(cfg.get("PREFETCH") and cfg["WTMA"])},
                                     cfg, why))
                 pc = predecode_config(t)
                 tile = bool(cfg.get("TILE") and cfg["WTMA"])     # weights whose scales allow it (moe)
