@@ -275,6 +275,8 @@ def test_predecode_tile_fold():
     s -= torch.randint(0, 5, (N, 1), generator=gen).to(torch.uint8)     # rows' maxima spread by up to 2^4
     s.view(N, K // 128, 4)[:, :, 1] -= 3                                 # and groups inside blocks
     assert not F.wide_spread(s[None], tile=True) and F.wide_spread(s[None, :100], tile=True)  # whole tiles only
+    cols = torch.stack([s, s], 1)[:, 0]                                  # a strided view: the same maxima
+    assert not cols.is_contiguous() and torch.equal(F.tile_max(cols[None]), F.tile_max(s[None]))
     w8, sb = F.predecode(wp[None].to(DEV), s[None].to(DEV), tile=True)
     assert sb.shape == (1, N // 128, K // 128) and sb.dtype == torch.float32
     got = w8[0].cpu().view(torch.float8_e4m3fn).float() * \

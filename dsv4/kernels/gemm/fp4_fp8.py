@@ -351,7 +351,7 @@ def tile_max(ws: torch.Tensor) -> torch.Tensor:
     """Largest e8m0 scale byte of every 128 x 128 tile of MXFP4 scales ``ws`` [G, N, K/32] (N % 128 == 0)
     -> uint8 [G, N/128, K/128]."""
     G, N, KG = ws.shape
-    return u8(ws).view(G, N // QBLOCK, QBLOCK, KG // 4, 4).amax(dim=(2, 4))
+    return u8(ws).reshape(G, N // QBLOCK, QBLOCK, KG // 4, 4).amax(dim=(2, 4))
 
 
 def wide_spread(ws: torch.Tensor, tile: bool = False) -> bool:
