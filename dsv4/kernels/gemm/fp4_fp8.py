@@ -121,34 +121,6 @@ if triton_available():
         return _fp8_weight_tile(b, sg - smax[:, None] + 12, USE_ASM, BN), sb
 
     @triton.jit
-    def _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, wsk, SWAP: tl.constexpr, USE_ASM: tl.constexpr,
-                   BN: tl.constexpr, PREDEC: tl.constexpr, SB_TILE: tl.constexpr):
-        """(fresh fp32 partial of the 128-block at k0: [BN, BM] with SWAP else [BM, BN], fp32 [BN] weight
-        factor, or one scalar with SB_TILE). PREDEC 1: wrow / srow address ``predecode``'s e4m3 rows and
-        fp32 factors; 2: the same tile through the TMA descriptor WD at row wr0 (all of a tile's rows lie
-        inside one expert's weight: N_out and n_half are multiples of BN); 0: wrow / srow address the
-        MXFP4 bytes and e8m0 scales, decoded here. ``wsk``: the predecoded factors' 128-block stride.
-        SB_TILE (PREDEC 2): srow is the scalar address of the tile's factors (``predecode(tile=True)``)."""
-        if PREDEC == 2:
-            w = WD.load([wr0, k0])
-            if SB_TILE:
-                sb = tl.load(srow + (k0 // 128) * wsk)
-            else:
-                sb = tl.load(srow + (k0 // 128) * wsk, mask=nmask, other=0.0)
-        elif PREDEC == 1:
-            kc = tl.arange(0, 128)
-            w = tl.load(wrow[:, None] + k0 + kc[None, :], mask=nmask[:, None], other=0)
-            w = w.to(tl.float8e4nv, bitcast=True)
-            sb = tl.load(srow + (k0 // 128) * wsk, mask=nmask, other=0.0)
-        else:
-            w, sb = _fp8_decode(wrow, srow, nmask, k0, USE_ASM, BN)
-        if SWAP:
-            blk = tl.dot(w, tl.trans(a))
-        else:
-            blk = tl.dot(a, tl.trans(w))
-        return blk, sb
-
-    @triton.jit
     def _wfactor(srow, nmask, kb, wsk, SB_TILE: tl.constexpr):
         """Predecoded weight factors of K block kb: the tile's scalar (SB_TILE) or the [BN] column vector."""
         if SB_TILE:
@@ -165,6 +137,27 @@ if triton_available():
         else:
             blk = tl.dot(a, tl.trans(w))
         return blk
+
+    @triton.jit
+    def _fp8_block(a, wrow, srow, nmask, k0, WD, wr0, wsk, SWAP: tl.constexpr, USE_ASM: tl.constexpr,
+                   BN: tl.constexpr, PREDEC: tl.constexpr, SB_TILE: tl.constexpr):
+        """(fresh fp32 partial of the 128-block at k0: [BN, BM] with SWAP else [BM, BN], fp32 [BN] weight
+        factor, or one scalar with SB_TILE). PREDEC 1: wrow / srow address ``predecode``'s e4m3 rows and
+        fp32 factors; 2: the same tile through the TMA descriptor WD at row wr0 (all of a tile's rows lie
+        inside one expert's weight: N_out and n_half are multiples of BN); 0: wrow / srow address the
+        MXFP4 bytes and e8m0 scales, decoded here. ``wsk``: the predecoded factors' 128-block stride.
+        SB_TILE (PREDEC 2): srow is the scalar address of the tile's factors (``predecode(tile=True)``)."""
+        if PREDEC == 2:
+            w = WD.load([wr0, k0])
+            sb = _wfactor(srow, nmask, k0 // 128, wsk, SB_TILE)
+        elif PREDEC == 1:
+            kc = tl.arange(0, 128)
+            w = tl.load(wrow[:, None] + k0 + kc[None, :], mask=nmask[:, None], other=0)
+            w = w.to(tl.float8e4nv, bitcast=True)
+            sb = _wfactor(srow, nmask, k0 // 128, wsk, False)
+        else:
+            w, sb = _fp8_decode(wrow, srow, nmask, k0, USE_ASM, BN)
+        return _tile_dot(a, w, SWAP), sb
 
     @triton.jit
     def _promo(sa, sb, SWAP: tl.constexpr, SB_TILE: tl.constexpr):
@@ -314,7 +307,8 @@ if triton_available():
         e4m3 bytes ``_fp8_decode`` forms in registers, SB = their fp32 factors 2^(s_max - 133). KU
         128-blocks per step (KB % KU == 0): one load of 64 KU packed bytes and 4 KU scales per row,
         so each row streams longer contiguous runs. TILE_MAX: s_max is the maximum over the 128 x 128 weight
-        tile, read from SMX ([G, N/128, KB] scale bytes; the host writes the factors), not the row's."""
+        tile, read from SMX ([G, N/128, KB] scale bytes), not the row's, and SB holds one factor per tile
+        ([G, N/128, KB], written by the tile's first row)."""
         pdl_wait()
         e = tl.program_id(0).to(tl.int64)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -323,7 +317,12 @@ if triton_available():
         wrow = W + e * stride_we + rn64 * stride_wn
         srow = WS + e * stride_wse + rn64 * stride_wsn
         orow = W8 + e * stride_8e + rn64 * stride_8n
-        sbrow = SB + e * stride_sbe + rn64 * stride_sbn
+        if TILE_MAX:
+            sbrow = SB + e * stride_sbe + (rn64 // 128) * stride_sbn
+            sbmask = nmask & (rn % 128 == 0)
+        else:
+            sbrow = SB + e * stride_sbe + rn64 * stride_sbn
+            sbmask = nmask
         jg = tl.arange(0, 4 * KU)
         jb = tl.arange(0, 64 * KU)
         kc = tl.arange(0, 128 * KU)
@@ -339,9 +338,8 @@ if triton_available():
             b = tl.load(wrow[:, None] + kb * 64 + jb[None, :], mask=nmask[:, None], other=0)
             w = _fp8_weight_tile(b, shift, USE_ASM, BN, 4 * KU)
             tl.store(orow[:, None] + kb * 128 + kc[None, :], w.to(tl.uint8, bitcast=True), mask=nmask[:, None])
-            if not TILE_MAX:
-                sb = ((smax + 6) << 23).to(tl.float32, bitcast=True) * (1.0 / 4096.0)  # 2^(smax - 133)
-                tl.store(sbrow[:, None] + (kb + ku[None, :]) * stride_sbk, sb, mask=nmask[:, None])
+            sb = ((smax + 6) << 23).to(tl.float32, bitcast=True) * (1.0 / 4096.0)      # 2^(smax - 133)
+            tl.store(sbrow[:, None] + (kb + ku[None, :]) * stride_sbk, sb, mask=sbmask[:, None])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -404,7 +402,7 @@ def predecode(w: torch.Tensor, ws: torch.Tensor, use_asm: bool | None = None,
         if tuple(smx.shape) != (G, N // QBLOCK, K // QBLOCK) or not smx.is_contiguous():
             raise ValueError(f"predecode: tile_smax must be contiguous [{G}, {N // QBLOCK}, {K // QBLOCK}], got "
                              f"{tuple(smx.shape)}")
-        sb = ((smx.int() + 6) << 23).view(torch.float32) * (1.0 / 4096.0)   # 2^(s_max - 133)
+        sb = torch.empty(G, N // QBLOCK, K // QBLOCK, dtype=torch.float32, device=w.device)
     else:
         sb = torch.empty(G, N, K // QBLOCK, dtype=torch.float32, device=w.device)
     if G and N:
