@@ -34,7 +34,7 @@ decode pass (us; the router's path was ``prefill`` at 96 rows, ``predec`` from 1
 GEMM 1 unfused (``UNFUSED``: plain tiles into bf16 w1|w3 outputs, then ``swiglu_quant``; the same bits) took
 the layer 3.6-3.9% lower again (256 experts x 8192 tokens 12.48 -> 12.00 ms; 128 x 8192 9.74 -> 9.37).
 
-Later the same day (H100), one weight factor per 128 x 128 tile (``TILE``), host-built TMA descriptors
+H100 (2026-12-06), one weight factor per 128 x 128 tile (``TILE``), host-built TMA descriptors
 (``HOST_TMA``) and ``swiglu_quant`` over 16-row programs (it took 947 us at 49,152 rows with one-row programs,
 204 us after): the router's path (all three) against the unfused per-row form, us:
 

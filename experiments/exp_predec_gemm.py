@@ -23,7 +23,7 @@ H100 (2026-12-06), 256 experts x 8192 tokens (192 rows per expert), 64 x 128 til
 The dense kernel's own variants locate the rest: device-built descriptors cost it 4-12 points (GEMM 2 67% ->
 55%), per-row weight scales 10-13 (59% -> 49%, 67% -> 54%); no TMA store ~1. 8 warps, 128-row tiles, 256-column
 tiles and 4 stages were slower in every form (128-row tiles 20-36%); block-major scale operands (x's, h's and
-the per-row factors: the ``SCALE_T`` option of that day, removed after this run) helped only per-row factors at
+the per-row factors: the ``SCALE_T`` option, since removed) helped only per-row factors at
 8 warps. All variants gave the same bits.
 """
 from __future__ import annotations
