@@ -73,6 +73,7 @@ KERNELS = {
                    ("linear",)),
     "dense_gemv_f32": ("gemm.dense_gemv", "_dense_gemv_kernel", dict(X=P("bf16"), W=F, PART=F, Y=F, CNT=P("i32")),
                        ("moe",)),
+    "dense_mm": ("gemm.dense_mm", "_dense_mm_kernel", dict(X=P("bf16"), W=P("bf16"), Y=F, one="fp32"), ("moe",)),
     "kv_insert": ("kv_insert", "_kv_insert_kernel", dict(Q=P("bf16"), KV=P("bf16"), COS=F, SIN=F, PAGES=P("u8"),
                                                          SLOTS=P("i64"), QO=P("bf16"), KVO=P("bf16"), eps="fp32"),
                   ("kv_insert",)),
@@ -210,6 +211,7 @@ BASE_CONST = {
                     PREFETCH=False, INTERP=False),
     "fp4_fp8_predec": dict(GROUPED=True, USE_ASM=True, LOG2G=9, INTERP=False),
     "predecode": dict(USE_ASM=True),
+    "dense_mm": dict(INTERP=False),
     "sparse_fwd": dict(INTERP=False),
 }
 

@@ -89,6 +89,24 @@ def test_route_exact(hash_layer):
     assert torch.equal(i2, i3) and torch.equal(w2, w3) and torch.equal(e2, e3)
 
 
+def test_gate_bf16_only_where_exact():
+    """``MoEWeights.gate_bf16``: the bf16 copy the many-row router GEMM runs on exists only when every gate
+    value is bf16-exact (a checkpoint's bf16 gate upcast), and holds those values."""
+    gen = torch.Generator().manual_seed(11)
+    ref = _ref_moe(8, 256, 128, 3, gen, False, shared=False)
+    w = Mo.MoEWeights.from_reference(ref)
+    assert w.gate_bf16() is None                                # randn * 0.1 in fp32: not bf16 values
+    exact = Mo.MoEWeights.from_reference(ref)
+    exact.gate_w = exact.gate_w.bfloat16().float()
+    g = exact.gate_bf16()
+    assert g.dtype == torch.bfloat16 and torch.equal(g.float(), exact.gate_w)
+    off = Mo.MoEWeights.from_reference(ref)
+    off.gate_w = exact.gate_w.clone()
+    off.gate_w[3, 7] *= 1.0 + 2.0 ** -12                        # one value off the bf16 grid is enough
+    assert off.gate_bf16() is None
+    assert exact.gate_bf16() is g                               # cached per object
+
+
 @triton.jit
 def _sqrt_softplus_probe(Z, Y, N, B: tl.constexpr):
     i = tl.program_id(0) * B + tl.arange(0, B)
@@ -261,8 +279,8 @@ def test_tile_factors_only_where_the_scales_allow():
 
 
 def test_shared_expert_unfused_on_the_dense_kernel(monkeypatch):
-    """``router.SHARED_UNFUSED`` (off by default): above the split-K sizes, where ``fp8_kernel`` picks the dense
-    TMA kernel (sm_90; forced here), the shared expert's w1|w3 runs there into bf16 and the SwiGLU pass forms
+    """``router.SHARED_UNFUSED`` (on): at prefill-step sizes (``PREFILL_STEP_MIN_ROWS``, lowered here), where
+    ``fp8_kernel`` picks the dense TMA kernel (sm_90; forced here), the shared expert's w1|w3 runs there into bf16 and the SwiGLU pass forms
     h: the fused epilogue's output up to the summation order inside a 128-block, and the dense kernel is
     really the one called (for w1|w3 and w2)."""
     from dsv4.kernels.gemm import fp8_prefill as FPF
@@ -279,6 +297,11 @@ def test_shared_expert_unfused_on_the_dense_kernel(monkeypatch):
     monkeypatch.setattr(FPF, "fp8_gemm_prefill", lambda xq_, *a, **kw: calls.append(xq_.shape) or
                         real_prefill(xq_, *a, **kw))
     monkeypatch.setattr(GR, "SHARED_UNFUSED", True)
+    monkeypatch.setattr(GR, "PREFILL_STEP_MIN_ROWS", 81)
+    calls.clear()
+    assert torch.equal(Mo._shared_expert(xq, xs, w), fused) and calls == [(80, 128)]   # below a prefill step
+    monkeypatch.setattr(GR, "PREFILL_STEP_MIN_ROWS", 80)
+    calls.clear()
     unfused = Mo._shared_expert(xq, xs, w)
     assert calls == [(80, 256), (80, 128)]                 # w1|w3 on x, then w2 on h
     torch.testing.assert_close(unfused.float(), fused.float(), rtol=0.02, atol=0.02 * fused.float().abs().max().item())
@@ -408,6 +431,31 @@ def test_moe_nvfp4_packed():
 # GPU: V4-Flash dims (skipped without CUDA by the conftest)
 
 _need_gpu = need_gpu
+
+
+@pytest.mark.gpu
+def test_gpu_router_bf16_gate_routes_as_the_fp32_gemm():
+    """A bf16-exact gate at prefill size (V4-Flash: 256 experts, d 4096, top-6, 4096 tokens) goes through
+    ``dense_mm``: the chosen experts are the exact logits' wherever the k-th and (k+1)-th scores are not
+    within fp32 rounding of each other, and the weights match to fp32 accuracy."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(5)
+    E, d, T, k = 256, 4096, 4096, 6
+    w = Mo.MoEWeights(gate_w=(torch.randn(E, d, generator=gen) * 0.02).bfloat16().float().cuda(),
+                      bias=(torch.randn(E, generator=gen) * 0.05).cuda(), tid2eid=None, topk=k, route_scale=1.5,
+                      limit=10.0, fmt="mxfp4", w13=torch.zeros(E, 2, 2, dtype=torch.uint8, device="cuda"),
+                      w13_s=None, w13_s2=None, w2=torch.zeros(E, d, 1, dtype=torch.uint8, device="cuda"),
+                      w2_s=None, w2_s2=None, sh13=None, sh13_s=None, sh2=None, sh2_s=None)
+    x = torch.randn(T, d, generator=gen).bfloat16().cuda()
+    assert w.gate_bf16() is not None and GR.dense_mm(T, target(x.device))
+    idx, rw = Mo.route(x, None, w)
+    s = torch.sqrt(torch.nn.functional.softplus(x.double() @ w.gate_w.double().T))
+    top = (s + w.bias.double()).topk(k + 1, dim=-1)
+    clear = (top.values[:, k - 1] - top.values[:, k]) > 1e-5
+    assert clear.float().mean() > 0.99
+    assert torch.equal(idx[clear].sort(-1).values, top.indices[clear, :k].sort(-1).values)
+    ref = s.gather(1, idx)
+    torch.testing.assert_close(rw.double(), ref / ref.sum(-1, keepdim=True) * 1.5, rtol=1e-5, atol=0)
 
 
 @pytest.mark.gpu

@@ -73,7 +73,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..streams import Fork
-from .gemm import dense_gemv, fp4_mma
+from .gemm import dense_gemv, dense_mm, fp4_mma
 from .gemm import route as router
 from .gemm.common import f16_operand
 from .gemm.fp4 import fp4_launch
@@ -301,6 +301,19 @@ class MoEWeights:
             self.__dict__["_tile_max"] = (tile_max(self.w13_s), tile_max(self.w2_s)) if ok else None
         return self.__dict__["_tile_max"]
 
+    def gate_bf16(self) -> torch.Tensor | None:
+        """``gate_w`` as bf16 [E, d] when every value is bf16-exact (the checkpoints store the gate in bf16;
+        the official GEMM upcasts it): the router's many-row GEMM then runs on bf16 tensor cores with fp32
+        output, the same exact products with fp32 sums (the compressor projections' form, ``layer_ops``),
+        instead of an fp32 SIMT GEMM on an upcast copy of x. None otherwise. Computed once per object (a
+        device sync); None while a CUDA graph is being captured before."""
+        if "_gate_bf16" not in self.__dict__:
+            if self.gate_w.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            g = self.gate_w.to(torch.bfloat16)
+            self.__dict__["_gate_bf16"] = g.contiguous() if torch.equal(g.float(), self.gate_w) else None
+        return self.__dict__["_gate_bf16"]
+
     @property
     def n_experts(self) -> int:
         """Experts held here (the local ones under expert parallelism)."""
@@ -438,12 +451,16 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
     """``route`` -> (idx, weights, sort keys int32 [T * k], xq, xs): with ``quant`` also x's
     ``act_quant_fp8`` (e4m3 bytes uint8 [T, d], fp32 scales [T, d/128]) from the same launch, else
     (..., None, None). The gate logits are the twin's fp32 GEMM: ``dense_gemv`` at decode sizes (one
-    launch, x upcast in its loads), else torch's (``portable``: always torch's)."""
+    launch, x upcast in its loads); at prefill sizes with a bf16-exact gate (``MoEWeights.gate_bf16``)
+    ``dense_mm`` (bf16 tensor cores, fp32 sums promoted every 64 columns); else torch's fp32 GEMM
+    (``portable``: always)."""
     T, d = x.shape
     k, E = w.topk, w.n_routed
     dev = x.device
     if not portable and dense_gemv.takes(x, w.gate_w):
         logits = dense_gemv.dense_gemv(x, w.gate_w)
+    elif not portable and dense_mm.takes(x) and w.gate_bf16() is not None:
+        logits = dense_mm.dense_mm(x, w.gate_bf16())
     else:
         logits = x.float() @ w.gate_w.T
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
@@ -676,13 +693,13 @@ def _shared_expert(xq, xs, w: MoEWeights, portable: bool = False):
     split K (16 programs per 64 tokens at V4-Flash size: 47 us at 64 tokens on the H200,
     docs/benchmarks-2026-12-01.md). At 1-4 tokens the MMA partials are bit-equal to the CUDA-core
     GEMV's and faster (H200, Flash / Pro: 15.2-17.1 vs 18.0-30.9 us, 27.5-28.0 vs 31.9-68.7 us). With
-    ``router.SHARED_UNFUSED`` (off by default), where ``fp8_gemm`` routes the size to the dense TMA kernel: its
-    bf16 w1|w3 outputs, then the SwiGLU pass. w2 through ``fp8_gemm`` (its decode-size routing)."""
+    ``router.SHARED_UNFUSED`` (on), from ``router.PREFILL_STEP_MIN_ROWS`` rows where ``fp8_gemm`` routes the size
+    to the dense TMA kernel: its bf16 w1|w3 outputs, then the SwiGLU pass. w2 through ``fp8_gemm`` (its decode-size routing)."""
     T = xq.shape[0]
     if T <= router.SHARED_SPLIT_MAX_ROWS:
         hq, hsc = swiglu_quant(fp8_gemm_partials(xq, xs, w.sh13, w.sh13_s), w.limit)
         hq = hq.view(torch.float8_e4m3fn)
-    elif (router.SHARED_UNFUSED and not portable and
+    elif (router.SHARED_UNFUSED and not portable and T >= router.PREFILL_STEP_MIN_ROWS and
           router.fp8_kernel(T, w.sh13.shape[0], w.sh13.shape[1], target(xq.device), prequantised=True) == "prefill"):
         hq, hsc = swiglu_quant(fp8_gemm(xq, xs, w.sh13, w.sh13_s)[None], w.limit)
         hq = hq.view(torch.float8_e4m3fn)

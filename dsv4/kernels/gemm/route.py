@@ -128,6 +128,26 @@ def dense_gemv(M: int, N: int, K: int, dtype, t: Target) -> bool:
             and dtype in (torch.bfloat16, torch.float32))
 
 
+# ``dense_mm`` (bf16 x bf16 -> fp32 on tensor cores, promoted every BK columns: the router's gate with a bf16-exact
+# weight) from PREFILL_STEP_MIN_ROWS rows; below, torch's fp32 GEMM keeps it. H100, experiments/exp_dense_mm.py
+# (2026-12-06), 8192 tokens: V4-Flash gate 39.9 us (BK 128) against 449 us for the upcast + fp32 GEMM, V4-Pro 130
+# vs 1080 us; largest error against the exact sums 2.1e-6 / 3.1e-6, the fp32 GEMM's 5.7e-6 / 3.3e-6 (torch's bf16
+# GEMM with one accumulator over K: 3.6e-5 / 7.1e-5)
+def dense_mm(M: int, t: Target) -> bool:
+    """Whether ``dense_mm`` serves an [M, K] x [N, K]^T bf16 GEMM with fp32 output on ``t`` (sm_80+)."""
+    return t.at_least((8, 0)) and M >= PREFILL_STEP_MIN_ROWS
+
+
+def dense_mm_config(t: Target) -> dict:
+    """``dense_mm``'s tile: 128 x 128 outputs, 8 warps, 3 stages, 128-column blocks between promotions where
+    shared memory holds 3 x 64 KB (sm_90 / sm_100: the sweep's best at 8192 tokens, comment above), else 64
+    (sm_80 / sm_120: 96 KB). Small tiles under the interpreter."""
+    if not t.compiled:
+        return {"BM": 16, "BN": 32, "BK": 32}
+    bk = 128 if t.capability[0] in (9, 10) else 64
+    return {"BM": 128, "BN": 128, "BK": bk, "num_warps": 8, "num_stages": 3}
+
+
 def dense_gemv_config(N: int, K: int, elem: int, t: Target) -> dict:
     """``dense_gemv``'s tile: BN weight rows x BK columns per step, SPLIT K splits so that about four
     programs per SM stream the weight (the sweep's best on every V4 shape, comment above). Small tiles
@@ -166,12 +186,14 @@ PREDEC_ROWS_PER_EXPERT = 128.0
 # tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
 # 64 tokens with it, V4-Flash)
 SHARED_SPLIT_MAX_ROWS = 64
-# above SHARED_SPLIT_MAX_ROWS, where ``fp8_kernel`` picks the dense TMA kernel (``fp8_prefill``, sm_90): the shared
-# expert's w1|w3 there into bf16 outputs + the SwiGLU pass instead of the tile kernel's SwiGLU epilogue (the
-# same rounding: the epilogue rounds both outputs to bf16 first). Off until a GPU has timed it: at 8192 tokens
-# the fused tile kernel took 617 us (~32% of ``_scaled_mm``, H100 2026-12-06, exp_predec.py --profile), the
-# dense kernel runs this shape class at 56-59% (exp_predec_gemm.py)
-SHARED_UNFUSED = False
+# from PREFILL_STEP_MIN_ROWS rows, where ``fp8_kernel`` picks the dense TMA kernel (``fp8_prefill``, sm_90): the
+# shared expert's w1|w3 there into bf16 outputs + the SwiGLU pass instead of the tile kernel's SwiGLU epilogue
+# (the same rounding: the epilogue rounds both outputs to bf16 first). H200, experiments/exp_predec.py
+# (2026-12-06, the MoE layer at 8192 tokens): 256 experts 8204 -> 7896 us, 128 experts 6348 -> 6035 us
+SHARED_UNFUSED = True
+# steps of at least this many rows are prefill chunks for the choices timed at prefill sizes only (``dense_mm``
+# for the router's gate, SHARED_UNFUSED): decode and verify steps of up to 1024 rows keep their kernels
+PREFILL_STEP_MIN_ROWS = 1025
 
 
 def fp4_path(fmt: str, t: Target) -> str:
@@ -269,8 +291,9 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     points of ``_scaled_mm``). ``PREFETCH``: the scale operands loaded one K block ahead. The sm_90 SASS
     (Triton 3.9, offline) of the default tile without it issues the weight factor's load after the stage's
     barrier and schedules the factor product sa * sb, which needs it, right before the block's wgmma: every
-    K block's wgmma waits for a global load. With it the product reads registers loaded a block earlier. Off
-    until a GPU has timed it (``experiments/exp_predec_gemm.py``, ``.pf`` rows)."""
+    K block's wgmma waits for a global load. With it the product reads registers loaded a block earlier (H200,
+    ``experiments/exp_predec_gemm.py`` 2026-12-06, 256 experts x 8192 tokens with tile factors and host
+    descriptors: GEMM 1 56% -> 57%, GEMM 2 54% -> 56% of ``_scaled_mm``, the same bits)."""
     if not t.compiled:
         return {"BM": 16, "BN": 32, "SWAP": False, "WTMA": False, "ATMA": False}
     # ptxas (Triton 3.9, sm_90a, tests' AOT cases): with SwiGLU only the all-TMA form keeps its 64 x 128
@@ -279,7 +302,7 @@ def fp8_predec_config(rows_per_group: float, t: Target, swiglu: bool = False) ->
     tma = t.capability[0] >= 9
     return {"BM": 64, "BN": 128, "SWAP": False, "WTMA": tma, "ATMA": tma, "num_warps": 8 if swiglu else 4,
             "num_stages": 3, "UNFUSED": tma and swiglu, "TILE": tma, "HOST_TMA": tma,
-            "PREFETCH": False}
+            "PREFETCH": tma}
 
 
 def decode_kernel(t: Target) -> str:
@@ -441,6 +464,9 @@ def choices(t: Target) -> list[Choice]:
             cfg = dense_gemv_config(N, K, dt.itemsize, t)
             add(_choice("dense_gemv_f32" if dt == torch.float32 else "dense_gemv",
                         {"BN": cfg["BN"], "BK": cfg["BK"], "SPLIT": cfg["SPLIT"] > 1}, cfg, f"dense gemv N={N} K={K} {dt}"))
+    if dense_mm(max(ROWS), t):                           # the router's gate at prefill sizes (bf16-exact weight)
+        cfg = dense_mm_config(t)
+        add(_choice("dense_mm", {"BM": cfg["BM"], "BN": cfg["BN"], "BK": cfg["BK"]}, cfg, "router gate, prefill rows"))
     # the CUDA-core GEMV's FP8 form: the shared expert where no tensor-core decode kernel runs
     if decode_kernel(t) != "mma":
         cfg = gemv_config(4096, t, True)
@@ -449,8 +475,8 @@ def choices(t: Target) -> list[Choice]:
 
 
 __all__ = ["Choice", "FUSE_QUANT_MAX_ROWS", "GEMV_ROWS_PER_EXPERT", "MMA_GEMV_ROWS_PER_EXPERT", "MMA_MAX_ROWS",
-           "MMA_MAX_WEIGHT", "DENSE_GEMV_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "SHARED_UNFUSED",
+           "MMA_MAX_WEIGHT", "DENSE_GEMV_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_STEP_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "SHARED_UNFUSED",
            "WO_A_MAX_ROWS",
-           "FP8MMA_MAX_ROWS_PER_EXPERT", "FP8MMA_ROWS_PER_EXPERT", "PREDEC_ROWS_PER_EXPERT", "choices", "decode_kernel", "dense_gemv", "dense_gemv_config", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
+           "FP8MMA_MAX_ROWS_PER_EXPERT", "FP8MMA_ROWS_PER_EXPERT", "PREDEC_ROWS_PER_EXPERT", "choices", "decode_kernel", "dense_gemv", "dense_gemv_config", "dense_mm", "dense_mm_config", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
            "fp4_fp8_config", "fp4_prefill_config", "fp8_predec_config", "predecode_config", "fp8_kernel", "fp8_mma_config", "fp8_prefill_config", "fp8_split_k", "fp8_tiles",
            "gemv_config", "rows_tile", "wo_a_kernel"]
