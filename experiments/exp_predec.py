@@ -9,8 +9,8 @@ prefill sizes, and the tile of its decode pass (``fp4_fp8.predecode``).
    path, and the ``prefill`` and ``predec`` paths forced, the latter with GEMM 1's SwiGLU fused or not
    (``UNFUSED``), with per-row or per-tile weight factors (``TILE``), host-built descriptors (``HOST_TMA``) and
    the scale operands loaded a K block ahead (``PREFETCH``),
-   and the router's path with the shared expert unfused (``route.SHARED_UNFUSED``). do_bench medians
-   (L2 flushed).
+   and the router's path with the shared expert's SwiGLU fused into its tile kernel (``route.SHARED_UNFUSED``
+   off). do_bench medians (L2 flushed).
 
     PYTHONPATH=. python experiments/exp_predec.py [--tokens 4096,5460,8192,16384] [--experts 256,128] [--quick]
     PYTHONPATH=. python experiments/exp_predec.py --no-tiles --profile 256x8192     # kernels of one layer call
@@ -48,6 +48,17 @@ H100 (2026-12-06), one weight factor per 128 x 128 tile (``TILE``), host-built T
 Kernels of one layer call at 256 experts x 8192 tokens (``--profile``, 10.07 ms): the FP8 GEMMs 4.37 ms (5
 launches: w1|w3 and w2 over the scratch passes), the decode passes 3.73 ms, the shared expert's GEMMs 0.76 ms,
 the router's fp32 gate GEMM 0.35 ms, ``swiglu_quant`` 0.20 ms, the combine 0.19 ms, the row gathers 0.15 ms.
+
+H200 (2026-12-06, one run, before ``PREFETCH`` and ``SHARED_UNFUSED`` became the defaults), us:
+
+| experts | T | router's path then | + PREFETCH | router's path, shared expert unfused |
+|---|---|---|---|---|
+| 256 | 8192 | 8,204 | 8,182 | 7,896 |
+| 128 | 8192 | 6,348 | 6,316 | 6,035 |
+
+H100 (2026-12-06, later, both on and the gate GEMM on ``dense_mm``), ``--profile 256x8192``: 9.38 ms of kernels
+(10.07 before): the FP8 GEMMs 4.33 ms, the decode passes 3.74, the shared expert on the dense kernel 0.47 (w1|w3 +
+w2) plus its SwiGLU pass, the gate 0.05 ms (0.35 + 0.10 for the x upcast before).
 """
 from __future__ import annotations
 
@@ -74,7 +85,7 @@ def weights(E, dev, gen):
     w2, s2 = rand_mx(E, D, I, dev, gen)
     sh13, sh13s = quant_fp8_weight(torch.randn(2 * I, D, device=dev, generator=gen) * 0.02)
     sh2, sh2s = quant_fp8_weight(torch.randn(D, I, device=dev, generator=gen) * 0.02)
-    return Mo.MoEWeights(gate_w=torch.randn(E, D, device=dev, generator=gen) * 0.02,
+    return Mo.MoEWeights(gate_w=(torch.randn(E, D, device=dev, generator=gen) * 0.02).bfloat16().float(),
                          bias=torch.randn(E, device=dev, generator=gen) * 0.01, tid2eid=None, topk=K_TOP,
                          route_scale=1.5, limit=10.0, fmt="mxfp4", w13=w13, w13_s=s13, w13_s2=None,
                          w2=w2, w2_s=s2, w2_s2=None, sh13=sh13, sh13_s=sh13s.float(), sh2=sh2, sh2_s=sh2s.float())
@@ -141,7 +152,7 @@ def main():
     # 2. the layer
     print("\n| experts | T | rows / expert | router's path | its us | prefill us | predec us | predec, GEMM 1 unfused us |"
           " unfused, tile factors us | unfused, tile factors, host descriptors us | the same + PREFETCH us |"
-          " router's path, shared expert unfused us | bits = fp8mma | variants' bits = predec |"
+          " router's path, shared expert fused us | bits = fp8mma | variants' bits = predec |"
           "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for E in (int(e) for e in args.experts.split(",")):
         wE = w if E == E0 else weights(E, dev, gen)
@@ -157,9 +168,9 @@ def main():
                     "pf": pd(UNFUSED=True, TILE=True, HOST_TMA=True, PREFETCH=True)}
             us = {k: triton.testing.do_bench(lambda kw=kw: Mo.moe_forward(x, None, wE, **kw), warmup=50, rep=300)
                   * 1e3 for k, kw in runs.items()}
-            R.SHARED_UNFUSED = True              # the router's path, the shared expert's w1|w3 on the dense kernel
+            R.SHARED_UNFUSED = False             # the router's path, the shared expert's SwiGLU in its tile kernel
             us["shared"] = triton.testing.do_bench(lambda: Mo.moe_forward(x, None, wE), warmup=50, rep=300) * 1e3
-            R.SHARED_UNFUSED = False
+            R.SHARED_UNFUSED = True
             fused = Mo.moe_forward(x, None, wE, **runs["predec"])
             same = torch.equal(fused, Mo.moe_forward(x, None, wE, path="fp8mma"))
             same_v = all(torch.equal(fused, Mo.moe_forward(x, None, wE, **runs[k]))
