@@ -1,0 +1,130 @@
+"""The warp-specialized in-kernel-decode MXFP4 expert GEMM (experiments/fp4_fp8_ws.py; not in the default
+``pytest`` run: ``python3 -m pytest experiments/test_fp4_fp8_ws.py``).
+
+Gluon has no CPU interpreter: on a CPU machine these tests check the host helpers and argument errors and
+compile the kernel for sm_90 (loader / decoder / consumer partitions, register reallocation, fp8 wgmma of
+K = 64 chains, TMA loads, the decode's inline PTX); the ``gpu``-marked test runs it on an sm_90 GPU against the
+pre-decoded path's kernel on the same experts (the same products; the block sums may differ in the last fp32
+bits, so the bf16 outputs are compared to within one bf16 step of the larger) and the exact sum.
+"""
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_helpers import need_gpu, run_aot_script
+
+pytest.importorskip("triton")
+
+from experiments import fp4_fp8_ws as WS  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_split_k_order_and_tile_counts():
+    a = torch.arange(2 * 256, dtype=torch.int32).reshape(2, 256)
+    s = WS.split_k_order(a)
+    assert torch.equal(s[0, :64], a[0, 0:128:2]) and torch.equal(s[0, 64:128], a[0, 1:128:2])
+    assert torch.equal(s[1, 128:192], a[1, 128:256:2]) and torch.equal(s[1, 192:], a[1, 129:256:2])
+    offs = torch.tensor([0, 0, 128, 129, 400])
+    assert WS.tile_counts(offs).tolist() == [0, 0, 1, 2, 5]
+
+
+def test_fp4_fp8_ws_argument_errors():
+    a = torch.zeros(8, 256, dtype=torch.uint8)
+    sa = torch.ones(8, 2)
+    w = torch.zeros(2, 128, 128, dtype=torch.uint8)
+    ws = torch.full((2, 128, 8), 127, dtype=torch.uint8)
+    smx = torch.full((2, 1, 2), 127, dtype=torch.uint8)
+    offs = torch.tensor([0, 4, 8])
+    with pytest.raises(ValueError, match="unknown config keys"):
+        WS.resolve_config({"BM": 64})
+    with pytest.raises(ValueError, match="STAGES must be"):
+        WS.resolve_config({"STAGES": 1})
+    with pytest.raises(ValueError, match="do not fit"):
+        WS.fp4_fp8_ws(a[:, :128], sa, w, ws, smx, offs)
+    if not WS.available("cpu"):
+        with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+            WS.fp4_fp8_ws(a, sa, w, ws, smx, offs)
+
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import os, re, sys
+    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+    from kernel_helpers import aot_compile
+    from experiments import fp4_fp8_ws as WS
+    if not WS.GLUON:
+        print("no Gluon Hopper ops in this triton"); sys.exit(0)
+    from triton.experimental.gluon import language as gl
+    from triton.runtime.jit import mangle_type
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    import torch
+
+    def desc(dtype, gdt, block):   # the JIT's signature string of a host descriptor of this block
+        t = torch.empty(256, 256, dtype=dtype)
+        return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt)))
+
+    cfg = WS.DEFAULT_CONFIG
+    types = dict(a_desc=desc(torch.float8_e4m3fn, gl.float8e4nv, [64, 64]), w_desc=desc(torch.uint8, gl.uint8, [128, 64]),
+                 OUT="*bf16", SA="*fp32", WS="*u8", SMAX="*u8", TCUM="*i64", OFFS="*i64")
+    const = dict(STAGES=cfg["STAGES"], LOG2G=9, B_LAYOUT=gl.NVMMASharedLayout.get_default_for([128, 64], gl.float8e4nv),
+                 CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"], LOADER_REGS=cfg["LOADER_REGS"])
+    ptx, mma = aot_compile(WS._fp4_fp8_ws_kernel, types, const, 90, 4, div=("P", "N", "K"))
+    assert mma == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"], mma
+    assert re.search(r"cp\\.async\\.bulk\\.tensor\\.2d\\.shared::(cluster|cta)\\.global", ptx), "expected TMA loads"
+    assert "prmt.b32" in ptx, "expected the inline decode"
+    for regs in (cfg["LOADER_REGS"], cfg["DECODER_REGS"], cfg["CONSUMER_REGS"]):
+        assert re.search(r"setmaxnreg\\.(inc|dec)\\.sync\\.aligned\\.u32\\s+%d\\b" % regs, ptx), regs
+    print("ok", len(ptx))
+""")
+
+
+def test_aot_compile_sm90():
+    run_aot_script(_AOT_SCRIPT, REPO, timeout=600)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (sm_90)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,N,K,rows", [(4, 256, 512, [0, 64, 130, 200]), (8, 4096, 2048, [192] * 8),
+                                        (16, 128, 4096, [1, 300, 0, 5] * 4)])
+@pytest.mark.parametrize("cfg", [None, {"STAGES": 2, "GRID": 3}])
+def test_gpu_fp4_fp8_ws_matches_predecoded(E, N, K, rows, cfg):
+    """Empty experts, an expert of one row, tiles whose second half has no rows, more tiles than programs:
+    the pre-decoded path's kernel (the same products) within one bf16 step, and the exact sum."""
+    need_gpu()
+    if not WS.available("cuda"):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    from dsv4.formats.fp4 import dequant_mxfp4, quant_mxfp4
+    from dsv4.kernels.gemm import fp4_fp8 as F
+    from dsv4.kernels.gemm import fp8 as G8
+    gen = torch.Generator().manual_seed(E + N + K)
+    P = sum(rows)
+    offs = torch.tensor([0] + rows).cumsum(0)
+    Wf = torch.randn(E, N, K, generator=gen) * 0.05
+    q, s = zip(*(quant_mxfp4(Wf[e]) for e in range(E)))
+    w, ws = torch.stack(q).cuda(), torch.stack(s).cuda()
+    x = (torch.randn(P, K, generator=gen) * 2).bfloat16().cuda()
+    xq, xs = G8.act_quant_fp8(x)
+    smx = F.tile_max(ws)
+    y = WS.fp4_fp8_ws(WS.split_k_order(xq.view(torch.uint8)), xs, w, ws, smx, offs.cuda(), config=cfg)
+    w8, f8 = F.predecode(w, ws, tile=True, tile_smax=smx)
+    bm = 64
+    n = (offs[1:] - offs[:-1] + bm - 1) // bm
+    tcum = torch.cat([n.new_zeros(1), n.cumsum(0)]).cuda()
+    ref = torch.empty(P, N, dtype=torch.bfloat16, device="cuda")
+    from dsv4.kernels.gemm import route as R
+    from dsv4.kernels.lib import target
+    cfg_ref = dict(R.fp8_predec_config(float(max(rows)), target("cuda")), UNFUSED=False)
+    F.fp4_fp8_launch(xq.view(torch.uint8), xs, w8, f8, None, ref, None, P, N, K, 0, fmt="mxfp4", config=cfg_ref,
+                     predecoded=True, offs=offs.cuda(), tcum=tcum, n_groups=E,
+                     n_tiles=min(P, -(-P // bm) + min(E, P)))
+    d = (y.float() - ref.float()).abs()
+    assert (d <= 2.0 ** -7 * torch.maximum(y.float().abs(), ref.float().abs()) + 1e-30).all(), d.max().item()
+    Wd = torch.stack([dequant_mxfp4(q[e], s[e]) for e in range(E)])
+    for e in range(E):
+        r0, r1 = int(offs[e]), int(offs[e + 1])
+        if r1 > r0:
+            ex = xq[r0:r1].float().cpu() * xs[r0:r1].cpu().repeat_interleave(128, 1) @ Wd[e].T
+            torch.testing.assert_close(y[r0:r1].float().cpu(), ex, rtol=2e-2, atol=2e-2 * ex.abs().max().item())
