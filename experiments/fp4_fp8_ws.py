@@ -57,29 +57,15 @@ try:
 except ImportError:     # CPU-only torch without triton, or a triton without Gluon's Hopper ops
     GLUON = False
 
-# ``fp4_fp8._DEC_ASM``: per byte lane, the e4m3 bytes of the low ($0) and high ($1) nibbles of $2 with the
-# group shift byte $3 = (s_g - smax + 12) << 3 (0: flushed)
-_DEC_ASM = (
-    "{ .reg .b32 rp, rf, rg, rn, rk, rs;\n"
-    "add.u32 rk, $3, 0x78787878;\n"
-    "shl.b32 rp, $2, 2; and.b32 rp, rp, 0x1C1C1C1C;\n"
-    "shr.b32 rf, rp, 1; shr.b32 rg, rp, 2; or.b32 rf, rf, rg; not.b32 rf, rf; and.b32 rf, rf, rp;"
-    " and.b32 rf, rf, 0x04040404;\n"
-    "add.u32 rn, rp, 0x7C7C7C7C; and.b32 rn, rn, rk; and.b32 rn, rn, 0x80808080; prmt.b32 rn, rn, 0, 0xBA98;\n"
-    "add.u32 rp, rp, $3; sub.u32 rp, rp, rf; shl.b32 rs, $2, 4; and.b32 rs, rs, 0x80808080;\n"
-    "or.b32 rp, rp, rs; and.b32 $0, rp, rn;\n"
-    "shr.b32 rp, $2, 2; and.b32 rp, rp, 0x1C1C1C1C;\n"
-    "shr.b32 rf, rp, 1; shr.b32 rg, rp, 2; or.b32 rf, rf, rg; not.b32 rf, rf; and.b32 rf, rf, rp;"
-    " and.b32 rf, rf, 0x04040404;\n"
-    "add.u32 rn, rp, 0x7C7C7C7C; and.b32 rn, rn, rk; and.b32 rn, rn, 0x80808080; prmt.b32 rn, rn, 0, 0xBA98;\n"
-    "add.u32 rp, rp, $3; sub.u32 rp, rp, rf; and.b32 rs, $2, 0x80808080;\n"
-    "or.b32 rp, rp, rs; and.b32 $1, rp, rn; }")
 
 
 if GLUON:
     _BMH = gl.constexpr(BMH)
     _BKH = gl.constexpr(BKH)
-    _DEC = gl.constexpr(_DEC_ASM)
+    from dsv4.kernels.gemm.fp4_fp8 import _DEC_ASM
+    # fp4_fp8's byte-lane decode: per byte lane the e4m3 bytes of the low ($0) and high ($1) nibbles of $2,
+    # with the group shift byte $3 = (s_g - smax + 12) << 3 (0: flushed)
+    _DEC = gl.constexpr(_DEC_ASM.value)
 
     @gluon.jit
     def _find_tile(TCUM, OFFS, t, n_groups, LOG2G: gl.constexpr):
