@@ -95,6 +95,31 @@ def test_index_scores():
         index_scores(q, wb, pages, bt, pos, w_scale=scale)
 
 
+@pytest.mark.parametrize("qb", [2, 4])
+def test_index_scores_rows_sharing_a_block_table(qb):
+    """A prefill chunk's rows (one block table, row stride 0, ascending positions; the first rows see
+    nothing yet, the row count not a multiple of the rows per program): ``rows_per_program`` rows per
+    program give the twin's scores, and the one-row kernel's up to the head sum's fp32 order."""
+    gen = torch.Generator().manual_seed(13 + qb)
+    H, B = 16, 11
+    pages = _index_cache(5, gen)
+    bt = torch.tensor([4, 0, 2, -1], dtype=torch.int32).to(DEV).expand(B, -1)
+    pos = (torch.arange(B) * 70 + 1).to(DEV)                         # visible: 0 .. 175 entries
+    q, w = _score_inputs(B, H, gen)
+    ref = index_scores_twin(q, w, pages, bt, pos)
+    one = index_scores(q, w, pages, bt, pos, rows_per_program=1)
+    sc = index_scores(q, w, pages, bt, pos, rows_per_program=qb)
+    _check_scores(sc, ref)
+    assert (sc.float() != one.float()).float().mean() < 2e-3
+    assert torch.isinf(sc[0]).all() and torch.isinf(sc[:, 192:]).all()
+    z = torch.randn(B, H + 3, generator=gen).to(DEV) * 4                # the model's fp32 weights_proj form
+    scale = 128 ** -0.5 * H ** -0.5
+    _check_scores(index_scores(q, z[:, 3:], pages, bt, pos, n=150, w_scale=scale, rows_per_program=qb),
+                  index_scores_twin(q, z[:, 3:], pages, bt, pos, n=150, w_scale=scale))
+    with pytest.raises(ValueError, match="power of two"):
+        index_scores(q, w, pages, bt, pos, rows_per_program=3)
+
+
 _TOPK_PATHS = {"auto": {}, "chunked": dict(single_max=0), "chunked+rank": dict(single_max=0, sort_max=0)}
 
 

@@ -169,6 +169,67 @@ if triton_available():
             else:
                 tl.store(out_ptr, tl.full([64], float("-inf"), tl.float32).to(OUT.dtype.element_ty), mask=t < N)
 
+    @triton.jit(do_not_specialize=['N', 'n_bt', 'B'])
+    def _index_scores_rows_kernel(Q, W, PAGES, BT, POS, OUT, B, H, N, n_bt, stride_qb, stride_qh, stride_wb,
+                                  stride_ob, page_nbytes, w_scale, QB: tl.constexpr, TPP: tl.constexpr,
+                                  HP: tl.constexpr, INTERP: tl.constexpr, W_SCALE: tl.constexpr):
+        """``_index_scores_kernel`` for QB rows of one sequence per program (one block table ``BT`` [n_bt] for
+        all rows, each row its own position): each page is dequantised once for the QB rows and scored with
+        one ``[QB HP, 128] x [128, 64]`` dot. The same rounding points; the fp32 head sum runs over a
+        [QB, HP, 64] tile."""
+        pdl_wait()
+        b0 = tl.program_id(0) * QB
+        g = tl.program_id(1)
+        rq = b0 + tl.arange(0, QB)
+        rmask = rq < B
+        r64 = rq.to(tl.int64)
+        hh = tl.arange(0, HP)
+        hm = hh < H
+        d = tl.arange(0, 128)
+        qm = rmask[:, None, None] & hm[None, :, None]
+        q = tl.load(Q + r64[:, None, None] * stride_qb + hh[None, :, None] * stride_qh + d[None, None, :], mask=qm,
+                    other=0.0)
+        q = tl.reshape(q, [QB * HP, 128])
+        if INTERP:
+            q = q.to(tl.float32)
+        w = tl.load(W + r64[:, None] * stride_wb + hh[None, :], mask=rmask[:, None] & hm[None, :], other=0.0)
+        w = tl.reshape(w.to(tl.float32), [QB * HP])
+        if W_SCALE:
+            w = rne_bf16(rne_bf16(w) * w_scale)
+        vis = (tl.load(POS + rq, mask=rmask, other=-1) + 1) // 4                       # [QB]
+        vis_max = tl.max(vis, axis=0)
+        e = tl.arange(0, 64)
+        cb = tl.arange(0, 64)
+        sb = tl.arange(0, 4)
+        out_rows = OUT + r64[:, None] * stride_ob
+        for i in range(TPP):
+            tile = g * TPP + i
+            t = tile * 64 + e
+            smask = rmask[:, None] & (t < N)[None, :]
+            has = (tile * 64 < vis_max) & (tile < n_bt)
+            blk = tl.load(BT + tile, mask=has, other=-1)
+            if blk >= 0:
+                page = PAGES + blk.to(tl.int64) * page_nbytes
+                codes = tl.load(page + e[:, None] * 64 + cb[None, :]).to(tl.int32)        # [64, 64]
+                sc = tl.load(page + 64 * 64 + e[:, None] * 4 + sb[None, :]).to(tl.int32)  # [64, 4]
+                cd = tl.reshape(tl.join(codes & 15, codes >> 4), [64, 128])
+                val = e2m1_value(cd & 7)
+                val = tl.where((cd & 8) != 0, -val, val)
+                scale = (sc << 23).to(tl.float32, bitcast=True)                          # 2^(byte-127)
+                kv = tl.reshape(tl.reshape(val, [64, 4, 32]) * scale[:, :, None], [64, 128])
+                if INTERP:
+                    s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(kv.to(tl.bfloat16)))                           # [QB HP, 64]
+                s = tl.maximum(rne_bf16(s), 0.0)
+                s = rne_bf16(s * w[:, None])
+                tot = rne_bf16(tl.sum(tl.reshape(s, [QB, HP, 64]), axis=1))               # [QB, 64]
+                tot = tl.where(t[None, :] < vis[:, None], tot, float("-inf"))
+                tl.store(out_rows + t[None, :], tot.to(OUT.dtype.element_ty), mask=smask)
+            else:
+                tl.store(out_rows + t[None, :], tl.full([QB, 64], float("-inf"), tl.float32).to(OUT.dtype.element_ty),
+                         mask=smask)
+
     # -------------------------------------------------------------------------- top-k
     @triton.jit
     def _key16(raw):
@@ -424,14 +485,23 @@ def _pad16(n: int) -> int:
 
 
 # ------------------------------------------------------------------------------ scores
+# rows per program of ``index_scores`` where every row reads one block table (a prefill chunk's rows: the table
+# passed with row stride 0): each key page is then dequantised once per QB rows instead of once per row. 1 (the
+# one-row kernel) until a GPU has timed it: ``experiments/exp_index_scores.py``
+SHARED_TABLE_ROWS = 1
+
+
 def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
                  pos: torch.Tensor, n: int | None = None, out_dtype: torch.dtype = torch.bfloat16,
                  pages_per_program: int | None = None, num_warps: int = 4, direct: bool = False,
-                 w_scale: float | None = None) -> torch.Tensor:
+                 w_scale: float | None = None, rows_per_program: int | None = None) -> torch.Tensor:
     """Indexer scores over the MXFP4 paged keys: q bf16 [B, H, 128], w [B, H] (bf16 head weights),
     pages uint8 [num_blocks, 64*68], block_table int [B, W] (-1 pad), pos int [B] -> [B, n] (-inf
     where not causal). ``w_scale``: w is the fp32 ``weights_proj`` output (rows may be strided views),
-    the head weights are bf16(bf16(w) * w_scale), formed in the kernel (the twin's order)."""
+    the head weights are bf16(bf16(w) * w_scale), formed in the kernel (the twin's order).
+    ``rows_per_program`` (a power of two; default ``SHARED_TABLE_ROWS``): where ``block_table`` has row
+    stride 0 (one sequence's rows), that many rows per program share each page's dequantisation
+    (``_index_scores_rows_kernel``; ``direct`` does not apply there)."""
     B, H, D = q.shape
     if D != HEAD_DIM or q.dtype != torch.bfloat16 or q.stride(2) != 1:
         raise ValueError(f"q: expected bf16 [B, H, 128], got {q.dtype} {tuple(q.shape)}")
@@ -450,14 +520,26 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_ta
     if B == 0 or n == 0:
         return out
     n_tiles = triton.cdiv(n, INDEX_PAGE)
+    qb = SHARED_TABLE_ROWS if rows_per_program is None else rows_per_program
+    if qb < 1 or qb & (qb - 1):
+        raise ValueError(f"rows_per_program must be a power of two, got {qb}")
+    qb = qb if block_table.stride(0) == 0 and B > 1 else 1
     # pages per program: 1, 2, 4 or 8 (powers of two: few compiled variants)
     tpp = pages_per_program or (1 if interpreting() else
-                                1 << (max(1, min(8, n_tiles * B // (8 * target(q.device).sm_count))).bit_length() - 1))
+                                1 << (max(1, min(8, n_tiles * triton.cdiv(B, qb) // (8 * target(q.device).sm_count)))
+                                      .bit_length() - 1))
+    HP = max(16, triton.next_power_of_2(H))
+    if qb > 1:
+        _index_scores_rows_kernel[(triton.cdiv(B, qb), triton.cdiv(n_tiles, tpp))](
+            q, w, pages, block_table, pos, out, B, H, n, n_bt, q.stride(0), q.stride(1), w.stride(0), out.stride(0),
+            pages.shape[1], float(w_scale if w_scale is not None else 1.0), QB=qb, TPP=tpp, HP=HP,
+            INTERP=interpreting(), W_SCALE=w_scale is not None, **_kw(num_warps if qb * HP <= 128 else 8), **PDL_LAUNCH)
+        return out
     grid = (B, triton.cdiv(n_tiles, tpp))
     _index_scores_kernel[grid](q, w, pages, block_table, pos, out, H, n, n_bt, q.stride(0), q.stride(1),
                                w.stride(0), block_table.stride(0), out.stride(0), pages.shape[1],
                                float(w_scale if w_scale is not None else 1.0),
-                               TPP=tpp, HP=max(16, triton.next_power_of_2(H)), INTERP=interpreting(),
+                               TPP=tpp, HP=HP, INTERP=interpreting(),
                                W_SCALE=w_scale is not None, DIRECT=direct, **_kw(num_warps), **PDL_LAUNCH)
     return out
 
