@@ -271,3 +271,23 @@ def test_gpu_indexer_real_shapes():
     s64 = torch.randn(64, 65536, generator=gen).bfloat16().cuda()
     for k in (1024, 2048):
         assert torch.equal(index_topk(s64, k).cpu(), index_topk_twin(s64.cpu(), k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qb", [2, 4])
+def test_gpu_index_scores_rows_sharing_a_block_table(qb):
+    """V4's indexer (64 heads) on a 512-row prefill chunk from position 3000 (one block table): the rows
+    kernel's scores against the twin's and the one-row kernel's."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(21)
+    B, H = 512, 64
+    n = (3000 + B) // 4
+    nb = -(-n // 64)
+    pages = _index_cache(nb, gen, device="cuda")
+    bt = torch.randperm(nb, generator=gen).int().cuda().expand(B, -1)
+    pos = torch.arange(3000, 3000 + B).cuda()
+    q, w = _score_inputs(B, H, gen, device="cuda")
+    sc = index_scores(q, w, pages, bt, pos, n=n, rows_per_program=qb)
+    _check_scores(sc, index_scores_twin(q, w, pages, bt, pos, n=n))
+    one = index_scores(q, w, pages, bt, pos, n=n, rows_per_program=1)
+    assert (sc.float() != one.float()).float().mean() < 2e-3
