@@ -303,9 +303,9 @@ class MoEWeights:
 
     def gate_bf16(self) -> torch.Tensor | None:
         """``gate_w`` as bf16 [E, d] when every value is bf16-exact (the checkpoints store the gate in bf16;
-        the official GEMM upcasts it): the router's many-row GEMM then runs on bf16 tensor cores with fp32
-        output, the same exact products with fp32 sums (the compressor projections' form, ``layer_ops``),
-        instead of an fp32 SIMT GEMM on an upcast copy of x. None otherwise. Computed once per object (a
+        the official GEMM upcasts it): the router's prefill-sized GEMM then runs on ``dense_mm`` (bf16 tensor
+        cores, the same exact products, fp32 sums promoted every K block) instead of an fp32 SIMT GEMM on an
+        upcast copy of x. None otherwise. Computed once per object (a
         device sync); None while a CUDA graph is being captured before."""
         if "_gate_bf16" not in self.__dict__:
             if self.gate_w.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -452,7 +452,7 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
     ``act_quant_fp8`` (e4m3 bytes uint8 [T, d], fp32 scales [T, d/128]) from the same launch, else
     (..., None, None). The gate logits are the twin's fp32 GEMM: ``dense_gemv`` at decode sizes (one
     launch, x upcast in its loads); at prefill sizes with a bf16-exact gate (``MoEWeights.gate_bf16``)
-    ``dense_mm`` (bf16 tensor cores, fp32 sums promoted every 64 columns); else torch's fp32 GEMM
+    ``dense_mm`` (bf16 tensor cores, fp32 sums promoted every K block); else torch's fp32 GEMM
     (``portable``: always)."""
     T, d = x.shape
     k, E = w.topk, w.n_routed
