@@ -132,7 +132,7 @@ def _aot_worker(job):
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         if cfg == "baseline":
-            from dsv4.kernels.gemm import fp8 as G8, linear as GL
+            from dsv4.kernels.gemm import fp8 as G8
             fn = G8._fp8_gemm_kernel
             const = dict(SB_SHIFT=7, A_BF16=False, SB_E8M0=True, SWIGLU=False, BM=128, BN=128, GROUP_M=8, SPLIT=False,
                          SUM=False, INTERP=False)
@@ -309,7 +309,7 @@ def _case(M, N, K, dev, gen):
 
     from dsv4.formats.fp8 import act_quant_fp8 as act_quant_ref
     from dsv4.formats.fp8 import quant_fp8_weight
-    from dsv4.kernels.gemm import fp8 as G8, linear as GL
+    from dsv4.kernels.gemm import fp8 as G8
     x = (torch.randn(M, K, device=dev, generator=gen) * 2).bfloat16()
     W = torch.randn(N, K, device=dev, generator=gen) * 0.02
     W[:, : min(K, 256)] *= 16                                 # spread of block scales
@@ -340,7 +340,7 @@ def _variant(cfg):
 def run(configs, smoke, md, out, jobs=None, shapes=None, rounds=1):
     import torch
 
-    from dsv4.kernels.gemm import fp8 as G8, linear as GL
+    from dsv4.kernels.gemm import linear as GL
     dev = "cpu" if smoke else "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     t_start = time.time()
