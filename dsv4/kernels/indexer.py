@@ -110,6 +110,30 @@ if triton_available():
                  tl.reshape(q, [HB, 128]).to(tl.bfloat16), mask=hm[:, None])
 
     # -------------------------------------------------------------------------- scores
+    @triton.jit
+    def _page_keys(page):
+        """fp32 [64, 128] keys of one MXFP4 index page (``[64 x 64 B codes][64 x 4 B e8m0 scales]``): e2m1 x 2^k,
+        exact in bf16."""
+        e = tl.arange(0, 64)
+        codes = tl.load(page + e[:, None] * 64 + e[None, :]).to(tl.int32)                   # [64, 64]
+        sc = tl.load(page + 64 * 64 + e[:, None] * 4 + tl.arange(0, 4)[None, :]).to(tl.int32)  # [64, 4]
+        cd = tl.reshape(tl.join(codes & 15, codes >> 4), [64, 128])
+        val = e2m1_value(cd & 7)
+        val = tl.where((cd & 8) != 0, -val, val)
+        scale = (sc << 23).to(tl.float32, bitcast=True)                                       # 2^(byte-127)
+        return tl.reshape(tl.reshape(val, [64, 4, 32]) * scale[:, :, None], [64, 128])
+
+    @triton.jit
+    def _head_scores(q, kv, w, INTERP: tl.constexpr):
+        """bf16(relu(bf16(q . kv)) * w) per query row (rows x 64 keys, fp32 values): the reference's rounding
+        points before the head sum."""
+        if INTERP:
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv.to(tl.bfloat16)))
+        s = tl.maximum(rne_bf16(s), 0.0)
+        return rne_bf16(s * w[:, None])
+
     @triton.jit(do_not_specialize=['POS', 'N', 'n_bt'])
     def _index_scores_kernel(Q, W, PAGES, BT, POS, OUT, H, N, n_bt, stride_qb, stride_qh, stride_wb,
                              stride_btb, stride_ob, page_nbytes, w_scale,
@@ -131,9 +155,7 @@ if triton_available():
             w = rne_bf16(rne_bf16(w) * w_scale)
         vis = (tl.load(POS + b) + 1) // 4
         e = tl.arange(0, 64)
-        cb = tl.arange(0, 64)
         col = tl.arange(0, 128)
-        sb = tl.arange(0, 4)
         for i in range(TPP):
             tile = g * TPP + i
             t = tile * 64 + e
@@ -150,19 +172,8 @@ if triton_available():
                     vald = tl.where((cdd & 8) != 0, -vald, vald)
                     kv = vald * (scd << 23).to(tl.float32, bitcast=True)                     # 2^(byte-127)
                 else:
-                    codes = tl.load(page + e[:, None] * 64 + cb[None, :]).to(tl.int32)        # [64, 64]
-                    sc = tl.load(page + 64 * 64 + e[:, None] * 4 + sb[None, :]).to(tl.int32)  # [64, 4]
-                    cd = tl.reshape(tl.join(codes & 15, codes >> 4), [64, 128])
-                    val = e2m1_value(cd & 7)
-                    val = tl.where((cd & 8) != 0, -val, val)
-                    scale = (sc << 23).to(tl.float32, bitcast=True)                          # 2^(byte-127)
-                    kv = tl.reshape(tl.reshape(val, [64, 4, 32]) * scale[:, :, None], [64, 128])
-                if INTERP:
-                    s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(kv.to(tl.bfloat16)))                              # [HP, 64]
-                s = tl.maximum(rne_bf16(s), 0.0)
-                s = rne_bf16(s * w[:, None])
+                    kv = _page_keys(page)
+                s = _head_scores(q, kv, w, INTERP)                                           # [HP, 64]
                 tot = rne_bf16(tl.sum(s, axis=0))
                 tot = tl.where(t < vis, tot, float("-inf"))
                 tl.store(out_ptr, tot.to(OUT.dtype.element_ty), mask=t < N)
@@ -199,8 +210,6 @@ if triton_available():
         vis = (tl.load(POS + rq, mask=rmask, other=-1) + 1) // 4                       # [QB]
         vis_max = tl.max(vis, axis=0)
         e = tl.arange(0, 64)
-        cb = tl.arange(0, 64)
-        sb = tl.arange(0, 4)
         out_rows = OUT + r64[:, None] * stride_ob
         for i in range(TPP):
             tile = g * TPP + i
@@ -209,20 +218,7 @@ if triton_available():
             has = (tile * 64 < vis_max) & (tile < n_bt)
             blk = tl.load(BT + tile, mask=has, other=-1)
             if blk >= 0:
-                page = PAGES + blk.to(tl.int64) * page_nbytes
-                codes = tl.load(page + e[:, None] * 64 + cb[None, :]).to(tl.int32)        # [64, 64]
-                sc = tl.load(page + 64 * 64 + e[:, None] * 4 + sb[None, :]).to(tl.int32)  # [64, 4]
-                cd = tl.reshape(tl.join(codes & 15, codes >> 4), [64, 128])
-                val = e2m1_value(cd & 7)
-                val = tl.where((cd & 8) != 0, -val, val)
-                scale = (sc << 23).to(tl.float32, bitcast=True)                          # 2^(byte-127)
-                kv = tl.reshape(tl.reshape(val, [64, 4, 32]) * scale[:, :, None], [64, 128])
-                if INTERP:
-                    s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(kv.to(tl.bfloat16)))                           # [QB HP, 64]
-                s = tl.maximum(rne_bf16(s), 0.0)
-                s = rne_bf16(s * w[:, None])
+                s = _head_scores(q, _page_keys(PAGES + blk.to(tl.int64) * page_nbytes), w, INTERP)  # [QB HP, 64]
                 tot = rne_bf16(tl.sum(tl.reshape(s, [QB, HP, 64]), axis=1))               # [QB, 64]
                 tot = tl.where(t[None, :] < vis[:, None], tot, float("-inf"))
                 tl.store(out_rows + t[None, :], tot.to(OUT.dtype.element_ty), mask=smask)
