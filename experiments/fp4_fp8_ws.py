@@ -1,14 +1,14 @@
 """Warp-specialized grouped MXFP4 expert GEMM on FP8 wgmma, the weights decoded inside the kernel (Gluon, sm_90).
 
-Status: an experiment, compiled offline for sm_90a (``experiments/test_fp4_fp8_ws.py``) but not yet run on a
-GPU. It is the candidate for removing the pre-decoded path's decode pass (22% of an 8192-token prefill chunk
-on the H100, BENCHMARKS.md prefill section): the e4m3 weight tiles are formed in shared memory by a decoder
-partition while the consumer warpgroups run the wgmma of earlier stages, so no e4m3 copy of the experts is
-written to or read from memory.
+Status: an experiment (``experiments/test_fp4_fp8_ws.py``, ``experiments/exp_fp4_fp8_ws.py``). It is the
+candidate for removing the pre-decoded path's decode pass (22% of an 8192-token prefill chunk on the H100,
+BENCHMARKS.md prefill section): the e4m3 weight tiles are formed in shared memory by a decoder partition while
+the consumer warpgroups run the wgmma of earlier stages, so no e4m3 copy of the experts is written to or read
+from memory.
 
 Contract (GEMM 2's form and GEMM 1's unfused form of ``moe_forward``'s ``predec`` path): ``a`` e4m3 [P, K],
-the rows sorted by expert (``offs`` [E+1] the expert row offsets) with the 64 even K elements of each 128-block
-first and the 64 odd ones after them (``split_k_order``), ``sa`` fp32 [P, K/128]; the experts' MXFP4 weights
+the rows sorted by expert (``offs`` [E+1] the expert row offsets), each 32-element group's 16 even elements
+first and its 16 odd ones after them (``split_k_order``), ``sa`` fp32 [P, K/128]; the experts' MXFP4 weights
 ``w`` uint8 [E, N, K/2] (two e2m1 codes per byte, the low nibble the even element), e8m0 scales ``ws`` uint8
 [E, N, K/32], and ``tile_smax`` uint8 [E, N/128, K/128] (``fp4_fp8.tile_max``) -> bf16 [P, N]:
 
@@ -16,22 +16,27 @@ first and the 64 odd ones after them (``split_k_order``), ``sa`` fp32 [P, K/128]
 
 with byte = e4m3(e2m1(code) * 2^(s_g - smax + 6)) (``fp4_fp8``'s per-tile fold, exact where
 ``wide_spread(ws, tile=True)`` is False; groups 2^12 or more below their tile's maximum are flushed) and
-one fresh fp32 partial per 128-block: the products of the pre-decoded path; the sum inside a block is
-formed as two K = 64 wgmma chains (the even then the odd elements), so it can differ from the pre-decoded
-kernel's in the last fp32 bits.
+one fresh fp32 partial per 128-block: the products of the pre-decoded path.
+
+Why the group split order: Hopper's FP8 wgmma adds the products of one K = 32 instruction at a precision
+relative to their largest (DeepSeek-V3 report: ~14 bits kept), so an instruction's 32 products must come from
+one scale group, as they do in the pre-decoded kernel's natural order. The first version split each 128-block
+into its 64 even and 64 odd elements (two K = 64 chains): every instruction then mixed two groups whose folded
+bytes can differ by 2^k, and the smaller group's products lost bits (H100: 64 of 156,672 outputs off by up to
+3% of their value, exact sums agreeing with the pre-decoded kernel).
 
 Structure (one CTA per SM, persistent over (expert m-tile of 128 rows, n-tile of 128 columns), m-tiles
 enumerated per expert through ``tcum`` [E+1], the prefix sum of each expert's 128-row tile count):
 
-* loader (1 warp): TMA of the four [64, 64] activation boxes (two 64-row halves x even / odd K) and the
-  [128, 64] packed weight box of each K block into a ``STAGES``-deep ring (``loaded``: TMA bytes);
+* loader (1 warp): TMA of the two [64, 128] activation boxes (the tile's 64-row halves) and the [128, 64]
+  packed weight box of each K block into a ``STAGES``-deep ring (``loaded``: TMA bytes);
 * decoder (4 warps): per stage, the packed bytes from shared memory, the group shifts s_g - smax + 12 from
-  the scales, ``fp4_fp8``'s byte-lane decode (inline PTX, ~4 instructions per value), the even and odd
-  e4m3 halves stored to shared memory, ``decoded`` arrived;
-* two consumers (4 warps each, one per 64-row half): wait ``decoded``, two wgmma chains into a fresh
-  partial, release the stage (``empty``, two arrivals), promote with sa * 2^(smax - 133), and a masked
-  bf16 store of the half at the tile's end (rows past the expert's end belong to the next expert). A
-  half with no rows of the expert skips its wgmma and promotion.
+  the scales (one per row and group a thread holds), ``fp4_fp8``'s byte-lane decode (inline PTX), the e4m3
+  tile stored to shared memory in group split order, ``decoded`` arrived;
+* two consumers (4 warps each, one per 64-row half): wait ``loaded`` and ``decoded``, one K = 128 wgmma
+  chain into a fresh partial, release the stage (``empty``, two arrivals), promote with sa * 2^(smax - 133),
+  and a masked bf16 store of the half at the tile's end (rows past the expert's end belong to the next
+  expert). A half with no rows of the expert skips its wgmma and promotion.
 
 Where it is not exact: as ``fp4_fp8`` (module doc there). NVFP4 is not taken.
 """
@@ -87,7 +92,7 @@ if GLUON:
         BN: gl.constexpr = w_desc.block_type.shape[0]
         num_n = N // BN
         total = gl.load(TCUM + n_groups).to(gl.int32) * num_n
-        nbytes: gl.constexpr = 4 * a_desc.block_type.nbytes + w_desc.block_type.nbytes
+        nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + w_desc.block_type.nbytes
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G)
@@ -97,16 +102,26 @@ if GLUON:
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)   # fresh barriers: phase 1 done
                 bar = loaded.index(s)
                 mbarrier.expect(bar, nbytes)
-                for i in gl.static_range(4):                 # (half h, K half j) -> box 4 s + 2 h + j
-                    _tma_load(a_desc, [m0 + (i // 2) * _BMH, kb * 128 + (i % 2) * 64], bar, a_bufs.index(4 * s + i))
+                for h in gl.static_range(2):                 # the two 64-row halves of the tile
+                    _tma_load(a_desc, [m0 + h * _BMH, kb * 128], bar, a_bufs.index(2 * s + h))
                 _tma_load(w_desc, [wrow, kb * 64], bar, w_bufs.index(s))
                 it += 1
 
     @gluon.jit
-    def _decoder(w_bufs, blo_bufs, bhi_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K,
-                 STAGES: gl.constexpr, LOG2G: gl.constexpr, BN: gl.constexpr):
+    def _decoder(w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K,
+                 STAGES: gl.constexpr, LOG2G: gl.constexpr, BN: gl.constexpr, GROUP_SCALES: gl.constexpr,
+                 PROBE: gl.constexpr):
+        """GROUP_SCALES: each thread loads the one e8m0 scale of the 16 packed bytes it holds per row (its
+        group) and forms that group's shift once, then broadcasts it in registers; else a scale per byte.
+        The e4m3 tile is stored in group split order: per 32-element group its 16 even elements (the low
+        nibbles of its 16 bytes), then its 16 odd ones; a thread's 16 bytes of a row are one group, so this
+        is a register-level join, no data exchange."""
         layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4],
                                                 warps_per_cta=[4, 1], order=[1, 0])
+        # the same distribution with the 64 bytes split (group, byte in group): a thread's 16 bytes are one group
+        l3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[8, 4, 1],
+                                            warps_per_cta=[4, 1, 1], order=[2, 1, 0])
+        g_l: gl.constexpr = gl.SliceLayout(2, l3)
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
         cols_l: gl.constexpr = gl.SliceLayout(0, layout)
         num_n = N // BN
@@ -114,32 +129,47 @@ if GLUON:
         total = gl.load(TCUM + n_groups).to(gl.int32) * num_n
         r = gl.arange(0, BN, layout=rows_l)
         j = gl.arange(0, 64, layout=cols_l)
+        rg = gl.arange(0, BN, layout=gl.SliceLayout(1, g_l))
+        g = gl.arange(0, 4, layout=gl.SliceLayout(0, g_l))
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G)
             n0 = (tile % num_n) * BN
-            srow = WS + ((e * N + n0 + r).to(gl.int64) * (K // 32))[:, None] + (j // 16)[None, :]
+            if GROUP_SCALES:
+                srow = WS + ((e * N + n0 + rg).to(gl.int64) * (K // 32))[:, None] + g[None, :]
+            else:
+                srow = WS + ((e * N + n0 + r).to(gl.int64) * (K // 32))[:, None] + (j // 16)[None, :]
             smax_row = SMAX + (e * (N // 128) + n0 // 128).to(gl.int64) * nkb
             for kb in range(nkb):
-                sg = gl.load(srow + kb * 4).to(gl.int32)                       # [BN, 64]: byte j's group
                 smax = gl.load(smax_row + kb).to(gl.int32)
-                kk = sg - smax + 12
-                kb8 = gl.where(kk >= 1, kk << 3, 0).to(gl.uint8)
+                if GROUP_SCALES:
+                    kk = gl.load(srow + kb * 4).to(gl.int32) - smax + 12        # [BN, 4]: the group's shift
+                    k4 = gl.where(kk >= 1, kk << 3, 0).to(gl.uint8)
+                    k16 = gl.broadcast(gl.expand_dims(k4, 2), gl.full([BN, 4, 16], 0, gl.uint8, l3))[0]
+                    kb8 = gl.convert_layout(gl.reshape(k16, [BN, 64]), layout)
+                else:
+                    kk = gl.load(srow + kb * 4).to(gl.int32) - smax + 12        # [BN, 64]: byte j's group
+                    kb8 = gl.where(kk >= 1, kk << 3, 0).to(gl.uint8)
                 s = it % STAGES
                 mbarrier.wait(loaded.index(s), (it // STAGES) & 1)
-                packed = w_bufs.index(s).load(layout)
-                lo, hi = gl.inline_asm_elementwise(_DEC, "=r,=r,r,r", [packed, kb8],
-                                                   dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
-                blo_bufs.index(s).store(lo.to(gl.float8e4nv, bitcast=True))
-                bhi_bufs.index(s).store(hi.to(gl.float8e4nv, bitcast=True))
-                fence_async_shared()
+                if PROBE != 1:
+                    packed = w_bufs.index(s).load(layout)
+                    lo, hi = gl.inline_asm_elementwise(_DEC, "=r,=r,r,r", [packed, kb8],
+                                                       dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4)
+                    lh = gl.join(gl.reshape(lo, [BN, 4, 16]), gl.reshape(hi, [BN, 4, 16]))    # [BN, 4, 16, 2]
+                    t = gl.reshape(gl.permute(lh, (0, 1, 3, 2)), [BN, 128])
+                    b_bufs.index(s).store(t.to(gl.float8e4nv, bitcast=True))
+                    fence_async_shared()
                 mbarrier.arrive(decoded.index(s), count=1)
                 it += 1
 
     @gluon.jit
-    def _consumer(a_bufs, blo_bufs, bhi_bufs, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
-                  STAGES: gl.constexpr, LOG2G: gl.constexpr, BN: gl.constexpr, H: gl.constexpr):
-        """Rows [64 H, 64 H + 64) of every tile (module doc)."""
+    def _consumer(a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
+                  STAGES: gl.constexpr, LOG2G: gl.constexpr, BN: gl.constexpr, H: gl.constexpr,
+                  PROBE: gl.constexpr):
+        """Rows [64 H, 64 H + 64) of every tile (module doc). It waits on the stage's TMA barrier as well as the
+        decoder's: the activation boxes' visibility to wgmma does not rest on the decoder's generic-proxy
+        arrival."""
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 32])
         rows_l: gl.constexpr = gl.SliceLayout(1, layout)
@@ -163,15 +193,13 @@ if GLUON:
                 smax = gl.load(smax_row + kb).to(gl.int32)
                 sb = ((smax + 6) << 23).to(gl.float32, bitcast=True) * (1.0 / 4096.0)   # 2^(smax - 133)
                 s = it % STAGES
+                mbarrier.wait(loaded.index(s), (it // STAGES) & 1)
                 mbarrier.wait(decoded.index(s), (it // STAGES) & 1)
-                if live:
-                    a_lo = a_bufs.index(4 * s + 2 * H)
-                    a_hi = a_bufs.index(4 * s + 2 * H + 1)
-                    b_lo = blo_bufs.index(s)
-                    b_hi = bhi_bufs.index(s)
-                    tok = warpgroup_mma(a_lo, b_lo.permute((1, 0)), zero, use_acc=False, is_async=True)
-                    tok = warpgroup_mma(a_hi, b_hi.permute((1, 0)), tok, is_async=True)
-                    p, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a_lo, a_hi, b_lo, b_hi))
+                if live and PROBE != 2:
+                    a = a_bufs.index(2 * s + H)
+                    b = b_bufs.index(s)
+                    tok = warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
+                    p, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
                     mbarrier.arrive(empty.index(s), count=1)
                     acc += p * (sa * sb)[:, None]
                 else:
@@ -185,15 +213,15 @@ if GLUON:
     @gluon.jit
     def _fp4_fp8_ws_kernel(a_desc, w_desc, OUT, SA, WS, SMAX, TCUM, OFFS, n_groups, P, N, K,
                            STAGES: gl.constexpr, LOG2G: gl.constexpr, B_LAYOUT: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, DECODER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-        """a_desc: e4m3 [P, K] (split K order) in [64, 64] boxes; w_desc: uint8 [E N, K/2] in [BN, 64] boxes;
-        OUT bf16 [P, N]; SA fp32 [K/128, P]; WS uint8 [E N, K/32]; SMAX uint8 [E, N/128, K/128]; TCUM, OFFS
-        int64 [E+1] (128-row tiles)."""
+                           CONSUMER_REGS: gl.constexpr, DECODER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                           GROUP_SCALES: gl.constexpr, PROBE: gl.constexpr):
+        """a_desc: e4m3 [P, K] (group split order) in [64, 128] boxes; w_desc: uint8 [E N, K/2] in [BN, 64]
+        boxes; OUT bf16 [P, N]; SA fp32 [K/128, P]; WS uint8 [E N, K/32]; SMAX uint8 [E, N/128, K/128]; TCUM,
+        OFFS int64 [E+1] (128-row tiles)."""
         BN: gl.constexpr = w_desc.block_type.shape[0]
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [4 * STAGES, _BMH, _BKH], a_desc.layout)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _BMH, 128], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, _BKH], w_desc.layout)
-        blo_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, _BKH], B_LAYOUT)
-        bhi_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, _BKH], B_LAYOUT)
+        b_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 128], B_LAYOUT)
         loaded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         decoded = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -202,20 +230,24 @@ if GLUON:
             mbarrier.init(decoded.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)      # one arrival per consumer partition
         gl.warp_specialize([
-            (_consumer, (a_bufs, blo_bufs, bhi_bufs, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
-                         STAGES, LOG2G, BN, 0)),
-            (_consumer, (a_bufs, blo_bufs, bhi_bufs, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
-                         STAGES, LOG2G, BN, 1)),
-            (_decoder, (w_bufs, blo_bufs, bhi_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K,
-                        STAGES, LOG2G, BN)),
+            (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P,
+                         N, K, STAGES, LOG2G, BN, 0, PROBE)),
+            (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P,
+                         N, K, STAGES, LOG2G, BN, 1, PROBE)),
+            (_decoder, (w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K,
+                        STAGES, LOG2G, BN, GROUP_SCALES, PROBE)),
             (_loader, (a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K, STAGES, LOG2G)),
         ], [4, 4, 1], [CONSUMER_REGS, DECODER_REGS, LOADER_REGS])
 
 
 # 4 stages of 40 KB (4 activation boxes of 4 KB, 8 KB packed weights, 16 KB decoded weights). Registers per SM
-# (64K): 8 consumer warps at 168 + 4 decoder warps at 96 + the loader's warp(group) at 40 <= 65,536
-DEFAULT_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "DECODER_REGS": 96, "LOADER_REGS": 40, "maxnreg": 168,
-                  "GRID": 0}
+# (64K): 8 consumer warps at 168 + 4 decoder warps at 96 + the loader's warp(group) at 40 <= 65,536. The
+# launch's ``maxnreg`` is what every thread starts with before the partitions' setmaxnreg: the 16 warps the
+# kernel launches with (the loader's warp pads to a warpgroup) must fit 64K at it, so 65,536 / 512 = 128;
+# a larger value makes the driver refuse the launch (its per-block thread limit drops below 512)
+DEFAULT_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "DECODER_REGS": 96, "LOADER_REGS": 40, "maxnreg": 128,
+                  "GRID": 0, "GROUP_SCALES": True,
+                  "PROBE": 0}
 BN = 128
 
 
@@ -227,9 +259,10 @@ def available(dev) -> bool:
 
 
 def split_k_order(a: torch.Tensor) -> torch.Tensor:
-    """e4m3 / uint8 [P, K] -> the same rows with each 128-block's 64 even elements first, then the 64 odd."""
+    """e4m3 / uint8 [P, K] -> the same rows in group split order: each 32-element group's 16 even elements
+    first, then its 16 odd ones (the order of the kernel's decoded weight tiles)."""
     P, K = a.shape
-    return a.view(P, K // QBLOCK, BKH, 2).transpose(-1, -2).reshape(P, K).contiguous()
+    return a.view(P, K // 32, 16, 2).transpose(-1, -2).reshape(P, K).contiguous()
 
 
 def tile_counts(offs: torch.Tensor) -> torch.Tensor:
@@ -276,18 +309,22 @@ def fp4_fp8_ws(a_split: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: tor
     f8 = gl.float8e4nv
     a8 = a.contiguous().view(torch.float8_e4m3fn)
     w2 = w.reshape(E * N, K2).contiguous()
-    a_desc = TensorDescriptor.from_tensor(a8, [BMH, BKH], gl.NVMMASharedLayout.get_default_for([BMH, BKH], f8))
+    a_desc = TensorDescriptor.from_tensor(a8, [BMH, QBLOCK], gl.NVMMASharedLayout.get_default_for([BMH, QBLOCK], f8))
     w_desc = TensorDescriptor.from_tensor(w2, [BN, BKH], gl.NVMMASharedLayout.get_default_for([BN, BKH], gl.uint8))
-    b_layout = gl.NVMMASharedLayout.get_default_for([BN, BKH], f8)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BN, QBLOCK], f8)
     offs = offs.to(torch.int64).contiguous()
     tcum = tile_counts(offs)
-    tiles = int(tcum[-1]) * (N // BN)
+    # the kernel reads the tile count from tcum; the grid takes a host bound (no device sync: graph-capturable):
+    # each expert's m-tiles are at most one more than its rows / 128
+    tiles = (-(-P // (2 * BMH)) + min(E, P)) * (N // BN)
     grid = (max(1, min(tiles, cfg["GRID"] or target(a.device).sm_count)),)
     _fp4_fp8_ws_kernel[grid](a_desc, w_desc, out, sa.float().t().contiguous(), ws.reshape(E * N, K // 32).contiguous(),
                              smx.contiguous(), tcum, offs, E, P, N, K, STAGES=cfg["STAGES"],
                              LOG2G=max(1, E.bit_length()), B_LAYOUT=b_layout,
                              CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"],
-                             LOADER_REGS=cfg["LOADER_REGS"], num_warps=4, maxnreg=cfg["maxnreg"])
+                             LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=bool(cfg["GROUP_SCALES"]),
+                             PROBE=int(cfg["PROBE"]), num_warps=4,
+                             maxnreg=cfg["maxnreg"])
     return out
 
 

@@ -47,7 +47,7 @@ def need_gpu() -> None:
 
 
 def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int | None = None, div=(),
-                shared: bool = False):
+                shared: bool = False, maxnreg: int | None = None):
     """Compile a Triton kernel for GPUTarget('cuda', cap, 32) without a GPU (called inside the AOT
     scripts, TRITON_INTERPRET=0). Arguments not in ``const`` take ``types`` (default i32); pointer
     arguments and those named in ``div`` get the divisibility-16 hint the runtime would give.
@@ -67,6 +67,8 @@ def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int 
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if (n in types and str(types[n]).startswith("*")) or n in div}
     opts = {"num_warps": warps}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
     if stages:
         opts["num_stages"] = stages
     t0 = time.time()
