@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Experiment: the in-kernel-decode warp-specialized expert GEMM (``experiments/fp4_fp8_ws.py``) against the
+"""Experiment: the in-kernel-decode warp-specialized expert GEMM (``dsv4/kernels/gemm/fp4_fp8_ws.py``) against the
 pre-decoded path it would replace (``fp4_fp8.predecode`` of the experts + the grouped FP8 GEMM on the e4m3
 tiles, the router's defaults) and ``_scaled_mm`` on the equivalent dense problem, at V4-Flash's GEMM 1 (w1|w3
 unfused: N 4096, K 4096) and GEMM 2 (w2: N 4096, K 2048) shapes, E experts x T tokens (top-6, uniform routing).
@@ -25,7 +25,7 @@ from dsv4.kernels.gemm import fp4_fp8 as F  # noqa: E402
 from dsv4.kernels.gemm import fp8 as G8  # noqa: E402
 from dsv4.kernels.gemm import route as R  # noqa: E402
 from dsv4.kernels.lib import target  # noqa: E402
-from experiments import fp4_fp8_ws as WS  # noqa: E402
+from dsv4.kernels.gemm import fp4_fp8_ws as WS  # noqa: E402
 
 D, I, K_TOP = 4096, 2048, 6
 

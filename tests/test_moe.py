@@ -459,6 +459,34 @@ def test_gpu_router_bf16_gate_routes_as_the_fp32_gemm():
 
 
 @pytest.mark.gpu
+def test_gpu_predec_in_kernel_decode_gives_the_passes_bits(monkeypatch):
+    """``router.PREDEC_WS`` (sm_90): the pre-decoded path's GEMMs on ``fp4_fp8_ws`` (weights decoded in shared
+    memory, activations in its group split order) give the bits of the decode passes + grouped FP8 GEMMs, at
+    V4-Flash dims with 150 rows per expert (uneven: experts of 0 to 300 rows)."""
+    _need_gpu()
+    from dsv4.kernels.gemm import fp4_fp8_ws as WS
+    if not WS.available("cuda"):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    gen = torch.Generator().manual_seed(41)
+    ref = _ref_moe(8, 4096, 2048, 6, gen, False, vocab=256, dup_row=3)
+    w = Mo.MoEWeights.from_reference(ref).to("cuda")
+    assert w.fp8_tile_max() is not None
+    x = torch.randn(200, 4096, generator=gen).bfloat16().cuda()
+    ids = torch.randint(0, 256, (200,), generator=gen).cuda()
+    calls = []
+    real = WS.fp4_fp8_ws
+    monkeypatch.setattr(WS, "fp4_fp8_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(GR, "PREDEC_WS", True)
+    y, parts = Mo.moe_forward(x, ids, w, return_parts=True)
+    assert parts["path"] == "predec" and len(calls) == 2
+    monkeypatch.setattr(GR, "PREDEC_WS", False)
+    y0 = Mo.moe_forward(x, ids, w)
+    assert len(calls) == 2
+    assert torch.equal(y.view(torch.int16), y0.view(torch.int16))
+    _check_moe(y, ref(x.cpu(), ids.cpu()))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("hash_layer,T", [(False, 64), (True, 16), (False, 200), (False, 2)])
 def test_gpu_moe_flash_dims(hash_layer, T):
     """V4-Flash dims (d 4096, inter 2048, top-6) with 8 experts (CPU reference time): 1.5 rows per

@@ -618,14 +618,26 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         # TILE (TMA weight tiles): one weight factor per 128 x 128 tile where the scales allow it, so the
         # promotion multiplies by a scalar per K block (fp8_prefill's form) instead of a per-column vector
         tmax = w.fp8_tile_max() if pcfg["13"].get("TILE") and pcfg["13"].get("WTMA") else None
-        if pcfg["13"].get("ATMA"):
-            rows_of = perm // k
-            g1 = dict(a=a.index_select(0, rows_of), sa=xs.index_select(0, rows_of), perm=None, pw=pw[perm])
+        from .gemm import fp4_fp8_ws as ws_gemm
         # UNFUSED (TMA activation tiles only): GEMM 1 writes w1|w3's bf16 outputs, then one pass forms h (the
         # fused epilogue rounds both to bf16 first too: the same bits) and GEMM 1 runs at GEMM 2's tile
-        unfused = bool(pcfg["13"].get("UNFUSED")) and g1["perm"] is None
+        unfused = bool(pcfg["13"].get("UNFUSED")) and bool(pcfg["13"].get("ATMA"))
+        # router.PREDEC_WS: both GEMMs decode the experts inside the kernel (fp4_fp8_ws, tile factors only), all
+        # experts in one launch each, activations in its group split order (x permuted per token before the
+        # gather, h after the SwiGLU pass); the same bits as the passes below
+        in_kernel = router.PREDEC_WS and unfused and tmax is not None and ws_gemm.available(dev)
+        if pcfg["13"].get("ATMA"):
+            rows_of = perm // k
+            src = ws_gemm.split_k_order(a) if in_kernel else a
+            g1 = dict(a=src.index_select(0, rows_of), sa=xs.index_select(0, rows_of), perm=None, pw=pw[perm])
         y13 = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=dev) if unfused else None
-        for j, (wq, ws_, swiglu) in enumerate(((w.w13, w.w13_s, True), (w.w2, w.w2_s, False))):
+        if in_kernel:
+            ws_gemm.fp4_fp8_ws(g1["a"], g1["sa"], w.w13, w.w13_s, tmax[0], offs, out=y13)
+            swiglu_quant(y13[None], w.limit, pw=g1["pw"], out=(h, hs))
+            del y13
+            ws_gemm.fp4_fp8_ws(ws_gemm.split_k_order(h), hs, w.w2, w.w2_s, tmax[1], offs, out=out)
+        for j, (wq, ws_, swiglu) in enumerate(() if in_kernel else
+                                              ((w.w13, w.w13_s, True), (w.w2, w.w2_s, False))):
             step = router.predec_experts_per_pass(E, wq.shape[1], 2 * wq.shape[2])
             for e0 in range(0, E, step):
                 e1 = min(E, e0 + step)

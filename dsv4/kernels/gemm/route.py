@@ -182,6 +182,11 @@ FP8MMA_MAX_ROWS_PER_EXPERT = 64.0
 # 8.9 vs 8.2 ms (slower), 192 rows 12.5 vs 15.6, 384 rows 20.0 vs 28.2; 128 experts, 192 / 384 / 768 rows 6.1 / 9.7
 # / 16.8 vs 7.9 / 13.8 / 26.2
 PREDEC_ROWS_PER_EXPERT = 128.0
+# the pre-decoded path's two GEMMs on ``fp4_fp8_ws`` (sm_90 with Gluon, tile factors: ``MoEWeights.fp8_tile_max``):
+# the weights decoded to e4m3 in shared memory inside the GEMM, no decode pass and no e4m3 copy of the experts;
+# the same bits. H100, ``experiments/exp_fp4_fp8_ws.py`` (2026-12-06, 256 experts x 8192 tokens, V4-Flash shapes):
+# GEMM 1 4925 -> 3816 us, GEMM 2 2459 -> 1969 us against predecode + the grouped FP8 GEMM
+PREDEC_WS = True
 # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to this many rows; above, the
 # tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
 # 64 tokens with it, V4-Flash)
