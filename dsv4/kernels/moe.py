@@ -46,7 +46,9 @@ time: decoding the next pass on a second stream beside this pass's GEMM was slow
 its K loop: the same bits as ``fp8mma``. The factors are one per 128 x 128 weight tile where the experts'
 scales allow it (``MoEWeights.fp8_tile_max``; the promotion is then one FFMA per element, as for a
 block-scaled FP8 weight), else one per (row, 128-block). GEMM 1 on sm_90 writes bf16 w1|w3 outputs and
-``gemv.swiglu_quant`` forms h from them.
+``gemv.swiglu_quant`` forms h from them. With tile factors on sm_90 (``router.PREDEC_WS``) both GEMMs run on
+``fp4_fp8_ws.py`` instead: the weights are decoded to e4m3 in shared memory inside the GEMM (no decode pass, no
+transient copy), x and h in its group split order; the same bits.
 
 Prefill path (``path="prefill"``, MXFP4 on sm_90 above ``router.PREFILL_ROWS_PER_EXPERT`` rows
 per expert outside the FP8 path's range or whose scales do not fold into e4m3): the same steps on ``fp4_prefill.py``'s kernel (one K = 128 tensor-core dot per 128-K block,
