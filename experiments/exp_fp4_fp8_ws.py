@@ -75,21 +75,25 @@ def main():
             print(f"| {T} | {name} | predecode + grouped FP8 GEMM (the default) | {us:.0f} | {100 * sm / us:.0f}% | ref |",
                   flush=True)
             a_split = WS.split_k_order(u)
-            for st, gs, pr in [(int(s), True, 0) for s in args.stages.split(",")] + \
-                    [(4, False, 0), (4, True, 1), (4, True, 2)]:
+            variants = [(f"stages {st}", {"STAGES": st}) for st in (int(x) for x in args.stages.split(","))] + [
+                ("4 consumers (256 x 64 tiles)", {"CONSUMERS": 4}),
+                ("a scale per byte", {"GROUP_SCALES": False}),
+                ("probe: no decode", {"PROBE": 1}), ("probe: no wgmma", {"PROBE": 2}),
+                ("4 consumers, probe: no decode", {"CONSUMERS": 4, "PROBE": 1}),
+                ("4 consumers, probe: no wgmma", {"CONSUMERS": 4, "PROBE": 2})]
+            for label, vcfg in variants:
                 out = torch.empty(P, N, dtype=torch.bfloat16, device=dev)
-                run = lambda: WS.fp4_fp8_ws(a_split, xs, w, ws, smx, offs, out=out,  # noqa: E731
-                                            config={"STAGES": st, "GROUP_SCALES": gs, "PROBE": pr})
+                run = lambda: WS.fp4_fp8_ws(a_split, xs, w, ws, smx, offs, out=out, config=vcfg)  # noqa: E731
                 try:
                     run()
                     torch.cuda.synchronize()
                     big = torch.maximum(out.float().abs(), ref.float().abs()).clamp_min(2.0 ** -9 * ref.float().abs().max())
                     diff = ((out.float() - ref.float()).abs() / big * 128).max().item()
                     us = graph_time(run) * 1e3
-                    print(f"| {T} | {name} | fp4_fp8_ws stages {st}{'' if gs else ', a scale per byte'}{['', ', probe: no decode', ', probe: no wgmma'][pr]} | {us:.0f} | {100 * sm / us:.0f}% | {diff:.2f} |",
+                    print(f"| {T} | {name} | fp4_fp8_ws {label} | {us:.0f} | {100 * sm / us:.0f}% | {diff:.2f} |",
                           flush=True)
                 except Exception as e:          # noqa: BLE001 - reported
-                    print(f"| {T} | {name} | fp4_fp8_ws stages {st}{'' if gs else ', a scale per byte'}{['', ', probe: no decode', ', probe: no wgmma'][pr]} | failed: {type(e).__name__}: {str(e)[:300]} | | |",
+                    print(f"| {T} | {name} | fp4_fp8_ws {label} | failed: {type(e).__name__}: {str(e)[:300]} | | |",
                           flush=True)
 
 

@@ -41,6 +41,10 @@ def test_fp4_fp8_ws_argument_errors():
         WS.resolve_config({"BM": 64})
     with pytest.raises(ValueError, match="STAGES must be"):
         WS.resolve_config({"STAGES": 1})
+    with pytest.raises(ValueError, match="CONSUMERS must be 2 or 4"):
+        WS.resolve_config({"CONSUMERS": 3})
+    assert WS.resolve_config({"CONSUMERS": 4})["BN"] == 64 and WS.resolve_config(None)["BN"] == 128
+    assert WS.tile_counts(torch.tensor([0, 0, 256, 257, 700]), 4).tolist() == [0, 0, 1, 2, 4]
     with pytest.raises(ValueError, match="do not fit"):
         WS.fp4_fp8_ws(a[:, :128], sa, w, ws, smx, offs)
     if not WS.available("cpu"):
@@ -64,31 +68,39 @@ _AOT_SCRIPT = textwrap.dedent("""
         t = torch.empty(256, 256, dtype=dtype)
         return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt)))
 
-    cfg = WS.DEFAULT_CONFIG
-    types = dict(a_desc=desc(torch.float8_e4m3fn, gl.float8e4nv, [64, 128]), w_desc=desc(torch.uint8, gl.uint8, [128, 64]),
-                 OUT="*bf16", SA="*fp32", WS="*u8", SMAX="*u8", TCUM="*i64", OFFS="*i64")
-    for group_scales in (True, False):
+    for consumers, group_scales in ((2, True), (2, False), (4, True)):
+        cfg = WS.resolve_config({"CONSUMERS": consumers})
+        bn = cfg["BN"]
+        types = dict(a_desc=desc(torch.float8_e4m3fn, gl.float8e4nv, [64, 128]),
+                     w_desc=desc(torch.uint8, gl.uint8, [bn, 64]),
+                     OUT="*bf16", SA="*fp32", WS="*u8", SMAX="*u8", TCUM="*i64", OFFS="*i64")
         const = dict(STAGES=cfg["STAGES"], LOG2G=9, CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"],
-                     LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=group_scales, PROBE=0)
+                     LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=group_scales, PROBE=0, NC=consumers)
         # Triton JSON-serialises the constexpr arguments when a jit_post_compile_hook is installed (the
         # engine's warm-up log): a layout object passed as one fails the launch there
         json.dumps(const)
-        ptx, mma = aot_compile(WS._fp4_fp8_ws_kernel, types, const, 90, 4, div=("P", "N", "K"),
-                               maxnreg=cfg["maxnreg"])
-        # the driver launches at most 65,536 / maxnreg threads per block: the launch must fit the warps it needs
+        ptx, mma, smem = aot_compile(WS._fp4_fp8_ws_kernel, types, const, 90, 4, div=("P", "N", "K"),
+                                     maxnreg=cfg["maxnreg"], shared=True)
+        # STAGES x (consumers activation boxes of 8 KB + the packed and the decoded weight tiles) + barriers,
+        # within sm_90's 227 KB per block
+        assert cfg["STAGES"] * (consumers * 8192 + bn * 64 + bn * 128) <= smem <= 232448, smem
+        # the driver launches at most 65,536 / maxnreg threads per block: the launch must fit the warps it needs,
+        # and the partitions' register counts must fit the register file
         threads = int(re.search(r"\\.reqntid\\s+(\\d+)", ptx).group(1))
+        assert threads == 128 * (consumers + 2), threads
         assert threads * cfg["maxnreg"] <= 65536, (threads, cfg["maxnreg"])
-        assert mma == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"], mma
+        assert 128 * (consumers * cfg["CONSUMER_REGS"] + cfg["DECODER_REGS"] + cfg["LOADER_REGS"]) <= 65536
+        assert mma == ["wgmma.mma_async.sync.aligned.m64n%dk32.f32.e4m3.e4m3" % bn], mma
         # the group split store is a register-level join: no shuffles beyond the prologue's one warp broadcast
         assert ptx.count("shfl.sync") <= 1, ptx.count("shfl.sync")
         assert re.search(r"cp\\.async\\.bulk\\.tensor\\.2d\\.shared::(cluster|cta)\\.global", ptx), "expected TMA loads"
         assert "prmt.b32" in ptx, "expected the inline decode"
         for regs in (cfg["LOADER_REGS"], cfg["DECODER_REGS"], cfg["CONSUMER_REGS"]):
             assert re.search(r"setmaxnreg\\.(inc|dec)\\.sync\\.aligned\\.u32\\s+%d\\b" % regs, ptx), regs
-        # the decoder's scale loads per K block: one byte per (row, group) a thread holds (4 rows, one group),
-        # against one per packed byte (64) without GROUP_SCALES
+        # the decoder's scale loads per K block: one byte per (row, group) a thread holds (BN / 32 rows, one
+        # group), against one per packed byte (64) without GROUP_SCALES
         loads = len(re.findall(r"ld\\.global(\\.\\w+)*\\.[bu]8\\b", ptx))
-        print("group scales", group_scales, "byte loads", loads)
+        print("consumers", consumers, "group scales", group_scales, "byte loads", loads)
         assert (loads <= 8) if group_scales else (loads >= 64), loads
     print("ok", len(ptx))
 """)
@@ -104,7 +116,8 @@ def test_aot_compile_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("E,N,K,rows", [(4, 256, 512, [0, 64, 130, 200]), (8, 4096, 2048, [192] * 8),
                                         (16, 128, 4096, [1, 300, 0, 5] * 4)])
-@pytest.mark.parametrize("cfg", [None, {"STAGES": 2, "GRID": 3}, {"GROUP_SCALES": False}])
+@pytest.mark.parametrize("cfg", [None, {"STAGES": 2, "GRID": 3}, {"GROUP_SCALES": False}, {"CONSUMERS": 4},
+                                 {"CONSUMERS": 4, "STAGES": 2, "GRID": 3}])
 def test_gpu_fp4_fp8_ws_matches_predecoded(E, N, K, rows, cfg):
     """Empty experts, an expert of one row, tiles whose second half has no rows, more tiles than programs:
     the pre-decoded path's kernel (the same products) within one bf16 step, and the exact sum."""

@@ -73,8 +73,8 @@ if GLUON:
     _DEC = gl.constexpr(_DEC_ASM.value)
 
     @gluon.jit
-    def _find_tile(TCUM, OFFS, t, n_groups, LOG2G: gl.constexpr):
-        """(expert, first row, end row) of 128-row m-tile t (``lib.find_tile``)."""
+    def _find_tile(TCUM, OFFS, t, n_groups, LOG2G: gl.constexpr, NC: gl.constexpr):
+        """(expert, first row, end row) of m-tile t of NC x 64 rows (``lib.find_tile``)."""
         lo = 0
         hi = n_groups
         for _ in gl.static_range(LOG2G):
@@ -83,34 +83,34 @@ if GLUON:
             lo = gl.where(right, mid + 1, lo)
             hi = gl.where(right, hi, mid)
         e = gl.minimum(lo, n_groups - 1)
-        m0 = gl.load(OFFS + e) + (t - gl.load(TCUM + e)) * (2 * _BMH)
+        m0 = gl.load(OFFS + e) + (t - gl.load(TCUM + e)) * (NC * _BMH)
         return e, m0.to(gl.int32), gl.load(OFFS + e + 1).to(gl.int32)
 
     @gluon.jit
     def _loader(a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K,
-                STAGES: gl.constexpr, LOG2G: gl.constexpr):
+                STAGES: gl.constexpr, LOG2G: gl.constexpr, NC: gl.constexpr):
         BN: gl.constexpr = w_desc.block_type.shape[0]
         num_n = N // BN
         total = gl.load(TCUM + n_groups).to(gl.int32) * num_n
-        nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + w_desc.block_type.nbytes
+        nbytes: gl.constexpr = NC * a_desc.block_type.nbytes + w_desc.block_type.nbytes
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G)
+            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G, NC)
             wrow = e * N + (tile % num_n) * BN
             for kb in range(K // 128):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)   # fresh barriers: phase 1 done
                 bar = loaded.index(s)
                 mbarrier.expect(bar, nbytes)
-                for h in gl.static_range(2):                 # the two 64-row halves of the tile
-                    _tma_load(a_desc, [m0 + h * _BMH, kb * 128], bar, a_bufs.index(2 * s + h))
+                for h in gl.static_range(NC):                # the tile's 64-row slices, one per consumer
+                    _tma_load(a_desc, [m0 + h * _BMH, kb * 128], bar, a_bufs.index(NC * s + h))
                 _tma_load(w_desc, [wrow, kb * 64], bar, w_bufs.index(s))
                 it += 1
 
     @gluon.jit
     def _decoder(w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K,
                  STAGES: gl.constexpr, LOG2G: gl.constexpr, BN: gl.constexpr, GROUP_SCALES: gl.constexpr,
-                 PROBE: gl.constexpr):
+                 PROBE: gl.constexpr, NC: gl.constexpr):
         """GROUP_SCALES: each thread loads the one e8m0 scale of the 16 packed bytes it holds per row (its
         group) and forms that group's shift once, then broadcasts it in registers; else a scale per byte.
         The e4m3 tile is stored in group split order: per 32-element group its 16 even elements (the low
@@ -133,7 +133,7 @@ if GLUON:
         g = gl.arange(0, 4, layout=gl.SliceLayout(0, g_l))
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G)
+            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G, NC)
             n0 = (tile % num_n) * BN
             if GROUP_SCALES:
                 srow = WS + ((e * N + n0 + rg).to(gl.int64) * (K // 32))[:, None] + g[None, :]
@@ -166,7 +166,7 @@ if GLUON:
     @gluon.jit
     def _consumer(a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
                   STAGES: gl.constexpr, LOG2G: gl.constexpr, BN: gl.constexpr, H: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  PROBE: gl.constexpr, NC: gl.constexpr):
         """Rows [64 H, 64 H + 64) of every tile (module doc). It waits on the stage's TMA barrier as well as the
         decoder's: the activation boxes' visibility to wgmma does not rest on the decoder's generic-proxy
         arrival."""
@@ -180,7 +180,7 @@ if GLUON:
         total = gl.load(TCUM + n_groups).to(gl.int32) * num_n
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G)
+            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G, NC)
             n0 = (tile % num_n) * BN
             h0 = m0 + H * _BMH
             live = h0 < m_end
@@ -196,7 +196,7 @@ if GLUON:
                 mbarrier.wait(loaded.index(s), (it // STAGES) & 1)
                 mbarrier.wait(decoded.index(s), (it // STAGES) & 1)
                 if live and PROBE != 2:
-                    a = a_bufs.index(2 * s + H)
+                    a = a_bufs.index(NC * s + H)
                     b = b_bufs.index(s)
                     tok = warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
                     p, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
@@ -214,12 +214,12 @@ if GLUON:
     def _fp4_fp8_ws_kernel(a_desc, w_desc, OUT, SA, WS, SMAX, TCUM, OFFS, n_groups, P, N, K,
                            STAGES: gl.constexpr, LOG2G: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, DECODER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                           GROUP_SCALES: gl.constexpr, PROBE: gl.constexpr):
+                           GROUP_SCALES: gl.constexpr, PROBE: gl.constexpr, NC: gl.constexpr):
         """a_desc: e4m3 [P, K] (group split order) in [64, 128] boxes; w_desc: uint8 [E N, K/2] in [BN, 64]
         boxes; OUT bf16 [P, N]; SA fp32 [K/128, P]; WS uint8 [E N, K/32]; SMAX uint8 [E, N/128, K/128]; TCUM,
-        OFFS int64 [E+1] (128-row tiles)."""
+        OFFS int64 [E+1] (m-tiles of NC x 64 rows). NC consumer warpgroups: 2 (BN 128) or 4 (BN 64)."""
         BN: gl.constexpr = w_desc.block_type.shape[0]
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, _BMH, 128], a_desc.layout)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NC * STAGES, _BMH, 128], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, _BKH], w_desc.layout)
         # the decoded tile's layout is built here, not passed: the constexpr arguments must stay JSON-serialisable
         # (Triton serialises them for a jit_post_compile_hook, which the engine's warm-up log installs)
@@ -231,27 +231,51 @@ if GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(loaded.index(i), count=1)
             mbarrier.init(decoded.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)      # one arrival per consumer partition
-        gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P,
-                         N, K, STAGES, LOG2G, BN, 0, PROBE)),
-            (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P,
-                         N, K, STAGES, LOG2G, BN, 1, PROBE)),
-            (_decoder, (w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K,
-                        STAGES, LOG2G, BN, GROUP_SCALES, PROBE)),
-            (_loader, (a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K, STAGES, LOG2G)),
-        ], [4, 4, 1], [CONSUMER_REGS, DECODER_REGS, LOADER_REGS])
+            mbarrier.init(empty.index(i), count=NC)     # one arrival per consumer partition
+        if NC == 4:
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
+                             STAGES, LOG2G, BN, 0, PROBE, NC)),
+                (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
+                             STAGES, LOG2G, BN, 1, PROBE, NC)),
+                (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
+                             STAGES, LOG2G, BN, 2, PROBE, NC)),
+                (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
+                             STAGES, LOG2G, BN, 3, PROBE, NC)),
+                (_decoder, (w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K, STAGES, LOG2G,
+                            BN, GROUP_SCALES, PROBE, NC)),
+                (_loader, (a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K, STAGES,
+                           LOG2G, NC)),
+            ], [4, 4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, DECODER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
+                             STAGES, LOG2G, BN, 0, PROBE, NC)),
+                (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
+                             STAGES, LOG2G, BN, 1, PROBE, NC)),
+                (_decoder, (w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K, STAGES, LOG2G,
+                            BN, GROUP_SCALES, PROBE, NC)),
+                (_loader, (a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K, STAGES,
+                           LOG2G, NC)),
+            ], [4, 4, 1], [CONSUMER_REGS, DECODER_REGS, LOADER_REGS])
 
 
-# 4 stages of 40 KB (4 activation boxes of 4 KB, 8 KB packed weights, 16 KB decoded weights). Registers per SM
-# (64K): 8 consumer warps at 168 + 4 decoder warps at 96 + the loader's warp(group) at 40 <= 65,536. The
-# launch's ``maxnreg`` is what every thread starts with before the partitions' setmaxnreg: the 16 warps the
-# kernel launches with (the loader's warp pads to a warpgroup) must fit 64K at it, so 65,536 / 512 = 128;
-# a larger value makes the driver refuse the launch (its per-block thread limit drops below 512)
-DEFAULT_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "DECODER_REGS": 96, "LOADER_REGS": 40, "maxnreg": 128,
-                  "GRID": 0, "GROUP_SCALES": True,
-                  "PROBE": 0}
-BN = 128
+# NC 2 (the default): m-tiles of 128 rows, n-tiles of 128 columns; 4 stages of 40 KB (2 activation boxes of 8 KB,
+# 8 KB packed weights, 16 KB decoded weights). Registers per SM (64K): 8 consumer warps at 168 + 4 decoder warps
+# at 96 + the loader's warp(group) at 40 <= 65,536. The launch's ``maxnreg`` is what every thread starts with
+# before the partitions' setmaxnreg: the 16 warps the kernel launches with (the loader's warp pads to a warpgroup)
+# must fit 64K at it, so 65,536 / 512 = 128; a larger value makes the driver refuse the launch (its per-block
+# thread limit drops below 512).
+# NC 4 (``{"CONSUMERS": 4}``, not yet timed): m-tiles of 256 rows, n-tiles of 64 columns: each decoded weight
+# element feeds 256 rows instead of 128 (half the decode work per MMA; a V4-Flash expert at 8192 tokens, ~192
+# rows, is one m-tile instead of a full and a half-empty one); 4 x 4 consumer warps at 96 + 4 decoder warps at 88
+# + the loader's 40 (24 warps launched: maxnreg 65,536 / 768 -> 80); 4 stages of 44 KB.
+# PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma.
+DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 2, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": 40,
+                  "maxnreg": None, "GRID": 0, "GROUP_SCALES": True, "PROBE": 0}
+_PER_CONSUMERS = {2: {"BN": 128, "CONSUMER_REGS": 168, "DECODER_REGS": 96, "maxnreg": 128},
+                  4: {"BN": 64, "CONSUMER_REGS": 96, "DECODER_REGS": 88, "maxnreg": 80}}
+BN = 128    # the default's n-tile; N must be a multiple of 128 whatever the tile (the weight factors' tiles)
 
 
 def available(dev) -> bool:
@@ -268,9 +292,10 @@ def split_k_order(a: torch.Tensor) -> torch.Tensor:
     return a.view(P, K // 32, 16, 2).transpose(-1, -2).reshape(P, K).contiguous()
 
 
-def tile_counts(offs: torch.Tensor) -> torch.Tensor:
-    """int64 [E+1]: the prefix sum of each expert's 128-row tile count (``tcum`` of this kernel's tiles)."""
-    n = (offs[1:] - offs[:-1] + 2 * BMH - 1) // (2 * BMH)
+def tile_counts(offs: torch.Tensor, consumers: int = 2) -> torch.Tensor:
+    """int64 [E+1]: the prefix sum of each expert's m-tile count (``consumers`` x 64 rows a tile; ``tcum``)."""
+    tm = consumers * BMH
+    n = (offs[1:] - offs[:-1] + tm - 1) // tm
     return torch.cat([n.new_zeros(1), n.cumsum(0)])
 
 
@@ -283,6 +308,13 @@ def resolve_config(config: dict | None) -> dict:
         cfg.update(config)
     if cfg["STAGES"] < 2:
         raise ValueError(f"fp4_fp8_ws: STAGES must be >= 2, got {cfg['STAGES']}")
+    if cfg["CONSUMERS"] not in _PER_CONSUMERS:
+        raise ValueError(f"fp4_fp8_ws: CONSUMERS must be 2 or 4, got {cfg['CONSUMERS']}")
+    per = _PER_CONSUMERS[cfg["CONSUMERS"]]
+    for key in ("CONSUMER_REGS", "DECODER_REGS", "maxnreg"):
+        if cfg[key] is None:
+            cfg[key] = per[key]
+    cfg["BN"] = per["BN"]
     return cfg
 
 
@@ -304,28 +336,29 @@ def fp4_fp8_ws(a_split: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: tor
                          f"(K % 128 == 0, N % {BN} == 0)")
     if not available(a.device):
         raise ValueError("fp4_fp8_ws: needs an sm_90 GPU with Gluon's Hopper ops")
+    cfg = resolve_config(config)
     out = torch.empty(P, N, dtype=torch.bfloat16, device=a.device) if out is None else out
     if P == 0:
         return out
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    cfg = resolve_config(config)
+    nc, bn = cfg["CONSUMERS"], cfg["BN"]
     f8 = gl.float8e4nv
     a8 = a.contiguous().view(torch.float8_e4m3fn)
     w2 = w.reshape(E * N, K2).contiguous()
     a_desc = TensorDescriptor.from_tensor(a8, [BMH, QBLOCK], gl.NVMMASharedLayout.get_default_for([BMH, QBLOCK], f8))
-    w_desc = TensorDescriptor.from_tensor(w2, [BN, BKH], gl.NVMMASharedLayout.get_default_for([BN, BKH], gl.uint8))
+    w_desc = TensorDescriptor.from_tensor(w2, [bn, BKH], gl.NVMMASharedLayout.get_default_for([bn, BKH], gl.uint8))
     offs = offs.to(torch.int64).contiguous()
-    tcum = tile_counts(offs)
+    tcum = tile_counts(offs, nc)
     # the kernel reads the tile count from tcum; the grid takes a host bound (no device sync: graph-capturable):
-    # each expert's m-tiles are at most one more than its rows / 128
-    tiles = (-(-P // (2 * BMH)) + min(E, P)) * (N // BN)
+    # each expert's m-tiles are at most one more than its rows / (nc x 64)
+    tiles = (-(-P // (nc * BMH)) + min(E, P)) * (N // bn)
     grid = (max(1, min(tiles, cfg["GRID"] or target(a.device).sm_count)),)
     _fp4_fp8_ws_kernel[grid](a_desc, w_desc, out, sa.float().t().contiguous(), ws.reshape(E * N, K // 32).contiguous(),
                              smx.contiguous(), tcum, offs, E, P, N, K, STAGES=cfg["STAGES"],
                              LOG2G=max(1, E.bit_length()),
                              CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"],
                              LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=bool(cfg["GROUP_SCALES"]),
-                             PROBE=int(cfg["PROBE"]), num_warps=4,
+                             PROBE=int(cfg["PROBE"]), NC=nc, num_warps=4,
                              maxnreg=cfg["maxnreg"])
     return out
 
