@@ -77,6 +77,8 @@ def main():
             a_split = WS.split_k_order(u)
             variants = [(f"stages {st}", {"STAGES": st}) for st in (int(x) for x in args.stages.split(","))] + [
                 ("4 consumers (256 x 64 tiles)", {"CONSUMERS": 4}),
+                ("table-lookup decode", {"LUT": True}),
+                ("4 consumers, table-lookup decode", {"CONSUMERS": 4, "LUT": True}),
                 ("a scale per byte", {"GROUP_SCALES": False}),
                 ("probe: no decode", {"PROBE": 1}), ("probe: no wgmma", {"PROBE": 2}),
                 ("4 consumers, probe: no decode", {"CONSUMERS": 4, "PROBE": 1}),

@@ -30,6 +30,36 @@ def test_split_k_order_and_tile_counts():
     assert WS.tile_counts(offs).tolist() == [0, 0, 1, 2, 5]
 
 
+def _mag_byte(c: int, kk: int) -> int:
+    """e4m3 byte of e2m1 code c times 2^(kk - 6); 0 for a zero magnitude or a flushed group (kk < 1)."""
+    m = c & 7
+    if m == 0 or kk < 1:
+        return 0
+    e = (m >> 1) + kk if m >= 2 else kk
+    return (e << 3) | (((m & 1) << 2) if m >= 2 else 0) | ((c & 8) << 4)
+
+
+@pytest.mark.parametrize("which", ["byte lanes", "lut"])
+def test_decode_asm_on_every_code_and_shift(which):
+    """The decoders' inline PTX, run instruction by instruction (``ptx_emu``): every packed byte value in every
+    lane, every group shift 1..12 and a flushed group, against the e4m3 bytes of e2m1(code) * 2^(kk - 6). The
+    table form needs one shift byte in all four lanes of $3 (the kernel's decoder: one group per 16 bytes)."""
+    import ptx_emu
+    from dsv4.kernels.gemm.fp4_fp8 import _DEC_ASM
+    asm = _DEC_ASM.value if which == "byte lanes" else WS._DEC_LUT_ASM
+    for kk in range(0, 13):
+        kb = kk << 3 if kk >= 1 else 0
+        for v in range(256):
+            w = v | (v ^ 0x5A) << 8 | (v ^ 0xA5) << 16 | (255 - v) << 24
+            lo, hi = ptx_emu.run(asm, w, kb * 0x01010101, n_out=2)
+            for i in range(4):
+                b = (w >> 8 * i) & 0xFF
+                assert (lo >> 8 * i) & 0xFF == _mag_byte(b & 15, kk), (which, kk, hex(b))
+                assert (hi >> 8 * i) & 0xFF == _mag_byte(b >> 4, kk), (which, kk, hex(b))
+    assert ptx_emu.prmt(0x33221100, 0x77665544, 0x7531) == 0x77553311       # bytes 1, 3, 5, 7
+    assert ptx_emu.prmt(0x0080, 0, 0x8888) == 0xFFFFFFFF                       # sign replicate of byte 0
+
+
 def test_fp4_fp8_ws_argument_errors():
     a = torch.zeros(8, 256, dtype=torch.uint8)
     sa = torch.ones(8, 2)
@@ -53,7 +83,7 @@ def test_fp4_fp8_ws_argument_errors():
 
 
 _AOT_SCRIPT = textwrap.dedent("""
-    import json, os, re, sys
+    import json, os, re, subprocess, sys, tempfile
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
     from kernel_helpers import aot_compile
     from dsv4.kernels.gemm import fp4_fp8_ws as WS
@@ -68,14 +98,15 @@ _AOT_SCRIPT = textwrap.dedent("""
         t = torch.empty(256, 256, dtype=dtype)
         return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt)))
 
-    for consumers, group_scales in ((2, True), (2, False), (4, True)):
+    for consumers, group_scales, lut in ((2, True, False), (2, False, False), (4, True, False), (2, True, True),
+                                         (4, True, True)):
         cfg = WS.resolve_config({"CONSUMERS": consumers})
         bn = cfg["BN"]
         types = dict(a_desc=desc(torch.float8_e4m3fn, gl.float8e4nv, [64, 128]),
                      w_desc=desc(torch.uint8, gl.uint8, [bn, 64]),
                      OUT="*bf16", SA="*fp32", WS="*u8", SMAX="*u8", TCUM="*i64", OFFS="*i64")
         const = dict(STAGES=cfg["STAGES"], LOG2G=9, CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"],
-                     LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=group_scales, PROBE=0, NC=consumers)
+                     LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=group_scales, PROBE=0, NC=consumers, LUT=lut)
         # Triton JSON-serialises the constexpr arguments when a jit_post_compile_hook is installed (the
         # engine's warm-up log): a layout object passed as one fails the launch there
         json.dumps(const)
@@ -84,6 +115,15 @@ _AOT_SCRIPT = textwrap.dedent("""
         # STAGES x (consumers activation boxes of 8 KB + the packed and the decoded weight tiles) + barriers,
         # within sm_90's 227 KB per block
         assert cfg["STAGES"] * (consumers * 8192 + bn * 64 + bn * 128) <= smem <= 232448, smem
+        # ptxas at the launch's register count: no local memory
+        from triton.backends.nvidia.compiler import get_ptxas
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                                  capture_output=True, text=True).stderr
+        assert " 0 bytes spill stores, 0 bytes spill loads" in info, info
         # the driver launches at most 65,536 / maxnreg threads per block: the launch must fit the warps it needs,
         # and the partitions' register counts must fit the register file
         threads = int(re.search(r"\\.reqntid\\s+(\\d+)", ptx).group(1))
@@ -94,7 +134,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         # the group split store is a register-level join: no shuffles beyond the prologue's one warp broadcast
         assert ptx.count("shfl.sync") <= 1, ptx.count("shfl.sync")
         assert re.search(r"cp\\.async\\.bulk\\.tensor\\.2d\\.shared::(cluster|cta)\\.global", ptx), "expected TMA loads"
-        assert "prmt.b32" in ptx, "expected the inline decode"
+        assert ("prmt.b32 lo, tl, th, sl" in ptx) == lut and "prmt.b32" in ptx, "expected the inline decode"
         for regs in (cfg["LOADER_REGS"], cfg["DECODER_REGS"], cfg["CONSUMER_REGS"]):
             assert re.search(r"setmaxnreg\\.(inc|dec)\\.sync\\.aligned\\.u32\\s+%d\\b" % regs, ptx), regs
         # the decoder's scale loads per K block: one byte per (row, group) a thread holds (BN / 32 rows, one
@@ -117,7 +157,7 @@ def test_aot_compile_sm90():
 @pytest.mark.parametrize("E,N,K,rows", [(4, 256, 512, [0, 64, 130, 200]), (8, 4096, 2048, [192] * 8),
                                         (16, 128, 4096, [1, 300, 0, 5] * 4)])
 @pytest.mark.parametrize("cfg", [None, {"STAGES": 2, "GRID": 3}, {"GROUP_SCALES": False}, {"CONSUMERS": 4},
-                                 {"CONSUMERS": 4, "STAGES": 2, "GRID": 3}])
+                                 {"CONSUMERS": 4, "STAGES": 2, "GRID": 3}, {"LUT": True}])
 def test_gpu_fp4_fp8_ws_matches_predecoded(E, N, K, rows, cfg):
     """Empty experts, an expert of one row, tiles whose second half has no rows, more tiles than programs:
     the pre-decoded path's kernel (the same products) within one bf16 step, and the exact sum."""
