@@ -45,8 +45,8 @@ def test_decode_asm_on_every_code_and_shift(which):
     lane, every group shift 1..12 and a flushed group, against the e4m3 bytes of e2m1(code) * 2^(kk - 6). The
     table form needs one shift byte in all four lanes of $3 (the kernel's decoder: one group per 16 bytes)."""
     import ptx_emu
-    from dsv4.kernels.gemm.fp4_fp8 import _DEC_ASM
-    asm = _DEC_ASM.value if which == "byte lanes" else WS._DEC_LUT_ASM
+    from dsv4.kernels.gemm.fp4_fp8 import DEC_ASM
+    asm = DEC_ASM.value if which == "byte lanes" else WS.DEC_LUT_ASM
     for kk in range(0, 13):
         kb = kk << 3 if kk >= 1 else 0
         for v in range(256):

@@ -65,7 +65,7 @@ if triton_available():
     # per byte lane (4 bytes of a word, each lane independent, so correct for any register layout):
     # p = m << 2 (m = the nibble's magnitude code), kb = k << 3 (0: flushed); magnitude byte
     # p + kb - (4 if m == 1), zero where m == 0 or kb == 0, sign bit from the nibble's bit 3
-    _DEC_ASM = tl.constexpr(
+    DEC_ASM = tl.constexpr(
         "{ .reg .b32 rp, rf, rg, rn, rk, rs;\n"
         "add.u32 rk, $3, 0x78787878;\n"
         # low nibbles
@@ -100,7 +100,7 @@ if triton_available():
         kb = tl.reshape(tl.broadcast_to(k[:, :, None], [BN, G, 16]), [BN, 16 * G])
         if USE_ASM:
             kb8 = tl.where(kb >= 1, kb << 3, 0).to(tl.uint8)
-            lo, hi = tl.inline_asm_elementwise(_DEC_ASM, "=r,=r,r,r", [b, kb8], dtype=(tl.uint8, tl.uint8),
+            lo, hi = tl.inline_asm_elementwise(DEC_ASM, "=r,=r,r,r", [b, kb8], dtype=(tl.uint8, tl.uint8),
                                                is_pure=True, pack=4)
         else:
             bi = b.to(tl.int32)

@@ -64,14 +64,14 @@ except ImportError:     # CPU-only torch without triton, or a triton without Glu
 
 
 
-# The same decode as ``fp4_fp8._DEC_ASM`` (the same bytes for every code and shift) by table lookup, 28
+# The same decode as ``fp4_fp8.DEC_ASM`` (the same bytes for every code and shift) by table lookup, 28
 # instructions per 4 packed bytes instead of 36, for a $3 whose four byte lanes hold one shift byte (this kernel's
 # decoder: a thread's 16 bytes of a row are one scale group). The group's eight magnitude bytes e4m3(e2m1(m) *
 # 2^(kk - 6)), m = 0..7, are two table words built from the shift (zero where flushed: kb = 0); a prmt compacts the
 # four 3-bit codes of a word's low (high) nibbles into a selector and a second prmt looks them up; the sign bit
 # is kept where the looked-up byte is non-zero (+0 for zero codes and flushed groups, as the byte-lane form).
 # Checked instruction by instruction against the reference decode on a CPU (``tests/ptx_emu.py``).
-_DEC_LUT_ASM = (
+DEC_LUT_ASM = (
     "{ .reg .b32 rk, tl, th, m, t, sl, sv, nz, lo, hi;\n"
     "add.u32 rk, $3, 0x78787878; and.b32 rk, rk, 0x80808080; prmt.b32 rk, rk, 0, 0xBA98;\n"
     "and.b32 tl, $3, 0xFFFFFF00; add.u32 tl, tl, 0x0C080000; and.b32 tl, tl, rk;\n"
@@ -87,11 +87,11 @@ _DEC_LUT_ASM = (
 if GLUON:
     _BMH = gl.constexpr(BMH)
     _BKH = gl.constexpr(BKH)
-    from .fp4_fp8 import _DEC_ASM
+    from .fp4_fp8 import DEC_ASM
     # fp4_fp8's byte-lane decode: per byte lane the e4m3 bytes of the low ($0) and high ($1) nibbles of $2,
     # with the group shift byte $3 = (s_g - smax + 12) << 3 (0: flushed)
-    _DEC = gl.constexpr(_DEC_ASM.value)
-    _DEC_L = gl.constexpr(_DEC_LUT_ASM)
+    _DEC = gl.constexpr(DEC_ASM.value)
+    _DEC_L = gl.constexpr(DEC_LUT_ASM)
 
     @gluon.jit
     def _find_tile(TCUM, OFFS, t, n_groups, LOG2G: gl.constexpr, NC: gl.constexpr):
@@ -298,7 +298,7 @@ if GLUON:
 # + the loader's 24 (24 warps launched: maxnreg 65,536 / 768 -> 80; ptxas, sm_90a: no spills there, where
 # consumers at 96 with the decoder at 88 spilled 112 bytes); 4 stages of 44 KB.
 # PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma.
-# LUT: the decoder on ``_DEC_LUT_ASM`` (22% fewer instructions; the same bytes; not yet timed).
+# LUT: the decoder on ``DEC_LUT_ASM`` (22% fewer instructions; the same bytes; not yet timed).
 DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 2, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": None,
                   "maxnreg": None, "GRID": 0, "GROUP_SCALES": True, "PROBE": 0, "LUT": False}
 _PER_CONSUMERS = {2: {"BN": 128, "CONSUMER_REGS": 168, "DECODER_REGS": 96, "LOADER_REGS": 40, "maxnreg": 128},
