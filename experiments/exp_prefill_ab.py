@@ -22,6 +22,8 @@ mode = sys.argv.pop(1)
 if mode == "before":
     R.PREDEC_WS = False
     IX.SHARED_TABLE_ROWS = 1
+if os.environ.get("SPLIT_STORE"):       # prepared, not yet timed: route.SWIGLU_SPLIT_STORE on (SPLIT_STORE=1)
+    R.SWIGLU_SPLIT_STORE = os.environ["SPLIT_STORE"] == "1"
 print(f"exp_prefill_ab: {mode}")
 sys.argv[0] = os.path.join(ROOT, "benchmarks", "prefill.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -86,6 +86,15 @@ def test_swiglu_quant_row_tiles(S, gather, monkeypatch):
     monkeypatch.setattr(GR, "SWIGLU_TILE_MIN_ROWS", 10 ** 9)          # one-row programs
     h1, hs1 = V.swiglu_quant(parts.to(DEV), limit, pw=pw.to(DEV), perm=None if perm is None else perm.to(DEV))
     assert torch.equal(h1, h) and torch.equal(hs1, hs)
+    # h in fp4_fp8_ws's group split order (16-row and one-row programs): the same bytes, permuted per 32 columns
+    from dsv4.kernels.gemm.fp4_fp8_ws import split_k_order
+    h2, hs2 = V.swiglu_quant(parts.to(DEV), limit, pw=pw.to(DEV), perm=None if perm is None else perm.to(DEV),
+                             split_order=True)
+    assert torch.equal(h2, split_k_order(h)) and torch.equal(hs2, hs) and not torch.equal(h2, h)
+    monkeypatch.setattr(GR, "SWIGLU_TILE_MIN_ROWS", 64)
+    h3, _ = V.swiglu_quant(parts.to(DEV), limit, pw=pw.to(DEV), perm=None if perm is None else perm.to(DEV),
+                           split_order=True)
+    assert torch.equal(h3, h2)
 
 
 # ------------------------------------------------------------------------------------------------

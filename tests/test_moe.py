@@ -461,8 +461,9 @@ def test_gpu_router_bf16_gate_routes_as_the_fp32_gemm():
 @pytest.mark.gpu
 def test_gpu_predec_in_kernel_decode_gives_the_passes_bits(monkeypatch):
     """``router.PREDEC_WS`` (sm_90): the pre-decoded path's GEMMs on ``fp4_fp8_ws`` (weights decoded in shared
-    memory, activations in its group split order) give the bits of the decode passes + grouped FP8 GEMMs, at
-    V4-Flash dims with 150 rows per expert (uneven: experts of 0 to 300 rows)."""
+    memory, activations in its group split order; h stored so by ``swiglu_quant`` or permuted after it,
+    ``router.SWIGLU_SPLIT_STORE``) give the bits of the decode passes + grouped FP8 GEMMs, at V4-Flash dims with
+    150 rows per expert (uneven: experts of 0 to 300 rows)."""
     _need_gpu()
     from dsv4.kernels.gemm import fp4_fp8_ws as WS
     if not WS.available("cuda"):
@@ -479,10 +480,14 @@ def test_gpu_predec_in_kernel_decode_gives_the_passes_bits(monkeypatch):
     monkeypatch.setattr(GR, "PREDEC_WS", True)
     y, parts = Mo.moe_forward(x, ids, w, return_parts=True)
     assert parts["path"] == "predec" and len(calls) == 2
+    monkeypatch.setattr(GR, "SWIGLU_SPLIT_STORE", not GR.SWIGLU_SPLIT_STORE)    # h stored split, or permuted after
+    y1 = Mo.moe_forward(x, ids, w)
+    assert len(calls) == 4
     monkeypatch.setattr(GR, "PREDEC_WS", False)
     y0 = Mo.moe_forward(x, ids, w)
-    assert len(calls) == 2
+    assert len(calls) == 4
     assert torch.equal(y.view(torch.int16), y0.view(torch.int16))
+    assert torch.equal(y1.view(torch.int16), y0.view(torch.int16))
     _check_moe(y, ref(x.cpu(), ids.cpu()))
 
 

@@ -635,9 +635,10 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         y13 = torch.empty(P, 2 * I, dtype=torch.bfloat16, device=dev) if unfused else None
         if in_kernel:
             ws_gemm.fp4_fp8_ws(g1["a"], g1["sa"], w.w13, w.w13_s, tmax[0], offs, out=y13)
-            swiglu_quant(y13[None], w.limit, pw=g1["pw"], out=(h, hs))
+            swiglu_quant(y13[None], w.limit, pw=g1["pw"], out=(h, hs), split_order=router.SWIGLU_SPLIT_STORE)
             del y13
-            ws_gemm.fp4_fp8_ws(ws_gemm.split_k_order(h), hs, w.w2, w.w2_s, tmax[1], offs, out=out)
+            ws_gemm.fp4_fp8_ws(h if router.SWIGLU_SPLIT_STORE else ws_gemm.split_k_order(h), hs, w.w2, w.w2_s,
+                               tmax[1], offs, out=out)
         for j, (wq, ws_, swiglu) in enumerate(() if in_kernel else
                                               ((w.w13, w.w13_s, True), (w.w2, w.w2_s, False))):
             step = router.predec_experts_per_pass(E, wq.shape[1], 2 * wq.shape[2])

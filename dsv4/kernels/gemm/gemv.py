@@ -191,9 +191,13 @@ if triton_available():
 
     @triton.jit
     def _swiglu_quant_kernel(WSP, H, HS, PW, PERM, M, N2, n_half, S, limit, stride_hm, stride_hsm, stride_hsc,
-                             GATHER: tl.constexpr, HAS_PW: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
+                             GATHER: tl.constexpr, HAS_PW: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr,
+                             SPLIT: tl.constexpr):
         """h[r, 128 c ..] = FP8(swiglu_h(sum_s WSP[s, r, cols], sum_s WSP[s, r, n_half + cols])); WSP fp32
-        partials or (S = 1) bf16 values. One program: BR rows x one 128-column block."""
+        partials or (S = 1) bf16 values. One program: BR rows x one 128-column block. SPLIT: the block's
+        columns stored in ``fp4_fp8_ws``'s group split order (each 32-column group's 16 even columns, then its 16
+        odd ones), permuted in registers before a contiguous store (a per-element scattered byte store was
+        slower than a separate permutation pass)."""
         pdl_wait()
         r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
         rm = r < M
@@ -215,7 +219,10 @@ if triton_available():
             pw = tl.zeros([BR], tl.float32)
         h = swiglu_h(gs, us, pw, limit, HAS_PW)
         q, eh = quant_rows(h, INTERP)
-        tl.store(H + r[:, None] * stride_hm + i[None, :], q.to(tl.uint8, bitcast=True), mask=rm[:, None])
+        qb = q.to(tl.uint8, bitcast=True)
+        if SPLIT:
+            qb = tl.reshape(tl.permute(tl.reshape(qb, [BR, 4, 16, 2]), (0, 1, 3, 2)), [BR, 128])
+        tl.store(H + r[:, None] * stride_hm + i[None, :], qb, mask=rm[:, None])
         tl.store(HS + r * stride_hsm + c * stride_hsc, exp2i(eh), mask=rm)
 
 
@@ -269,12 +276,13 @@ def gemv_launch(a, sa, w, ws, ws2, M, N, K, *, wfmt: str, out=None, partial: boo
     return sum_splits(dst, out)
 
 
-def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None, out=None):
+def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None, out=None, split_order: bool = False):
     """fp32 partials [S, M, 2I] of the w1|w3 GEMM, or its bf16 output [1, M, 2I] -> (h e4m3 bytes [M, I],
     hs fp32 [M, I/128]):
     the official expert middle (``lib.swiglu_h``: bf16 rounding, clamps, silu, routing weight ``pw``
     per pair id, one bf16 rounding) and its FP8 1x128 quantisation. ``out``: the caller's (h, hs) to
-    write (h row-major, hs in any layout: a block-major [I/128, M] buffer's [M, I/128] view too)."""
+    write (h row-major, hs in any layout: a block-major [I/128, M] buffer's [M, I/128] view too).
+    ``split_order``: h's columns in ``fp4_fp8_ws``'s group split order (``fp4_fp8_ws.split_k_order`` of h)."""
     S, M, N2 = partials.shape
     I = N2 // 2
     if I % QBLOCK:
@@ -293,7 +301,7 @@ def swiglu_quant(partials: torch.Tensor, limit: float, pw=None, perm=None, out=N
         _swiglu_quant_kernel[(triton.cdiv(M, br), I // QBLOCK)](
             partials, h, hs, pw if pw is not None else partials, perm if perm is not None else partials,
             M, N2, I, S, float(limit), h.stride(0), hs.stride(0), hs.stride(1), GATHER=perm is not None,
-            HAS_PW=pw is not None, BR=br, INTERP=interpreting(), **kw, **PDL_LAUNCH)
+            HAS_PW=pw is not None, BR=br, INTERP=interpreting(), SPLIT=split_order, **kw, **PDL_LAUNCH)
     return h, hs
 
 

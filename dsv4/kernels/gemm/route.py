@@ -187,6 +187,11 @@ PREDEC_ROWS_PER_EXPERT = 128.0
 # the same bits. H100, ``experiments/exp_fp4_fp8_ws.py`` (2026-12-06, 256 experts x 8192 tokens, V4-Flash shapes):
 # GEMM 1 4925 -> 3816 us, GEMM 2 2459 -> 1969 us against predecode + the grouped FP8 GEMM
 PREDEC_WS = True
+# with PREDEC_WS: ``swiglu_quant`` stores h in ``fp4_fp8_ws``'s group split order (a register permutation before its
+# usual store; offline PTX, sm_90: the same 16 byte stores per thread as the plain store) instead of a separate torch
+# permutation pass over h (~1 ms of a 4-layer 8192-token chunk with x's, H100). Not yet timed: off. (The first
+# form, a per-element permuted store address, ran the prefill at 123-124k tok/s against 131-133k.)
+SWIGLU_SPLIT_STORE = False
 # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to this many rows; above, the
 # tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
 # 64 tokens with it, V4-Flash)
