@@ -232,22 +232,22 @@ def _predec_variants_give_the_pointer_loads_bits(cfgs):
 
 
 def test_predec_with_tma_tiles_gives_the_pointer_loads_bits():
-    """The pre-decoded path with TMA activation tiles (GEMM 1's rows, scales and routing weights gathered
-    once into sorted order; GEMM 2's h as it is) and TMA weight tiles, GEMM 1 fused or ``UNFUSED`` (its
-    bf16 w1|w3 outputs, then the SwiGLU + quantisation pass), with per-row or per-tile (``TILE``) weight
-    factors, descriptors built per program or on the host (``HOST_TMA``; TMA, unfused, per-tile factors,
-    host descriptors: the sm_90 default): the bits of pointer loads."""
-    _predec_variants_give_the_pointer_loads_bits([{"ATMA": True, "WTMA": True},
-                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True},
-                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True, "TILE": True,
+    """The pre-decoded path in the sm_90 default's form: TMA activation tiles (GEMM 1's rows, scales and routing
+    weights gathered once into sorted order; GEMM 2's h as it is) and TMA weight tiles, GEMM 1 ``UNFUSED`` (its
+    bf16 w1|w3 outputs, then the SwiGLU + quantisation pass), per-tile (``TILE``) weight factors, descriptors
+    built on the host (``HOST_TMA``): the bits of pointer loads. (The other variants: the ``slow`` test below.)"""
+    _predec_variants_give_the_pointer_loads_bits([{"ATMA": True, "WTMA": True, "UNFUSED": True, "TILE": True,
                                                    "HOST_TMA": True}])
 
 
 @pytest.mark.slow
 def test_predec_other_variants_give_the_pointer_loads_bits():
-    """TMA activation tiles alone, TMA weight tiles alone (with device- or host-built descriptors), per-tile
-    weight factors with GEMM 1 fused or unfused, the default with the scale operands a K block ahead."""
-    _predec_variants_give_the_pointer_loads_bits([{"ATMA": True}, {"WTMA": True},
+    """Both TMA tiles with GEMM 1 fused or unfused (per-row factors), TMA activation tiles alone, TMA weight tiles
+    alone (with device- or host-built descriptors), per-tile weight factors with GEMM 1 fused or unfused, the
+    default with the scale operands a K block ahead."""
+    _predec_variants_give_the_pointer_loads_bits([{"ATMA": True, "WTMA": True},
+                                                  {"ATMA": True, "WTMA": True, "UNFUSED": True},
+                                                  {"ATMA": True}, {"WTMA": True},
                                                   {"ATMA": True, "WTMA": True, "TILE": True},
                                                   {"ATMA": True, "WTMA": True, "HOST_TMA": True},
                                                   {"WTMA": True, "HOST_TMA": True},
