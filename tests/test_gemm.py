@@ -320,8 +320,9 @@ _AOT_SCRIPT = textwrap.dedent("""
             ab = "bf16" if act == 2 else "f16"
             assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
             assert ("atom.global.gpu.acq_rel.add" in ptx) == reduce
-        comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i64"),
-             limit="fp32"), dict(GATHER=True, HAS_PW=True, BR=16, INTERP=False), cap, 4)
+        for split in (False, True):
+            comp(V._swiglu_quant_kernel, dict(WSP=P("fp32"), H=P("u8"), HS=P("fp32"), PW=P("fp32"), PERM=P("i64"),
+                 limit="fp32"), dict(GATHER=True, HAS_PW=True, BR=16, INTERP=False, SPLIT=split), cap, 4)
         for quant in (False, True):
             comp(Mo._route_kernel, dict(LOGIT=P("fp32"), BIAS=P("fp32"), TID2EID=P("i32"), IDS=P("i64"),
                  IDX=P("i64"), W=P("fp32"), EFLAT=P("i32"), X=P("bf16"), Q=P("u8"), SQ=P("fp32"), route_scale="fp32"),
