@@ -98,7 +98,8 @@ _AOT_SCRIPT = textwrap.dedent("""
         t = torch.empty(256, 256, dtype=dtype)
         return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt)))
 
-    for consumers, group_scales, lut in ((2, True, False), (2, False, False), (4, True, False), (2, True, True)):
+    # the default, the per-byte scale loads, and the two prepared variants together (CI time: one compile each)
+    for consumers, group_scales, lut in ((2, True, False), (2, False, False), (4, True, True)):
         cfg = WS.resolve_config({"CONSUMERS": consumers})
         bn = cfg["BN"]
         types = dict(a_desc=desc(torch.float8_e4m3fn, gl.float8e4nv, [64, 128]),

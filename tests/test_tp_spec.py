@@ -72,6 +72,7 @@ def _check_oracles(two, prompts, ref, vocab, wrong_at):
         eng.drafter = real
 
 
+@pytest.mark.slow
 def test_mtp_over_two_ranks_keeps_the_one_rank_greedy_tokens():
     """MTP with 3 drafts on the embedded tiny model over two ranks, 64-token prefill chunks."""
     prompts = [{"prompt_token_ids": _prompt(n, seed)} for n, seed in CLEAR[:2]]
