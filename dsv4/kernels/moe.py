@@ -626,7 +626,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         unfused = bool(pcfg["13"].get("UNFUSED")) and bool(pcfg["13"].get("ATMA"))
         # router.PREDEC_WS: both GEMMs decode the experts inside the kernel (fp4_fp8_ws, tile factors only), all
         # experts in one launch each, activations in its group split order (x permuted per token before the
-        # gather, h after the SwiGLU pass); the same bits as the passes below
+        # gather; h stored so by the SwiGLU pass with router.SWIGLU_SPLIT_STORE, else permuted after it); the same
+        # bits as the passes below
         in_kernel = router.PREDEC_WS and unfused and tmax is not None and ws_gemm.available(dev)
         if pcfg["13"].get("ATMA"):
             rows_of = perm // k
@@ -639,29 +640,29 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
             del y13
             ws_gemm.fp4_fp8_ws(h if router.SWIGLU_SPLIT_STORE else ws_gemm.split_k_order(h), hs, w.w2, w.w2_s,
                                tmax[1], offs, out=out)
-        for j, (wq, ws_, swiglu) in enumerate(() if in_kernel else
-                                              ((w.w13, w.w13_s, True), (w.w2, w.w2_s, False))):
-            step = router.predec_experts_per_pass(E, wq.shape[1], 2 * wq.shape[2])
-            for e0 in range(0, E, step):
-                e1 = min(E, e0 + step)
-                part = dict(offs=offs[e0:e1 + 1], tcum=tcum[e0:e1 + 1] - tcum[e0], n_groups=e1 - e0,
-                            n_tiles=min(P, triton.cdiv(P, bm) + min(e1 - e0, P)))
-                w8, f8 = predecode(wq[e0:e1], ws_[e0:e1], tile=tmax is not None,
-                                   tile_smax=None if tmax is None else tmax[j][e0:e1])
+        else:
+            for j, (wq, ws_, swiglu) in enumerate(((w.w13, w.w13_s, True), (w.w2, w.w2_s, False))):
+                step = router.predec_experts_per_pass(E, wq.shape[1], 2 * wq.shape[2])
+                for e0 in range(0, E, step):
+                    e1 = min(E, e0 + step)
+                    part = dict(offs=offs[e0:e1 + 1], tcum=tcum[e0:e1 + 1] - tcum[e0], n_groups=e1 - e0,
+                                n_tiles=min(P, triton.cdiv(P, bm) + min(e1 - e0, P)))
+                    w8, f8 = predecode(wq[e0:e1], ws_[e0:e1], tile=tmax is not None,
+                                       tile_smax=None if tmax is None else tmax[j][e0:e1])
+                    if swiglu and unfused:
+                        fp4_fp8_launch(g1["a"], g1["sa"], w8, f8, None, y13, None, P, 2 * I, d, 0, fmt=w.fmt,
+                                       config=pcfg["2"], predecoded=True, **part)
+                    elif swiglu:
+                        fp4_fp8_launch(g1["a"], g1["sa"], w8, f8, None, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
+                                       limit=w.limit, perm=g1["perm"], pw=g1["pw"], top_k=k, config=pcfg["13"],
+                                       predecoded=True, **part)
+                    else:
+                        fp4_fp8_launch(h, hs, w8, f8, None, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"],
+                                       predecoded=True, **part)
+                    del w8, f8
                 if swiglu and unfused:
-                    fp4_fp8_launch(g1["a"], g1["sa"], w8, f8, None, y13, None, P, 2 * I, d, 0, fmt=w.fmt,
-                                   config=pcfg["2"], predecoded=True, **part)
-                elif swiglu:
-                    fp4_fp8_launch(g1["a"], g1["sa"], w8, f8, None, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
-                                   limit=w.limit, perm=g1["perm"], pw=g1["pw"], top_k=k, config=pcfg["13"],
-                                   predecoded=True, **part)
-                else:
-                    fp4_fp8_launch(h, hs, w8, f8, None, out, None, P, d, I, 0, fmt=w.fmt, config=pcfg["2"],
-                                   predecoded=True, **part)
-                del w8, f8
-            if swiglu and unfused:
-                swiglu_quant(y13[None], w.limit, pw=g1["pw"], out=(h, hs))
-                del y13
+                    swiglu_quant(y13[None], w.limit, pw=g1["pw"], out=(h, hs))
+                    del y13
     elif path == "prefill":
         fp4_prefill_launch(a, xs, w.w13, w.w13_s, w.w13_s2, h, hs, P, I, d, I, fmt=w.fmt, swiglu=True,
                            limit=w.limit, perm=perm, pw=pw, top_k=k, config=pcfg["13"], **grouped)
