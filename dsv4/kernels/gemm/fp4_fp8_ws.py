@@ -20,10 +20,10 @@ one fresh fp32 partial per 128-block: the products of the pre-decoded path.
 
 Why the group split order: Hopper's FP8 wgmma adds the products of one K = 32 instruction at a precision
 relative to their largest (DeepSeek-V3 report: ~14 bits kept), so an instruction's 32 products must come from
-one scale group, as they do in the pre-decoded kernel's natural order. The first version split each 128-block
-into its 64 even and 64 odd elements (two K = 64 chains): every instruction then mixed two groups whose folded
-bytes can differ by 2^k, and the smaller group's products lost bits (H100: 64 of 156,672 outputs off by up to
-3% of their value, exact sums agreeing with the pre-decoded kernel).
+one scale group, as they do in the pre-decoded kernel's natural order. An even / odd split of each 128-block (two
+K = 64 chains) mixes two groups per instruction, whose folded bytes can differ by 2^k, and the smaller group's
+products lose bits (H100: 64 of 156,672 outputs off by up to 3% of their value, while the pre-decoded kernel
+matched the exact sums).
 
 Structure (one CTA per SM, persistent over (expert m-tile of 128 rows, n-tile of 128 columns), m-tiles
 enumerated per expert through ``tcum`` [E+1], the prefix sum of each expert's 128-row tile count):

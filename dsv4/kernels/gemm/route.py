@@ -189,8 +189,8 @@ PREDEC_ROWS_PER_EXPERT = 128.0
 PREDEC_WS = True
 # with PREDEC_WS: ``swiglu_quant`` stores h in ``fp4_fp8_ws``'s group split order (a register permutation before its
 # usual store; offline PTX, sm_90: the same 16 byte stores per thread as the plain store) instead of a separate torch
-# permutation pass over h (~1 ms of a 4-layer 8192-token chunk with x's, H100). Not yet timed: off. (The first
-# form, a per-element permuted store address, ran the prefill at 123-124k tok/s against 131-133k.)
+# permutation pass over h (~1 ms of a 4-layer 8192-token chunk with x's, H100). Not yet timed: off. (A per-element
+# permuted store address instead ran the prefill at 123-124k tok/s against the pass's 131-133k, H100.)
 SWIGLU_SPLIT_STORE = False
 # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to this many rows; above, the
 # tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
