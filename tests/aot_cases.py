@@ -24,7 +24,7 @@ GEMV = dict(A=P("u8"), SA=F, W=P("u8"), WS=P("u8"), WS2=F, C=F, PERM=P("i64"), O
 MMA4 = dict(A=P("u8"), SA=F, W=P("u8"), WS=P("u8"), WS2=F, C=F, PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"))
 MMA8 = dict(A=P("bf16"), SA=F, W=P("u8"), WS=F, C=P("bf16"), PART=F, CNT=P("i32"))
 HC = dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F, COMB=F, inv_k="fp32",
-          rms_eps="fp32", hc_eps="fp32")
+          rms_eps="fp32", hc_eps="fp32", YP=P("bf16"), RES=P("bf16"), PPOST=F, PCOMB=F, NW=F, norm_eps="fp32")
 HC_FIN = dict(X=P("bf16"), PART=F, SQ=F, BASE=F, SCALE=F, Y=P("bf16"), POST=F, COMB=F, inv_k="fp32",
               rms_eps="fp32", hc_eps="fp32")
 HC_TOK = dict(PART=F, BASE=F, SCALE=F, PRE=F, POST=F, COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32")
@@ -91,7 +91,7 @@ KERNELS = {
                                                               WIDX=P("i32"), WRITE_REQ=P("i64"), WRITE_OUT=P("i64"),
                                                               VIS_REQ=P("i64"), VIS0=P("i32"), VIS1=P("i32"),
                                                               NVALID=P("i32")), ("decode_meta",)),
-    "hc_fused": ("mhc", "_hc_fused", HC, ("hc_pre",)),
+    "hc_fused": ("mhc", "_hc_fused", HC, ("hc_pre", "hc_post_pre")),
     "hc_mix_tile": ("mhc", "_hc_mix_tile", dict(X=P("bf16"), W=P("bf16"), PART=F), ("hc_pre",)),
     "hc_tokens": ("mhc", "_hc_tokens", HC_TOK, ("hc_pre",)),
     "hc_apply": ("mhc", "_hc_apply", dict(X=P("bf16"), PRE=F, Y=P("bf16")), ("hc_pre",)),
@@ -170,7 +170,10 @@ FIXED = {
     "entry_ids": [(dict(BLOCK=1024), 4, None)],
     "decode_meta": [(dict(N_ROPE=3, N_WRITE=3, N_VIS=1, WIN=128, HALF=32, NEG=128, VB=1024, BLOCK_TOK=256), 4, None)],
     "hc_fused": [(dict(NMIX=24, NP=32, SP=128, BT=1, BK=128, BD=4096, HEAD=False), 4, None),
-                 (dict(NMIX=24, NP=32, SP=128, BT=2, BK=64, BD=4096, HEAD=False), 4, None)],
+                 (dict(NMIX=24, NP=32, SP=128, BT=2, BK=64, BD=4096, HEAD=False), 4, None),
+                 # hc_post_pre: V4-Flash (d 4096) and V4-Pro (d 7168: the row in one 8192 tile, 8 warps)
+                 (dict(NMIX=24, NP=32, SP=128, BT=1, BK=128, BD=4096, HEAD=False, PRE_POST=True, NORM=True), 4, None),
+                 (dict(NMIX=24, NP=32, SP=128, BT=1, BK=128, BD=8192, HEAD=False, PRE_POST=True, NORM=True), 8, None)],
     "hc_mix_tile": [(dict(NMIX=24, NP=32, BT=128, BK=64, MODE=1, SEP=True), 8, 3),
                     (dict(NMIX=24, NP=32, BT=64, BK=64, MODE=1, SEP=True), 4, 3)],
     "hc_tokens": [(dict(NMIX=24, NP=32, SP=8, BT=16, HEAD=False), 4, None)],

@@ -15,8 +15,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from dsv4.kernels.mhc import hc_head, hc_post, hc_pre  # noqa: E402
-from dsv4.twins.mhc import hc_head as hc_head_twin, hc_post as hc_post_twin, hc_pre as hc_pre_twin  # noqa: E402
+from dsv4.kernels.mhc import hc_head, hc_post, hc_post_pre, hc_pre  # noqa: E402
+from dsv4.kernels.norm import rms_norm  # noqa: E402
+from dsv4.twins.mhc import hc_head as hc_head_twin, hc_post as hc_post_twin, hc_post_pre as hc_post_pre_twin  # noqa: E402
+from dsv4.twins.mhc import hc_pre as hc_pre_twin  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,6 +154,69 @@ def test_hc_fused_counters_reset():
     assert torch.equal(h1, h2) and int(mhc._counters(x.device, 1).abs().sum()) == 0
 
 
+def _post_inputs(T, D, gen, device):
+    y = torch.randn(T, D, generator=gen).bfloat16().to(device)
+    post = (torch.rand(T, 4, generator=gen) * 2).to(device)
+    comb = torch.rand(T, 4, 4, generator=gen)
+    comb = (comb / comb.sum(-2, keepdim=True)).to(device)
+    w = (torch.randn(D, generator=gen) * 0.2 + 1).to(device)
+    return y, post, comb, w
+
+
+def _check_hc_post_pre(T, D, gen, device=DEV, with_post=True, noise=2 ** -20, config=None):
+    """hc_post_pre against the three kernels it replaces, run with the same config (hc_post, hc_pre,
+    rms_norm): the new streams, post and comb bit for bit (the same expressions), the normed input
+    within one bf16 ulp (the norm's sum of squares in another order); and against the twins."""
+    x, fn, base, scale = _hc_inputs(T, D, gen, device=device)
+    y, post, comb, w = _post_inputs(T, D, gen, device)
+    if not with_post:
+        y = post = comb = None
+    h, a, p2, c2 = hc_post_pre(y, x, post, comb, fn, base, scale, w, config=config)
+    h0 = x if y is None else hc_post(y, x, post, comb)
+    a0, p0, q0 = hc_pre(h0, fn, base, scale, config=config)
+    n0 = rms_norm(a0, w, 1e-6)
+    assert torch.equal(h, h0) and torch.equal(p2, p0) and torch.equal(c2, q0)
+    assert int(_ulps(a, n0).max()) <= 1 and int((_ulps(a, n0) > 0).sum()) <= max(2, 1e-3 * a.numel())
+    if y is None:
+        assert h is x                       # no hc_post: the streams as they are, not a copy
+    ht, at, pt, ct = hc_post_pre_twin(y, x, post, comb, fn, base, scale, w)
+    _close_bf16(h, ht, 2 * (y.float().abs()[:, None] if y is not None else 0) + x.float().abs().sum(1, keepdim=True))
+    assert _rel(p2, pt) < 1e-5 and _rel(c2, ct) < 1e-5
+    # the normed input: bf16 y's 1-ulp flips (hc_pre's doc) scale by rsqrt(mean y^2) * w
+    assert _rel(a, at) < 2 ** -6
+    return h, a, p2, c2
+
+
+@pytest.mark.parametrize("T,D", [(1, 64), (2, 320), (5, 128)])
+def test_hc_post_pre_fused(T, D):
+    """The one-launch path (PRE_POST, NORM) at token blocks of 1 / 2 (ragged at T 5) and split
+    counts whose K ranges straddle the stream boundaries (D 320: 4 x 320 in 3 or 4 splits)."""
+    gen = torch.Generator().manual_seed(T * 1000 + D)
+    for cfg in ({"impl": "fused", "splits": 3}, {"impl": "fused", "splits": 4, "block_t": 2, "block_k": 32},
+                {"impl": "fused", "splits": 1, "block_t": 1}):
+        for with_post in (True, False):
+            _check_hc_post_pre(T, D, gen, with_post=with_post, config=cfg)
+
+
+def test_hc_post_pre_default_paths_and_errors():
+    """The default choice (one launch up to FUSED_MAX_T tokens, the three kernels above), the
+    counters left at 0 (a second call gives the same bits), and the shape errors."""
+    from dsv4.kernels import mhc
+    gen = torch.Generator().manual_seed(21)
+    for T in (mhc.FUSED_MAX_T, mhc.FUSED_MAX_T + 2):
+        first = _check_hc_post_pre(T, 64, gen)
+    x, fn, base, scale = _hc_inputs(1, 64, gen)
+    y, post, comb, w = _post_inputs(1, 64, gen, DEV)
+    a = hc_post_pre(y, x, post, comb, fn, base, scale, w)
+    assert int(mhc._counters(x.device, 1).abs().sum()) == 0
+    b = hc_post_pre(y, x, post, comb, fn, base, scale, w)
+    assert all(torch.equal(u, v) for u, v in zip(a, b)) and len(first) == 4
+    with pytest.raises(ValueError, match="norm weight has 32 elements"):
+        hc_post_pre(y, x, post, comb, fn, base, scale, w[:32])
+    with pytest.raises(ValueError, match="hc_post_pre: shapes"):
+        hc_post_pre(y[:, :32], x, post, comb, fn, base, scale, w)
+
+
 # ------------------------------------------------------------------------------------------------
 # ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
 
@@ -167,6 +232,8 @@ _AOT_SCRIPT = textwrap.dedent("""
     F = P("fp32")
     PREF = dict(RK=F, RS=F, POOLED=F, NORMW=F, COS=F, SIN_=F, OUT=P("bf16"), PAGES=P("u8"), PSLOTS=P("i64"),
                 CNT=P("i32"), eps="fp32")
+    HCF = dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F, COMB=F, inv_k="fp32",
+               rms_eps="fp32", hc_eps="fp32", YP=P("bf16"), RES=P("bf16"), PPOST=F, PCOMB=F, NW=F, norm_eps="fp32")
     cases = [
         (mhc._hc_mix_partial, dict(X=P("bf16"), FN=F, PART=F, SQ=F),
          dict(NMIX=24, NP=32, BT=16, BK=64, MODE=0), 4, False),
@@ -189,14 +256,13 @@ _AOT_SCRIPT = textwrap.dedent("""
         (mhc._hc_tokens, dict(PART=F, BASE=F, SCALE=F, PRE=F, POST=F, COMB=F, inv_k="fp32", rms_eps="fp32",
                                hc_eps="fp32"), dict(NMIX=4, NP=16, SP=64, BT=4, HEAD=True), 4, False),
         (mhc._hc_apply, dict(X=P("bf16"), PRE=F, Y=P("bf16")), dict(BD=2048, REVERSE=True), 4, False),
-        (mhc._hc_fused, dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F,
-                             COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+        (mhc._hc_fused, HCF,
          dict(NMIX=24, NP=32, SP=128, BT=1, BK=128, BD=2048, HEAD=False), 4, False),
-        (mhc._hc_fused, dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F,
-                             COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+        (mhc._hc_fused, HCF,
          dict(NMIX=24, NP=32, SP=128, BT=4, BK=64, BD=2048, HEAD=False), 8, False),
-        (mhc._hc_fused, dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F,
-                             COMB=F, inv_k="fp32", rms_eps="fp32", hc_eps="fp32"),
+        (mhc._hc_fused, HCF,   # hc_post_pre at V4-Pro width: the normed row in one 8192 tile
+         dict(NMIX=24, NP=32, SP=128, BT=1, BK=128, BD=8192, HEAD=False, PRE_POST=True, NORM=True), 8, False),
+        (mhc._hc_fused, HCF,
          dict(NMIX=4, NP=8, SP=128, BT=2, BK=128, BD=2048, HEAD=True), 4, False),
         (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
          dict(M=4, C=512, OVERLAP=True, HAS_APE=True, CB=512, FAST=True), 4, False),
@@ -277,6 +343,36 @@ def test_gpu_mhc_real_shapes(D, T):
     _check_hc_pre(T, D, gen, device="cuda", noise=1e-5)
     _check_hc_post(T, D, gen, device="cuda")
     _check_hc_head(T, D, gen, device="cuda", noise=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [4096, 7168])
+def test_gpu_hc_post_pre(D):
+    """hc_post_pre at the real widths: one launch at T 1 (V4-Pro: the 8192-wide norm tile, 8 warps),
+    the three kernels at T 5 and 300, with and without the previous site's hc_post; and captured in a
+    CUDA graph (the counters reset inside it): replays on new inputs equal eager calls bit for bit."""
+    _need_gpu()
+    gen = torch.Generator().manual_seed(D + 7)
+    for T in (1, 5, 300):
+        for with_post in (True, False):
+            _check_hc_post_pre(T, D, gen, device="cuda", with_post=with_post, noise=1e-5)
+    x, fn, base, scale = _hc_inputs(1, D, gen, device="cuda")
+    y, post, comb, w = _post_inputs(1, D, gen, "cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        hc_post_pre(y, x, post, comb, fn, base, scale, w)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = hc_post_pre(y, x, post, comb, fn, base, scale, w)
+    for _ in range(3):
+        x.copy_(_hc_inputs(1, D, gen, device="cuda")[0])
+        y.copy_(_post_inputs(1, D, gen, "cuda")[0])
+        g.replay()
+        ref = hc_post_pre(y, x, post, comb, fn, base, scale, w)
+        for a, b in zip(out, ref):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu

@@ -89,6 +89,47 @@ def test_prefill_and_decode_match_the_reference(tmp_path):
         st.advance_to(st.pos + 1)
 
 
+def _steps(m, ids, trace: bool):
+    """A 40-token prefill and two decode steps -> their logits; ``trace``: with a trace recording (the
+    blocks' per-op path) instead of ``Block.run``."""
+    from dsv4.model.deepseek_v4 import Trace
+    cache = _paged(m.cfg)
+    m.attach_cache(cache, 1024)
+    st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2))
+    tr = lambda ctx: (setattr(ctx, "trace", Trace()), setattr(ctx.trace, "trace", {})) if trace else None
+    ctx = m.prefill_context([(ids, st)])
+    tr(ctx)
+    out = [m(ctx)[0]]
+    st.advance_to(len(ids))
+    for tok in (5, 7):
+        bt = torch.full((1, m.max_blocks), -1, dtype=torch.long)
+        bt[0, :len(st.block_table)] = torch.tensor(st.block_table)
+        ctx = m.decode_context(torch.tensor([tok]), torch.tensor([st.pos]), torch.tensor([st.slot]), bt)
+        tr(ctx)
+        out.append(m(ctx)[0])
+        st.advance_to(st.pos + 1)
+    return out
+
+
+def test_fused_mhc_sites_give_the_per_op_blocks_logits(tmp_path):
+    """``Block.run`` (each block's last hc_post inside the next block's ``hc_post_pre``) against the
+    per-op blocks (taken while a trace records): the same bits on the twins, and on the mHC and norm
+    kernels under the interpreter (hc_post_pre one launch at the decode steps, the three kernels it
+    replaces in the per-op blocks; on a GPU the norm's sum of squares may round in another order:
+    tests/test_mhc.py)."""
+    from dsv4.ops import Ops
+    path = make_tiny(str(tmp_path / "tiny"))
+    ids = torch.randint(3, 128000, (40,), generator=torch.Generator().manual_seed(3))
+    m = DeepseekV4.from_checkpoint(path)
+    for a, b in zip(_steps(m, ids, False), _steps(m, ids, True)):
+        assert torch.equal(a, b)
+    if "TRITON_INTERPRET" not in os.environ:
+        return
+    mk = DeepseekV4.from_checkpoint(path, ops=Ops("cpu", kernels={"hc_post_pre", "hc_pre", "hc_post", "rms_norm"}))
+    for a, b in zip(_steps(mk, ids, False), _steps(mk, ids, True)):
+        assert torch.equal(a, b)
+
+
 def test_batched_uneven_chunks_match_the_reference(tmp_path, monkeypatch):
     """Two prompts prefilled together in uneven chunks (chunk ends inside compressor windows, one
     sequence's chunk beside the other's), indexer scores in row blocks of 7 rows (the bound a long

@@ -78,6 +78,7 @@ import torch
 
 from .lib import PDL_LAUNCH, interpreting, target, triton_available
 from .counters import arrival_counters
+from .norm import rms_norm
 
 HC = 4
 DEFAULT_MODE = "bf16x3"   # GPU default (the interpreter always runs the fp32 FMA path)
@@ -87,7 +88,7 @@ if triton_available():
     import triton.language as tl
 
     from .counters import arrive
-    from .lib import pdl_wait, rne_bf16
+    from .lib import pdl_wait, rne_bf16, store_bf16
 
     @triton.jit
     def _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP: tl.constexpr, MODE: tl.constexpr,
@@ -353,30 +354,86 @@ if triton_available():
         return tl.sum(tl.where(tl.arange(0, BT) == i, v, 0.0), axis=0)
 
     @triton.jit
-    def _weighted_row(X, Y, ti, D, stride_xt, stride_yt, p0, p1, p2, p3, d0, BD: tl.constexpr):
+    def _stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, CG: tl.constexpr):
+        """sum_j pre_j x[ti, j, d] in fp32 (scalar pre_j, j in order). CG: loads from L2 (x written by
+        other programs of this launch)."""
+        xp = X + ti.to(tl.int64) * stride_xt + d
+        if CG:
+            y = p0 * tl.load(xp, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y += p1 * tl.load(xp + D, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y += p2 * tl.load(xp + 2 * D, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y += p3 * tl.load(xp + 3 * D, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            y = p0 * tl.load(xp, mask=dm, other=0.0).to(tl.float32)
+            y += p1 * tl.load(xp + D, mask=dm, other=0.0).to(tl.float32)
+            y += p2 * tl.load(xp + 2 * D, mask=dm, other=0.0).to(tl.float32)
+            y += p3 * tl.load(xp + 3 * D, mask=dm, other=0.0).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _weighted_row(X, Y, ti, D, stride_xt, stride_yt, p0, p1, p2, p3, d0, BD: tl.constexpr,
+                      CG: tl.constexpr = False):
         """y[ti, d0:d0+BD] = sum_j pre_j x[ti, j, d] (scalar pre_j; fp32, j in order), one bf16 rounding.
         Scalar weights: a [BT]-vector weight would drag the row tile into its (replicated) layout."""
         d = d0 + tl.arange(0, BD)
         dm = d < D
-        xp = X + ti.to(tl.int64) * stride_xt + d
-        y = p0 * tl.load(xp, mask=dm, other=0.0).to(tl.float32)
-        y += p1 * tl.load(xp + D, mask=dm, other=0.0).to(tl.float32)
-        y += p2 * tl.load(xp + 2 * D, mask=dm, other=0.0).to(tl.float32)
-        y += p3 * tl.load(xp + 3 * D, mask=dm, other=0.0).to(tl.float32)
+        y = _stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, CG)
         tl.store(Y + ti.to(tl.int64) * stride_yt + d, rne_bf16(y).to(tl.bfloat16), mask=dm)
+
+    @triton.jit
+    def _weighted_norm_row(X, Y, NW, ti, D, stride_xt, stride_yt, p0, p1, p2, p3, eps, BD: tl.constexpr,
+                           INTERP: tl.constexpr):
+        """Y[ti] = the weighted RMSNorm (``_rms_norm_kernel``'s math) of the bf16-rounded stream sum of
+        token ti: the whole row in one tile (BD >= D); x read from L2 (the PRE_POST case wrote it)."""
+        d = tl.arange(0, BD)
+        dm = d < D
+        y = rne_bf16(_stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, True))
+        ms = tl.sum(y * y, axis=0) / D
+        z = y * tl.rsqrt(ms + eps)
+        w = tl.load(NW + d, mask=dm, other=0.0)
+        store_bf16(Y + ti.to(tl.int64) * stride_yt + d, w * z, dm, INTERP)
+
+    @triton.jit
+    def _post_tile(YP, RES, PPOST, PCOMB, X, t, tm, kx, km, D, stride_xt):
+        """hc_post for the flattened elements kx (stream kx // D, column kx % D) of tokens t: out =
+        post[j] y + sum_i comb[i, j] res[i] in fp32 (i in order; ``_hc_post_kernel``'s expression),
+        stored bf16 into X; returns the stored values as fp32 [BT, BK]."""
+        t64 = t.to(tl.int64)[:, None]
+        msk = tm[:, None] & km[None, :]
+        j = kx // D
+        dd = (kx - j * D)[None, :]
+        yv = tl.load(YP + t64 * D + dd, mask=msk, other=0.0).to(tl.float32)
+        pj = tl.load(PPOST + t64 * 4 + j[None, :], mask=msk, other=0.0)
+        rrow = RES + t64 * stride_xt + dd
+        mixed = tl.zeros(yv.shape, tl.float32)
+        for i in tl.static_range(4):
+            res_i = tl.load(rrow + i * D, mask=msk, other=0.0).to(tl.float32)
+            comb_ij = tl.load(PCOMB + t64 * 16 + i * 4 + j[None, :], mask=msk, other=0.0)
+            mixed += comb_ij * res_i
+        out = rne_bf16(pj * yv + mixed)
+        tl.store(X + t64 * stride_xt + kx[None, :], out.to(tl.bfloat16), mask=msk)
+        return out
 
     # ---------------------------------------------------------------- v2 decode: one launch
     @triton.jit
     def _hc_fused(X, FN, PART, CNT, BASE, SCALE, Y, POST, COMB, T, K, D, S, stride_xt, stride_yt,
-                  k_per_split, inv_k, rms_eps, hc_eps, iters,
+                  k_per_split, inv_k, rms_eps, hc_eps, iters, YP, RES, PPOST, PCOMB, NW, norm_eps,
                   NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  BD: tl.constexpr, HEAD: tl.constexpr):
+                  BD: tl.constexpr, HEAD: tl.constexpr, PRE_POST: tl.constexpr = False, NORM: tl.constexpr = False,
+                  INTERP: tl.constexpr = False):
         """Decode-sized hc_pre / hc_head in one launch, grid (S, token blocks of BT). Each program: the
         partial mix of its K range in fp32 FMAs (exact products, fn read as fp32: ``ieee`` accuracy in
         either mode) and the partial sum of squares -> PART; then an acq_rel arrival on the token
         block's counter. The last of the S programs to arrive sums the partials in split order
         (deterministic whatever the arrival order), computes rsqrt, sigmoids, the Sinkhorn and the
-        weighted stream sum (x re-read, from L2), and resets the counter to 0 for the next call."""
+        weighted stream sum (x re-read, from L2), and resets the counter to 0 for the next call.
+
+        PRE_POST (``hc_post_pre``): x is first made by the previous site's hc_post from YP [T, D] bf16,
+        RES [T, 4, D] bf16 (stride_xt, as X), PPOST [T, 4], PCOMB [T, 4, 4] fp32: each program computes
+        the x elements of its own K range (``_hc_post_kernel``'s expression: the same bits), stores
+        them into X (the new residual streams) and mixes them; the last arriver reads X back after its
+        acquire (``.cg``: from L2). NORM: Y gets the weighted RMSNorm (weight NW fp32 [D], norm_eps) of
+        the bf16-rounded stream sum instead of the sum itself (one row per program: BD >= D)."""
         pdl_wait()
         pid_s = tl.program_id(0)
         tb = tl.program_id(1)
@@ -392,7 +449,10 @@ if triton_available():
         for k in range(k0, tl.minimum(k0 + k_per_split, K), BK):
             kx = k + kk
             km = kx < K
-            xf = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            if PRE_POST:
+                xf = _post_tile(YP, RES, PPOST, PCOMB, X, t, tm, kx, km, D, stride_xt)
+            else:
+                xf = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
             f = tl.load(FN + n[:, None] * K + kx[None, :], mask=nm[:, None] & km[None, :], other=0.0)
             acc += xf[:, None, :] * f[None, :, :]
             sq += xf * xf
@@ -412,8 +472,12 @@ if triton_available():
                     q1 = _pick(p1, i, BT)
                     q2 = _pick(p2, i, BT)
                     q3 = _pick(p3, i, BT)
-                    for d0 in range(0, D, BD):
-                        _weighted_row(X, Y, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, d0, BD)
+                    if NORM:
+                        _weighted_norm_row(X, Y, NW, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, norm_eps, BD,
+                                           INTERP)
+                    else:
+                        for d0 in range(0, D, BD):
+                            _weighted_row(X, Y, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, d0, BD, PRE_POST)
             tl.store(CNT + tb, 0)
 
     # ---------------------------------------------------------------- v2 large T: mix GEMM, finish, apply
@@ -571,16 +635,19 @@ def _splits(n_units: int, n_tb: int, min_units: int, device, cfg: dict, per_sm: 
     return max(1, min(S, n_units))
 
 
-def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, rms_eps, cfg):
+def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, rms_eps, cfg, prev=None, norm=None):
     """One launch (decode sizes): ``_hc_fused``. config: block_t, block_k, splits, num_warps, block_d
-    (the tail's row chunk)."""
+    (the tail's row chunk). ``prev`` (y, res, post, comb): x is the output buffer of the previous
+    site's hc_post, computed in the same launch (PRE_POST); ``norm`` (weight, eps): y gets the
+    weighted RMSNorm of the stream sum (NORM)."""
     T, _, D = x.shape
     K = HC * D
     np_ = triton.next_power_of_2(nmix + 1)
     # tokens per block: the last arriver re-reads its tokens' x serially (~0.5 us a token from L2), every
     # block re-reads fn (from L2): 1-2 tokens
     BT = cfg.get("block_t") or (1 if T <= 2 else 2)
-    nw = cfg.get("num_warps", 4 if BT <= 2 else 8)
+    # 8 warps where the norm's one-tile row is above 4096 wide (V4-Pro's 7168: 32 fp32 a thread)
+    nw = cfg.get("num_warps", 4 if BT <= 2 and (norm is None or D <= 4096) else 8)
     # the [BT, NP, BK] fp32 FMA accumulator: <= 64 registers per thread
     BK = cfg.get("block_k") or max(16, min(128, 1 << ((2048 * nw) // (BT * np_)).bit_length() - 1))
     n_tb = triton.cdiv(T, BT)
@@ -594,12 +661,16 @@ def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
     S = triton.cdiv(K, k_per_split)
     part = torch.empty(S, np_, T, dtype=torch.float32, device=x.device)
     cnt = _counters(x.device, n_tb)
-    BD = cfg.get("block_d") or min(triton.next_power_of_2(D), 4096)      # d 4096: a token row in one go
+    # d 4096: a token row in one go; the norm needs the whole row in one tile
+    BD = triton.next_power_of_2(D) if norm is not None else cfg.get("block_d") or min(triton.next_power_of_2(D), 4096)
     kw = {} if interpreting() else {"num_warps": nw}
+    yp, res, ppost, pcomb = prev if prev is not None else (x, x, post, comb)
+    nw_, neps = norm if norm is not None else (fn, 0.0)
     _hc_fused[(S, n_tb)](x, fn.contiguous(), part, cnt, base, scale, y, post, comb, T, K, D, S, x.stride(0),
-                         y.stride(0), k_per_split, 1.0 / K, rms_eps, hc_eps, iters,
-                         NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
-                         HEAD=head, **kw, **PDL_LAUNCH)
+                         y.stride(0), k_per_split, 1.0 / K, rms_eps, hc_eps, iters, yp, res, ppost, pcomb, nw_,
+                         float(neps), NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
+                         HEAD=head, PRE_POST=prev is not None, NORM=norm is not None, INTERP=interpreting(),
+                         **kw, **PDL_LAUNCH)
 
 
 def _mode(cfg: dict) -> int:
@@ -701,6 +772,41 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return y, post, comb
 
 
+def hc_post_pre(y: torch.Tensor | None, res: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None,
+                fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, iters: int = 20,
+                hc_eps: float = 1e-6, rms_eps: float = 1e-6, norm_eps: float = 1e-6, config: dict | None = None):
+    """One mHC boundary: the previous site's ``hc_post`` (skipped when ``y`` is None: ``res`` is then the
+    streams as they are), this site's ``hc_pre`` and the weighted RMSNorm of its output ->
+    ``(h bf16 [T, 4, d] (the new residual streams; ``res`` itself when y is None), normed layer
+    input bf16 [T, d], post fp32 [T, 4], comb fp32 [T, 4, 4])``, as ``rms_norm(hc_pre(hc_post(...)))``
+    computes them. Up to ``fused_max_t`` tokens (the ``"fused"`` path) one launch of ``_hc_fused``
+    (PRE_POST, NORM): two to three launches fewer per site at decode; above it the three kernels.
+    ``config``: as for ``hc_pre``."""
+    _check_x(res, fn, 6 * HC)
+    T, _, D = res.shape
+    if norm_w.numel() != D:
+        raise ValueError(f"hc_post_pre: norm weight has {norm_w.numel()} elements, the streams' width is {D}")
+    cfg = dict(config or {})
+    if T == 0 or _impl(cfg, T) != "fused":
+        h = res if y is None else hc_post(y, res, post, comb)
+        a, p2, c2 = hc_pre(h, fn, base, scale, iters, hc_eps, rms_eps, config)
+        return h, rms_norm(a, norm_w, norm_eps), p2, c2
+    res = res.contiguous()
+    prev = None
+    if y is not None:
+        if y.shape != (T, D) or post.shape != (T, HC) or comb.shape != (T, HC, HC):
+            raise ValueError(f"hc_post_pre: shapes y {tuple(y.shape)}, res {tuple(res.shape)}, post "
+                             f"{tuple(post.shape)}, comb {tuple(comb.shape)}")
+        prev = (y.contiguous(), res, post.float().contiguous(), comb.float().contiguous())
+    h = res if y is None else torch.empty_like(res)
+    a = torch.empty(T, D, dtype=torch.bfloat16, device=res.device)
+    post2 = torch.empty(T, HC, dtype=torch.float32, device=res.device)
+    comb2 = torch.empty(T, HC, HC, dtype=torch.float32, device=res.device)
+    _fused_launch(h, fn, 6 * HC, False, base.float().contiguous(), scale.float().contiguous(), a, post2, comb2,
+                  iters, hc_eps, rms_eps, cfg, prev=prev, norm=(norm_w.float().contiguous(), norm_eps))
+    return h, a, post2, comb2
+
+
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             hc_eps: float = 1e-6, rms_eps: float = 1e-6, config: dict | None = None) -> torch.Tensor:
     """Triton hc_head: x bf16 [T, 4, d] -> bf16 [T, d] (sigmoid stream weights, no Sinkhorn); ``config``
@@ -749,4 +855,4 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
     return out
 
 
-__all__ = ["hc_head", "hc_post", "hc_pre"]
+__all__ = ["hc_head", "hc_post", "hc_post_pre", "hc_pre"]

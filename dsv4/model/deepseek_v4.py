@@ -82,8 +82,28 @@ class Block(nn.Module):
     def _pre(self, hc, h):
         return self.ops.hc_pre(h, hc.fn, hc.base, hc.scale, hc.iters, hc.hc_eps, hc.rms_eps)
 
+    def _boundary(self, hc, norm, h, pending):
+        """One mHC site: the pending hc_post (y, post, comb) of the site before (None: none) applied to
+        the streams h, this site's hc_pre and its RMSNorm -> (streams, normed input, post, comb)."""
+        y, post, comb = pending if pending is not None else (None, None, None)
+        return self.ops.hc_post_pre(y, h, post, comb, hc.fn, hc.base, hc.scale, norm, hc.iters, hc.hc_eps,
+                                    hc.rms_eps, self.eps)
+
+    def run(self, h, ctx, pending=None):
+        """The block with its hc_posts moved into the next site's ``hc_post_pre`` (one launch per site at
+        decode): streams h [T, hc, d] and the block before's pending hc_post (y, post, comb) ->
+        (streams, this block's own pending hc_post). ``forward`` is ``run`` + that hc_post; no trace
+        points (``fused(ctx)``)."""
+        h, a, post, comb = self._boundary(self.hc_attn, self.attn_norm, h, pending)
+        a = self.attn(a, ctx)
+        h, f, post, comb = self._boundary(self.hc_ffn, self.ffn_norm, h, (a, post, comb))
+        return h, (self.moe(f, ctx.ids), post, comb)
+
     def forward(self, h, ctx):
         """Residual streams h [T, hc, d] -> [T, hc, d]."""
+        if fused(ctx):
+            h, (f, post, comb) = self.run(h, ctx)
+            return self.ops.hc_post(f, h, post, comb)
         ops, i, t = self.ops, self.layer_id, ctx.trace
         a, post, comb = self._pre(self.hc_attn, h)
         a = t(f"L{i}.hc_pre", a)
@@ -92,6 +112,15 @@ class Block(nn.Module):
         f, post, comb = self._pre(self.hc_ffn, h)
         f = t(f"L{i}.moe", self.moe(ops.rms_norm(f, self.ffn_norm, self.eps), ctx.ids))
         return t(f"L{i}.hc_post", ops.hc_post(f, h, post, comb))
+
+
+FUSED_SITES = True     # False: every forward on the per-op blocks (benchmarks/decode_step.py --mhc-sites A/B)
+
+
+def fused(ctx) -> bool:
+    """Whether a forward may run its blocks through ``Block.run`` (the hc_post / hc_pre / RMSNorm sites
+    fused): not while ``dsv4 validate`` records or forces the blocks' trace points."""
+    return FUSED_SITES and ctx.trace.trace is None and ctx.trace.force is None
 
 
 class MTPLayer(nn.Module):
@@ -475,8 +504,17 @@ class DeepseekV4(nn.Module):
         h = F.embedding(ctx.ids, self.embed).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
         feats = {}
         capture = ctx.keep_hidden and self.dspark is not None
+        run, pending = fused(ctx), None
+        last = self.layers[-1].layer_id if len(self.layers) else None
         for blk in self.layers:
-            h = blk(h, ctx)
+            if run:
+                # a block's last hc_post runs inside the next block's first site; applied here only
+                # where the streams themselves are read (the last block, a DSpark target)
+                h, pending = blk.run(h, ctx, pending)
+                if blk.layer_id == last or (capture and blk.layer_id in self.dspark.targets):
+                    h, pending = self.ops.hc_post(pending[0], h, pending[1], pending[2]), None
+            else:
+                h = blk(h, ctx)
             if capture and blk.layer_id in self.dspark.targets:
                 # the DSpark target feature: block L's output averaged over its hc streams (model.dspark)
                 feats[blk.layer_id] = h.float().mean(dim=1).to(torch.bfloat16)

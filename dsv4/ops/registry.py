@@ -49,6 +49,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     _op("hc_pre", "mhc", BASE, "mHC pre: stream RMS, 24-wide mix GEMM, sigmoids, 20-step Sinkhorn, weighted stream sum"),
     _op("hc_post", "mhc", BASE, "mHC post: post * y + comb^T res"),
     _op("hc_head", "mhc", BASE, "mHC head: the final stream collapse"),
+    _op("hc_post_pre", "mhc", BASE, "mHC boundary: hc_post, the next hc_pre and its RMSNorm (one launch at decode)"),
     _op("rms_norm", "norm", BASE, "weighted RMSNorm (fp32 math, one bf16 rounding)"),
     _op("kv_insert", "kv_insert", FP8, "q head RMSNorm + RoPE, kv RoPE + FP8 QDQ, 584-byte paged cache insert"),
     _op("entry_ids", "paging", BASE, "compressed-cache entry ids through the block table"),

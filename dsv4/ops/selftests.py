@@ -243,6 +243,25 @@ def hc_post(ctx: Context):
     return [case(T) for T in _rows(ctx, (2,), (1, 2, 64))]
 
 
+def hc_post_pre(ctx: Context):
+    c = ctx.cfg
+
+    def case(T, post):
+        def make():
+            g = _Gen(ctx, f"hc_post_pre{T}{post}")
+            d, hc = c.hidden_size, c.hc_mult
+            x, fn, base, scale = _hc(ctx, c.hc_mix_dim, f"hc_post_pre_w{T}", T)
+            y = g.randn(T, d, dtype=torch.bfloat16) if post else None
+            p = g.rand(T, hc) * 2 if post else None
+            comb = torch.softmax(g.randn(T, hc, hc), dim=-1) if post else None
+            w = g.randn(d, scale=0.1) + 1
+            return (y, x, p, comb, fn, base, scale, w, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+                    c.rms_norm_eps), {}
+        return Case(f"T={T} {'post+pre' if post else 'pre'}", make, _tuple("h", "a", "post", "comb"),
+                    {"h": BF16, "a": BF16, "post": Tol(max_rel=1e-4), "comb": Tol(max_rel=1e-4)})
+    return [case(T, post) for T in _rows(ctx, (1,), (1, 4)) for post in (True, False)]
+
+
 def kv_insert(ctx: Context):
     c = ctx.cfg
     H = _local(c.num_attention_heads, ctx.world)
@@ -571,7 +590,7 @@ def moe(ctx: Context):
     return [case(T, h) for T, h in _rows(ctx, ((2, False),), ((1, False), (2, True), (16, False), (256, False)))]
 
 
-CASES = {f.__name__: f for f in (hc_pre, hc_post, hc_head, rms_norm, kv_insert, entry_ids, inverse_rope,
+CASES = {f.__name__: f for f in (hc_pre, hc_post, hc_head, hc_post_pre, rms_norm, kv_insert, entry_ids, inverse_rope,
                                   sparse_decode, sparse_prefill, compress_decode, compress_prefill, index_q_prologue,
                                   index_scores, index_topk, decode_meta, linear, wo_a, moe)}
 
