@@ -20,27 +20,31 @@ PKG = ROOT / "dsv4"
 
 
 def _is_triton_jit(fn: ast.FunctionDef) -> bool:
+    """@triton.jit or @gluon.jit (the Gluon kernels keep the same contract)."""
     for d in fn.decorator_list:
         d = d.func if isinstance(d, ast.Call) else d
-        if isinstance(d, ast.Attribute) and d.attr == "jit" and getattr(d.value, "id", "") == "triton":
+        if isinstance(d, ast.Attribute) and d.attr == "jit" and getattr(d.value, "id", "") in ("triton", "gluon"):
             return True
     return False
 
 
 def _kernels_and_launches():
-    """({name: (file, FunctionDef)} of the package's @triton.jit functions, [(name, file, Call)] of
-    every ``name[grid](...)`` call of one of them)."""
+    """({name: [(file, FunctionDef)]} of the package's @triton.jit / @gluon.jit functions (helpers of
+    two modules may share a name; launched kernels may not), [(name, file, Call)] of every
+    ``name[grid](...)`` call of one of them)."""
     jit, calls = {}, []
     for f in sorted(PKG.rglob("*.py")):
         tree = ast.parse(f.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and _is_triton_jit(node):
-                assert node.name not in jit, f"two @triton.jit functions named {node.name}"
-                jit[node.name] = (f, node)
+                jit.setdefault(node.name, []).append((f, node))
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
                 v = node.func.value
                 calls.append((v.id if isinstance(v, ast.Name) else getattr(v, "attr", None), f, node))
-    return jit, [c for c in calls if c[0] in jit]
+    launches = [c for c in calls if c[0] in jit]
+    twice = sorted({n for n, _f, _c in launches if len(jit[n]) > 1})
+    assert twice == [], f"launched kernels with two definitions of the same name: {twice}"
+    return jit, launches
 
 
 def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribute():
@@ -52,7 +56,7 @@ def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribut
     assert bad_calls == [], f"launches without **PDL_LAUNCH: {bad_calls}"
     bad_kernels = []
     for name in sorted(launched):
-        f, fn = jit[name]
+        f, fn = jit[name][0]
         body = fn.body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]                          # the docstring
@@ -62,7 +66,7 @@ def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribut
             bad_kernels.append(f"{f.relative_to(ROOT)}:{fn.lineno} {name}")
     assert bad_kernels == [], f"launched kernels whose first statement is not pdl_wait(): {bad_kernels}"
     # a helper that waits would be a second wait inside a kernel: only launched kernels call it
-    helpers = [n for n, (_f, fn) in jit.items() if n not in launched and n != "pdl_wait"
+    helpers = [n for n, defs in jit.items() for _f, fn in defs if n not in launched and n != "pdl_wait"
                and any(isinstance(x, ast.Call) and getattr(x.func, "id", "") == "pdl_wait" for x in ast.walk(fn))]
     assert helpers == []
 
@@ -123,8 +127,15 @@ _AOT = textwrap.dedent("""
         (norm._rms_norm_kernel, dict(X=P("bf16"), W=P("bf16"), Y=P("bf16"), eps="fp32"), dict(BD=4096, INTERP=False), 4),
         (mhc._hc_post_kernel, dict(Yin=P("bf16"), RES=P("bf16"), POST=F, COMB=F, OUT=P("bf16")), dict(BD=1024), 4),
     ]
+    import importlib
+    import aot_cases as A
     for cap in aot_caps():
-        for fn, types, const, warps in cases:
+        gl_cases = []
+        for name in ("fp8_mma", "fp4_mma"):          # the Gluon decode GEMMs, at one router configuration
+            cid, kernel, const, warps, stages = next(c for c in A.cases(cap, False) if c[1] == name)
+            mod, fname, types, _ops = A.KERNELS[name]
+            gl_cases.append((getattr(importlib.import_module("dsv4.kernels." + mod), fname), types, const, warps))
+        for fn, types, const, warps in cases + gl_cases:
             ptx, _ = aot_compile(fn, types, const, cap, warps)
             for ins in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
                 assert (ins in ptx) is want, (fn.__name__, cap, ins, want)

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from .. import interpreting, triton_available
-from ..lib import QBLOCK
+from ..lib import PDL_LAUNCH, QBLOCK
 
 BMH = 64            # rows per consumer warpgroup (one wgmma M)
 BKH = QBLOCK // 2   # K elements per half block (even / odd)
@@ -87,6 +87,7 @@ DEC_LUT_ASM = (
 if GLUON:
     _BMH = gl.constexpr(BMH)
     _BKH = gl.constexpr(BKH)
+    from ..lib import pdl_wait
     from .fp4_fp8 import DEC_ASM
     # fp4_fp8's byte-lane decode: per byte lane the e4m3 bytes of the low ($0) and high ($1) nibbles of $2,
     # with the group shift byte $3 = (s_g - smax + 12) << 3 (0: flushed)
@@ -244,6 +245,7 @@ if GLUON:
         """a_desc: e4m3 [P, K] (group split order) in [64, 128] boxes; w_desc: uint8 [E N, K/2] in [BN, 64]
         boxes; OUT bf16 [P, N]; SA fp32 [K/128, P]; WS uint8 [E N, K/32]; SMAX uint8 [E, N/128, K/128]; TCUM,
         OFFS int64 [E+1] (m-tiles of NC x 64 rows). NC consumer warpgroups: 2 (BN 128) or 4 (BN 64)."""
+        pdl_wait()
         BN: gl.constexpr = w_desc.block_type.shape[0]
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NC * STAGES, _BMH, 128], a_desc.layout)
         w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, _BKH], w_desc.layout)
@@ -387,7 +389,7 @@ def fp4_fp8_ws(a_split: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: tor
                              CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"],
                              LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=bool(cfg["GROUP_SCALES"]),
                              PROBE=int(cfg["PROBE"]), NC=nc, LUT=bool(cfg["LUT"]), num_warps=4,
-                             maxnreg=cfg["maxnreg"])
+                             maxnreg=cfg["maxnreg"], **PDL_LAUNCH)
     return out
 
 

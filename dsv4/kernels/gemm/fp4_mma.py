@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import QBLOCK, asm_text, gluon_available, target
+from ..lib import PDL_LAUNCH, QBLOCK, asm_text, gluon_available, target
 from . import route
 from .common import launch_plan, log2_groups, sum_splits
 
@@ -44,7 +44,7 @@ if GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from ..lib import tile_rows
+    from ..lib import pdl_wait, tile_rows
 
 BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mma
 BAND_ROWS = 16         # rows of one band in the band layout: one warp's 16 mma rows
@@ -174,6 +174,7 @@ if GLUON:
                      BAND: gl.constexpr, A16: gl.constexpr):
         """Grouped (MoE) or plain FP4 x FP8 GEMM of BM-row tiles: program (m-tile t, BN columns,
         K split ks). Output fp32 split partials [S, M, N] (SPLIT) or bf16 [M, N]."""
+        pdl_wait()
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=16)
@@ -307,7 +308,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         ws2.stride(0) if nv else 0, dst.stride(-2),
         NV=nv, GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
         LOG2G=log2_groups(n_groups), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
-        BAND=band, A16=a.dtype == torch.float16, num_warps=nw)
+        BAND=band, A16=a.dtype == torch.float16, num_warps=nw, **PDL_LAUNCH)
     if partial or not split_sum:
         return dst
     return sum_splits(dst, out)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import QBLOCK, asm_text, gluon_available, target, u8
+from ..lib import PDL_LAUNCH, QBLOCK, asm_text, gluon_available, target, u8
 from . import route
 from .common import check_fp8_weight, launch_plan, weight_scales
 
@@ -41,7 +41,7 @@ if GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from ..lib import exp2i, ue8m0_exp
+    from ..lib import exp2i, pdl_wait, ue8m0_exp
     # CTA barrier: ``thread_barrier`` in triton 3.6 (the H200 image), ``barrier`` in later releases
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
@@ -141,6 +141,7 @@ if GLUON:
         columns from g * stride_ag (wo_a's grouped einsum; one group: all N rows). SPLIT: fp32
         partials into PART [S, M, N]; REDUCE: the tile's last arriving split sums them into bf16 C.
         Not SPLIT: bf16 C directly."""
+        pdl_wait()
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, 8])
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=16)
@@ -284,7 +285,8 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
         a, sa, u8(w), wsv, res, dst, cnt, M, N, K, kps, N // groups,
         a.stride(0), K, sa.stride(0), w.stride(0), wsv.stride(0), res.stride(-2),
         ACT=mode, SB_E8M0=sb_e8m0, SB_ROW=sb_row, BM=BM_ROWS, BN=BN,
-        SPLIT=dst.dtype == torch.float32, REDUCE=reduce, NUM_WARPS=nw, UNROLL=cfg["UNROLL"], num_warps=nw)
+        SPLIT=dst.dtype == torch.float32, REDUCE=reduce, NUM_WARPS=nw, UNROLL=cfg["UNROLL"], num_warps=nw,
+        **PDL_LAUNCH)
     return res
 
 
