@@ -141,9 +141,7 @@ class Attention(nn.Module):
     def _qr_kv(self, x):
         """(q's low-rank rows after q_norm, kv after kv_norm): one GEMM of both projections."""
         ops = self.ops
-        y = ops.linear(self.wq_a_wkv, x)
-        return ops.rms_norm(y[:, :self.q_lora], self.q_norm, self.eps), \
-            ops.rms_norm(y[:, self.q_lora:], self.kv_norm, self.eps)
+        return ops.rms_norm_pair(ops.linear(self.wq_a_wkv, x), self.q_norm, self.kv_norm, self.eps)
 
     def _q(self, qr):
         return self.ops.linear(self.wq_b, qr).view(qr.shape[0], self.H, self.D)

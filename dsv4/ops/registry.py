@@ -51,6 +51,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in (
     _op("hc_head", "mhc", BASE, "mHC head: the final stream collapse"),
     _op("hc_post_pre", "mhc", BASE, "mHC boundary: hc_post, the next hc_pre and its RMSNorm (one launch at decode)"),
     _op("rms_norm", "norm", BASE, "weighted RMSNorm (fp32 math, one bf16 rounding)"),
+    _op("rms_norm_pair", "norm", BASE, "two weighted RMSNorms of a row's two column ranges, one launch (q_norm, kv_norm)"),
     _op("kv_insert", "kv_insert", FP8, "q head RMSNorm + RoPE, kv RoPE + FP8 QDQ, 584-byte paged cache insert"),
     _op("entry_ids", "paging", BASE, "compressed-cache entry ids through the block table"),
     _op("inverse_rope", "inverse_rope", BASE, "inverse RoPE on the attention output -> wo_a input"),

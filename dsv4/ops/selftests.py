@@ -193,6 +193,19 @@ def rms_norm(ctx: Context):
     return out
 
 
+def rms_norm_pair(ctx: Context):
+    c = ctx.cfg
+    DA, DB = c.q_lora_rank, c.head_dim           # q_norm, kv_norm of the wq_a|wkv output
+
+    def case(T):
+        def make():
+            g = _Gen(ctx, f"rms_norm_pair{T}")
+            return (g.randn(T, DA + DB, scale=3, dtype=torch.bfloat16), g.randn(DA, scale=0.1) + 1,
+                    g.randn(DB, scale=0.1) + 1, c.rms_norm_eps), {}
+        return Case(f"T={T} D={DA}+{DB}", make, _tuple("q", "kv"), {"*": BF16})
+    return [case(T) for T in _rows(ctx, (1,), (1, 2, 64))]
+
+
 def _hc(ctx, n_mix, salt, T):
     c = ctx.cfg
     g = _Gen(ctx, salt)
@@ -590,7 +603,7 @@ def moe(ctx: Context):
     return [case(T, h) for T, h in _rows(ctx, ((2, False),), ((1, False), (2, True), (16, False), (256, False)))]
 
 
-CASES = {f.__name__: f for f in (hc_pre, hc_post, hc_head, hc_post_pre, rms_norm, kv_insert, entry_ids, inverse_rope,
+CASES = {f.__name__: f for f in (hc_pre, hc_post, hc_head, hc_post_pre, rms_norm, rms_norm_pair, kv_insert, entry_ids, inverse_rope,
                                   sparse_decode, sparse_prefill, compress_decode, compress_prefill, index_q_prologue,
                                   index_scores, index_topk, decode_meta, linear, wo_a, moe)}
 

@@ -14,4 +14,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm(x, weight, eps, OFFICIAL)
 
 
-__all__ = ["rms_norm"]
+def rms_norm_pair(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, eps: float):
+    """(rms_norm(x[:, :Da], wa), rms_norm(x[:, Da:], wb)), Da = wa.numel()."""
+    DA, DB = wa.numel(), wb.numel()
+    if x.dim() != 2 or x.shape[1] != DA + DB:
+        raise ValueError(f"rms_norm_pair: x must be [T, {DA} + {DB}] (the two weights' sizes), got {tuple(x.shape)}")
+    return rms_norm(x[:, :DA], wa, eps), rms_norm(x[:, DA:], wb, eps)
+
+
+__all__ = ["rms_norm", "rms_norm_pair"]
