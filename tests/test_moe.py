@@ -81,12 +81,37 @@ def test_route_exact(hash_layer):
         torch.testing.assert_close(w1.gather(1, o1), w0.gather(1, o0), rtol=1e-5, atol=1e-6)
     # the router's quantised x (the expert GEMMs' operand from the same launch): act_quant_fp8's bytes
     x = x * torch.logspace(-3, 1, 256).bfloat16()          # blocks of very different scales
-    i2, w2, e2, xq, xs = Mo._route(x.to(DEV), ids.to(DEV), w, quant=True)
-    i3, w3, e3, nq, ns = Mo._route(x.to(DEV), ids.to(DEV), w)
+    i2, w2, e2, xq, xs, s2 = Mo._route(x.to(DEV), ids.to(DEV), w, quant=True)
+    i3, w3, e3, nq, ns, s3 = Mo._route(x.to(DEV), ids.to(DEV), w)
     q0, s0 = G8.act_quant_fp8(x.to(DEV))
-    assert nq is None and ns is None
+    assert nq is None and ns is None and s2 is None and s3 is None
     assert torch.equal(xq, q0.view(torch.uint8)) and torch.equal(xs, s0)
     assert torch.equal(i2, i3) and torch.equal(w2, w3) and torch.equal(e2, e3)
+
+
+@pytest.mark.parametrize("T,bm", [(1, 8), (3, 1), (30, 8), (50, 1)])
+def test_route_sorts_in_its_last_program(T, bm):
+    """``_route(..., sort_bm=bm)``: the router's launch also sorts the pairs (its last arriving program;
+    T 1: its only one, no counter; T 30 x 3 slots: two 64-pair chunks): ``sort_pairs``' perm / offs /
+    tcum / inv exactly, with hash-routed repeats (the sentinel) in the keys, the counter left at 0;
+    above SORT_FUSED_MAX pairs (T 50 x 3) ``sort_pairs`` runs in its own launch, the same values."""
+    assert 30 * 3 <= Mo.SORT_FUSED_MAX < 50 * 3
+    from dsv4.kernels.counters import arrival_counters
+    gen = torch.Generator().manual_seed(40 + T)
+    for hash_layer in (False, True):
+        ref = _ref_moe(8, 256, 128, 3, gen, hash_layer, dup_row=5, shared=False)
+        w = Mo.MoEWeights.from_reference(ref).to(DEV)
+        x = torch.randn(T, 256, generator=gen).bfloat16().to(DEV)
+        ids = torch.randint(0, 64, (T,), generator=gen).to(DEV)
+        ids[0] = 5                                                  # the repeated hash row
+        for _ in range(2):                                           # a second call: the counter was reset
+            idx, rw, eflat, xq, xs, sort = Mo._route(x, ids, w, quant=True, sort_bm=bm)
+            want = Mo.sort_pairs(eflat, w.n_experts, bm)
+            for a, b in zip(sort, want):
+                assert torch.equal(a, b)
+            assert int(arrival_counters(x.device, 1)[0]) == 0
+        if hash_layer:
+            assert int((eflat == w.n_experts).sum()) > 0
 
 
 def test_gate_bf16_only_where_exact():

@@ -83,13 +83,17 @@ from .gemm.fp8 import act_quant_fp8, fp8_gemm_partials, fp8_swiglu, fp8_weight_e
 from .gemm.fp8 import fp8_gemm as fp8_gemm_tiles
 from .gemm.gemv import gemv_launch, swiglu_quant
 from .gemm.linear import fp8_gemm
+from .counters import arrival_counters
 from .lib import PDL_LAUNCH, QBLOCK, interpreting, target, triton_available, u8
 
 if triton_available():
     import triton
     import triton.language as tl
 
+    from .counters import arrive
     from .lib import pdl_wait, quant_blocks, rne_bf16
+
+    SORT_CH = tl.constexpr(64)
 
     @triton.jit
     def _sqrt_softplus(z):
@@ -104,8 +108,11 @@ if triton_available():
 
     @triton.jit
     def _route_kernel(LOGIT, BIAS, TID2EID, IDS, IDX, W, EFLAT, X, Q, SQ, E, E0, EL, stride_s, route_scale, nb,
-                      stride_x, stride_q, stride_sq, KTOP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                      HASH: tl.constexpr, QUANT: tl.constexpr, QB: tl.constexpr, INTERP: tl.constexpr):
+                      stride_x, stride_q, stride_sq, T, CNT, PERM, OFFS, TCUM, INV,
+                      KTOP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                      HASH: tl.constexpr, QUANT: tl.constexpr, QB: tl.constexpr, INTERP: tl.constexpr,
+                      SORT: tl.constexpr = False, BM: tl.constexpr = 1, ES: tl.constexpr = 2,
+                      PP: tl.constexpr = 2):
         """One token: scores sqrt(softplus(logits)) of all E experts, the top-k of score + bias (ties ->
         lower id) or the token's tid2eid row, the picked scores normalised (w / sum(w) * route_scale,
         a repeated hash id counted in the sum as the twin's gather does) and the sort keys (a repeated
@@ -113,7 +120,10 @@ if triton_available():
         [E0, E0 + EL) of this rank map to 0..EL-1, every other pick (another rank's expert, a repeat)
         to the sentinel EL (one rank: E0 = 0, EL = E). QUANT: also the token's 1x128 FP8
         quantisation (``gemm.fp8.act_quant_fp8``'s bytes and scales: the expert GEMMs' operand, one
-        launch fewer)."""
+        launch fewer). SORT: the last of the T programs to arrive on the counter CNT (acq_rel; one
+        program: no counter) also runs ``sort_pairs``' counting sort of all T * KTOP keys into PERM /
+        OFFS / TCUM / INV (``_moe_sort_prep``'s rows, ES = its EP, PP >= the pair count; one launch
+        fewer at decode) and resets CNT to 0."""
         pdl_wait()
         t = tl.program_id(0).to(tl.int64)
         jk = tl.arange(0, KP)
@@ -144,6 +154,45 @@ if triton_available():
         if QUANT:
             for b0 in range(0, nb, QB):                # [QB, 128] tiles, as _act_quant_kernel's
                 quant_blocks(X, Q, SQ, t, b0, nb, stride_x, stride_q, stride_sq, QB, INTERP)
+        if SORT:
+            P = T * KTOP
+            if T == 1:
+                _sort_counts(EFLAT, OFFS, TCUM, P, EL, BM, ES, PP)
+                _sort_rows(EFLAT, PERM, INV, P, 0, SORT_CH)
+            elif arrive(CNT) == T - 1:
+                _sort_counts(EFLAT, OFFS, TCUM, P, EL, BM, ES, PP)
+                for c0 in range(0, P, SORT_CH):
+                    _sort_rows(EFLAT, PERM, INV, P, c0, SORT_CH)
+                tl.store(CNT, 0)
+
+    @triton.jit
+    def _sort_counts(EFLAT, OFFS, TCUM, P, E, BM: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr):
+        """OFFS[e] = first sorted row of expert e (e = 0..E), TCUM = the prefix of ceil(count / BM) m-tiles
+        (TCUM[0] = 0), from the P <= PP sort keys (``.cg``: written by other programs of a launch)."""
+        e = tl.arange(0, EP)
+        i = tl.arange(0, PP)
+        cnt = tl.histogram(tl.load(EFLAT + i, mask=i < P, other=0, cache_modifier=".cg"), EP, mask=i < P)
+        tl.store(OFFS + e, (tl.cumsum(cnt, axis=0) - cnt).to(tl.int64), mask=e <= E)
+        tiles = tl.where(e < E, (cnt + BM - 1) // BM, 0)
+        tl.store(TCUM + 1 + e, tl.cumsum(tiles, axis=0).to(tl.int64), mask=e < E)
+        tl.store(TCUM + e, tl.zeros([EP], tl.int64), mask=e == 0)
+
+    @triton.jit
+    def _sort_rows(EFLAT, PERM, INV, P, c0, CH: tl.constexpr):
+        """Pairs c0 .. c0+CH-1 of the stable counting sort: a pair's row is the number of pairs of a
+        smaller key plus the earlier pairs of its own key (CH x CH compare blocks over all P pairs)."""
+        jl = tl.arange(0, CH)
+        ii = c0 + jl
+        im = ii < P
+        ei = tl.load(EFLAT + ii, mask=im, other=0, cache_modifier=".cg")
+        row = tl.zeros([CH], tl.int32)
+        for d0 in range(0, P, CH):
+            jj = d0 + jl
+            ej = tl.load(EFLAT + jj, mask=jj < P, other=2147483647, cache_modifier=".cg")
+            first = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (jj[None, :] < ii[:, None]))
+            row += tl.sum(first.to(tl.int32), axis=1)
+        tl.store(PERM + row, ii.to(tl.int64), mask=im)
+        tl.store(INV + ii, row, mask=im)
 
     @triton.jit(do_not_specialize=['P'])
     def _moe_sort_prep(EFLAT, PERM, OFFS, TCUM, INV, P, E, BM: tl.constexpr, EP: tl.constexpr,
@@ -154,25 +203,8 @@ if triton_available():
         blocks over all P pairs: O(P^2) work, P / CH programs, for decode sizes)."""
         pdl_wait()
         if tl.program_id(0) == 0:
-            e = tl.arange(0, EP)
-            i = tl.arange(0, PP)
-            cnt = tl.histogram(tl.load(EFLAT + i, mask=i < P, other=0), EP, mask=i < P)
-            tl.store(OFFS + e, (tl.cumsum(cnt, axis=0) - cnt).to(tl.int64), mask=e <= E)
-            tiles = tl.where(e < E, (cnt + BM - 1) // BM, 0)
-            tl.store(TCUM + 1 + e, tl.cumsum(tiles, axis=0).to(tl.int64), mask=e < E)
-            tl.store(TCUM + e, tl.zeros([EP], tl.int64), mask=e == 0)
-        jl = tl.arange(0, CH)
-        ii = tl.program_id(0) * CH + jl
-        im = ii < P
-        ei = tl.load(EFLAT + ii, mask=im, other=0)
-        row = tl.zeros([CH], tl.int32)
-        for d0 in range(0, P, CH):
-            jj = d0 + jl
-            ej = tl.load(EFLAT + jj, mask=jj < P, other=2147483647)
-            first = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (jj[None, :] < ii[:, None]))
-            row += tl.sum(first.to(tl.int32), axis=1)
-        tl.store(PERM + row, ii.to(tl.int64), mask=im)
-        tl.store(INV + ii, row, mask=im)
+            _sort_counts(EFLAT, OFFS, TCUM, P, E, BM, EP, PP)
+        _sort_rows(EFLAT, PERM, INV, P, tl.program_id(0) * CH, CH)
 
     @triton.jit(do_not_specialize=['P'])
     def _moe_prep(SORTED_E, PERM, OFFS, TCUM, INV, P, E,
@@ -449,10 +481,12 @@ def route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights):
     return _route(x, ids, w)[:2]
 
 
-def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool = False, portable: bool = False):
-    """``route`` -> (idx, weights, sort keys int32 [T * k], xq, xs): with ``quant`` also x's
+def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool = False, portable: bool = False,
+           sort_bm: int | None = None):
+    """``route`` -> (idx, weights, sort keys int32 [T * k], xq, xs, sort): with ``quant`` also x's
     ``act_quant_fp8`` (e4m3 bytes uint8 [T, d], fp32 scales [T, d/128]) from the same launch, else
-    (..., None, None). The gate logits are the twin's fp32 GEMM: ``dense_gemv`` at decode sizes (one
+    (..., None, None, ...); with ``sort_bm`` (up to ``SORT_FUSED_MAX`` pairs) ``sort_pairs(keys,
+    n_experts, sort_bm)``'s result from the same launch (its last program), else None. The gate logits are the twin's fp32 GEMM: ``dense_gemv`` at decode sizes (one
     launch, x upcast in its loads); at prefill sizes with a bf16-exact gate (``MoEWeights.gate_bf16``)
     ``dense_mm`` (bf16 tensor cores, fp32 sums promoted every K block); else torch's fp32 GEMM
     (``portable``: always)."""
@@ -468,7 +502,7 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
     weights = torch.empty(T, k, dtype=torch.float32, device=dev)
     eflat = torch.empty(T * k, dtype=torch.int32, device=dev)
-    xq = xs = None
+    xq = xs = sort = None
     if quant:
         if d % QBLOCK:
             raise ValueError(f"moe route: quantised x needs d % {QBLOCK} == 0, got d={d}")
@@ -480,17 +514,31 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
         if hash_layer and ids is None:
             raise ValueError("hash-routed layer needs the token ids")
         kw = {} if interpreting() else {"num_warps": 4}
+        fuse = sort_bm is not None and T * k <= SORT_FUSED_MAX
+        EL = w.n_experts
+        if fuse:
+            sort = (torch.empty(T * k, dtype=torch.int64, device=dev), torch.empty(EL + 1, dtype=torch.int64, device=dev),
+                    torch.empty(EL + 1, dtype=torch.int64, device=dev), torch.empty(T * k, dtype=torch.int32, device=dev))
+        cnt = arrival_counters(dev, 1) if fuse and T > 1 else eflat
+        perm, offs, tcum, inv = sort if fuse else (idx, idx, idx, eflat)
         _route_kernel[(T,)](
             logits, w.bias if w.bias is not None else logits, w.tid2eid if hash_layer else idx,
             ids if hash_layer else idx, idx, weights, eflat, x if quant else logits, xq if quant else idx,
-            xs if quant else logits, E, w.expert0, w.n_experts, logits.stride(0), float(w.route_scale), d // QBLOCK,
+            xs if quant else logits, E, w.expert0, EL, logits.stride(0), float(w.route_scale), d // QBLOCK,
             x.stride(0) if quant else 0, xq.stride(0) if quant else 0, xs.stride(0) if quant else 0,
+            T, cnt, perm, offs, tcum, inv,
             KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, QUANT=quant,
-            QB=min(8, triton.next_power_of_2(max(1, d // QBLOCK))), INTERP=interpreting(), **kw, **PDL_LAUNCH)
-    return idx, weights, eflat, xq, xs
+            QB=min(8, triton.next_power_of_2(max(1, d // QBLOCK))), INTERP=interpreting(),
+            SORT=fuse, BM=sort_bm if fuse else 1, ES=triton.next_power_of_2(EL + 1),
+            PP=max(2, triton.next_power_of_2(T * k)), **kw, **PDL_LAUNCH)
+        if sort_bm is not None and not fuse:
+            sort = sort_pairs(eflat, EL, sort_bm)
+    return idx, weights, eflat, xq, xs, sort
 
 
 SORT_COUNTING_MAX = 1024   # pairs up to which sort_pairs runs the one-launch counting sort
+SORT_FUSED_MAX = 128       # pairs up to which the router's launch also sorts (its last program: 2 x 2 compare
+                           # blocks of 64 pairs at most, serial; more pairs take sort_pairs' own launch)
 
 
 def sort_pairs(eflat: torch.Tensor, n_experts: int, bm: int):
@@ -559,8 +607,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
                          f"(format {w.fmt}, fold exact: {w.fmt == 'mxfp4' and w.fp8_fold_exact()})")
     xq = xs = None
     if routing is None:    # the paths that take x as plain e4m3 + scales get it from the router's launch
-        idx, rw, eflat, xq, xs = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma", "predec"),
-                                        portable=portable)
+        idx, rw, eflat, xq, xs, sort = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma", "predec"),
+                                              portable=portable,
+                                              sort_bm=_gemv_bm(config, dev) if path == "gemv" else None)
     else:
         idx, rw = routing
         first = torch.ones_like(idx, dtype=torch.bool)
@@ -569,8 +618,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         loc = idx - w.expert0
         keep = first & (loc >= 0) & (loc < E)
         eflat = torch.where(keep, loc, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
+        sort = None
     if path == "gemv":
-        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs, partial, portable)
+        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs, partial, portable, sort)
     if path == "prefill":
         from .gemm.fp4_prefill import f16_operand_split, fp4_prefill_launch
         pcfg = {"13": dict(router.fp4_prefill_config(rows_per_expert, t, swiglu=True), **(config or {})),
@@ -724,28 +774,35 @@ def _shared_expert(xq, xs, w: MoEWeights, portable: bool = False):
     return fp8_gemm_tiles(hq, hsc, w.sh2, w.sh2_s) if portable else fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
 
 
+def _gemv_bm(config, dev) -> int:
+    """The decode path's m-tile rows (``_moe_gemv``): the tensor-core kernel's 8, the CUDA-core GEMV's
+    ``config["BM"]`` (default 1)."""
+    cfg = config or {}
+    kernel = cfg.get("kernel") or router.decode_kernel(target(dev))
+    return fp4_mma.BM_ROWS if kernel == "mma" else cfg.get("BM", 1)
+
+
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None, xs=None, partial=False,
-              portable=False):
+              portable=False, sort=None):
     """Decode MoE: grouped w1|w3 (split-K fp32 partials), the SwiGLU + FP8 quantisation pass, grouped
     w2; the shared expert (``_shared_expert``); combine. On sm_89+ both expert GEMMs run on the
     tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
     rows); other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
     (``config={"kernel": "cuda-core"}`` forces it). ``xq``, ``xs``: x's ``act_quant_fp8`` (from the
+    router's launch), else computed here; ``sort``: ``sort_pairs(eflat, E, _gemv_bm(config))`` (from the
     router's launch), else computed here."""
     T, d = x.shape
     E, I = w.n_experts, w.inter
     P = T * k
     dev = x.device
+    # CUDA-core GEMV: 1-row tiles by default (on the H200 they beat 2- and 4-row tiles at 1 and 1.5 rows
+    # per expert, V4-Flash and V4-Pro, batch 1 and 64: a padded row costs a full row's math, and a weight
+    # slab read twice mostly comes from L2); 2 / 4 stay selectable through ``config``
+    bm = _gemv_bm(config, dev)
     cfg = dict(config or {})
     kernel = cfg.pop("kernel", None) or router.decode_kernel(target(dev))
-    if kernel == "mma":
-        bm = fp4_mma.BM_ROWS
-    else:
-        # 1-row tiles: on the H200 they beat 2- and 4-row tiles at 1 and 1.5 rows per expert (V4-Flash and
-        # V4-Pro, batch 1 and 64: a padded row costs a full row's math, and a weight slab read twice
-        # mostly comes from L2); 2 / 4 stay selectable through ``config``
-        bm = cfg.pop("BM", 1)
-    perm, offs, tcum, inv = sort_pairs(eflat, E, bm)
+    cfg.pop("BM", None)
+    perm, offs, tcum, inv = sort if sort is not None else sort_pairs(eflat, E, bm)
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     if xq is None:
         xq, xs = act_quant_fp8(x)
