@@ -40,6 +40,7 @@ from dsv4.formats.index_key import write_index_keys  # noqa: E402
 from dsv4.formats.kv_entry import write_entries  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  # noqa: E402
 from dsv4.kernels.gemm import route as gemm_route  # noqa: E402
+from dsv4.kernels import lib as kernel_lib  # noqa: E402
 from dsv4.kernels.lib import PDL_ON  # noqa: E402
 from dsv4.model import deepseek_v4 as dsv4_model  # noqa: E402
 from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
@@ -165,6 +166,9 @@ def main():
     ap.add_argument("--mhc-sites", default=None,
                     help="comma list of fused / per-op: time the step with the mHC sites on hc_post_pre "
                          "(model.deepseek_v4.FUSED_SITES, the default) or on the per-op blocks, in this process")
+    ap.add_argument("--prefetch", default=None,
+                    help="comma list of off / on: time the step with the weight kernels' L2 hints before their PDL "
+                         "wait (kernels.lib.PREFETCH) off or on, in this process")
     ap.add_argument("--one-rank-collectives", action="store_true",
                     help="run inside a one-rank process group (NCCL on GPUs) whose collectives run "
                          "(parallel.Group(always=True)): the cost of the tensor-parallel calls themselves")
@@ -219,16 +223,22 @@ def main():
     if any(m not in (None, "fused", "per-op") for m in smodes):
         raise SystemExit(f"--mhc-sites: expected fused / per-op, got {args.mhc_sites!r}")
     max_rows, gemv_max = streams.MAX_ROWS, gemm_route.DENSE_GEMV_MAX_WEIGHT
-    for mode, gmode, smode, B in [(m, g, s, B) for m in modes for g in gmodes for s in smodes for B in batches]:
+    pmodes = [None] if args.prefetch is None else [m.strip() for m in args.prefetch.split(",")]
+    if any(m not in (None, "off", "on") for m in pmodes):
+        raise SystemExit(f"--prefetch: expected off / on, got {args.prefetch!r}")
+    for mode, gmode, smode, pmode, B in [(m, g, s, p, B) for m in modes for g in gmodes for s in smodes
+                                         for p in pmodes for B in batches]:
         if smode is not None:
             dsv4_model.FUSED_SITES = smode == "fused"
+        if pmode is not None:
+            kernel_lib.PREFETCH = pmode == "on"
         if mode is not None:
             streams.STREAMS_ON = mode != "off"
             streams.MAX_ROWS = 1 << 30 if mode == "on" else max_rows
         if gmode is not None:
             gemm_route.DENSE_GEMV_MAX_WEIGHT = 0 if gmode == "off" else gemv_max
         tag = ("" if len(modes) == 1 else f"streams {mode}: ") + ("" if len(gmodes) == 1 else f"dense gemv {gmode}: ") \
-            + ("" if len(smodes) == 1 else f"mhc {smode}: ")
+            + ("" if len(smodes) == 1 else f"mhc {smode}: ") + ("" if len(pmodes) == 1 else f"prefetch {pmode}: ")
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(slots[:B], device=dev)
@@ -269,6 +279,7 @@ def main():
           f"{' --one-rank-collectives' if args.one_rank_collectives else ''}"
           f"{f' --streams {args.streams}' if args.streams else ''}"
           f"{f' --mhc-sites {args.mhc_sites}' if args.mhc_sites else ''}"
+          f"{f' --prefetch {args.prefetch}' if args.prefetch else ''}"
           f"{f' --dense-gemv {args.dense_gemv}' if args.dense_gemv else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "
           f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
           f"{cfg.n_routed_experts} routed experts (MXFP4); weights {model.weight_bytes() / 2**30:.2f} GiB"

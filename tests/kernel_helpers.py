@@ -63,6 +63,8 @@ def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int 
     # a constexpr left out would silently compile as a runtime i32 (a stale dict after a kernel change)
     missing = [q.name for q in fn.params if q.is_constexpr and not q.has_default and q.name not in const]
     assert not missing, f"{fn.__name__}: constexpr arguments not given: {missing}"
+    # constexprs left out take their defaults (as a launch does), not a runtime i32 argument
+    const = dict({q.name: q.default for q in fn.params if q.is_constexpr and q.has_default}, **const)
     sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if (n in types and str(types[n]).startswith("*")) or n in div}

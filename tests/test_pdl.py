@@ -47,6 +47,19 @@ def _kernels_and_launches():
     return jit, launches
 
 
+# What a kernel may do before its pdl_wait(): index arithmetic and L2 prefetch hints of static weights
+# (``lib.prefetch_l2``: no value, nothing that could be stale); no load, store, atomic or inline asm
+PRE_WAIT_CALLS = {"prefetch_l2", "grouped_tile", "program_id", "arange", "cdiv", "to", "minimum", "BlockedLayout"}
+
+
+def _is_wait(st) -> bool:
+    return isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and getattr(st.value.func, "id", "") == "pdl_wait"
+
+
+def _calls(st) -> list[str]:
+    return [getattr(c.func, "id", None) or getattr(c.func, "attr", "?") for c in ast.walk(st) if isinstance(c, ast.Call)]
+
+
 def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribute():
     jit, launches = _kernels_and_launches()
     launched = {name for name, _f, _c in launches}
@@ -54,17 +67,23 @@ def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribut
     bad_calls = [f"{f.relative_to(ROOT)}:{c.lineno} {n}" for n, f, c in launches
                  if not any(k.arg is None and getattr(k.value, "id", "") == "PDL_LAUNCH" for k in c.keywords)]
     assert bad_calls == [], f"launches without **PDL_LAUNCH: {bad_calls}"
-    bad_kernels = []
+    bad_kernels, prefetching = [], set()
     for name in sorted(launched):
         f, fn = jit[name][0]
         body = fn.body
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]                          # the docstring
-        first = body[0]
-        if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-                and getattr(first.value.func, "id", "") == "pdl_wait"):
-            bad_kernels.append(f"{f.relative_to(ROOT)}:{fn.lineno} {name}")
-    assert bad_kernels == [], f"launched kernels whose first statement is not pdl_wait(): {bad_kernels}"
+        i = next((j for j, st in enumerate(body) if _is_wait(st)), None)
+        before = body[:i] if i is not None else body
+        bad = [c for st in before for c in _calls(st) if c not in PRE_WAIT_CALLS]
+        if i is None or bad:
+            bad_kernels.append(f"{f.relative_to(ROOT)}:{fn.lineno} {name} {bad}")
+        if any("prefetch_l2" in _calls(st) for st in before):
+            prefetching.add(name)
+    assert bad_kernels == [], f"launched kernels that do more than index arithmetic / L2 hints before pdl_wait(): " \
+                              f"{bad_kernels}"
+    # the decode step's weight kernels hint their weights (lib.PREFETCH)
+    assert {"_hc_fused", "_fp8_gemm_kernel", "_fp8_mma_kernel", "_dense_gemv_kernel"} <= prefetching
     # a helper that waits would be a second wait inside a kernel: only launched kernels call it
     helpers = [n for n, defs in jit.items() for _f, fn in defs if n not in launched and n != "pdl_wait"
                and any(isinstance(x, ast.Call) and getattr(x.func, "id", "") == "pdl_wait" for x in ast.walk(fn))]
@@ -135,12 +154,22 @@ _AOT = textwrap.dedent("""
             cid, kernel, const, warps, stages = next(c for c in A.cases(cap, False) if c[1] == name)
             mod, fname, types, _ops = A.KERNELS[name]
             gl_cases.append((getattr(importlib.import_module("dsv4.kernels." + mod), fname), types, const, warps))
-        for fn, types, const, warps in cases + gl_cases:
+        pf_cases = []                                 # the weight kernels with their L2 hints on (lib.PREFETCH)
+        for name in ("hc_fused", "fp8_mma", "fp8_gemm", "dense_gemv"):
+            cid, kernel, const, warps, stages = next(c for c in A.cases(cap, False) if c[1] == name)
+            mod, fname, types, _ops = A.KERNELS[name]
+            pf = dict(const, PF=True)
+            if name in ("hc_fused", "dense_gemv"):      # lines of fp32 per row hinted: one K tile
+                pf["PFL"] = max(1, const["BK"] // 32)
+            pf_cases.append((getattr(importlib.import_module("dsv4.kernels." + mod), fname), types, pf, warps))
+        for fn, types, const, warps in cases + gl_cases + (pf_cases if want else []):
             ptx, _ = aot_compile(fn, types, const, cap, warps)
             for ins in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
                 assert (ins in ptx) is want, (fn.__name__, cap, ins, want)
             if want:       # the wait comes before the kernel's first global load
                 assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), fn.__name__
+            if const.get("PF"):   # and after the weights' L2 hints, which are there
+                assert ptx.index("prefetch.global.L2::evict_last") < ptx.index("griddepcontrol.wait"), fn.__name__
     print("ok", want)
 """)
 

@@ -189,6 +189,15 @@ def pdl_mode() -> bool:
 
 PDL_ON = pdl_mode()
 PDL_LAUNCH = {"launch_pdl": True} if PDL_ON else {}
+# Static weights' L2 prefetch before ``pdl_wait()`` (``prefetch_l2``): the weight kernels of the decode step
+# (hc_post_pre's mixing weights, the dense FP8 GEMV and MMA kernels, the router's gate) hint their first
+# weight lines while their predecessor still runs. Only with PDL (without it nothing runs before the wait
+# anyway); read at each launch (benchmarks/decode_step.py --prefetch toggles it in one process).
+PREFETCH = PDL_ON
+
+
+def prefetch_on() -> bool:
+    return PREFETCH and PDL_ON
 
 
 def asm_text(lines) -> str:
@@ -202,6 +211,16 @@ if triton_available():
 
     NOPE_DIM_C = tl.constexpr(NOPE_DIM)
     PDL_C = tl.constexpr(PDL_ON)
+
+    @triton.jit
+    def prefetch_l2(ptrs, mask):
+        """An L2 prefetch hint (``prefetch.global.L2::evict_last``) of the lines holding ``ptrs`` where
+        ``mask``: no value, no ordering. The one thing a kernel may do before ``pdl_wait()`` (test_pdl),
+        on static weights: their bytes are not written by the predecessor, and a hint returns nothing
+        that could be stale (the later loads read L2, the point of coherence). sm_80+."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def pdl_wait():
@@ -410,5 +429,5 @@ if triton_available():
         return first_m + (tile % width) % gsize, (tile % width) // gsize
 
 
-__all__ = ["Choice", "PDL_LAUNCH", "PDL_ON", "QBLOCK", "SMEM_PER_BLOCK", "Target", "aot_target", "asm_text", "cuda_ok",
-           "gluon_available", "interpreting", "pdl_mode", "target", "triton_available", "u8"]
+__all__ = ["Choice", "PDL_LAUNCH", "PDL_ON", "PREFETCH", "QBLOCK", "SMEM_PER_BLOCK", "Target", "aot_target", "asm_text", "cuda_ok",
+           "gluon_available", "interpreting", "pdl_mode", "prefetch_on", "target", "triton_available", "u8"]

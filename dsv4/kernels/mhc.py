@@ -76,7 +76,7 @@ import weakref
 
 import torch
 
-from .lib import PDL_LAUNCH, interpreting, target, triton_available
+from .lib import PDL_LAUNCH, interpreting, prefetch_on, target, triton_available
 from .counters import arrival_counters
 from .norm import rms_norm
 
@@ -88,7 +88,7 @@ if triton_available():
     import triton.language as tl
 
     from .counters import arrive
-    from .lib import pdl_wait, rne_bf16, store_bf16
+    from .lib import pdl_wait, prefetch_l2, rne_bf16, store_bf16
 
     @triton.jit
     def _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP: tl.constexpr, MODE: tl.constexpr,
@@ -420,7 +420,7 @@ if triton_available():
                   k_per_split, inv_k, rms_eps, hc_eps, iters, YP, RES, PPOST, PCOMB, NW, norm_eps,
                   NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BD: tl.constexpr, HEAD: tl.constexpr, PRE_POST: tl.constexpr = False, NORM: tl.constexpr = False,
-                  INTERP: tl.constexpr = False):
+                  INTERP: tl.constexpr = False, PF: tl.constexpr = False, PFL: tl.constexpr = 1):
         """Decode-sized hc_pre / hc_head in one launch, grid (S, token blocks of BT). Each program: the
         partial mix of its K range in fp32 FMAs (exact products, fn read as fp32: ``ieee`` accuracy in
         either mode) and the partial sum of squares -> PART; then an acq_rel arrival on the token
@@ -433,7 +433,13 @@ if triton_available():
         the x elements of its own K range (``_hc_post_kernel``'s expression: the same bits), stores
         them into X (the new residual streams) and mixes them; the last arriver reads X back after its
         acquire (``.cg``: from L2). NORM: Y gets the weighted RMSNorm (weight NW fp32 [D], norm_eps) of
-        the bf16-rounded stream sum instead of the sum itself (one row per program: BD >= D)."""
+        the bf16-rounded stream sum instead of the sum itself (one row per program: BD >= D). PF: the
+        program's first fn tile (NMIX rows x PFL 128-byte lines) hinted into L2 before the wait."""
+        if PF:
+            prefetch_l2(FN + tl.arange(0, NP)[:, None] * K + tl.program_id(0) * k_per_split
+                        + tl.arange(0, PFL)[None, :] * 32,
+                        (tl.arange(0, NP) < NMIX)[:, None]
+                        & (tl.program_id(0) * k_per_split + tl.arange(0, PFL)[None, :] * 32 < K))
         pdl_wait()
         pid_s = tl.program_id(0)
         tb = tl.program_id(1)
@@ -670,7 +676,7 @@ def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
                          y.stride(0), k_per_split, 1.0 / K, rms_eps, hc_eps, iters, yp, res, ppost, pcomb, nw_,
                          float(neps), NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
                          HEAD=head, PRE_POST=prev is not None, NORM=norm is not None, INTERP=interpreting(),
-                         **kw, **PDL_LAUNCH)
+                         PF=prefetch_on(), PFL=max(1, BK // 32), **kw, **PDL_LAUNCH)
 
 
 def _mode(cfg: dict) -> int:
