@@ -223,6 +223,12 @@ if triton_available():
             "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def split_live(mask, s, S):
+        """``mask & (s < S)`` as a tensor of mask's shape (the interpreter mishandles a scalar condition in
+        a load mask): the split-K tails' masked extra loads."""
+        return mask & ((mask.to(tl.int32) * 0 + s) < S)
+
+    @triton.jit
     def pdl_wait():
         """The first statement of every launched kernel (``pdl_mode`` doc); nothing when PDL is off."""
         if PDL_C:

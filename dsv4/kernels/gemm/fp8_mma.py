@@ -205,9 +205,19 @@ if GLUON:
                 tile = pid_m * gl.num_programs(1) + pid_n
                 if gl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu") == gl.num_programs(2) - 1:
                     tot = gl.zeros([BN, BM], gl.float32, layout=mma)
-                    for s in range(0, gl.num_programs(2)):
-                        tot += gl.load(PART + (s.to(gl.int64) * M + rc64[None, :]) * N + rn64[:, None], mask=omask,
-                                       other=0.0, cache_modifier=".cg")
+                    S = gl.num_programs(2)
+                    # four partials in flight per L2 round trip, added in split order (masked: +0.0, the same bits)
+                    for s in range(0, S, 4):
+                        pp = PART + (s.to(gl.int64) * M + rc64[None, :]) * N + rn64[:, None]
+                        plane = N.to(gl.int64) * M
+                        v0 = gl.load(pp, mask=omask, other=0.0, cache_modifier=".cg")
+                        v1 = gl.load(pp + plane, mask=omask & (s + 1 < S), other=0.0, cache_modifier=".cg")
+                        v2 = gl.load(pp + 2 * plane, mask=omask & (s + 2 < S), other=0.0, cache_modifier=".cg")
+                        v3 = gl.load(pp + 3 * plane, mask=omask & (s + 3 < S), other=0.0, cache_modifier=".cg")
+                        tot += v0
+                        tot += v1
+                        tot += v2
+                        tot += v3
                     gl.store(C + rc64[None, :] * stride_cm + rn64[:, None], tot.to(gl.bfloat16), mask=omask)
                     gl.store(CNT + tile, 0)
         else:

@@ -41,7 +41,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ..lib import e2m1_f16, e4m3_bits, exp2i, pdl_wait, quant_rows, store_bf16, swiglu_h, tile_rows, ue8m0_exp
+    from ..lib import e2m1_f16, e4m3_bits, exp2i, pdl_wait, quant_rows, split_live, store_bf16, swiglu_h, tile_rows, ue8m0_exp
 
     @triton.jit
     def _row_dot(w, A, SA, row, k0, kb, stride_am, stride_sam, NG: tl.constexpr, KG: tl.constexpr,
@@ -206,9 +206,17 @@ if triton_available():
         base = WSP + r[:, None] * N2 + i[None, :]
         gs = tl.zeros([BR, 128], tl.float32)
         us = tl.zeros([BR, 128], tl.float32)
-        for s in range(0, S):
-            gs += tl.load(base + s * M * N2, mask=rm[:, None], other=0.0).to(tl.float32)
-            us += tl.load(base + s * M * N2 + n_half, mask=rm[:, None], other=0.0).to(tl.float32)
+        plane = M * N2
+        for s in range(0, S, 2):            # two splits (four loads) per round trip, added in split order
+            m1 = split_live(rm[:, None], s + 1, S)
+            g0 = tl.load(base + s * plane, mask=rm[:, None], other=0.0).to(tl.float32)
+            u0 = tl.load(base + s * plane + n_half, mask=rm[:, None], other=0.0).to(tl.float32)
+            g1 = tl.load(base + (s + 1) * plane, mask=m1, other=0.0).to(tl.float32)
+            u1 = tl.load(base + (s + 1) * plane + n_half, mask=m1, other=0.0).to(tl.float32)
+            gs += g0
+            us += u0
+            gs += g1
+            us += u1
         if HAS_PW:
             if GATHER:
                 pair = tl.load(PERM + r, mask=rm, other=0).to(tl.int64)
