@@ -181,7 +181,9 @@ def _check_hc_post_pre(T, D, gen, device=DEV, with_post=True, noise=2 ** -20, co
         assert h is x                       # no hc_post: the streams as they are, not a copy
     ht, at, pt, ct = hc_post_pre_twin(y, x, post, comb, fn, base, scale, w)
     _close_bf16(h, ht, 2 * (y.float().abs()[:, None] if y is not None else 0) + x.float().abs().sum(1, keepdim=True))
-    assert _rel(p2, pt) < 1e-5 and _rel(c2, ct) < 1e-5
+    # the twin's fp32 GEMM vs the tiled path's bf16x3 tensor-core sums above FUSED_MAX_T: the op's self-test
+    # bound (ops.selftests: 1e-4); on these summed-stream inputs 2.1e-5 was seen at T 300 (H100)
+    assert _rel(p2, pt) < 1e-4 and _rel(c2, ct) < 1e-4
     # the normed input: bf16 y's 1-ulp flips (hc_pre's doc) scale by rsqrt(mean y^2) * w
     assert _rel(a, at) < 2 ** -6
     return h, a, p2, c2
