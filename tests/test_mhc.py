@@ -165,8 +165,9 @@ def _post_inputs(T, D, gen, device):
 
 def _check_hc_post_pre(T, D, gen, device=DEV, with_post=True, noise=2 ** -20, config=None):
     """hc_post_pre against the three kernels it replaces, run with the same config (hc_post, hc_pre,
-    rms_norm): the new streams, post and comb bit for bit (the same expressions), the normed input
-    within one bf16 ulp (the norm's sum of squares in another order); and against the twins."""
+    rms_norm): the new streams bit for bit, post and comb too where both launches run the same warps
+    (the same expressions), the normed input within one bf16 ulp (the norm's sum of squares in another
+    order); and against the twins."""
     x, fn, base, scale = _hc_inputs(T, D, gen, device=device)
     y, post, comb, w = _post_inputs(T, D, gen, device)
     if not with_post:
@@ -175,15 +176,22 @@ def _check_hc_post_pre(T, D, gen, device=DEV, with_post=True, noise=2 ** -20, co
     h0 = x if y is None else hc_post(y, x, post, comb)
     a0, p0, q0 = hc_pre(h0, fn, base, scale, config=config)
     n0 = rms_norm(a0, w, 1e-6)
-    assert torch.equal(h, h0) and torch.equal(p2, p0) and torch.equal(c2, q0)
+    assert torch.equal(h, h0)
+    if D <= 4096 or (config or {}).get("num_warps") or device == "cpu":
+        assert torch.equal(p2, p0) and torch.equal(c2, q0)
+    else:   # one launch at d > 4096 runs 8 warps (hc_pre 4): the mix partials' in-program sums in another order
+        assert _rel(p2, p0) < 1e-6 and _rel(c2, q0) < 1e-6
     assert int(_ulps(a, n0).max()) <= 1 and int((_ulps(a, n0) > 0).sum()) <= max(2, 1e-3 * a.numel())
     if y is None:
         assert h is x                       # no hc_post: the streams as they are, not a copy
     ht, at, pt, ct = hc_post_pre_twin(y, x, post, comb, fn, base, scale, w)
     _close_bf16(h, ht, 2 * (y.float().abs()[:, None] if y is not None else 0) + x.float().abs().sum(1, keepdim=True))
-    # the twin's fp32 GEMM vs the tiled path's bf16x3 tensor-core sums above FUSED_MAX_T: the op's self-test
-    # bound (ops.selftests: 1e-4); on these summed-stream inputs 2.1e-5 was seen at T 300 (H100)
-    assert _rel(p2, pt) < 1e-4 and _rel(c2, ct) < 1e-4
+    # one launch (fp32 FMA mix): the reference's accuracy; above FUSED_MAX_T hc_pre's tiled bf16x3 sums, whose
+    # error grows with the summed streams' size: 2.1e-5 (d 4096) and 1.01e-4 (d 7168) at T 300 on the H100,
+    # hence the op self-test's 2e-4 (ops.selftests)
+    from dsv4.kernels import mhc
+    bound = 1e-5 if T <= mhc.FUSED_MAX_T and not (config or {}).get("impl") == "tiled" else 2e-4
+    assert _rel(p2, pt) < bound and _rel(c2, ct) < bound
     # the normed input: bf16 y's 1-ulp flips (hc_pre's doc) scale by rsqrt(mean y^2) * w
     assert _rel(a, at) < 2 ** -6
     return h, a, p2, c2

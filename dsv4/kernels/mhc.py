@@ -786,7 +786,9 @@ def hc_post_pre(y: torch.Tensor | None, res: torch.Tensor, post: torch.Tensor | 
     ``(h bf16 [T, 4, d] (the new residual streams; ``res`` itself when y is None), normed layer
     input bf16 [T, d], post fp32 [T, 4], comb fp32 [T, 4, 4])``, as ``rms_norm(hc_pre(hc_post(...)))``
     computes them. Up to ``fused_max_t`` tokens (the ``"fused"`` path) one launch of ``_hc_fused``
-    (PRE_POST, NORM): two to three launches fewer per site at decode; above it the three kernels.
+    (PRE_POST, NORM): two to three launches fewer per site at decode; above it the three kernels. The
+    streams are hc_post's bits; post and comb hc_pre's where both run the same warps (d <= 4096; above,
+    the one launch takes 8 warps for its norm tile and the mix partials sum in another order: ~1e-7).
     ``config``: as for ``hc_pre``."""
     _check_x(res, fn, 6 * HC)
     T, _, D = res.shape
