@@ -229,6 +229,21 @@ if triton_available():
         return mask & ((mask.to(tl.int32) * 0 + s) < S)
 
     @triton.jit
+    def add_splits4(acc, ptrs, plane, mask, s0, S):
+        """acc + the fp32 split-K partials at ``ptrs + j * plane`` for splits s0 + j < S, j = 0..3, added in
+        split order (a masked one adds +0.0: the bits of one load a step); the four loads issue together,
+        one L2 round trip instead of four (``.cg``: written by other programs)."""
+        v0 = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        v1 = tl.load(ptrs + plane, mask=split_live(mask, s0 + 1, S), other=0.0, cache_modifier=".cg")
+        v2 = tl.load(ptrs + 2 * plane, mask=split_live(mask, s0 + 2, S), other=0.0, cache_modifier=".cg")
+        v3 = tl.load(ptrs + 3 * plane, mask=split_live(mask, s0 + 3, S), other=0.0, cache_modifier=".cg")
+        acc += v0
+        acc += v1
+        acc += v2
+        acc += v3
+        return acc
+
+    @triton.jit
     def pdl_wait():
         """The first statement of every launched kernel (``pdl_mode`` doc); nothing when PDL is off."""
         if PDL_C:

@@ -91,7 +91,7 @@ if triton_available():
     import triton.language as tl
 
     from .counters import arrive
-    from .lib import pdl_wait, quant_blocks, rne_bf16, split_live
+    from .lib import add_splits4, pdl_wait, quant_blocks, rne_bf16
 
     SORT_CH = tl.constexpr(64)
 
@@ -267,16 +267,8 @@ if triton_available():
             orow = OUT + p.to(tl.int64) * stride_o + cols
             if SPLIT:
                 o = tl.zeros([BD], tl.float32)
-                m = cm & pv
-                for s in range(0, S, 4):    # four partials per L2 round trip, added in split order
-                    v0 = tl.load(orow + s * stride_s, mask=m, other=0.0)
-                    v1 = tl.load(orow + (s + 1) * stride_s, mask=split_live(m, s + 1, S), other=0.0)
-                    v2 = tl.load(orow + (s + 2) * stride_s, mask=split_live(m, s + 2, S), other=0.0)
-                    v3 = tl.load(orow + (s + 3) * stride_s, mask=split_live(m, s + 3, S), other=0.0)
-                    o += v0
-                    o += v1
-                    o += v2
-                    o += v3
+                for s in range(0, S, 4):    # four partials per L2 round trip, in split order
+                    o = add_splits4(o, orow + s * stride_s, stride_s, cm & pv, s, S)
                 y += rne_bf16(o)
             else:
                 y += tl.load(orow, mask=cm & pv, other=0.0).to(tl.float32)

@@ -30,7 +30,7 @@ if triton_available():
     import triton.language as tl
 
     from ..counters import arrive
-    from ..lib import pdl_wait, prefetch_l2, split_live
+    from ..lib import add_splits4, pdl_wait, prefetch_l2
 
     @triton.jit(do_not_specialize=["N", "K", "k_per_split"])
     def _dense_gemv_kernel(X, W, PART, Y, CNT, N, K, stride_wn, k_per_split, BN: tl.constexpr, BK: tl.constexpr,
@@ -65,15 +65,8 @@ if triton_available():
             S = tl.num_programs(1)
             if arrive(CNT + pid_n) == S - 1:
                 tot = tl.zeros([BN], tl.float32)
-                for s0 in range(0, S, 4):     # four partials per L2 round trip, added in split order
-                    v0 = tl.load(tile, mask=mn, other=0.0, cache_modifier=".cg")
-                    v1 = tl.load(tile + N, mask=split_live(mn, s0 + 1, S), other=0.0, cache_modifier=".cg")
-                    v2 = tl.load(tile + 2 * N, mask=split_live(mn, s0 + 2, S), other=0.0, cache_modifier=".cg")
-                    v3 = tl.load(tile + 3 * N, mask=split_live(mn, s0 + 3, S), other=0.0, cache_modifier=".cg")
-                    tot += v0
-                    tot += v1
-                    tot += v2
-                    tot += v3
+                for s0 in range(0, S, 4):     # four partials per L2 round trip, in split order
+                    tot = add_splits4(tot, tile, N, mn, s0, S)
                     tile += 4 * N
                 tl.store(Y + rn64, tot, mask=mn)
                 tl.store(CNT + pid_n, 0)

@@ -36,7 +36,7 @@ if triton_available():
     import triton.language as tl
 
     from ..counters import arrive
-    from ..lib import (exp2i, grouped_tile, pdl_wait, prefetch_l2, quant_blocks, quant_rows, rne_bf16, split_live,
+    from ..lib import (exp2i, add_splits4, grouped_tile, pdl_wait, prefetch_l2, quant_blocks, quant_rows, rne_bf16,
                        store_bf16, swiglu_h)
 
     @triton.jit(do_not_specialize=['stride_s'])
@@ -149,17 +149,8 @@ if triton_available():
                     tot = tl.zeros([BM, BN], tl.float32)
                     plane = tl.full([], 0, tl.int64) + M * N_out
                     msk = mm[:, None] & mn[None, :]
-                    # four partials in flight per L2 round trip, added in split order (a masked one adds +0.0:
-                    # the same bits as one load a step)
-                    for s0 in range(0, S, 4):
-                        v0 = tl.load(tile, mask=msk, other=0.0, cache_modifier=".cg")
-                        v1 = tl.load(tile + plane, mask=split_live(msk, s0 + 1, S), other=0.0, cache_modifier=".cg")
-                        v2 = tl.load(tile + 2 * plane, mask=split_live(msk, s0 + 2, S), other=0.0, cache_modifier=".cg")
-                        v3 = tl.load(tile + 3 * plane, mask=split_live(msk, s0 + 3, S), other=0.0, cache_modifier=".cg")
-                        tot += v0
-                        tot += v1
-                        tot += v2
-                        tot += v3
+                    for s0 in range(0, S, 4):          # four partials per L2 round trip, in split order
+                        tot = add_splits4(tot, tile, plane, msk, s0, S)
                         tile += 4 * plane
                     store_bf16(OUT + rm64[:, None] * stride_om + rn64[None, :], tot,
                                 mm[:, None] & mn[None, :], INTERP)
