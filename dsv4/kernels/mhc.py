@@ -88,7 +88,8 @@ if triton_available():
     import triton.language as tl
 
     from .counters import arrive
-    from .lib import pdl_wait, prefetch_l2, rne_bf16, store_bf16
+    from .lib import pdl_wait, prefetch_l2, rne_bf16
+    from .norm import norm_store
 
     @triton.jit
     def _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP: tl.constexpr, MODE: tl.constexpr,
@@ -354,44 +355,35 @@ if triton_available():
         return tl.sum(tl.where(tl.arange(0, BT) == i, v, 0.0), axis=0)
 
     @triton.jit
-    def _stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, CG: tl.constexpr):
-        """sum_j pre_j x[ti, j, d] in fp32 (scalar pre_j, j in order). CG: loads from L2 (x written by
-        other programs of this launch)."""
+    def _stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, CM: tl.constexpr):
+        """sum_j pre_j x[ti, j, d] in fp32 (scalar pre_j, j in order); CM: the loads' cache modifier
+        (".cg": from L2, x written by other programs of this launch)."""
         xp = X + ti.to(tl.int64) * stride_xt + d
-        if CG:
-            y = p0 * tl.load(xp, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            y += p1 * tl.load(xp + D, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            y += p2 * tl.load(xp + 2 * D, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            y += p3 * tl.load(xp + 3 * D, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            y = p0 * tl.load(xp, mask=dm, other=0.0).to(tl.float32)
-            y += p1 * tl.load(xp + D, mask=dm, other=0.0).to(tl.float32)
-            y += p2 * tl.load(xp + 2 * D, mask=dm, other=0.0).to(tl.float32)
-            y += p3 * tl.load(xp + 3 * D, mask=dm, other=0.0).to(tl.float32)
+        y = p0 * tl.load(xp, mask=dm, other=0.0, cache_modifier=CM).to(tl.float32)
+        y += p1 * tl.load(xp + D, mask=dm, other=0.0, cache_modifier=CM).to(tl.float32)
+        y += p2 * tl.load(xp + 2 * D, mask=dm, other=0.0, cache_modifier=CM).to(tl.float32)
+        y += p3 * tl.load(xp + 3 * D, mask=dm, other=0.0, cache_modifier=CM).to(tl.float32)
         return y
 
     @triton.jit
     def _weighted_row(X, Y, ti, D, stride_xt, stride_yt, p0, p1, p2, p3, d0, BD: tl.constexpr,
-                      CG: tl.constexpr = False):
+                      CM: tl.constexpr = ""):
         """y[ti, d0:d0+BD] = sum_j pre_j x[ti, j, d] (scalar pre_j; fp32, j in order), one bf16 rounding.
         Scalar weights: a [BT]-vector weight would drag the row tile into its (replicated) layout."""
         d = d0 + tl.arange(0, BD)
         dm = d < D
-        y = _stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, CG)
+        y = _stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, CM)
         tl.store(Y + ti.to(tl.int64) * stride_yt + d, rne_bf16(y).to(tl.bfloat16), mask=dm)
 
     @triton.jit
     def _weighted_norm_row(X, Y, NW, ti, D, stride_xt, stride_yt, p0, p1, p2, p3, eps, BD: tl.constexpr,
                            INTERP: tl.constexpr):
-        """Y[ti] = the weighted RMSNorm (``_rms_norm_kernel``'s math) of the bf16-rounded stream sum of
-        token ti: the whole row in one tile (BD >= D); x read from L2 (the PRE_POST case wrote it)."""
+        """Y[ti] = the weighted RMSNorm (``norm.norm_store``) of the bf16-rounded stream sum of token ti:
+        the whole row in one tile (BD >= D); x read from L2 (the PRE_POST case wrote it)."""
         d = tl.arange(0, BD)
         dm = d < D
-        y = rne_bf16(_stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, True))
-        ms = tl.sum(y * y, axis=0) / D
-        z = y * tl.rsqrt(ms + eps)
-        w = tl.load(NW + d, mask=dm, other=0.0)
-        store_bf16(Y + ti.to(tl.int64) * stride_yt + d, w * z, dm, INTERP)
+        y = rne_bf16(_stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, ".cg"))
+        norm_store(y, NW, Y + ti.to(tl.int64) * stride_yt, d, dm, D, eps, INTERP)
 
     @triton.jit
     def _post_tile(YP, RES, PPOST, PCOMB, X, t, tm, kx, km, D, stride_xt):
@@ -483,7 +475,8 @@ if triton_available():
                                            INTERP)
                     else:
                         for d0 in range(0, D, BD):
-                            _weighted_row(X, Y, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, d0, BD, PRE_POST)
+                            _weighted_row(X, Y, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, d0, BD,
+                                          ".cg" if PRE_POST else "")
             tl.store(CNT + tb, 0)
 
     # ---------------------------------------------------------------- v2 large T: mix GEMM, finish, apply

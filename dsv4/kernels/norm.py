@@ -19,15 +19,20 @@ if triton_available():
     from .lib import pdl_wait, store_bf16
 
     @triton.jit
-    def _norm_row(X, W, Y, D, eps, BD: tl.constexpr, INTERP: tl.constexpr):
-        """Y[:D] = bf16(W * (X * rsqrt(mean(X^2) + eps))) for one row (fp32 math)."""
-        d = tl.arange(0, BD)
-        m = d < D
-        x = tl.load(X + d, mask=m, other=0.0).to(tl.float32)
+    def norm_store(x, W, Y, d, m, D, eps, INTERP: tl.constexpr):
+        """Y[d] = bf16(W[d] * (x * rsqrt(mean(x^2) + eps))) where m, for one row x fp32 [BD] in registers
+        (zeros off m; fp32 math, one rounding): the RMSNorm of every kernel that ends in one."""
         ms = tl.sum(x * x, axis=0) / D
         y = x * tl.rsqrt(ms + eps)
         w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
         store_bf16(Y + d, w * y, m, INTERP)
+
+    @triton.jit
+    def _norm_row(X, W, Y, D, eps, BD: tl.constexpr, INTERP: tl.constexpr):
+        """Y[:D] = bf16(W * (X * rsqrt(mean(X^2) + eps))) for one row (fp32 math)."""
+        d = tl.arange(0, BD)
+        m = d < D
+        norm_store(tl.load(X + d, mask=m, other=0.0).to(tl.float32), W, Y, d, m, D, eps, INTERP)
 
     @triton.jit
     def _rms_norm_kernel(X, W, Y, D, stride_x, stride_y, eps, BD: tl.constexpr, INTERP: tl.constexpr):
