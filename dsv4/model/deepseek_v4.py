@@ -505,19 +505,20 @@ class DeepseekV4(nn.Module):
         feats = {}
         capture = ctx.keep_hidden and self.dspark is not None
         run, pending = fused(ctx), None
-        last = self.layers[-1].layer_id if len(self.layers) else None
         for blk in self.layers:
             if run:
                 # a block's last hc_post runs inside the next block's first site; applied here only
-                # where the streams themselves are read (the last block, a DSpark target)
+                # where the streams themselves are read (a DSpark target, after the last block)
                 h, pending = blk.run(h, ctx, pending)
-                if blk.layer_id == last or (capture and blk.layer_id in self.dspark.targets):
+                if capture and blk.layer_id in self.dspark.targets:
                     h, pending = self.ops.hc_post(pending[0], h, pending[1], pending[2]), None
             else:
                 h = blk(h, ctx)
             if capture and blk.layer_id in self.dspark.targets:
                 # the DSpark target feature: block L's output averaged over its hc streams (model.dspark)
                 feats[blk.layer_id] = h.float().mean(dim=1).to(torch.bfloat16)
+        if pending is not None:
+            h = self.ops.hc_post(pending[0], h, pending[1], pending[2])
         if ctx.keep_hidden:
             # what the drafter reads: the final residual streams [T, hc, d] (MTP), or the DSpark
             # feature [T, S*d] in dspark_target_layer_ids order
