@@ -155,15 +155,18 @@ if triton_available():
             for b0 in range(0, nb, QB):                # [QB, 128] tiles, as _act_quant_kernel's
                 quant_blocks(X, Q, SQ, t, b0, nb, stride_x, stride_q, stride_sq, QB, INTERP)
         if SORT:
-            P = T * KTOP
             if T == 1:
-                _sort_counts(EFLAT, OFFS, TCUM, P, EL, BM, ES, PP)
-                _sort_rows(EFLAT, PERM, INV, P, 0, SORT_CH)
+                _sort_all(EFLAT, PERM, OFFS, TCUM, INV, T * KTOP, EL, BM, ES, PP)
             elif arrive(CNT) == T - 1:
-                _sort_counts(EFLAT, OFFS, TCUM, P, EL, BM, ES, PP)
-                for c0 in range(0, P, SORT_CH):
-                    _sort_rows(EFLAT, PERM, INV, P, c0, SORT_CH)
+                _sort_all(EFLAT, PERM, OFFS, TCUM, INV, T * KTOP, EL, BM, ES, PP)
                 tl.store(CNT, 0)
+
+    @triton.jit
+    def _sort_all(EFLAT, PERM, OFFS, TCUM, INV, P, E, BM: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr):
+        """``_moe_sort_prep``'s whole grid in one program: the counts, then the rows chunk by chunk."""
+        _sort_counts(EFLAT, OFFS, TCUM, P, E, BM, EP, PP)
+        for c0 in range(0, P, SORT_CH):
+            _sort_rows(EFLAT, PERM, INV, P, c0, SORT_CH)
 
     @triton.jit
     def _sort_counts(EFLAT, OFFS, TCUM, P, E, BM: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr):
@@ -609,7 +612,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     if routing is None:    # the paths that take x as plain e4m3 + scales get it from the router's launch
         idx, rw, eflat, xq, xs, sort = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma", "predec"),
                                               portable=portable,
-                                              sort_bm=_gemv_bm(config, dev) if path == "gemv" else None)
+                                              sort_bm=_gemv_kernel(config, dev)[1] if path == "gemv" else None)
     else:
         idx, rw = routing
         first = torch.ones_like(idx, dtype=torch.bool)
@@ -774,12 +777,14 @@ def _shared_expert(xq, xs, w: MoEWeights, portable: bool = False):
     return fp8_gemm_tiles(hq, hsc, w.sh2, w.sh2_s) if portable else fp8_gemm(hq, hsc, w.sh2, w.sh2_s)
 
 
-def _gemv_bm(config, dev) -> int:
-    """The decode path's m-tile rows (``_moe_gemv``): the tensor-core kernel's 8, the CUDA-core GEMV's
-    ``config["BM"]`` (default 1)."""
+def _gemv_kernel(config, dev) -> tuple[str, int]:
+    """The decode path's kernel (``config["kernel"]``, else the router's) and m-tile rows: the
+    tensor-core kernel's 8, the CUDA-core GEMV's ``config["BM"]``, default 1 (on the H200 1-row tiles
+    beat 2- and 4-row tiles at 1 and 1.5 rows per expert, V4-Flash and V4-Pro, batch 1 and 64: a padded
+    row costs a full row's math, and a weight slab read twice mostly comes from L2)."""
     cfg = config or {}
     kernel = cfg.get("kernel") or router.decode_kernel(target(dev))
-    return fp4_mma.BM_ROWS if kernel == "mma" else cfg.get("BM", 1)
+    return kernel, (fp4_mma.BM_ROWS if kernel == "mma" else cfg.get("BM", 1))
 
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None, xs=None, partial=False,
@@ -789,19 +794,14 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
     rows); other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
     (``config={"kernel": "cuda-core"}`` forces it). ``xq``, ``xs``: x's ``act_quant_fp8`` (from the
-    router's launch), else computed here; ``sort``: ``sort_pairs(eflat, E, _gemv_bm(config))`` (from the
+    router's launch), else computed here; ``sort``: ``sort_pairs(eflat, E, _gemv_kernel(config)[1])`` (from the
     router's launch), else computed here."""
     T, d = x.shape
     E, I = w.n_experts, w.inter
     P = T * k
     dev = x.device
-    # CUDA-core GEMV: 1-row tiles by default (on the H200 they beat 2- and 4-row tiles at 1 and 1.5 rows
-    # per expert, V4-Flash and V4-Pro, batch 1 and 64: a padded row costs a full row's math, and a weight
-    # slab read twice mostly comes from L2); 2 / 4 stay selectable through ``config``
-    bm = _gemv_bm(config, dev)
-    cfg = dict(config or {})
-    kernel = cfg.pop("kernel", None) or router.decode_kernel(target(dev))
-    cfg.pop("BM", None)
+    kernel, bm = _gemv_kernel(config, dev)
+    cfg = {key: v for key, v in (config or {}).items() if key not in ("kernel", "BM")}
     perm, offs, tcum, inv = sort if sort is not None else sort_pairs(eflat, E, bm)
     n_tiles = min(P, triton.cdiv(P, bm) + min(E, P))
     if xq is None:
