@@ -41,7 +41,7 @@ if GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from ..lib import exp2i, pdl_wait, prefetch_l2, ue8m0_exp
+    from ..lib import add_splits4, exp2i, pdl_wait, prefetch_l2, ue8m0_exp
     # CTA barrier: ``thread_barrier`` in triton 3.6 (the H200 image), ``barrier`` in later releases
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
@@ -206,18 +206,9 @@ if GLUON:
                 if gl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu") == gl.num_programs(2) - 1:
                     tot = gl.zeros([BN, BM], gl.float32, layout=mma)
                     S = gl.num_programs(2)
-                    # four partials in flight per L2 round trip, added in split order (masked: +0.0, the same bits)
-                    for s in range(0, S, 4):
-                        pp = PART + (s.to(gl.int64) * M + rc64[None, :]) * N + rn64[:, None]
-                        plane = N.to(gl.int64) * M
-                        v0 = gl.load(pp, mask=omask, other=0.0, cache_modifier=".cg")
-                        v1 = gl.load(pp + plane, mask=omask & (s + 1 < S), other=0.0, cache_modifier=".cg")
-                        v2 = gl.load(pp + 2 * plane, mask=omask & (s + 2 < S), other=0.0, cache_modifier=".cg")
-                        v3 = gl.load(pp + 3 * plane, mask=omask & (s + 3 < S), other=0.0, cache_modifier=".cg")
-                        tot += v0
-                        tot += v1
-                        tot += v2
-                        tot += v3
+                    for s in range(0, S, 4):       # four partials per L2 round trip, in split order
+                        tot = add_splits4(tot, PART + (s.to(gl.int64) * M + rc64[None, :]) * N + rn64[:, None],
+                                          N.to(gl.int64) * M, omask, s, S)
                     gl.store(C + rc64[None, :] * stride_cm + rn64[:, None], tot.to(gl.bfloat16), mask=omask)
                     gl.store(CNT + tile, 0)
         else:
