@@ -158,3 +158,23 @@ def test_shared_memory_fits_the_target(matrix, cap):
     over = [f"{cid}: {shared} bytes > {limit} (sm_{cap})" for cid, (kernel, outcome, shared, _s) in matrix[cap].items()
             if outcome == "ok" and shared is not None and shared > limit]
     assert not over, "\n".join(over)
+
+
+def test_jit_helpers_take_no_string_constexpr_defaults():
+    """A @triton.jit function called from another one gets its defaulted constexprs from the caller's
+    code generator; Triton 3.6 (the GPU image's) hands a str default over as a bare Python str, and the
+    kernel fails to compile (``'str' object has no attribute 'type'``) where 3.9 accepts it. Launched
+    kernels are not affected (the launcher wraps defaults), so the rule is on every jit function: a str
+    constexpr is passed by its caller, never defaulted."""
+    import ast
+    bad = []
+    for f in sorted((REPO / "dsv4").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.FunctionDef) or not any(
+                    getattr(d.func if isinstance(d, ast.Call) else d, "attr", "") == "jit" for d in node.decorator_list):
+                continue
+            args = node.args.args[len(node.args.args) - len(node.args.defaults):]
+            bad += [f"{f.relative_to(REPO)}:{node.lineno} {node.name}({a.arg})"
+                    for a, d in zip(args, node.args.defaults)
+                    if isinstance(d, ast.Constant) and isinstance(d.value, str)]
+    assert bad == [], f"str constexpr defaults: {bad}"

@@ -367,7 +367,7 @@ if triton_available():
 
     @triton.jit
     def _weighted_row(X, Y, ti, D, stride_xt, stride_yt, p0, p1, p2, p3, d0, BD: tl.constexpr,
-                      CM: tl.constexpr = ""):
+                      CM: tl.constexpr):
         """y[ti, d0:d0+BD] = sum_j pre_j x[ti, j, d] (scalar pre_j; fp32, j in order), one bf16 rounding.
         Scalar weights: a [BT]-vector weight would drag the row tile into its (replicated) layout."""
         d = d0 + tl.arange(0, BD)
@@ -543,7 +543,7 @@ if triton_available():
         if REVERSE:
             ti = T - 1 - ti
         _weighted_row(X, Y, ti, D, stride_xt, stride_yt, tl.load(PRE + ti * 4), tl.load(PRE + ti * 4 + 1),
-                      tl.load(PRE + ti * 4 + 2), tl.load(PRE + ti * 4 + 3), db * BD, BD)
+                      tl.load(PRE + ti * 4 + 2), tl.load(PRE + ti * 4 + 3), db * BD, BD, "")
 
 
 def _check_x(x, fn, nmix):
