@@ -75,14 +75,15 @@ def main():
             print(f"| {T} | {name} | predecode + grouped FP8 GEMM (the default) | {us:.0f} | {100 * sm / us:.0f}% | ref |",
                   flush=True)
             a_split = WS.split_k_order(u)
-            variants = [(f"stages {st}", {"STAGES": st}) for st in (int(x) for x in args.stages.split(","))] + [
-                ("4 consumers (256 x 64 tiles)", {"CONSUMERS": 4}),
-                ("table-lookup decode", {"LUT": True}),
-                ("4 consumers, table-lookup decode", {"CONSUMERS": 4, "LUT": True}),
+            two = {"CONSUMERS": 2, "LUT": False}
+            variants = [(f"stages {st} (the default)", {"STAGES": st}) for st in (int(x) for x in args.stages.split(","))] + [
+                ("2 consumers (128 x 128 tiles), byte-lane decode", two),
+                ("2 consumers, table-lookup decode", {"CONSUMERS": 2}),
+                ("4 consumers, byte-lane decode", {"LUT": False}),
                 ("a scale per byte", {"GROUP_SCALES": False}),
                 ("probe: no decode", {"PROBE": 1}), ("probe: no wgmma", {"PROBE": 2}),
-                ("4 consumers, probe: no decode", {"CONSUMERS": 4, "PROBE": 1}),
-                ("4 consumers, probe: no wgmma", {"CONSUMERS": 4, "PROBE": 2})]
+                ("2 consumers, probe: no decode", dict(two, PROBE=1)),
+                ("2 consumers, probe: no wgmma", dict(two, PROBE=2))]
             for label, vcfg in variants:
                 out = torch.empty(P, N, dtype=torch.bfloat16, device=dev)
                 run = lambda: WS.fp4_fp8_ws(a_split, xs, w, ws, smx, offs, out=out, config=vcfg)  # noqa: E731

@@ -288,24 +288,28 @@ if GLUON:
             ], [4, 4, 1], [CONSUMER_REGS, DECODER_REGS, LOADER_REGS])
 
 
-# NC 2 (the default): m-tiles of 128 rows, n-tiles of 128 columns; 4 stages of 40 KB (2 activation boxes of 8 KB,
-# 8 KB packed weights, 16 KB decoded weights). Registers per SM (64K): 8 consumer warps at 168 + 4 decoder warps
-# at 96 + the loader's warp(group) at 40 <= 65,536. The launch's ``maxnreg`` is what every thread starts with
-# before the partitions' setmaxnreg: the 16 warps the kernel launches with (the loader's warp pads to a warpgroup)
-# must fit 64K at it, so 65,536 / 512 = 128; a larger value makes the driver refuse the launch (its per-block
-# thread limit drops below 512).
-# NC 4 (``{"CONSUMERS": 4}``, not yet timed): m-tiles of 256 rows, n-tiles of 64 columns: each decoded weight
-# element feeds 256 rows instead of 128 (half the decode work per MMA; a V4-Flash expert at 8192 tokens, ~192
-# rows, is one m-tile instead of a full and a half-empty one); 4 x 4 consumer warps at 88 + 4 decoder warps at 104
-# + the loader's 24 (24 warps launched: maxnreg 65,536 / 768 -> 80; ptxas, sm_90a: no spills there, where
-# consumers at 96 with the decoder at 88 spilled 112 bytes); 4 stages of 44 KB.
+# NC 4 (the default): m-tiles of 256 rows, n-tiles of 64 columns: each decoded weight element feeds 256 rows
+# instead of 128 (half the decode work per MMA; a V4-Flash expert at 8192 tokens, ~192 rows, is one m-tile instead
+# of a full and a half-empty one); 4 x 4 consumer warps at 88 + 4 decoder warps at 104 + the loader's 24 (24 warps
+# launched: maxnreg 65,536 / 768 -> 80; ptxas, sm_90a: no spills there, where consumers at 96 with the decoder at 88
+# spilled 112 bytes); 4 stages of 44 KB.
+# NC 2: m-tiles of 128 rows, n-tiles of 128 columns; 4 stages of 40 KB (2 activation boxes of 8 KB, 8 KB packed
+# weights, 16 KB decoded weights). Registers per SM (64K): 8 consumer warps at 168 + 4 decoder warps at 96 + the
+# loader's warp(group) at 40 <= 65,536. The launch's ``maxnreg`` is what every thread starts with before the
+# partitions' setmaxnreg: the 16 warps the kernel launches with (the loader's warp pads to a warpgroup) must fit 64K
+# at it, so 65,536 / 512 = 128; a larger value makes the driver refuse the launch (its per-block thread limit drops
+# below 512).
+# LUT (the default): the decoder on ``DEC_LUT_ASM`` (22% fewer instructions than the byte-lane decode, the same
+# bytes).
+# H100, ``experiments/exp_fp4_fp8_ws.py --tokens 8192 --stages 4`` (2026-12-06, 256 experts, V4-Flash shapes),
+# GEMM 1 / GEMM 2 in us: NC 2 3768 / 1979, NC 4 3364 / 1811, NC 2 + LUT 3365 / 1753, NC 4 + LUT 3119 / 1672
+# (``_scaled_mm`` on the dense problem 1198 / 659).
 # PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma.
-# LUT: the decoder on ``DEC_LUT_ASM`` (22% fewer instructions; the same bytes; not yet timed).
-DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 2, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": None,
-                  "maxnreg": None, "GRID": 0, "GROUP_SCALES": True, "PROBE": 0, "LUT": False}
+DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 4, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": None,
+                  "maxnreg": None, "GRID": 0, "GROUP_SCALES": True, "PROBE": 0, "LUT": True}
 _PER_CONSUMERS = {2: {"BN": 128, "CONSUMER_REGS": 168, "DECODER_REGS": 96, "LOADER_REGS": 40, "maxnreg": 128},
                   4: {"BN": 64, "CONSUMER_REGS": 88, "DECODER_REGS": 104, "LOADER_REGS": 24, "maxnreg": 80}}
-BN = 128    # the default's n-tile; N must be a multiple of 128 whatever the tile (the weight factors' tiles)
+BN = 128    # N must be a multiple of 128 whatever the n-tile (the weight factors' tiles)
 
 
 def available(dev) -> bool:
@@ -322,7 +326,7 @@ def split_k_order(a: torch.Tensor) -> torch.Tensor:
     return a.view(P, K // 32, 16, 2).transpose(-1, -2).reshape(P, K).contiguous()
 
 
-def tile_counts(offs: torch.Tensor, consumers: int = 2) -> torch.Tensor:
+def tile_counts(offs: torch.Tensor, consumers: int) -> torch.Tensor:
     """int64 [E+1]: the prefix sum of each expert's m-tile count (``consumers`` x 64 rows a tile; ``tcum``)."""
     tm = consumers * BMH
     n = (offs[1:] - offs[:-1] + tm - 1) // tm
