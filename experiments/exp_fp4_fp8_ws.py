@@ -80,6 +80,7 @@ def main():
                 ("2 consumers (128 x 128 tiles), byte-lane decode", two),
                 ("2 consumers, table-lookup decode", {"CONSUMERS": 2}),
                 ("4 consumers, byte-lane decode", {"LUT": False}),
+                ("every activation box loaded", {"LIVE_LOADS": False}),
                 ("a scale per byte", {"GROUP_SCALES": False}),
                 ("probe: no decode", {"PROBE": 1}), ("probe: no wgmma", {"PROBE": 2}),
                 ("2 consumers, probe: no decode", dict(two, PROBE=1)),

@@ -106,7 +106,8 @@ _AOT_SCRIPT = textwrap.dedent("""
                      w_desc=desc(torch.uint8, gl.uint8, [bn, 64]),
                      OUT="*bf16", SA="*fp32", WS="*u8", SMAX="*u8", TCUM="*i64", OFFS="*i64")
         const = dict(STAGES=cfg["STAGES"], LOG2G=9, CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"],
-                     LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=group_scales, PROBE=0, NC=consumers, LUT=lut)
+                     LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=group_scales, PROBE=0, NC=consumers, LUT=lut,
+                     LIVE_LOADS=True)
         # Triton JSON-serialises the constexpr arguments when a jit_post_compile_hook is installed (the
         # engine's warm-up log): a layout object passed as one fails the launch there
         json.dumps(const)
@@ -157,7 +158,8 @@ def test_aot_compile_sm90():
 @pytest.mark.parametrize("E,N,K,rows", [(4, 256, 512, [0, 64, 130, 200]), (8, 4096, 2048, [192] * 8),
                                         (16, 128, 4096, [1, 300, 0, 5] * 4)])
 @pytest.mark.parametrize("cfg", [None, {"STAGES": 2, "GRID": 3}, {"GROUP_SCALES": False}, {"LUT": False},
-                                 {"CONSUMERS": 2, "LUT": False}, {"CONSUMERS": 2, "STAGES": 2, "GRID": 3}])
+                                 {"CONSUMERS": 2, "LUT": False}, {"CONSUMERS": 2, "STAGES": 2, "GRID": 3},
+                                 {"LIVE_LOADS": False}])
 def test_gpu_fp4_fp8_ws_matches_predecoded(E, N, K, rows, cfg):
     """Empty experts, an expert of one row, tiles whose second half has no rows, more tiles than programs:
     the pre-decoded path's kernel (the same products) within one bf16 step, and the exact sum."""

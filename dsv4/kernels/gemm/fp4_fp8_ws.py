@@ -110,22 +110,35 @@ if GLUON:
 
     @gluon.jit
     def _loader(a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K,
-                STAGES: gl.constexpr, LOG2G: gl.constexpr, NC: gl.constexpr):
+                STAGES: gl.constexpr, LOG2G: gl.constexpr, NC: gl.constexpr, LIVE_LOADS: gl.constexpr):
+        """LIVE_LOADS: only the 64-row slices that hold rows of the tile's expert are loaded (their consumers
+        skip the others' wgmma): a 192-row expert in a 256-row tile reads 3 activation boxes per K block, not 4.
+        A tile has at least one row (``tcum`` counts ceil(rows / (NC x 64)) tiles an expert), so n_live >= 1."""
         BN: gl.constexpr = w_desc.block_type.shape[0]
         num_n = N // BN
         total = gl.load(TCUM + n_groups).to(gl.int32) * num_n
-        nbytes: gl.constexpr = NC * a_desc.block_type.nbytes + w_desc.block_type.nbytes
+        abytes: gl.constexpr = a_desc.block_type.nbytes
+        wbytes: gl.constexpr = w_desc.block_type.nbytes
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G, NC)
             wrow = e * N + (tile % num_n) * BN
+            if LIVE_LOADS:
+                n_live = gl.minimum((m_end - m0 + _BMH - 1) // _BMH, NC)
+            else:
+                n_live = NC
             for kb in range(K // 128):
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)   # fresh barriers: phase 1 done
                 bar = loaded.index(s)
-                mbarrier.expect(bar, nbytes)
+                if LIVE_LOADS:      # the byte count is an immediate: one predicated expect per possible count
+                    for nl in gl.static_range(1, NC + 1):
+                        mbarrier.expect(bar, nl * abytes + wbytes, pred=n_live == nl)
+                else:
+                    mbarrier.expect(bar, NC * abytes + wbytes)
                 for h in gl.static_range(NC):                # the tile's 64-row slices, one per consumer
-                    _tma_load(a_desc, [m0 + h * _BMH, kb * 128], bar, a_bufs.index(NC * s + h))
+                    if h < n_live:
+                        _tma_load(a_desc, [m0 + h * _BMH, kb * 128], bar, a_bufs.index(NC * s + h))
                 _tma_load(w_desc, [wrow, kb * 64], bar, w_bufs.index(s))
                 it += 1
 
@@ -241,7 +254,7 @@ if GLUON:
                            STAGES: gl.constexpr, LOG2G: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, DECODER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            GROUP_SCALES: gl.constexpr, PROBE: gl.constexpr, NC: gl.constexpr,
-                           LUT: gl.constexpr):
+                           LUT: gl.constexpr, LIVE_LOADS: gl.constexpr):
         """a_desc: e4m3 [P, K] (group split order) in [64, 128] boxes; w_desc: uint8 [E N, K/2] in [BN, 64]
         boxes; OUT bf16 [P, N]; SA fp32 [K/128, P]; WS uint8 [E N, K/32]; SMAX uint8 [E, N/128, K/128]; TCUM,
         OFFS int64 [E+1] (m-tiles of NC x 64 rows). NC consumer warpgroups: 2 (BN 128) or 4 (BN 64)."""
@@ -273,7 +286,7 @@ if GLUON:
                 (_decoder, (w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K, STAGES, LOG2G,
                             BN, GROUP_SCALES, PROBE, NC, LUT)),
                 (_loader, (a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K, STAGES,
-                           LOG2G, NC)),
+                           LOG2G, NC, LIVE_LOADS)),
             ], [4, 4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, DECODER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
@@ -284,7 +297,7 @@ if GLUON:
                 (_decoder, (w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K, STAGES, LOG2G,
                             BN, GROUP_SCALES, PROBE, NC, LUT)),
                 (_loader, (a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K, STAGES,
-                           LOG2G, NC)),
+                           LOG2G, NC, LIVE_LOADS)),
             ], [4, 4, 1], [CONSUMER_REGS, DECODER_REGS, LOADER_REGS])
 
 
@@ -304,9 +317,13 @@ if GLUON:
 # H100, ``experiments/exp_fp4_fp8_ws.py --tokens 8192 --stages 4`` (2026-12-06, 256 experts, V4-Flash shapes),
 # GEMM 1 / GEMM 2 in us: NC 2 3768 / 1979, NC 4 3364 / 1811, NC 2 + LUT 3365 / 1753, NC 4 + LUT 3119 / 1672
 # (``_scaled_mm`` on the dense problem 1198 / 659).
+# LIVE_LOADS (prepared, not yet timed): the loader skips the activation boxes of 64-row slices past the expert's
+# rows (``_loader``): at 8192 tokens x 256 experts (~192 rows an expert) a quarter of NC 4's activation reads,
+# which are 32 of the 36 KB a K block loads from L2 (every n-tile re-reads the m-tile's activations).
 # PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma.
 DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 4, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": None,
-                  "maxnreg": None, "GRID": 0, "GROUP_SCALES": True, "PROBE": 0, "LUT": True}
+                  "maxnreg": None, "GRID": 0, "GROUP_SCALES": True, "PROBE": 0, "LUT": True,
+                  "LIVE_LOADS": True}
 _PER_CONSUMERS = {2: {"BN": 128, "CONSUMER_REGS": 168, "DECODER_REGS": 96, "LOADER_REGS": 40, "maxnreg": 128},
                   4: {"BN": 64, "CONSUMER_REGS": 88, "DECODER_REGS": 104, "LOADER_REGS": 24, "maxnreg": 80}}
 BN = 128    # N must be a multiple of 128 whatever the n-tile (the weight factors' tiles)
@@ -392,7 +409,8 @@ def fp4_fp8_ws(a_split: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: tor
                              LOG2G=max(1, E.bit_length()),
                              CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"],
                              LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=bool(cfg["GROUP_SCALES"]),
-                             PROBE=int(cfg["PROBE"]), NC=nc, LUT=bool(cfg["LUT"]), num_warps=4,
+                             PROBE=int(cfg["PROBE"]), NC=nc, LUT=bool(cfg["LUT"]),
+                             LIVE_LOADS=bool(cfg["LIVE_LOADS"]), num_warps=4,
                              maxnreg=cfg["maxnreg"], **PDL_LAUNCH)
     return out
 
