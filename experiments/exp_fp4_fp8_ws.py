@@ -83,6 +83,7 @@ def main():
                 ("every activation box loaded", {"LIVE_LOADS": False}),
                 ("a scale per byte", {"GROUP_SCALES": False}),
                 ("probe: no decode", {"PROBE": 1}), ("probe: no wgmma", {"PROBE": 2}),
+                ("probe: loads only", {"PROBE": 3}), ("probe: loads only, every box", {"PROBE": 3, "LIVE_LOADS": False}),
                 ("2 consumers, probe: no decode", dict(two, PROBE=1)),
                 ("2 consumers, probe: no wgmma", dict(two, PROBE=2))]
             for label, vcfg in variants:

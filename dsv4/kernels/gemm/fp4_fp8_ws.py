@@ -187,7 +187,7 @@ if GLUON:
                     kb8 = gl.where(kk >= 1, kk << 3, 0).to(gl.uint8)
                 s = it % STAGES
                 mbarrier.wait(loaded.index(s), (it // STAGES) & 1)
-                if PROBE != 1:
+                if PROBE % 2 == 0:
                     packed = w_bufs.index(s).load(layout)
                     if LUT:
                         lo, hi = gl.inline_asm_elementwise(_DEC_L, "=r,=r,r,r", [packed, kb8],
@@ -234,7 +234,7 @@ if GLUON:
                 s = it % STAGES
                 mbarrier.wait(loaded.index(s), (it // STAGES) & 1)
                 mbarrier.wait(decoded.index(s), (it // STAGES) & 1)
-                if live and PROBE != 2:
+                if live and PROBE < 2:
                     a = a_bufs.index(NC * s + H)
                     b = b_bufs.index(s)
                     tok = warpgroup_mma(a, b.permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -320,7 +320,8 @@ if GLUON:
 # LIVE_LOADS (prepared, not yet timed): the loader skips the activation boxes of 64-row slices past the expert's
 # rows (``_loader``): at 8192 tokens x 256 experts (~192 rows an expert) a quarter of NC 4's activation reads,
 # which are 32 of the 36 KB a K block loads from L2 (every n-tile re-reads the m-tile's activations).
-# PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma.
+# PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma, 3 = both
+# (the loads and the barrier ring alone).
 DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 4, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": None,
                   "maxnreg": None, "GRID": 0, "GROUP_SCALES": True, "PROBE": 0, "LUT": True,
                   "LIVE_LOADS": True}
