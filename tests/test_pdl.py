@@ -52,6 +52,11 @@ def _kernels_and_launches():
 PRE_WAIT_CALLS = {"prefetch_l2", "grouped_tile", "program_id", "arange", "cdiv", "to", "minimum", "BlockedLayout"}
 
 
+def _is_pdl_attr(v) -> bool:
+    """``PDL_LAUNCH``, or ``pdl_launch(grid, t)`` (the same attribute up to a grid size, none above)."""
+    return getattr(v, "id", "") == "PDL_LAUNCH" or (isinstance(v, ast.Call) and getattr(v.func, "id", "") == "pdl_launch")
+
+
 def _is_wait(st) -> bool:
     return isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and getattr(st.value.func, "id", "") == "pdl_wait"
 
@@ -65,8 +70,8 @@ def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribut
     launched = {name for name, _f, _c in launches}
     assert len(launched) >= 35                      # the hot path's kernels, not an empty scan
     bad_calls = [f"{f.relative_to(ROOT)}:{c.lineno} {n}" for n, f, c in launches
-                 if not any(k.arg is None and getattr(k.value, "id", "") == "PDL_LAUNCH" for k in c.keywords)]
-    assert bad_calls == [], f"launches without **PDL_LAUNCH: {bad_calls}"
+                 if not any(k.arg is None and _is_pdl_attr(k.value) for k in c.keywords)]
+    assert bad_calls == [], f"launches without **PDL_LAUNCH / **pdl_launch(grid, t): {bad_calls}"
     bad_kernels, prefetching = [], set()
     for name in sorted(launched):
         f, fn = jit[name][0]

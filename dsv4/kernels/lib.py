@@ -189,6 +189,21 @@ def pdl_mode() -> bool:
 
 PDL_ON = pdl_mode()
 PDL_LAUNCH = {"launch_pdl": True} if PDL_ON else {}
+# The Gluon decode GEMVs (``fp4_mma``'s grouped GEMV, ``fp8_mma``) launch with PDL only up to this many programs
+# per SM (``pdl_launch``). H100, ``decode_step.py --layers 4 --ctx 8192`` (2026-12-06, one process, the attribute
+# dropped per module): the grouped GEMV with PDL 1069.9 / 6223.7 us at batch 1 / 64, without 1095.8 / 5695.5;
+# fp8_mma 1069.9 / 6223.7 with, 1076.1 / 6141.5 without. At batch 1 their grids are ~6 programs per SM; at batch
+# 64 (and 16) tens of thousands, most of which exit at once (the grouped grid is a host bound on the m-tiles).
+PDL_MAX_PROGRAMS_PER_SM = 8
+
+
+def pdl_launch(grid, t) -> dict:
+    """``PDL_LAUNCH`` for a grid of at most ``PDL_MAX_PROGRAMS_PER_SM`` programs per SM of ``t``
+    (``lib.Target``), no attribute above (the kernel's ``pdl_wait()`` is then a no-op: a plain launch)."""
+    n = 1
+    for g in grid:
+        n *= g
+    return PDL_LAUNCH if n <= PDL_MAX_PROGRAMS_PER_SM * t.sm_count else {}
 # Static weights' L2 prefetch before ``pdl_wait()`` (``prefetch_l2``): the weight kernels of the decode step
 # (hc_post_pre's mixing weights, the dense FP8 GEMV and MMA kernels, the router's gate) hint their first
 # weight lines while their predecessor still runs. Only with PDL (without it nothing runs before the wait
@@ -450,5 +465,5 @@ if triton_available():
         return first_m + (tile % width) % gsize, (tile % width) // gsize
 
 
-__all__ = ["Choice", "PDL_LAUNCH", "PDL_ON", "PREFETCH", "QBLOCK", "SMEM_PER_BLOCK", "Target", "aot_target", "asm_text", "cuda_ok",
+__all__ = ["Choice", "PDL_LAUNCH", "PDL_MAX_PROGRAMS_PER_SM", "PDL_ON", "PREFETCH", "QBLOCK", "SMEM_PER_BLOCK", "Target", "aot_target", "asm_text", "pdl_launch", "cuda_ok",
            "gluon_available", "interpreting", "pdl_mode", "prefetch_on", "target", "triton_available", "u8"]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import PDL_LAUNCH, QBLOCK, asm_text, gluon_available, target
+from ..lib import QBLOCK, asm_text, gluon_available, pdl_launch, target
 from . import route
 from .common import launch_plan, log2_groups, sum_splits
 
@@ -308,7 +308,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         ws2.stride(0) if nv else 0, dst.stride(-2),
         NV=nv, GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
         LOG2G=log2_groups(n_groups), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
-        BAND=band, A16=a.dtype == torch.float16, num_warps=nw, **PDL_LAUNCH)
+        BAND=band, A16=a.dtype == torch.float16, num_warps=nw, **pdl_launch(grid, t))
     if partial or not split_sum:
         return dst
     return sum_splits(dst, out)

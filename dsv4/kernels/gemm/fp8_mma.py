@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import PDL_LAUNCH, QBLOCK, asm_text, gluon_available, prefetch_on, target, u8
+from ..lib import QBLOCK, asm_text, gluon_available, pdl_launch, prefetch_on, target, u8
 from . import route
 from .common import check_fp8_weight, launch_plan, weight_scales
 
@@ -297,7 +297,7 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
         a.stride(0), K, sa.stride(0), w.stride(0), wsv.stride(0), res.stride(-2),
         ACT=mode, SB_E8M0=sb_e8m0, SB_ROW=sb_row, BM=BM_ROWS, BN=BN,
         SPLIT=dst.dtype == torch.float32, REDUCE=reduce, NUM_WARPS=nw, UNROLL=cfg["UNROLL"], PF=prefetch_on(),
-        num_warps=nw, **PDL_LAUNCH)
+        num_warps=nw, **pdl_launch(grid, t))
     return res
 
 
