@@ -204,11 +204,15 @@ def pdl_launch(grid, t) -> dict:
     for g in grid:
         n *= g
     return PDL_LAUNCH if n <= PDL_MAX_PROGRAMS_PER_SM * t.sm_count else {}
+
+
 # Static weights' L2 prefetch before ``pdl_wait()`` (``prefetch_l2``): the weight kernels of the decode step
 # (hc_post_pre's mixing weights, the dense FP8 GEMV and MMA kernels, the router's gate) hint their first
 # weight lines while their predecessor still runs. Only with PDL (without it nothing runs before the wait
-# anyway); read at each launch (benchmarks/decode_step.py --prefetch toggles it in one process).
-PREFETCH = PDL_ON
+# anyway); read at each launch (benchmarks/decode_step.py --prefetch toggles it in one process). Off by
+# default: H100, ``decode_step.py --layers 4 --ctx 8192 --prefetch on,off`` (2026-12-06, one process) 1093.6 vs
+# 1094.5 us at batch 1, 6301.2 vs 6157.0 at batch 64 (per-op mHC sites: 6277.1 vs 6185.4).
+PREFETCH = False
 
 
 def prefetch_on() -> bool:
