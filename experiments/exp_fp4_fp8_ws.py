@@ -81,6 +81,8 @@ def main():
                 ("2 consumers, table-lookup decode", {"CONSUMERS": 2}),
                 ("4 consumers, byte-lane decode", {"LUT": False}),
                 ("every activation box loaded", {"LIVE_LOADS": False}),
+                ("scales loaded in their own K block", {"AHEAD": False}),
+                ("probe: no wgmma, scales in their own block", {"PROBE": 2, "AHEAD": False}),
                 ("a scale per byte", {"GROUP_SCALES": False}),
                 ("probe: no decode", {"PROBE": 1}), ("probe: no wgmma", {"PROBE": 2}),
                 ("probe: loads only", {"PROBE": 3}), ("probe: loads only, every box", {"PROBE": 3, "LIVE_LOADS": False}),
