@@ -25,18 +25,19 @@ K = 64 chains) mixes two groups per instruction, whose folded bytes can differ b
 products lose bits (H100: 64 of 156,672 outputs off by up to 3% of their value, while the pre-decoded kernel
 matched the exact sums).
 
-Structure (one CTA per SM, persistent over (expert m-tile of 128 rows, n-tile of 128 columns), m-tiles
-enumerated per expert through ``tcum`` [E+1], the prefix sum of each expert's 128-row tile count):
+Structure (one CTA per SM, persistent over (expert m-tile of NC x 64 rows, n-tile of BN columns), m-tiles
+enumerated per expert through ``tcum`` [E+1], the prefix sum of each expert's m-tile count; NC 4 / BN 64 by
+default, NC 2 / BN 128 as the other form, comment at ``DEFAULT_CONFIG``):
 
-* loader (1 warp): TMA of the two [64, 128] activation boxes (the tile's 64-row halves) and the [128, 64]
-  packed weight box of each K block into a ``STAGES``-deep ring (``loaded``: TMA bytes);
+* loader (1 warp): TMA of the tile's [64, 128] activation boxes (one per 64-row slice that holds rows of the
+  expert) and the [BN, 64] packed weight box of each K block into a ``STAGES``-deep ring (``loaded``: TMA bytes);
 * decoder (4 warps): per stage, the packed bytes from shared memory, the group shifts s_g - smax + 12 from
-  the scales (one per row and group a thread holds), ``fp4_fp8``'s byte-lane decode (inline PTX), the e4m3
-  tile stored to shared memory in group split order, ``decoded`` arrived;
-* two consumers (4 warps each, one per 64-row half): wait ``loaded`` and ``decoded``, one K = 128 wgmma
-  chain into a fresh partial, release the stage (``empty``, two arrivals), promote with sa * 2^(smax - 133),
-  and a masked bf16 store of the half at the tile's end (rows past the expert's end belong to the next
-  expert). A half with no rows of the expert skips its wgmma and promotion.
+  the scales (one per row and group a thread holds), ``fp4_fp8``'s decode (inline PTX: byte lanes, or the
+  table lookup ``DEC_LUT_ASM``), the e4m3 tile stored to shared memory in group split order, ``decoded`` arrived;
+* NC consumers (4 warps each, one per 64-row slice): wait ``loaded`` and ``decoded``, one K = 128 wgmma
+  chain into a fresh partial, release the stage (``empty``, NC arrivals), promote with sa * 2^(smax - 133),
+  and a masked bf16 store of the slice at the tile's end (rows past the expert's end belong to the next
+  expert). A slice with no rows of the expert skips its wgmma and promotion.
 
 Where it is not exact: as ``fp4_fp8`` (module doc there). NVFP4 is not taken.
 """
@@ -340,17 +341,19 @@ if GLUON:
 # H100, ``experiments/exp_fp4_fp8_ws.py --tokens 8192 --stages 4`` (2026-12-06, 256 experts, V4-Flash shapes),
 # GEMM 1 / GEMM 2 in us: NC 2 3768 / 1979, NC 4 3364 / 1811, NC 2 + LUT 3365 / 1753, NC 4 + LUT 3119 / 1672
 # (``_scaled_mm`` on the dense problem 1198 / 659).
-# LIVE_LOADS (prepared, not yet timed): the loader skips the activation boxes of 64-row slices past the expert's
-# rows (``_loader``): at 8192 tokens x 256 experts (~192 rows an expert) a quarter of NC 4's activation reads,
-# which are 32 of the 36 KB a K block loads from L2 (every n-tile re-reads the m-tile's activations).
-# AHEAD (prepared, not yet timed): the decoder's group scales and tile maximum, and the consumers' activation
-# scales, loaded one K block ahead. The decode-only probe (PROBE 2) took ~910 cycles per K block per SM where its
-# shared-memory work is ~360 instructions a thread: the scale loads (L2 round trips) sat on the decoder's chain.
+# LIVE_LOADS (the default): the loader skips the activation boxes of 64-row slices past the expert's rows
+# (``_loader``): at 8192 tokens x 256 experts (~192 rows an expert) a quarter of NC 4's activation reads, which are
+# 32 of the 36 KB a K block loads from L2 (every n-tile re-reads the m-tile's activations). H100, same experiment:
+# the loads alone (PROBE 3) 2331 -> 1771 us (GEMM 1), the kernel 3157 -> 3116 / GEMM 2 1658 -> 1656: the loads are
+# not the kernel's bound.
+# AHEAD (prepared, off: not yet run on a GPU): the decoder's group scales and tile maximum, and the consumers'
+# activation scales, loaded one K block ahead. The loads + decode probe (PROBE 2) took ~910 cycles per K block per
+# SM where the decoder's work is ~360 instructions a thread: its scale loads (L2 round trips) sit on its chain.
 # PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma, 3 = both
 # (the loads and the barrier ring alone).
 DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 4, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": None,
                   "maxnreg": None, "GRID": 0, "GROUP_SCALES": True, "PROBE": 0, "LUT": True,
-                  "LIVE_LOADS": True, "AHEAD": True}
+                  "LIVE_LOADS": True, "AHEAD": False}
 _PER_CONSUMERS = {2: {"BN": 128, "CONSUMER_REGS": 168, "DECODER_REGS": 96, "LOADER_REGS": 40, "maxnreg": 128},
                   4: {"BN": 64, "CONSUMER_REGS": 88, "DECODER_REGS": 104, "LOADER_REGS": 24, "maxnreg": 80}}
 BN = 128    # N must be a multiple of 128 whatever the n-tile (the weight factors' tiles)
