@@ -193,7 +193,7 @@ PDL_LAUNCH = {"launch_pdl": True} if PDL_ON else {}
 # per SM (``pdl_launch``). H100, ``decode_step.py --layers 4 --ctx 8192`` (2026-12-06, one process, the attribute
 # dropped per module): the grouped GEMV with PDL 1069.9 / 6223.7 us at batch 1 / 64, without 1095.8 / 5695.5;
 # fp8_mma 1069.9 / 6223.7 with, 1076.1 / 6141.5 without. At batch 1 their grids are ~6 programs per SM; at batch
-# 64 (and 16) tens of thousands, most of which exit at once (the grouped grid is a host bound on the m-tiles).
+# 64 the grouped GEMV's is ~19,000 (~150 per SM; a host bound of 304 m-tiles, ~200 of them with rows, x 64 columns).
 PDL_MAX_PROGRAMS_PER_SM = 8
 
 
