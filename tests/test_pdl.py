@@ -128,6 +128,24 @@ def test_a_bad_value_is_refused(monkeypatch):
         lib.pdl_mode()
 
 
+def test_pdl_launch_keeps_the_attribute_up_to_one_wave_of_programs(monkeypatch):
+    """``lib.pdl_launch``: the Gluon decode GEMVs launch with PDL for grids of up to PDL_MAX_PROGRAMS_PER_SM
+    programs per SM (batch 1's), plainly above (the batch-64 loss measured on the H100), and never when PDL is
+    off; and both launch sites take it from their own grid."""
+    from dsv4.kernels import lib
+    t = lib.aot_target(90, sm_count=132)
+    cap = lib.PDL_MAX_PROGRAMS_PER_SM * 132
+    monkeypatch.setattr(lib, "PDL_LAUNCH", {"launch_pdl": True})
+    assert lib.pdl_launch((1, 64, 12), t) == {"launch_pdl": True}            # 768: V4-Flash w1|w3, one token
+    assert lib.pdl_launch((cap, 1, 1), t) == {"launch_pdl": True}
+    assert lib.pdl_launch((cap + 1, 1, 1), t) == {}
+    assert lib.pdl_launch((304, 64, 1), t) == {}                             # batch 64's grouped grid
+    monkeypatch.setattr(lib, "PDL_LAUNCH", {})
+    assert lib.pdl_launch((1, 1, 1), t) == {}
+    for f in ("fp4_mma.py", "fp8_mma.py"):
+        assert "**pdl_launch(grid, t)" in (PKG / "kernels" / "gemm" / f).read_text(), f
+
+
 def test_this_process_has_it_exactly_where_the_gpu_has_griddepcontrol():
     from dsv4.kernels import lib
     if os.environ.get("DSV4_PDL"):
