@@ -364,9 +364,15 @@ def swiglu_rows(m: int) -> int:
     return 16 if m >= SWIGLU_TILE_MIN_ROWS else 1
 
 
+# ``fp4_mma``'s K loop with the next block's weight loads in flight (``PIPE``): prepared, off, not yet run on a GPU.
+# The batch-1 routed GEMVs run at 52-63% of their byte floor (H100, docs/benchmarks-2026-12-06.md, a decode-step
+# layer kernel by kernel); each warp holds one 128-K block's loads at a time.
+FP4_MMA_PIPE = False
+
+
 def fp4_mma_config() -> dict:
     """``fp4_mma``'s tile: 64 weight rows over 4 warps (H200 sweep: 64 x 4 or 32 x 2 best; 128-256 slower)."""
-    return {"BN": 64, "num_warps": 4}
+    return {"BN": 64, "num_warps": 4, "PIPE": FP4_MMA_PIPE}
 
 
 # ---------------------------------------------------------------------------------------------- enumeration
@@ -427,7 +433,7 @@ def choices(t: Target) -> list[Choice]:
             if path == "gemv":
                 if decode_kernel(t) == "mma":
                     cfg = fp4_mma_config()
-                    add(_choice("fp4_mma", {"NV": fmt == "nvfp4", "BN": cfg["BN"]}, cfg, why))
+                    add(_choice("fp4_mma", {"NV": fmt == "nvfp4", "BN": cfg["BN"], "PIPE": cfg["PIPE"]}, cfg, why))
                 else:
                     cfg = gemv_config(4096, t, False)
                     add(_choice("gemv", {"WFMT": 0 if fmt == "mxfp4" else 1, "BN": cfg["BN"], "BM": 1}, cfg, why))
