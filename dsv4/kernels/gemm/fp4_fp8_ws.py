@@ -347,8 +347,8 @@ if GLUON:
 # the loads alone (PROBE 3) 2331 -> 1771 us (GEMM 1), the kernel 3157 -> 3116 / GEMM 2 1658 -> 1656: the loads are
 # not the kernel's bound.
 # AHEAD (prepared, off: not yet run on a GPU): the decoder's group scales and tile maximum, and the consumers'
-# activation scales, loaded one K block ahead. The loads + decode probe (PROBE 2) took ~910 cycles per K block per
-# SM where the decoder's work is ~360 instructions a thread: its scale loads (L2 round trips) sit on its chain.
+# activation scales, loaded one K block ahead, off each partition's per-block chain (the probes do not isolate that
+# chain: loads + decode, PROBE 2, ran 12% above the loads alone, PROBE 3).
 # PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma, 3 = both
 # (the loads and the barrier ring alone).
 DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 4, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": None,
