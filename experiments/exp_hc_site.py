@@ -1,4 +1,4 @@
-"""Experiment (sixth session of 2026-12-06, not yet run): where a decode mHC site's time goes.
+"""Experiment: where a decode mHC site's time goes (results: docs/benchmarks-2026-12-06.md, 2026-12-06).
 ``_hc_fused`` took 8.2-8.5 us alone and 10.0 us as ``hc_post_pre`` in the H100's layer profile for ~1.5 MB
 of mixing weights (~0.5 us of bytes). One token, CUDA-graph timed, L2 flushed, us:
 

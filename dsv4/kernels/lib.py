@@ -20,6 +20,7 @@ whose bf16 and fp8 casts truncate / mis-round, give the same values.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -200,10 +201,7 @@ PDL_MAX_PROGRAMS_PER_SM = 8
 def pdl_launch(grid, t) -> dict:
     """``PDL_LAUNCH`` for a grid of at most ``PDL_MAX_PROGRAMS_PER_SM`` programs per SM of ``t``
     (``lib.Target``), no attribute above (the kernel's ``pdl_wait()`` is then a no-op: a plain launch)."""
-    n = 1
-    for g in grid:
-        n *= g
-    return PDL_LAUNCH if n <= PDL_MAX_PROGRAMS_PER_SM * t.sm_count else {}
+    return PDL_LAUNCH if math.prod(grid) <= PDL_MAX_PROGRAMS_PER_SM * t.sm_count else {}
 
 
 # Static weights' L2 prefetch before ``pdl_wait()`` (``prefetch_l2``): the weight kernels of the decode step

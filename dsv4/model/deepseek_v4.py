@@ -506,15 +506,16 @@ class DeepseekV4(nn.Module):
         capture = ctx.keep_hidden and self.dspark is not None
         run, pending = fused(ctx), None
         for blk in self.layers:
+            target = capture and blk.layer_id in self.dspark.targets
             if run:
                 # a block's last hc_post runs inside the next block's first site; applied here only
                 # where the streams themselves are read (a DSpark target, after the last block)
                 h, pending = blk.run(h, ctx, pending)
-                if capture and blk.layer_id in self.dspark.targets:
+                if target:
                     h, pending = self.ops.hc_post(pending[0], h, pending[1], pending[2]), None
             else:
                 h = blk(h, ctx)
-            if capture and blk.layer_id in self.dspark.targets:
+            if target:
                 # the DSpark target feature: block L's output averaged over its hc streams (model.dspark)
                 feats[blk.layer_id] = h.float().mean(dim=1).to(torch.bfloat16)
         if pending is not None:
