@@ -114,6 +114,27 @@ def test_route_sorts_in_its_last_program(T, bm):
             assert int((eflat == w.n_experts).sum()) > 0
 
 
+def test_route_compile_key_is_the_same_for_every_unsorted_token_count(monkeypatch):
+    """The router's constexprs depend on T only through the fused sort (T * k <= SORT_FUSED_MAX):
+    above it every T launches one compiled variant, so no prefill length compiles after the
+    engine's warm-up (``tests/test_warmup.py``'s GPU check)."""
+    keys = {}
+
+    class _Rec:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                keys[grid[0]] = {k: v for k, v in kw.items() if k not in ("num_warps",)}
+            return launch
+
+    monkeypatch.setattr(Mo, "_route_kernel", _Rec())
+    gen = torch.Generator().manual_seed(7)
+    w = Mo.MoEWeights.from_reference(_ref_moe(8, 256, 128, 3, gen, False, shared=False))
+    for T in (1, 30, 50, 700, 3000):
+        Mo._route(torch.randn(T, 256, generator=gen).bfloat16(), None, w, quant=True, sort_bm=8)
+    assert keys[1]["SORT"] and keys[30]["SORT"] and not keys[50]["SORT"]
+    assert keys[50] == keys[700] == keys[3000]
+
+
 def test_gate_bf16_only_where_exact():
     """``MoEWeights.gate_bf16``: the bf16 copy the many-row router GEMM runs on exists only when every gate
     value is bf16-exact (a checkpoint's bf16 gate upcast), and holds those values."""

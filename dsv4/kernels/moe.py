@@ -533,7 +533,7 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
             KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, QUANT=quant,
             QB=min(8, triton.next_power_of_2(max(1, d // QBLOCK))), INTERP=interpreting(),
             SORT=fuse, BM=sort_bm if fuse else 1, ES=triton.next_power_of_2(EL + 1),
-            PP=max(2, triton.next_power_of_2(T * k)), **kw, **PDL_LAUNCH)
+            PP=max(2, triton.next_power_of_2(T * k)) if fuse else 2, **kw, **PDL_LAUNCH)
         if sort_bm is not None and not fuse:
             sort = sort_pairs(eflat, EL, sort_bm)
     return idx, weights, eflat, xq, xs, sort
