@@ -81,8 +81,6 @@ def main():
                 ("2 consumers, table-lookup decode", {"CONSUMERS": 2}),
                 ("4 consumers, byte-lane decode", {"LUT": False}),
                 ("every activation box loaded", {"LIVE_LOADS": False}),
-                ("scales loaded one K block ahead", {"AHEAD": True}),
-                ("probe: no wgmma, scales one block ahead", {"PROBE": 2, "AHEAD": True}),
                 ("a scale per byte", {"GROUP_SCALES": False}),
                 ("probe: no decode", {"PROBE": 1}), ("probe: no wgmma", {"PROBE": 2}),
                 ("probe: loads only", {"PROBE": 3}), ("probe: loads only, every box", {"PROBE": 3, "LIVE_LOADS": False}),

@@ -22,14 +22,11 @@ mode = sys.argv.pop(1)
 if mode == "before":
     R.PREDEC_WS = False
     IX.SHARED_TABLE_ROWS = 1
-if os.environ.get("SPLIT_STORE"):       # prepared, not yet timed: route.SWIGLU_SPLIT_STORE on (SPLIT_STORE=1)
+if os.environ.get("SPLIT_STORE"):       # route.SWIGLU_SPLIT_STORE: SPLIT_STORE=1 on (the default), 0 off
     R.SWIGLU_SPLIT_STORE = os.environ["SPLIT_STORE"] == "1"
 if os.environ.get("WS_NC2"):            # fp4_fp8_ws's former default: 2 consumers, byte-lane decode
     from dsv4.kernels.gemm import fp4_fp8_ws as WS
     WS.DEFAULT_CONFIG.update(CONSUMERS=2, LUT=False)
-if os.environ.get("AHEAD"):             # fp4_fp8_ws's scales one K block ahead (prepared): AHEAD=1 on, 0 off
-    from dsv4.kernels.gemm import fp4_fp8_ws as WS
-    WS.DEFAULT_CONFIG["AHEAD"] = os.environ["AHEAD"] == "1"
 print(f"exp_prefill_ab: {mode}")
 sys.argv[0] = os.path.join(ROOT, "benchmarks", "prefill.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

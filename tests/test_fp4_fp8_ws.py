@@ -98,9 +98,8 @@ _AOT_SCRIPT = textwrap.dedent("""
         t = torch.empty(256, 256, dtype=dtype)
         return mangle_type(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt)))
 
-    # the default, the per-byte scale loads with the scales a block ahead, and the two-consumer form (CI time: one
-    # compile each)
-    for consumers, group_scales, lut, ahead in ((4, True, True, False), (4, False, True, True), (2, True, False, False)):
+    # the default, the per-byte scale loads and the two-consumer form (CI time: one compile each)
+    for consumers, group_scales, lut in ((4, True, True), (4, False, True), (2, True, False)):
         cfg = WS.resolve_config({"CONSUMERS": consumers})
         bn = cfg["BN"]
         types = dict(a_desc=desc(torch.float8_e4m3fn, gl.float8e4nv, [64, 128]),
@@ -108,7 +107,7 @@ _AOT_SCRIPT = textwrap.dedent("""
                      OUT="*bf16", SA="*fp32", WS="*u8", SMAX="*u8", TCUM="*i64", OFFS="*i64")
         const = dict(STAGES=cfg["STAGES"], LOG2G=9, CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"],
                      LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=group_scales, PROBE=0, NC=consumers, LUT=lut,
-                     LIVE_LOADS=True, AHEAD=ahead)
+                     LIVE_LOADS=True)
         # Triton JSON-serialises the constexpr arguments when a jit_post_compile_hook is installed (the
         # engine's warm-up log): a layout object passed as one fails the launch there
         json.dumps(const)
@@ -140,11 +139,10 @@ _AOT_SCRIPT = textwrap.dedent("""
         for regs in (cfg["LOADER_REGS"], cfg["DECODER_REGS"], cfg["CONSUMER_REGS"]):
             assert re.search(r"setmaxnreg\\.(inc|dec)\\.sync\\.aligned\\.u32\\s+%d\\b" % regs, ptx), regs
         # the decoder's scale loads per K block: one byte per (row, group) a thread holds (BN / 32 rows, one
-        # group), against one per packed byte (BN / 2) without GROUP_SCALES; AHEAD has two load sites (the
-        # first block's before the loop, the next block's in it)
+        # group), against one per packed byte (BN / 2) without GROUP_SCALES
         loads = len(re.findall(r"ld\\.global(\\.\\w+)*\\.[bu]8\\b", ptx))
         print("consumers", consumers, "group scales", group_scales, "byte loads", loads)
-        assert (loads <= (16 if ahead else 8)) if group_scales else (loads >= bn // 2), loads
+        assert (loads <= 8) if group_scales else (loads >= bn // 2), loads
     print("ok", len(ptx))
 """)
 
@@ -161,7 +159,7 @@ def test_aot_compile_sm90():
                                         (16, 128, 4096, [1, 300, 0, 5] * 4)])
 @pytest.mark.parametrize("cfg", [None, {"STAGES": 2, "GRID": 3}, {"GROUP_SCALES": False}, {"LUT": False},
                                  {"CONSUMERS": 2, "LUT": False}, {"CONSUMERS": 2, "STAGES": 2, "GRID": 3},
-                                 {"LIVE_LOADS": False}, {"AHEAD": True}])
+                                 {"LIVE_LOADS": False}])
 def test_gpu_fp4_fp8_ws_matches_predecoded(E, N, K, rows, cfg):
     """Empty experts, an expert of one row, tiles whose second half has no rows, more tiles than programs:
     the pre-decoded path's kernel (the same products) within one bf16 step, and the exact sum."""

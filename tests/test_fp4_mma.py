@@ -57,10 +57,6 @@ def test_gpu_mma_gemv_flash_shapes(M, fmt, spread):
         check_gemm(part.sum(0).bfloat16(), xq, xs, Wd)
         # the f16 activation operand: the same values, products and order, so the same bits
         assert torch.equal(F.mma_gemv_launch(F.act_f16_split(args[0]), *args[1:], fmt=fmt, ws2=s2), y)
-        # the next K block's loads in flight (PIPE): the same products in the same order
-        assert torch.equal(F.mma_gemv_launch(*args, fmt=fmt, ws2=s2, config={"PIPE": True}), y)
-        assert torch.equal(F.mma_gemv_launch(*args, fmt=fmt, ws2=s2, partial=True, split=4, config={"PIPE": True}),
-                           part)
         if N % F.BAND_ROWS == 0:   # the band layout: same products in the same order, so the same bits
             sb = 4 if fmt == "mxfp4" else 8
             band = (args[0], args[1], F.band_layout(args[2], 64), F.band_layout(args[3], sb), M, N, K)

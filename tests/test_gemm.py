@@ -302,14 +302,12 @@ _AOT_SCRIPT = textwrap.dedent("""
         from dsv4.kernels.gemm import fp4_mma as F
         mmt = dict(A=P("u8"), SA=P("fp32"), W=P("u8"), WS=P("u8"), WS2=P("fp32"), C=P("fp32"), PERM=P("i64"),
                    OFFS=P("i64"), TCUM=P("i64"))
-        # (the last: the K loop with the next block's loads in flight, ``PIPE``)
-        for nv, grouped, split, band, pipe in ((False, True, True, True, False), (False, False, False, False, False),
-                                               (True, True, True, False, False), (True, True, True, True, False),
-                                               (False, True, True, False, True)):
+        for nv, grouped, split, band in ((False, True, True, True), (False, False, False, False),
+                                         (True, True, True, False), (True, True, True, True)):
             ptx = comp(F._mma_gemv_kernel,
                        dict(mmt, C=P("fp32") if split else P("bf16"), A=P("fp16") if band else P("u8")),
                        dict(NV=nv, GROUPED=grouped, GATHER=grouped, BM=F.BM_ROWS, BN=64, LOG2G=9, SPLIT=split,
-                            NUM_WARPS=4, BAND=band, A16=band, PIPE=pipe), cap, 4)
+                            NUM_WARPS=4, BAND=band, A16=band), cap, 4)
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
             assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
         # decode FP8 on tensor cores (Gluon): in-kernel act quant + in-kernel split-K sum, pre-quantised

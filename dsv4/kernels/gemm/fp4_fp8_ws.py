@@ -146,7 +146,7 @@ if GLUON:
     @gluon.jit
     def _decoder(w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K,
                  STAGES: gl.constexpr, LOG2G: gl.constexpr, BN: gl.constexpr, GROUP_SCALES: gl.constexpr,
-                 PROBE: gl.constexpr, NC: gl.constexpr, LUT: gl.constexpr, AHEAD: gl.constexpr):
+                 PROBE: gl.constexpr, NC: gl.constexpr, LUT: gl.constexpr):
         """GROUP_SCALES: each thread loads the one e8m0 scale of the 16 packed bytes it holds per row (its
         group) and forms that group's shift once, then broadcasts it in registers; else a scale per byte.
         The e4m3 tile is stored in group split order: per 32-element group its 16 even elements (the low
@@ -176,21 +176,9 @@ if GLUON:
             else:
                 srow = WS + ((e * N + n0 + r).to(gl.int64) * (K // 32))[:, None] + (j // 16)[None, :]
             smax_row = SMAX + (e * (N // 128) + n0 // 128).to(gl.int64) * nkb
-            # AHEAD: the next K block's scales are loaded while this one decodes (their L2 latency is off the
-            # decoder's per-block chain); the last block reloads its own
-            if AHEAD:
-                smax_n = gl.load(smax_row)
-                sc_n = gl.load(srow)
             for kb in range(nkb):
-                if AHEAD:
-                    smax = smax_n.to(gl.int32)
-                    sc = sc_n
-                    kn = gl.minimum(kb + 1, nkb - 1)
-                    smax_n = gl.load(smax_row + kn)
-                    sc_n = gl.load(srow + kn * 4)
-                else:
-                    smax = gl.load(smax_row + kb).to(gl.int32)
-                    sc = gl.load(srow + kb * 4)
+                smax = gl.load(smax_row + kb).to(gl.int32)
+                sc = gl.load(srow + kb * 4)
                 if GROUP_SCALES:
                     kk = sc.to(gl.int32) - smax + 12                                # [BN, 4]: the group's shift
                     k4 = gl.where(kk >= 1, kk << 3, 0).to(gl.uint8)
@@ -219,7 +207,7 @@ if GLUON:
     @gluon.jit
     def _consumer(a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
                   STAGES: gl.constexpr, LOG2G: gl.constexpr, BN: gl.constexpr, H: gl.constexpr,
-                  PROBE: gl.constexpr, NC: gl.constexpr, AHEAD: gl.constexpr):
+                  PROBE: gl.constexpr, NC: gl.constexpr):
         """Rows [64 H, 64 H + 64) of every tile (module doc). It waits on the stage's TMA barrier as well as the
         decoder's: the activation boxes' visibility to wgmma does not rest on the decoder's generic-proxy
         arrival."""
@@ -241,19 +229,9 @@ if GLUON:
             rmask = r < m_end
             smax_row = SMAX + (e * (N // 128) + n0 // 128).to(gl.int64) * nkb
             acc = gl.zeros([_BMH, BN], gl.float32, layout)
-            if AHEAD:
-                sa_n = gl.load(SA + r, mask=rmask, other=0.0)
-                smax_n = gl.load(smax_row)
             for kb in range(nkb):
-                if AHEAD:           # the next K block's scales loaded a block ahead (the decoder's AHEAD)
-                    sa = sa_n
-                    smax = smax_n.to(gl.int32)
-                    kn = gl.minimum(kb + 1, nkb - 1)
-                    sa_n = gl.load(SA + kn * P + r, mask=rmask, other=0.0)
-                    smax_n = gl.load(smax_row + kn)
-                else:
-                    sa = gl.load(SA + kb * P + r, mask=rmask, other=0.0)
-                    smax = gl.load(smax_row + kb).to(gl.int32)
+                sa = gl.load(SA + kb * P + r, mask=rmask, other=0.0)
+                smax = gl.load(smax_row + kb).to(gl.int32)
                 sb = ((smax + 6) << 23).to(gl.float32, bitcast=True) * (1.0 / 4096.0)   # 2^(smax - 133)
                 s = it % STAGES
                 mbarrier.wait(loaded.index(s), (it // STAGES) & 1)
@@ -278,7 +256,7 @@ if GLUON:
                            STAGES: gl.constexpr, LOG2G: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, DECODER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                            GROUP_SCALES: gl.constexpr, PROBE: gl.constexpr, NC: gl.constexpr,
-                           LUT: gl.constexpr, LIVE_LOADS: gl.constexpr, AHEAD: gl.constexpr):
+                           LUT: gl.constexpr, LIVE_LOADS: gl.constexpr):
         """a_desc: e4m3 [P, K] (group split order) in [64, 128] boxes; w_desc: uint8 [E N, K/2] in [BN, 64]
         boxes; OUT bf16 [P, N]; SA fp32 [K/128, P]; WS uint8 [E N, K/32]; SMAX uint8 [E, N/128, K/128]; TCUM,
         OFFS int64 [E+1] (m-tiles of NC x 64 rows). NC consumer warpgroups: 2 (BN 128) or 4 (BN 64)."""
@@ -300,26 +278,26 @@ if GLUON:
         if NC == 4:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
-                             STAGES, LOG2G, BN, 0, PROBE, NC, AHEAD)),
+                             STAGES, LOG2G, BN, 0, PROBE, NC)),
                 (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
-                             STAGES, LOG2G, BN, 1, PROBE, NC, AHEAD)),
+                             STAGES, LOG2G, BN, 1, PROBE, NC)),
                 (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
-                             STAGES, LOG2G, BN, 2, PROBE, NC, AHEAD)),
+                             STAGES, LOG2G, BN, 2, PROBE, NC)),
                 (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
-                             STAGES, LOG2G, BN, 3, PROBE, NC, AHEAD)),
+                             STAGES, LOG2G, BN, 3, PROBE, NC)),
                 (_decoder, (w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K, STAGES, LOG2G,
-                            BN, GROUP_SCALES, PROBE, NC, LUT, AHEAD)),
+                            BN, GROUP_SCALES, PROBE, NC, LUT)),
                 (_loader, (a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K, STAGES,
                            LOG2G, NC, LIVE_LOADS)),
             ], [4, 4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, DECODER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
-                             STAGES, LOG2G, BN, 0, PROBE, NC, AHEAD)),
+                             STAGES, LOG2G, BN, 0, PROBE, NC)),
                 (_consumer, (a_bufs, b_bufs, loaded, decoded, empty, OUT, SA, SMAX, TCUM, OFFS, n_groups, P, N, K,
-                             STAGES, LOG2G, BN, 1, PROBE, NC, AHEAD)),
+                             STAGES, LOG2G, BN, 1, PROBE, NC)),
                 (_decoder, (w_bufs, b_bufs, loaded, decoded, WS, SMAX, TCUM, OFFS, n_groups, N, K, STAGES, LOG2G,
-                            BN, GROUP_SCALES, PROBE, NC, LUT, AHEAD)),
+                            BN, GROUP_SCALES, PROBE, NC, LUT)),
                 (_loader, (a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K, STAGES,
                            LOG2G, NC, LIVE_LOADS)),
             ], [4, 4, 1], [CONSUMER_REGS, DECODER_REGS, LOADER_REGS])
@@ -346,14 +324,15 @@ if GLUON:
 # 32 of the 36 KB a K block loads from L2 (every n-tile re-reads the m-tile's activations). H100, same experiment:
 # the loads alone (PROBE 3) 2331 -> 1771 us (GEMM 1), the kernel 3157 -> 3116 / GEMM 2 1658 -> 1656: the loads are
 # not the kernel's bound.
-# AHEAD (prepared, off: not yet run on a GPU): the decoder's group scales and tile maximum, and the consumers'
-# activation scales, loaded one K block ahead, off each partition's per-block chain (the probes do not isolate that
-# chain: loads + decode, PROBE 2, ran 12% above the loads alone, PROBE 3).
+# The scales loaded one K block ahead in the decoder and the consumers (H100, 2026-12-06, at 50610af): GEMM 1 3068 vs
+# 3101 us, GEMM 2 1653 vs 1636, prefill within its run-to-run spread: not kept. Per K block a tile spends ~1,300
+# cycles for ~490 of MACs; its ~112 KB of shared-memory traffic (wgmma's A and B reads, TMA, the decoder) is ~875
+# cycles (docs/benchmarks-2026-12-06.md, eighth session).
 # PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma, 3 = both
 # (the loads and the barrier ring alone).
 DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 4, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": None,
                   "maxnreg": None, "GRID": 0, "GROUP_SCALES": True, "PROBE": 0, "LUT": True,
-                  "LIVE_LOADS": True, "AHEAD": False}
+                  "LIVE_LOADS": True}
 _PER_CONSUMERS = {2: {"BN": 128, "CONSUMER_REGS": 168, "DECODER_REGS": 96, "LOADER_REGS": 40, "maxnreg": 128},
                   4: {"BN": 64, "CONSUMER_REGS": 88, "DECODER_REGS": 104, "LOADER_REGS": 24, "maxnreg": 80}}
 BN = 128    # N must be a multiple of 128 whatever the n-tile (the weight factors' tiles)
@@ -440,7 +419,7 @@ def fp4_fp8_ws(a_split: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: tor
                              CONSUMER_REGS=cfg["CONSUMER_REGS"], DECODER_REGS=cfg["DECODER_REGS"],
                              LOADER_REGS=cfg["LOADER_REGS"], GROUP_SCALES=bool(cfg["GROUP_SCALES"]),
                              PROBE=int(cfg["PROBE"]), NC=nc, LUT=bool(cfg["LUT"]),
-                             LIVE_LOADS=bool(cfg["LIVE_LOADS"]), AHEAD=bool(cfg["AHEAD"]), num_warps=4,
+                             LIVE_LOADS=bool(cfg["LIVE_LOADS"]), num_warps=4,
                              maxnreg=cfg["maxnreg"], **PDL_LAUNCH)
     return out
 

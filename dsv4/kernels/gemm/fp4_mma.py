@@ -171,11 +171,9 @@ if GLUON:
                      stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_w2e, stride_cm,
                      NV: gl.constexpr, GROUPED: gl.constexpr, GATHER: gl.constexpr, BM: gl.constexpr,
                      BN: gl.constexpr, LOG2G: gl.constexpr, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr,
-                     BAND: gl.constexpr, A16: gl.constexpr, PIPE: gl.constexpr = False):
+                     BAND: gl.constexpr, A16: gl.constexpr):
         """Grouped (MoE) or plain FP4 x FP8 GEMM of BM-row tiles: program (m-tile t, BN columns,
-        K split ks). Output fp32 split partials [S, M, N] (SPLIT) or bf16 [M, N]. PIPE: the next K
-        block's weight and scale loads issued before this block's decode and MMAs (two blocks in flight
-        per warp instead of one); the same products in the same order."""
+        K split ks). Output fp32 split partials [S, M, N] (SPLIT) or bf16 [M, N]."""
         pdl_wait()
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, 8])
@@ -217,17 +215,9 @@ if GLUON:
             zero = gl.zeros([BN, BM], gl.float32, layout=mma)
             kb_lo = (ks * k_per_split) // 128
             kb_hi = gl.minimum(K, ks * k_per_split + k_per_split) // 128
-            if PIPE:    # a split holds >= 1 K block (launch_plan), so block kb_lo exists
-                raw, swa, swb = _kload(kb_lo, wptr, srow, amask, NV, KBW, KBS)
-                for kb in range(kb_lo, kb_hi):
-                    # the last block re-issues its own loads (L1 / L2 hits) instead of a branch
-                    nraw, nswa, nswb = _kload(gl.minimum(kb + 1, kb_hi - 1), wptr, srow, amask, NV, KBW, KBS)
-                    acc = _kblock(kb, acc, zero, raw, swa, swb, jb, aptr, saptr, mma, NV, A16)
-                    raw, swa, swb = nraw, nswa, nswb
-            else:
-                for kb in range(kb_lo, kb_hi):
-                    raw, swa, swb = _kload(kb, wptr, srow, amask, NV, KBW, KBS)
-                    acc = _kblock(kb, acc, zero, raw, swa, swb, jb, aptr, saptr, mma, NV, A16)
+            for kb in range(kb_lo, kb_hi):
+                raw, swa, swb = _kload(kb, wptr, srow, amask, NV, KBW, KBS)
+                acc = _kblock(kb, acc, zero, raw, swa, swb, jb, aptr, saptr, mma, NV, A16)
             rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
             out_mask = (rn_c < N)[:, None] & vc[None, :]
             if NV:   # the per-row fp32 global scale of NVFP4
@@ -318,7 +308,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         ws2.stride(0) if nv else 0, dst.stride(-2),
         NV=nv, GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
         LOG2G=log2_groups(n_groups), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
-        BAND=band, A16=a.dtype == torch.float16, PIPE=bool(cfg.get("PIPE", False)), num_warps=nw,
+        BAND=band, A16=a.dtype == torch.float16, num_warps=nw,
         **pdl_launch(grid, t))
     if partial or not split_sum:
         return dst

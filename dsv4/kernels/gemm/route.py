@@ -189,9 +189,10 @@ PREDEC_ROWS_PER_EXPERT = 128.0
 PREDEC_WS = True
 # with PREDEC_WS: ``swiglu_quant`` stores h in ``fp4_fp8_ws``'s group split order (a register permutation before its
 # usual store; offline PTX, sm_90: the same 16 byte stores per thread as the plain store) instead of a separate torch
-# permutation pass over h (~1 ms of a 4-layer 8192-token chunk with x's, H100). Not yet timed: off. (A per-element
+# permutation pass over h (~1 ms of a 4-layer 8192-token chunk with x's, H100). Prefill (H100, 2026-12-06, one call,
+# 43-layer tok/s at 8192 x 1 / x 8): on 13,239 / 13,173 and 13,333 / 13,329, off 12,995 / 13,213. (A per-element
 # permuted store address instead ran the prefill at 123-124k tok/s against the pass's 131-133k, H100.)
-SWIGLU_SPLIT_STORE = False
+SWIGLU_SPLIT_STORE = True
 # the shared expert's w1|w3 as split-K MMA partials + the SwiGLU pass up to this many rows; above, the
 # tile kernel's SwiGLU epilogue (which cannot split K; docs/benchmarks-2026-12-01.md session 12: 47 us at
 # 64 tokens with it, V4-Flash)
@@ -364,15 +365,9 @@ def swiglu_rows(m: int) -> int:
     return 16 if m >= SWIGLU_TILE_MIN_ROWS else 1
 
 
-# ``fp4_mma``'s K loop with the next block's weight loads in flight (``PIPE``): prepared, off, not yet run on a GPU.
-# The batch-1 routed GEMVs run at 52-63% of their byte floor (H100, docs/benchmarks-2026-12-06.md, a decode-step
-# layer kernel by kernel); each warp holds one 128-K block's loads at a time.
-FP4_MMA_PIPE = False
-
-
 def fp4_mma_config() -> dict:
     """``fp4_mma``'s tile: 64 weight rows over 4 warps (H200 sweep: 64 x 4 or 32 x 2 best; 128-256 slower)."""
-    return {"BN": 64, "num_warps": 4, "PIPE": FP4_MMA_PIPE}
+    return {"BN": 64, "num_warps": 4}
 
 
 # ---------------------------------------------------------------------------------------------- enumeration
@@ -433,7 +428,7 @@ def choices(t: Target) -> list[Choice]:
             if path == "gemv":
                 if decode_kernel(t) == "mma":
                     cfg = fp4_mma_config()
-                    add(_choice("fp4_mma", {"NV": fmt == "nvfp4", "BN": cfg["BN"], "PIPE": cfg["PIPE"]}, cfg, why))
+                    add(_choice("fp4_mma", {"NV": fmt == "nvfp4", "BN": cfg["BN"]}, cfg, why))
                 else:
                     cfg = gemv_config(4096, t, False)
                     add(_choice("gemv", {"WFMT": 0 if fmt == "mxfp4" else 1, "BN": cfg["BN"], "BM": 1}, cfg, why))
