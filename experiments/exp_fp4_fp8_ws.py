@@ -7,7 +7,9 @@ CUDA-graph replays, L2 flushed; the last column is the largest difference from t
 in bf16 steps of the larger value (the block sums may differ in the last fp32 bits; values below 2^-9 of the
 largest output count as that size: where the sum cancels, fp32 ulps of the partials exceed its own step).
 
-    PYTHONPATH=. python experiments/exp_fp4_fp8_ws.py [--tokens 8192] [--experts 256] [--stages 3,4]
+    PYTHONPATH=. python experiments/exp_fp4_fp8_ws.py [--tokens 8192] [--experts 256] [--stages 3,4] [--only rs,default]
+
+The ``register-operand`` rows time the prototype ``experiments/fp4_fp8_rs.py`` (the weights as wgmma's A registers).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def main():
     ap.add_argument("--tokens", default="8192")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--stages", default="3,4")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only the variants whose label has one")
     args = ap.parse_args()
     setup = gpu_experiment("exp_fp4_fp8_ws", "an sm_90 GPU")
     if setup is None or not WS.available("cuda"):
@@ -86,19 +89,29 @@ def main():
                 ("probe: loads only", {"PROBE": 3}), ("probe: loads only, every box", {"PROBE": 3, "LIVE_LOADS": False}),
                 ("2 consumers, probe: no decode", dict(two, PROBE=1)),
                 ("2 consumers, probe: no wgmma", dict(two, PROBE=2))]
-            for label, vcfg in variants:
+            rs = [(f"register-operand weights{lab}", dict(v, RS=True))
+                  for lab, v in (("", {}), (", stages 6", {"STAGES": 6}), (", probe: no decode", {"PROBE": 1}))]
+            only = [o for o in args.only.split(",") if o]
+            for label, vcfg in variants + rs:
+                if only and not any(o in label for o in only):
+                    continue
                 out = torch.empty(P, N, dtype=torch.bfloat16, device=dev)
-                run = lambda: WS.fp4_fp8_ws(a_split, xs, w, ws, smx, offs, out=out, config=vcfg)  # noqa: E731
+                if vcfg.get("RS"):
+                    import fp4_fp8_rs as RS
+                    rcfg = {k: v for k, v in vcfg.items() if k != "RS"}
+                    run = lambda: RS.fp4_fp8_rs(a_split, xs, w, ws, smx, offs, out=out, config=rcfg)  # noqa: E731
+                else:
+                    run = lambda: WS.fp4_fp8_ws(a_split, xs, w, ws, smx, offs, out=out, config=vcfg)  # noqa: E731
                 try:
                     run()
                     torch.cuda.synchronize()
                     big = torch.maximum(out.float().abs(), ref.float().abs()).clamp_min(2.0 ** -9 * ref.float().abs().max())
                     diff = ((out.float() - ref.float()).abs() / big * 128).max().item()
                     us = graph_time(run) * 1e3
-                    print(f"| {T} | {name} | fp4_fp8_ws {label} | {us:.0f} | {100 * sm / us:.0f}% | {diff:.2f} |",
+                    print(f"| {T} | {name} | {"fp4_fp8_rs" if vcfg.get("RS") else "fp4_fp8_ws"} {label} | {us:.0f} | {100 * sm / us:.0f}% | {diff:.2f} |",
                           flush=True)
                 except Exception as e:          # noqa: BLE001 - reported
-                    print(f"| {T} | {name} | fp4_fp8_ws {label} | failed: {type(e).__name__}: {str(e)[:300]} | | |",
+                    print(f"| {T} | {name} | {"fp4_fp8_rs" if vcfg.get("RS") else "fp4_fp8_ws"} {label} | failed: {type(e).__name__}: {str(e)[:300]} | | |",
                           flush=True)
 
 
