@@ -90,7 +90,8 @@ def main():
                 ("2 consumers, probe: no decode", dict(two, PROBE=1)),
                 ("2 consumers, probe: no wgmma", dict(two, PROBE=2))]
             rs = [(f"register-operand weights{lab}", dict(v, RS=True))
-                  for lab, v in (("", {}), (", stages 6", {"STAGES": 6}), (", probe: no decode", {"PROBE": 1}))]
+                  for lab, v in (("", {}), (", stages 6", {"STAGES": 6}), (", probe: no decode", {"PROBE": 1}),
+                                 (", 64-token tiles", {"BT": 64}), (", 64-token tiles, probe: no decode", {"BT": 64, "PROBE": 1}))]
             only = [o for o in args.only.split(",") if o]
             for label, vcfg in variants + rs:
                 if only and not any(o in label for o in only):
