@@ -46,6 +46,7 @@ except ImportError:
     GLUON = False
 
 if GLUON:
+    from dsv4.kernels.gemm.fp4_fp8_ws import _find_tile     # (expert, first row, end row) of m-tile t of NC x 64 rows
     from dsv4.kernels.lib import pdl_wait
     _DEC_L = gl.constexpr(DEC_LUT_ASM)
     _BW = gl.constexpr(BW)
@@ -66,20 +67,6 @@ if GLUON:
                                           warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 16])
 
     @gluon.jit
-    def _find_tile(TCUM, OFFS, t, n_groups, LOG2G: gl.constexpr, BT: gl.constexpr):
-        """(expert, first row, end row) of token m-tile t of BT rows."""
-        lo = 0
-        hi = n_groups
-        for _ in gl.static_range(LOG2G):
-            mid = (lo + hi) // 2
-            right = gl.load(TCUM + mid + 1) <= t
-            lo = gl.where(right, mid + 1, lo)
-            hi = gl.where(right, hi, mid)
-        e = gl.minimum(lo, n_groups - 1)
-        m0 = gl.load(OFFS + e) + (t - gl.load(TCUM + e)) * BT
-        return e, m0.to(gl.int32), gl.load(OFFS + e + 1).to(gl.int32)
-
-    @gluon.jit
     def _loader(a_desc, w_desc, a_bufs, w_bufs, loaded, empty, TCUM, OFFS, n_groups, N, K,
                 STAGES: gl.constexpr, LOG2G: gl.constexpr):
         """Per K block of a tile: the [BT, 128] activation box and the [NC x 64, 64] packed weight box."""
@@ -90,7 +77,7 @@ if GLUON:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G, BT)
+            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G, BT // 64)
             wrow = e * N + (tile % num_n) * BNW
             for kb in range(K // 128):
                 s = it % STAGES
@@ -153,7 +140,7 @@ if GLUON:
         zero = gl.zeros([_BW, BT], gl.float32, acc_l)
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G, BT)
+            e, m0, m_end = _find_tile(TCUM, OFFS, tile // num_n, n_groups, LOG2G, BT // 64)
             n0 = (tile % num_n) * BNW + H * _BW
             srow = WS + ((e * N + n0 + rg).to(gl.int64) * (K // 32))[:, None] + g[None, :]
             smax_row = SMAX + (e * (N // 128) + n0 // 128).to(gl.int64) * nkb

@@ -15,7 +15,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
 pytest.importorskip("triton")
 
 import fp4_fp8_rs as RS  # noqa: E402
-from kernel_helpers import need_gpu  # noqa: E402
+from kernel_helpers import check_expert_sums, mx_expert_problem, need_gpu  # noqa: E402
 from dsv4.kernels.gemm import fp4_fp8_ws as WS  # noqa: E402
 
 
@@ -67,27 +67,10 @@ def test_gpu_fp4_fp8_rs_matches_ws(E, N, K, rows, cfg):
     need_gpu()
     if not RS.available("cuda"):
         pytest.skip("needs an sm_90 GPU with Gluon")
-    from dsv4.formats.fp4 import dequant_mxfp4, quant_mxfp4
-    from dsv4.kernels.gemm import fp4_fp8 as F
-    from dsv4.kernels.gemm import fp8 as G8
-    gen = torch.Generator().manual_seed(E + N + K)
-    P = sum(rows)
-    offs = torch.tensor([0] + rows).cumsum(0)
-    Wf = torch.randn(E, N, K, generator=gen) * 0.05
-    q, s = zip(*(quant_mxfp4(Wf[e]) for e in range(E)))
-    w, ws = torch.stack(q).cuda(), torch.stack(s).cuda()
-    x = (torch.randn(P, K, generator=gen) * 2).bfloat16().cuda()
-    xq, xs = G8.act_quant_fp8(x)
-    smx = F.tile_max(ws)
-    a = WS.split_k_order(xq.view(torch.uint8))
-    y = RS.fp4_fp8_rs(a, xs, w, ws, smx, offs.cuda(), config=cfg)
-    ref = WS.fp4_fp8_ws(a, xs, w, ws, smx, offs.cuda())
-    Wd = torch.stack([dequant_mxfp4(q[e], s[e]) for e in range(E)])
-    for e in range(E):
-        r0, r1 = int(offs[e]), int(offs[e + 1])
-        if r1 > r0:
-            ex = xq[r0:r1].float().cpu() * xs[r0:r1].cpu().repeat_interleave(128, 1) @ Wd[e].T
-            torch.testing.assert_close(y[r0:r1].float().cpu(), ex, rtol=2e-2, atol=2e-2 * ex.abs().max().item())
+    args, extra = mx_expert_problem(E, N, K, rows)
+    y = RS.fp4_fp8_rs(*args, config=cfg)
+    ref = WS.fp4_fp8_ws(*args)
+    check_expert_sums(y, args, extra)
     diff = (y.float() - ref.float()).abs()
     print("outputs off the product kernel's bits:", int((diff > 0).sum()), "of", diff.numel())
     yf, rf = y.float(), ref.float()

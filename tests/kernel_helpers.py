@@ -155,3 +155,32 @@ def fp4_weight(fmt, N, K, gen, spread=False):
         return wp, s, None, dequant_mxfp4(wp, s)
     wp, s, s2 = quant_nvfp4(W)
     return wp, s, s2, dequant_nvfp4(wp, s, s2)
+
+
+def mx_expert_problem(E: int, N: int, K: int, rows: list[int]):
+    """A grouped MXFP4 expert GEMM problem on the GPU (the in-kernel-decode kernels' tests): (a in group split
+    order, xs, w, ws, tile_smax, offs) for the kernel, and (xq, Wd) for ``check_expert_sums``."""
+    from dsv4.formats.fp4 import dequant_mxfp4, quant_mxfp4
+    from dsv4.kernels.gemm import fp4_fp8 as F
+    from dsv4.kernels.gemm import fp8 as G8
+    from dsv4.kernels.gemm.fp4_fp8_ws import split_k_order
+    gen = torch.Generator().manual_seed(E + N + K)
+    P = sum(rows)
+    offs = torch.tensor([0] + rows).cumsum(0)
+    Wf = torch.randn(E, N, K, generator=gen) * 0.05
+    q, s = zip(*(quant_mxfp4(Wf[e]) for e in range(E)))
+    w, ws = torch.stack(q).cuda(), torch.stack(s).cuda()
+    xq, xs = G8.act_quant_fp8((torch.randn(P, K, generator=gen) * 2).bfloat16().cuda())
+    Wd = torch.stack([dequant_mxfp4(q[e], s[e]) for e in range(E)])
+    return (split_k_order(xq.view(torch.uint8)), xs, w, ws, F.tile_max(ws), offs.cuda()), (xq, Wd)
+
+
+def check_expert_sums(y, args, extra) -> None:
+    """Each expert's rows of ``y`` [P, N] against the exact sums of its dequantised weights (2% of the largest)."""
+    xs, offs = args[1], args[5].cpu()
+    xq, Wd = extra
+    for e in range(Wd.shape[0]):
+        r0, r1 = int(offs[e]), int(offs[e + 1])
+        if r1 > r0:
+            ex = xq[r0:r1].float().cpu() * xs[r0:r1].cpu().repeat_interleave(128, 1) @ Wd[e].T
+            torch.testing.assert_close(y[r0:r1].float().cpu(), ex, rtol=2e-2, atol=2e-2 * ex.abs().max().item())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_helpers import need_gpu, run_aot_script
+from kernel_helpers import check_expert_sums, mx_expert_problem, need_gpu, run_aot_script
 
 pytest.importorskip("triton")
 
@@ -166,20 +166,14 @@ def test_gpu_fp4_fp8_ws_matches_predecoded(E, N, K, rows, cfg):
     need_gpu()
     if not WS.available("cuda"):
         pytest.skip("needs an sm_90 GPU with Gluon")
-    from dsv4.formats.fp4 import dequant_mxfp4, quant_mxfp4
     from dsv4.kernels.gemm import fp4_fp8 as F
-    from dsv4.kernels.gemm import fp8 as G8
-    gen = torch.Generator().manual_seed(E + N + K)
+    args, extra = mx_expert_problem(E, N, K, rows)
+    _, xs, w, ws, smx, offs = args
+    xq, Wd = extra
+    offs = offs.cpu()
     P = sum(rows)
-    offs = torch.tensor([0] + rows).cumsum(0)
-    Wf = torch.randn(E, N, K, generator=gen) * 0.05
-    q, s = zip(*(quant_mxfp4(Wf[e]) for e in range(E)))
-    w, ws = torch.stack(q).cuda(), torch.stack(s).cuda()
-    x = (torch.randn(P, K, generator=gen) * 2).bfloat16().cuda()
-    xq, xs = G8.act_quant_fp8(x)
-    smx = F.tile_max(ws)
-    y = WS.fp4_fp8_ws(WS.split_k_order(xq.view(torch.uint8)), xs, w, ws, smx, offs.cuda(), config=cfg)
-    y2 = WS.fp4_fp8_ws(WS.split_k_order(xq.view(torch.uint8)), xs, w, ws, smx, offs.cuda(), config=cfg)
+    y = WS.fp4_fp8_ws(*args, config=cfg)
+    y2 = WS.fp4_fp8_ws(*args, config=cfg)
     assert torch.equal(y, y2), f"two identical calls differ at {int((y != y2).sum())} outputs"
     w8, f8 = F.predecode(w, ws, tile=True, tile_smax=smx)
     bm = 64
@@ -192,12 +186,7 @@ def test_gpu_fp4_fp8_ws_matches_predecoded(E, N, K, rows, cfg):
     F.fp4_fp8_launch(xq.view(torch.uint8), xs, w8, f8, None, ref, None, P, N, K, 0, fmt="mxfp4", config=cfg_ref,
                      predecoded=True, offs=offs.cuda(), tcum=tcum, n_groups=E,
                      n_tiles=min(P, -(-P // bm) + min(E, P)))
-    Wd = torch.stack([dequant_mxfp4(q[e], s[e]) for e in range(E)])
-    for e in range(E):
-        r0, r1 = int(offs[e]), int(offs[e + 1])
-        if r1 > r0:
-            ex = xq[r0:r1].float().cpu() * xs[r0:r1].cpu().repeat_interleave(128, 1) @ Wd[e].T
-            torch.testing.assert_close(y[r0:r1].float().cpu(), ex, rtol=2e-2, atol=2e-2 * ex.abs().max().item())
+    check_expert_sums(y, args, extra)
     # one bf16 step of the larger value, plus the fp32 rounding of a K-term sum in another order (where the
     # output cancels, a few fp32 ulps of the partials exceed its own bf16 step)
     yf, rf = y.float(), ref.float()
