@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Experiment: the warp-specialized sparse prefill prototype (``experiments/sparse_prefill_ws.py``) against the
+product kernel (``sparse_prefill``, Triton) and FlashMLA's figures (shared/spec/flashmla-h200.md, bf16 KV) on the
+V4 prefill configs: window 128 + CSA top-512 at h64 and + top-1024 at h128, s_q 4096, s_kv 64K (FlashMLA's
+counting: FLOPs = 2 s_q topk H 1024). CUDA-graph replays, L2 flushed.
+
+    PYTHONPATH=. python experiments/exp_sparse_prefill_ws.py [--sq 4096]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks"), os.path.dirname(os.path.abspath(__file__))]
+from attention import PAGE, decode_case  # noqa: E402
+from common import gpu_experiment, graph_time  # noqa: E402
+from dsv4.kernels import sparse_attention as sa  # noqa: E402
+import sparse_prefill_ws as SP  # noqa: E402
+
+FLASHMLA = {64: 697.0, 128: 2087.0}     # us, s_q 4096, s_kv 64K, topk 640 / 1152 (H200, bf16 KV)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sq", type=int, default=4096)
+    ap.add_argument("--stages", default="2,1")
+    args = ap.parse_args()
+    setup = gpu_experiment("exp_sparse_prefill_ws", "an sm_90 GPU")
+    if setup is None or not SP.available("cuda"):
+        print("exp_sparse_prefill_ws: needs an sm_90 GPU with Gluon")
+        return
+    dev, gen, _ = setup
+    print("| H | list | kernel | us | TFLOP/s | FlashMLA us (H200) | rel. diff to sparse_prefill |\n|---|---|---|---|---|---|---|")
+    for H, topk in ((64, 512), (128, 1024)):
+        c = decode_case("csa", H, topk, 1, 65536, args.sq, torch.device(dev), gen)
+        a = (c["q"], c["widx"], c["wpages"], PAGE, c["eidx"], c["epages"], PAGE, c["sinks"])
+        ref = sa.sparse_prefill(*a)
+        us = graph_time(lambda: sa.sparse_prefill(*a)) * 1e3
+        tf = c["flops"] / us / 1e6
+        lab = f"128 + {topk}"
+        print(f"| {H} | {lab} | sparse_prefill (Triton) | {us:.0f} | {tf:.0f} | {FLASHMLA[H]:.0f} | ref |", flush=True)
+        for st in (int(x) for x in args.stages.split(",")):
+            try:
+                o = SP.sparse_prefill_ws(*a, config={"STAGES": st})
+                torch.cuda.synchronize()
+                rel = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+                us = graph_time(lambda: SP.sparse_prefill_ws(*a, config={"STAGES": st})) * 1e3
+                print(f"| {H} | {lab} | sparse_prefill_ws, {st} stages | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "
+                      f"{FLASHMLA[H]:.0f} | {rel:.1e} |", flush=True)
+            except Exception as e:          # noqa: BLE001 - reported
+                print(f"| {H} | {lab} | sparse_prefill_ws, {st} stages | failed: {type(e).__name__}: {str(e)[:300]} | | | |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

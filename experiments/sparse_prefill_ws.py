@@ -1,0 +1,227 @@
+"""Prototype: warp-specialized sparse prefill attention over the FP8 paged caches (Gluon, sm_90).
+
+``dsv4/kernels/sparse_attention.sparse_prefill``'s contract (module doc there) for H a multiple of 64, one CTA per
+(64-head block, query row), three partitions (design: docs/design-sparse-prefill.md):
+
+* producer (4 warps): q's [64, 512] rows into shared memory once; per block of 64 list entries the row's window /
+  extra indices, each entry's 448 e4m3 bytes times its 64-dim blocks' 2^(scale byte - 127) and its 64 bf16 rope
+  dims, stored as a bf16 [64 entries, 512] tile into a ``STAGES``-deep ring (one dequantisation per gathered tile,
+  shared by both consumers);
+* two consumer warpgroups, one per half of the 512 value dims: each computes the block's S = q K^T in full (the
+  same S, so the same running max, probabilities and denominator in both), masks invalid entries, runs the online
+  softmax (running max per block, P rounded to bf16, fp32 denominator) and accumulates P V over its 256 dims with P
+  as wgmma's register operand; the sink enters the final denominator, an all-masked row writes 0.
+
+Each block's QK runs twice (once per consumer): 6.3M MACs per block where FlashMLA's ping-pong (one QK per block,
+P exchanged between the consumers) does 4.2M; this prototype checks the producer's dequantisation and the
+structure first. Tests: ``experiments/test_sparse_prefill_ws.py``; timing: ``experiments/exp_sparse_prefill_ws.py``.
+Not routed to by the product.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4.kernels import interpreting, triton_available
+from dsv4.kernels.lib import PDL_LAUNCH
+
+HEAD_DIM = 512
+BH = 64             # heads per CTA (the wgmma M)
+BN = 64             # list entries per block
+LOG2E = 1.4426950408889634
+
+try:
+    if not triton_available():
+        raise ImportError
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    GLUON = True
+except ImportError:
+    GLUON = False
+
+if GLUON:
+    from dsv4.kernels.lib import pdl_wait
+    _BH = gl.constexpr(BH)
+    _BN = gl.constexpr(BN)
+    _D = gl.constexpr(HEAD_DIM)
+
+    @gluon.jit
+    def _load_idx(wrow, erow, j, KW, KT):
+        """Entries j of the row's [window | extra] list (-1 past its end)."""
+        iw = gl.load(wrow + j, mask=j < KW, other=-1)
+        ie = gl.load(erow + (j - KW), mask=(j >= KW) & (j < KT), other=-1)
+        return gl.where(j < KW, iw, ie)
+
+    @gluon.jit
+    def _producer(Q, WIDX, EIDX, WPAGES, EPAGES, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
+                  stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes,
+                  STAGES: gl.constexpr):
+        l8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        l16: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                             order=[1, 0])
+        t64 = t.to(gl.int64)
+        # q rows [64 heads, 512] -> shared memory, once
+        hq = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, l16))
+        dq = gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
+        qb = Q + t64 * stride_qt + hq.to(gl.int64)[:, None] * stride_qh + dq[None, :]
+        for c in gl.static_range(8):
+            q_smem.slice(64 * c, 64, dim=1).store(gl.load(qb + 64 * c))
+        fence_async_shared()
+        mbarrier.arrive(q_ready, count=1)
+        n = gl.arange(0, _BN, layout=gl.SliceLayout(1, l8))
+        d = gl.arange(0, 64, layout=gl.SliceLayout(0, l8))
+        wrow = WIDX + t64 * stride_wt
+        erow = EIDX + t64 * stride_et
+        KT = KW + KE
+        nb = gl.cdiv(KT, _BN)
+        for blk in range(nb):
+            s = blk % STAGES
+            mbarrier.wait(empty.index(s), ((blk // STAGES) & 1) ^ 1)      # fresh barriers: phase 1 done
+            kt = k_smem.index(s)
+            j = blk * _BN + n
+            idx = _load_idx(wrow, erow, j, KW, KT)
+            valid = idx >= 0
+            slot = gl.maximum(idx, 0)
+            in_w = j < KW
+            psz = gl.where(in_w, w_psz, e_psz)
+            pnb = gl.where(in_w, w_pbytes, e_pbytes)
+            page = slot // psz
+            off = slot - page * psz
+            base = gl.where(in_w, WPAGES, EPAGES) + page.to(gl.int64) * pnb
+            row = base + off * 576
+            scw = gl.load((base + psz * 576 + off * 8).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
+            for c in gl.static_range(7):       # the 448 e4m3 dims, 2^(byte - 127) per 64-dim block: exact in bf16
+                sc = (((scw >> (8 * c)) & 0xFF).to(gl.int32) << 23).to(gl.float32, bitcast=True)
+                x = gl.load(row[:, None] + (64 * c) + d[None, :], mask=valid[:, None], other=0)
+                kv = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+                kt.slice(64 * c, 64, dim=1).store(kv.to(gl.bfloat16))
+            row16 = gl.convert_layout(row, gl.SliceLayout(1, l16))
+            v16 = gl.convert_layout(valid, gl.SliceLayout(1, l16))
+            rp = (row16 + 448).to(gl.pointer_type(gl.bfloat16))
+            kt.slice(448, 64, dim=1).store(gl.load(rp[:, None] + dq[None, :], mask=v16[:, None], other=0.0))
+            fence_async_shared()
+            mbarrier.arrive(ready.index(s), count=1)
+
+    @gluon.jit
+    def _consumer(WIDX, EIDX, SINK, O, q_smem, k_smem, q_ready, ready, empty, t, h0, H, KW, KE,
+                  stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES: gl.constexpr, HALF: gl.constexpr):
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        t64 = t.to(gl.int64)
+        wrow = WIDX + t64 * stride_wt
+        erow = EIDX + t64 * stride_et
+        KT = KW + KE
+        nb = gl.cdiv(KT, _BN)
+        n = gl.arange(0, _BN, layout=gl.SliceLayout(0, s_l))
+        zero_s = gl.zeros([_BH, _BN], gl.float32, s_l)
+        m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, s_l))
+        acc = gl.zeros([_BH, 256], gl.float32, o_l)
+        mbarrier.wait(q_ready, 0)
+        for blk in range(nb):
+            s = blk % STAGES
+            mbarrier.wait(ready.index(s), (blk // STAGES) & 1)
+            kt = k_smem.index(s)
+            tok = warpgroup_mma(q_smem, kt.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+            # the list entries after the wait (L1 hits: the producer read them): fewer registers live across QK
+            idx = _load_idx(wrow, erow, blk * _BN + n, KW, KT)
+            sc = gl.where((idx >= 0)[None, :], sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(sc - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            pb = gl.convert_layout(p.to(gl.bfloat16), p_l)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            v = kt.slice(256 * HALF, 256, dim=1)
+            tok = warpgroup_mma(pb, v, acc, use_acc=True, is_async=True)
+            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(tok, v))
+            mbarrier.arrive(empty.index(s), count=1)
+            m_i = m_new
+        h = h0 + gl.arange(0, _BH, layout=gl.SliceLayout(1, s_l))
+        sink = gl.load(SINK + h) * 1.4426950408889634
+        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+        den = l_i + gl.exp2(sink - m_safe)
+        ok = den > 0
+        ho = h0 + gl.arange(0, _BH, layout=gl.SliceLayout(1, o_l))
+        do = 256 * HALF + gl.arange(0, 256, layout=gl.SliceLayout(0, o_l))
+        den_o = gl.convert_layout(gl.where(ok, den, 1.0), gl.SliceLayout(1, o_l))
+        ok_o = gl.convert_layout(ok, gl.SliceLayout(1, o_l))
+        o = gl.where(ok_o[:, None], acc / den_o[:, None], 0.0)
+        gl.store(O + t64 * stride_ot + ho.to(gl.int64)[:, None] * stride_oh + do[None, :], o.to(gl.bfloat16))
+
+    @gluon.jit
+    def _sparse_prefill_ws_kernel(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, H, KW, KE,
+                                  stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
+                                  w_psz, w_pbytes, e_psz, e_pbytes, qk_scale,
+                                  STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        pdl_wait()
+        hb = gl.program_id(0)
+        t = gl.program_id(1)
+        h0 = hb * _BH
+        lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [_BH, _D], lay)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, _D], lay)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)      # one arrival per consumer
+        gl.warp_specialize([
+            (_consumer, (WIDX, EIDX, SINK, O, q_smem, k_smem, q_ready, ready, empty, t, h0, H, KW, KE,
+                         stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 0)),
+            (_consumer, (WIDX, EIDX, SINK, O, q_smem, k_smem, q_ready, ready, empty, t, h0, H, KW, KE,
+                         stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 1)),
+            (_producer, (Q, WIDX, EIDX, WPAGES, EPAGES, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
+                         stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, STAGES)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# Two consumer warpgroups at 224 registers (a 64 x 256 fp32 accumulator, S, P) and the producer's at 64:
+# 128 x (2 x 224 + 64) = 65,536; the launch (12 warps) at 65,536 / 384 -> 168. Shared memory: q 64 KB + STAGES x
+# 64 KB of bf16 tiles (2 stages: 192 KB).
+DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnreg": 168}
+
+
+def available(dev) -> bool:
+    if not GLUON or interpreting() or torch.device(dev).type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: torch.Tensor, window_page_size: int,
+                      extra_idx: torch.Tensor | None, extra_pages: torch.Tensor | None, extra_page_size: int,
+                      sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5, config: dict | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """``sparse_prefill``'s arguments and result (H a multiple of 64, a window list)."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    T, H, D = q.shape
+    if D != HEAD_DIM or H % BH or q.stride(2) != 1:
+        raise ValueError(f"sparse_prefill_ws: q [T, H, 512] with H % {BH} == 0 and a contiguous last dim, "
+                         f"got {tuple(q.shape)}")
+    if not available(q.device):
+        raise ValueError("sparse_prefill_ws: needs an sm_90 GPU with Gluon's Hopper ops")
+    if sinks is None:
+        sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    KW = window_idx.shape[1]
+    if extra_idx is None or extra_idx.shape[1] == 0:
+        extra_idx, extra_pages, extra_page_size, KE = window_idx, window_pages, window_page_size, 0
+    else:
+        KE = extra_idx.shape[1]
+    window_idx, extra_idx = window_idx.contiguous(), extra_idx.contiguous()
+    out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device) if out is None else out
+    if T == 0:
+        return out
+    _sparse_prefill_ws_kernel[(H // BH, T)](
+        q, window_idx, extra_idx, window_pages, extra_pages, sinks.float(), out, H, KW, KE,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), window_idx.stride(0), extra_idx.stride(0),
+        window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1], float(scale) * LOG2E,
+        STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+        num_warps=4, maxnreg=cfg["maxnreg"], **PDL_LAUNCH)
+    return out

@@ -1,0 +1,74 @@
+"""The warp-specialized sparse prefill prototype (``experiments/sparse_prefill_ws.py``): an sm_90 compile on any
+machine; on an sm_90 GPU its outputs against the product kernel (``sparse_prefill``) and the CPU twin.
+Outside the default test run: ``PYTHONPATH=. python3 -m pytest -q experiments/test_sparse_prefill_ws.py``."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
+                os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")]
+pytest.importorskip("triton")
+
+import sparse_prefill_ws as SP  # noqa: E402
+from kernel_helpers import need_gpu  # noqa: E402
+
+
+def test_aot_compile_sm90():
+    """bf16 wgmma m64n64k16 for QK (q and the dequantised tile from shared memory) and m64n256k16 for PV (P from
+    registers), the partitions' register counts within the file, shared memory within sm_90's 227 KB."""
+    if not SP.GLUON or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs Gluon's Hopper ops, compiled (TRITON_INTERPRET=0)")
+    import re
+    from kernel_helpers import aot_compile
+    cfg = SP.DEFAULT_CONFIG
+    types = dict(Q="*bf16", WIDX="*i32", EIDX="*i32", WPAGES="*u8", EPAGES="*u8", SINK="*fp32", O="*bf16",
+                 qk_scale="fp32")
+    const = dict(STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"])
+    ptx, mma, smem = aot_compile(SP._sparse_prefill_ws_kernel, types, const, 90, 4,
+                                 div=("stride_qt", "stride_qh", "stride_ot", "stride_oh"), maxnreg=cfg["maxnreg"],
+                                 shared=True)
+    assert mma == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"], mma
+    assert re.search(r"m64n256k16\S+ \{[^}]+\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+", ptx), "P not in registers"
+    assert (64 + cfg["STAGES"] * 64) * 1024 <= smem <= 232448, smem
+    assert 128 * (2 * cfg["CONSUMER_REGS"] + cfg["PRODUCER_REGS"]) <= 65536 and 384 * cfg["maxnreg"] <= 65536
+
+
+def _case(H, n, topk, all_masked_row=None, extra=True):
+    import test_sparse_attention as TS
+    gen = torch.Generator().manual_seed(H + n + topk)
+    cache = TS.Caches(1, 2048, 64, 64, gen, device="cuda")
+    widx = torch.stack([cache.window_idx(0, 1000 + i) for i in range(n)]).int()
+    eidx = torch.stack([cache.extra_idx(0, 2048, topk, "csa", gen) for _ in range(n)]).int()
+    if all_masked_row is not None:
+        widx[all_masked_row] = -1
+        eidx[all_masked_row] = -1
+    q = (torch.randn(n, H, 512, generator=gen) * 0.5).bfloat16()
+    sinks = torch.randn(H, generator=gen)
+    return cache, q, widx, eidx if extra else None, sinks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,n,topk,masked,extra", [(64, 256, 512, None, True), (128, 64, 1024, 3, True),
+                                                   (64, 33, 512, 0, False)])
+@pytest.mark.parametrize("stages", [2, 1])
+def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, extra, stages):
+    need_gpu()
+    if not SP.available("cuda"):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    import test_sparse_attention as TS
+    from dsv4.kernels.sparse_attention import sparse_prefill
+    from dsv4.twins.sparse_attention import sparse_decode as twin
+    cache, q, widx, eidx, sinks = _case(H, n, topk, masked, extra)
+    args = (q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda() if extra else None, cache.ep if extra else None, 64,
+            sinks.cuda())
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    o = SP.sparse_prefill_ws(*args, config={"STAGES": stages}, out=out)
+    ref = sparse_prefill(*args)
+    if masked is not None:
+        assert torch.equal(o[masked], torch.zeros_like(o[masked]))
+    TS._compare(o, ref, tol=4e-3)
+    TS._compare(o, twin(q, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks))
+    print("outputs off the product kernel's bits:", int((o != ref).sum()), "of", o.numel())
