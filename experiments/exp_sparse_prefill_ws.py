@@ -27,7 +27,6 @@ FLASHMLA = {64: 697.0, 128: 2087.0}     # us, s_q 4096, s_kv 64K, topk 640 / 115
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sq", type=int, default=4096)
-    ap.add_argument("--stages", default="2,1")
     args = ap.parse_args()
     setup = gpu_experiment("exp_sparse_prefill_ws", "an sm_90 GPU")
     if setup is None or not SP.available("cuda"):
@@ -43,16 +42,17 @@ def main():
         tf = c["flops"] / us / 1e6
         lab = f"128 + {topk}"
         print(f"| {H} | {lab} | sparse_prefill (Triton) | {us:.0f} | {tf:.0f} | {FLASHMLA[H]:.0f} | ref |", flush=True)
-        for st in (int(x) for x in args.stages.split(",")):
+        for name, cfg in (("split QK, 2 stages", {}), ("split QK, 1 stage", {"STAGES": 1}),
+                          ("full QK in both consumers", {"SPLIT_QK": False})):
             try:
-                o = SP.sparse_prefill_ws(*a, config={"STAGES": st})
+                o = SP.sparse_prefill_ws(*a, config=cfg)
                 torch.cuda.synchronize()
                 rel = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
-                us = graph_time(lambda: SP.sparse_prefill_ws(*a, config={"STAGES": st})) * 1e3
-                print(f"| {H} | {lab} | sparse_prefill_ws, {st} stages | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "
+                us = graph_time(lambda: SP.sparse_prefill_ws(*a, config=cfg)) * 1e3
+                print(f"| {H} | {lab} | sparse_prefill_ws, {name} | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "
                       f"{FLASHMLA[H]:.0f} | {rel:.1e} |", flush=True)
             except Exception as e:          # noqa: BLE001 - reported
-                print(f"| {H} | {lab} | sparse_prefill_ws, {st} stages | failed: {type(e).__name__}: {str(e)[:300]} | | | |",
+                print(f"| {H} | {lab} | sparse_prefill_ws, {name} | failed: {type(e).__name__}: {str(e)[:300]} | | | |",
                       flush=True)
 
 

@@ -7,14 +7,15 @@
   extra indices, each entry's 448 e4m3 bytes times its 64-dim blocks' 2^(scale byte - 127) and its 64 bf16 rope
   dims, stored as a bf16 [64 entries, 512] tile into a ``STAGES``-deep ring (one dequantisation per gathered tile,
   shared by both consumers);
-* two consumer warpgroups, one per half of the 512 value dims: each computes the block's S = q K^T in full (the
-  same S, so the same running max, probabilities and denominator in both), masks invalid entries, runs the online
-  softmax (running max per block, P rounded to bf16, fp32 denominator) and accumulates P V over its 256 dims with P
-  as wgmma's register operand; the sink enters the final denominator, an all-masked row writes 0.
+* two consumer warpgroups, one per half of the 512 dims: each computes q . k over its 256 dims, hands its partial S
+  to the other through shared memory and adds the two in one order (half 0's first), so both hold the same S, running
+  max, probabilities and denominator; it masks invalid entries, runs the online softmax (running max per block, P
+  rounded to bf16, fp32 denominator) and accumulates P V over its 256 dims with P as wgmma's register operand; the
+  sink enters the final denominator, an all-masked row writes 0.
 
-Each block's QK runs twice (once per consumer): 6.3M MACs per block where FlashMLA's ping-pong (one QK per block,
-P exchanged between the consumers) does 4.2M; this prototype checks the producer's dequantisation and the
-structure first. Tests: ``experiments/test_sparse_prefill_ws.py``; timing: ``experiments/exp_sparse_prefill_ws.py``.
+Per block 4.2M MACs, FlashMLA's count (its ping-pong exchanges P and the maxima instead of S). ``SPLIT_QK`` False:
+each consumer computes the block's full S itself (6.3M MACs, no exchange). S = S_0 + S_1 sums the 512 products in
+another order than one 512-long chain: the product kernel's bits are not expected, its tolerance is. Tests: ``experiments/test_sparse_prefill_ws.py``; timing: ``experiments/exp_sparse_prefill_ws.py``.
 Not routed to by the product.
 """
 from __future__ import annotations
@@ -105,8 +106,9 @@ if GLUON:
             mbarrier.arrive(ready.index(s), count=1)
 
     @gluon.jit
-    def _consumer(WIDX, EIDX, SINK, O, q_smem, k_smem, q_ready, ready, empty, t, h0, H, KW, KE,
-                  stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES: gl.constexpr, HALF: gl.constexpr):
+    def _consumer(WIDX, EIDX, SINK, O, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t, h0, H, KW, KE,
+                  stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES: gl.constexpr, HALF: gl.constexpr,
+                  SPLIT_QK: gl.constexpr):
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -125,8 +127,26 @@ if GLUON:
             s = blk % STAGES
             mbarrier.wait(ready.index(s), (blk // STAGES) & 1)
             kt = k_smem.index(s)
-            tok = warpgroup_mma(q_smem, kt.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+            if SPLIT_QK:
+                # this consumer's 256 dims of q . k, the other's through shared memory, summed in one order (half
+                # 0's partial first) by both: the same S in both consumers, each block's QK done once
+                tok = warpgroup_mma(q_smem.slice(256 * HALF, 256, dim=1),
+                                    kt.slice(256 * HALF, 256, dim=1).permute((1, 0)), zero_s, use_acc=False,
+                                    is_async=True)
+                mine = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+                mbarrier.wait(s_free.index(HALF), (blk & 1) ^ 1)         # the other read the last one
+                s_x.index(HALF).store(mine)
+                mbarrier.arrive(s_full.index(HALF), count=1)
+                mbarrier.wait(s_full.index(1 - HALF), blk & 1)
+                other = s_x.index(1 - HALF).load(s_l)
+                mbarrier.arrive(s_free.index(1 - HALF), count=1)
+                if HALF == 0:
+                    sc = mine + other
+                else:
+                    sc = other + mine
+            else:
+                tok = warpgroup_mma(q_smem, kt.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
             # the list entries after the wait (L1 hits: the producer read them): fewer registers live across QK
             idx = _load_idx(wrow, erow, blk * _BN + n, KW, KT)
             sc = gl.where((idx >= 0)[None, :], sc * qk_scale, float("-inf"))
@@ -158,7 +178,8 @@ if GLUON:
     def _sparse_prefill_ws_kernel(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, H, KW, KE,
                                   stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
                                   w_psz, w_pbytes, e_psz, e_pbytes, qk_scale,
-                                  STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                                  STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                  SPLIT_QK: gl.constexpr):
         pdl_wait()
         hb = gl.program_id(0)
         t = gl.program_id(1)
@@ -169,24 +190,34 @@ if GLUON:
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # SPLIT_QK: each consumer's partial S [64, 64] fp32 for the other (2 x 16 KB; one slot a consumer: its
+        # s_full / s_free pair orders the writes and reads); else a placeholder
+        s_x = gl.allocate_shared_memory(gl.float32, [2, _BH, _BN] if SPLIT_QK else [2, 1, 16],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        s_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        s_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(s_full.index(i), count=1)
+            mbarrier.init(s_free.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)      # one arrival per consumer
         gl.warp_specialize([
-            (_consumer, (WIDX, EIDX, SINK, O, q_smem, k_smem, q_ready, ready, empty, t, h0, H, KW, KE,
-                         stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 0)),
-            (_consumer, (WIDX, EIDX, SINK, O, q_smem, k_smem, q_ready, ready, empty, t, h0, H, KW, KE,
-                         stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 1)),
+            (_consumer, (WIDX, EIDX, SINK, O, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t, h0, H,
+                         KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 0, SPLIT_QK)),
+            (_consumer, (WIDX, EIDX, SINK, O, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t, h0, H,
+                         KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 1, SPLIT_QK)),
             (_producer, (Q, WIDX, EIDX, WPAGES, EPAGES, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
                          stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, STAGES)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# Two consumer warpgroups at 224 registers (a 64 x 256 fp32 accumulator, S, P) and the producer's at 64:
-# 128 x (2 x 224 + 64) = 65,536; the launch (12 warps) at 65,536 / 384 -> 168. Shared memory: q 64 KB + STAGES x
-# 64 KB of bf16 tiles (2 stages: 192 KB).
-DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnreg": 168}
+# Consumer warpgroups at 224 registers (a 64 x 256 fp32 accumulator, S, P; Triton 3.6 gives the default partition
+# 512 - the workers' - 8 = 216) and the producer's at 64; the launch (12 warps) at 65,536 / 384 -> 168. Shared memory:
+# q 64 KB + STAGES x 64 KB of bf16 tiles + SPLIT_QK's 2 x 16 KB (2 stages: 224 KB of sm_90's 227). ptxas (sm_90a,
+# Triton 3.6): 76 bytes of spills with SPLIT_QK, 324 without (the QK descriptors of both stages, hoisted).
+DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnreg": 168, "SPLIT_QK": True}
 
 
 def available(dev) -> bool:
@@ -223,5 +254,5 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), window_idx.stride(0), extra_idx.stride(0),
         window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1], float(scale) * LOG2E,
         STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        num_warps=4, maxnreg=cfg["maxnreg"], **PDL_LAUNCH)
+        SPLIT_QK=bool(cfg["SPLIT_QK"]), num_warps=4, maxnreg=cfg["maxnreg"], **PDL_LAUNCH)
     return out

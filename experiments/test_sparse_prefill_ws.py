@@ -25,7 +25,8 @@ def test_aot_compile_sm90():
     cfg = SP.DEFAULT_CONFIG
     types = dict(Q="*bf16", WIDX="*i32", EIDX="*i32", WPAGES="*u8", EPAGES="*u8", SINK="*fp32", O="*bf16",
                  qk_scale="fp32")
-    const = dict(STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"])
+    const = dict(STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
+                 SPLIT_QK=cfg["SPLIT_QK"])
     ptx, mma, smem = aot_compile(SP._sparse_prefill_ws_kernel, types, const, 90, 4,
                                  div=("stride_qt", "stride_qh", "stride_ot", "stride_oh"), maxnreg=cfg["maxnreg"],
                                  shared=True)
@@ -53,8 +54,8 @@ def _case(H, n, topk, all_masked_row=None, extra=True):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,n,topk,masked,extra", [(64, 256, 512, None, True), (128, 64, 1024, 3, True),
                                                    (64, 33, 512, 0, False)])
-@pytest.mark.parametrize("stages", [2, 1])
-def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, extra, stages):
+@pytest.mark.parametrize("cfg", [None, {"STAGES": 1}, {"SPLIT_QK": False}])
+def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, extra, cfg):
     need_gpu()
     if not SP.available("cuda"):
         pytest.skip("needs an sm_90 GPU with Gluon")
@@ -65,10 +66,12 @@ def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, ex
     args = (q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda() if extra else None, cache.ep if extra else None, 64,
             sinks.cuda())
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    o = SP.sparse_prefill_ws(*args, config={"STAGES": stages}, out=out)
+    o = SP.sparse_prefill_ws(*args, config=cfg, out=out)
     ref = sparse_prefill(*args)
     if masked is not None:
         assert torch.equal(o[masked], torch.zeros_like(o[masked]))
-    TS._compare(o, ref, tol=4e-3)
+    TS._compare(o, ref)
     TS._compare(o, twin(q, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks))
-    print("outputs off the product kernel's bits:", int((o != ref).sum()), "of", o.numel())
+    rel = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+    print(f"relative difference to the product kernel {rel:.1e}; outputs off its bits: {int((o != ref).sum())} of "
+          f"{o.numel()}")
