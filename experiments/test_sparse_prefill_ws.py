@@ -28,8 +28,10 @@ def test_aot_compile_sm90():
     const = dict(STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
                  SPLIT_QK=cfg["SPLIT_QK"])
     ptx, mma, smem = aot_compile(SP._sparse_prefill_ws_kernel, types, const, 90, 4,
-                                 div=("stride_qt", "stride_qh", "stride_ot", "stride_oh"), maxnreg=cfg["maxnreg"],
-                                 shared=True)
+                                 div=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "w_pbytes", "e_pbytes"),
+                                 maxnreg=cfg["maxnreg"], shared=True)
+    # page sizes in bytes are multiples of 16 (the JIT's divisibility specialisation): the gathers are 16-byte loads
+    assert ptx.count("ld.global.v4.b32") >= 40, ptx.count("ld.global.v4.b32")
     assert mma == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"], mma
     assert re.search(r"m64n256k16\S+ \{[^}]+\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+", ptx), "P not in registers"
