@@ -97,6 +97,7 @@ def main():
                 if only and not any(o in label for o in only):
                     continue
                 out = torch.empty(P, N, dtype=torch.bfloat16, device=dev)
+                kname = "fp4_fp8_rs" if vcfg.get("RS") else "fp4_fp8_ws"
                 if vcfg.get("RS"):
                     import fp4_fp8_rs as RS
                     rcfg = {k: v for k, v in vcfg.items() if k != "RS"}
@@ -109,10 +110,10 @@ def main():
                     big = torch.maximum(out.float().abs(), ref.float().abs()).clamp_min(2.0 ** -9 * ref.float().abs().max())
                     diff = ((out.float() - ref.float()).abs() / big * 128).max().item()
                     us = graph_time(run) * 1e3
-                    print(f"| {T} | {name} | {"fp4_fp8_rs" if vcfg.get("RS") else "fp4_fp8_ws"} {label} | {us:.0f} | {100 * sm / us:.0f}% | {diff:.2f} |",
+                    print(f"| {T} | {name} | {kname} {label} | {us:.0f} | {100 * sm / us:.0f}% | {diff:.2f} |",
                           flush=True)
                 except Exception as e:          # noqa: BLE001 - reported
-                    print(f"| {T} | {name} | {"fp4_fp8_rs" if vcfg.get("RS") else "fp4_fp8_ws"} {label} | failed: {type(e).__name__}: {str(e)[:300]} | | |",
+                    print(f"| {T} | {name} | {kname} {label} | failed: {type(e).__name__}: {str(e)[:300]} | | |",
                           flush=True)
 
 
