@@ -179,6 +179,38 @@ def test_sparse_prefill():
     _compare(o, ref)
 
 
+@pytest.mark.parametrize("d_parts", [1, 2])
+def test_sparse_prefill_fused_inverse_rope(d_parts):
+    """``rope=(cos, sin)``: the output's last 64 dims of every head rotated by -theta in the kernel's epilogue.
+    Under the interpreter the bits of ``inverse_rope`` on the plain output (the same products and sums, rounded
+    separately); compiled, the fused launch disables FMA contraction in the whole kernel, so its attention values
+    may move by an ulp: within the twin's tolerance there. Every dim but the rotated ones is the plain output's."""
+    from dsv4.kernels.inverse_rope import inverse_rope
+    from dsv4.twins.sparse_attention import sparse_prefill as twin_prefill
+    gen = torch.Generator().manual_seed(11)
+    H, n = 8, 6
+    cache = Caches(1, 12, 16, 8, gen)
+    widx = torch.stack([cache.window_idx(0, i) for i in range(120, 120 + n)]).int()
+    eidx = torch.stack([cache.extra_idx(0, (i + 1) // 16, 12, "hca", gen) for i in range(120, 120 + n)]).int()
+    q = (torch.randn(n, H, 512, generator=gen) * 0.5).bfloat16()
+    sinks = torch.randn(H, generator=gen)
+    ang = torch.rand(n, 32, generator=gen) * 6.283185307179586
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    args = (q.to(DEV), widx.to(DEV), cache.wp, 16, eidx.to(DEV), cache.ep, 8, sinks.to(DEV))
+    cfg = {"d_parts": d_parts}
+    fused = sparse_prefill(*args, config=cfg, rope=(cos.to(DEV), sin.to(DEV)))
+    plain = sparse_prefill(*args, config=cfg)
+    want = inverse_rope(plain, cos.to(DEV), sin.to(DEV)).view(plain.shape)
+    if DEV == "cpu":
+        assert torch.equal(fused, want)
+    else:
+        _compare(fused, want, tol=4e-3)
+    assert not torch.equal(fused[..., 448:], plain[..., 448:])
+    _compare(fused, twin_prefill(q, widx, cache.wp_cpu, 16, eidx, cache.ep_cpu, 8, sinks, rope=(cos, sin)))
+    with pytest.raises(ValueError, match="cos"):
+        sparse_prefill(*args, rope=(cos[:2].to(DEV), sin.to(DEV)))
+
+
 # ------------------------------------------------------------------------------------------------
 # ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
 
@@ -195,19 +227,23 @@ _AOT_SCRIPT = textwrap.dedent("""
         (ki._kv_insert_kernel, dict(Q=P("bf16"), KV=P("bf16"), COS=P("fp32"), SIN=P("fp32"), PAGES=P("u8"),
                                     SLOTS=P("i64"), QO=P("bf16"), KVO=P("bf16"), eps="fp32"), dict(HPB=8), 4),
         (sa._sparse_fwd, dict(Q=P("bf16"), WIDX=P("i32"), EIDX=P("i32"), WPAGES=P("u8"), EPAGES=P("u8"),
-                              SINK=P("fp32"), O=P("bf16"), OP=P("fp32"), MLP=P("fp32"), qk_scale="fp32"),
-         None, 8),
+                              SINK=P("fp32"), O=P("bf16"), OP=P("fp32"), MLP=P("fp32"), COS=P("fp32"),
+                              SIN=P("fp32"), qk_scale="fp32"), None, 8),
+        # the prefill form: no split, the fused inverse RoPE in the epilogue
+        (sa._sparse_fwd, dict(Q=P("bf16"), WIDX=P("i32"), EIDX=P("i32"), WPAGES=P("u8"), EPAGES=P("u8"),
+                              SINK=P("fp32"), O=P("bf16"), OP=P("fp32"), MLP=P("fp32"), COS=P("fp32"),
+                              SIN=P("fp32"), qk_scale="fp32"), "prefill", 8),
         (sa._combine, dict(OP=P("fp32"), MLP=P("fp32"), SINK=P("fp32"), O=P("bf16")), dict(HB=8), 4),
         (ir._inverse_rope_kernel, dict(O=P("bf16"), COS=P("fp32"), SIN=P("fp32"), Y=P("bf16"), YQ=P("u8"),
                                        YS=P("fp32")), dict(HPB=4, FP8=True), 4),
     ]
     for cap in aot_caps():
         for fn, types, const, warps in cases:
-            if const is None:   # the attention tile the launcher picks for 64 heads on this arch
+            if const in (None, "prefill"):   # the attention tile the launcher picks for 64 heads on this arch
                 cfg = sa.default_config(64, (cap // 10, cap % 10))
-                const = dict(HB=cfg["block_h"], BN=cfg["block_n"], SPLIT=True, DT=tl.bfloat16,
+                const = dict(HB=cfg["block_h"], BN=cfg["block_n"], SPLIT=const is None, DT=tl.bfloat16,
                              INTERP=False, DP=cfg["d_parts"], DHALF=cfg["d_parts"] - 1,
-                             PREFETCH=bool(cfg.get("prefetch", False)))
+                             PREFETCH=bool(cfg.get("prefetch", False)), ROPE=const == "prefill")
             ptx, mma = aot_compile(fn, types, const, cap, warps)
             if fn is sa._sparse_fwd:
                 assert mma, "the attention kernel should use tensor-core MMAs"

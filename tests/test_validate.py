@@ -44,17 +44,20 @@ def test_short_prompt_attention_blocks_are_the_official_ones(tmp_path, capsys):
         assert "max_err 0 " in rows[name], rows[name]
 
 
-def _no_inverse_rope(self, o, cos, sin, trace):
+def _first_group_dropped(self, o, cos, sin, trace, rotated=False):
     T = o.shape[0]
-    z = self.wo_a(o.view(T, self.G, -1))
+    if not rotated:
+        o = self.ops.inverse_rope(o, cos, sin).view(o.shape)
+    z = self.wo_a(trace(f"L{self.layer_id}.sparse_attn", o).view(T, self.G, -1)).clone()
+    z[:, 0] = 0
     return trace(f"L{self.layer_id}.attn", self.ops.linear(self.wo_b, z.flatten(1)))
 
 
 def _inject(monkeypatch, bug):
     from dsv4.layers.attention import Attention
     from dsv4.layers.moe import MoE
-    if bug == "attn":          # the output projection forgets the inverse RoPE
-        monkeypatch.setattr(Attention, "_output", _no_inverse_rope)
+    if bug == "attn":          # the output projection drops wo_a's first group
+        monkeypatch.setattr(Attention, "_output", _first_group_dropped)
     elif bug == "moe":         # the shared expert is dropped
         fwd = MoE.forward
 

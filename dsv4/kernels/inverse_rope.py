@@ -10,7 +10,8 @@ the memory of ``o.view(T, G, H*512/G)`` that the grouped einsum ``"tgd,grd->tgr"
 (``scale.to(torch.float8_e8m0fnu)`` is lossless).
 
 The rotation is bit-identical to the reference's complex64 multiply by the conjugate (products and
-sums rounded separately: launched with ``enable_fp_fusion=False``).
+sums rounded separately: launched with ``enable_fp_fusion=False``). Prefill chunks and DSpark drafts do
+not call it: ``sparse_prefill(..., rope=)`` rotates in the attention kernel's epilogue (no pass over o).
 """
 from __future__ import annotations
 

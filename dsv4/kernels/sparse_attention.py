@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.contracts import check_sparse_attention
+from ..formats.contracts import check_inverse_rope, check_sparse_attention
 from .lib import PDL_LAUNCH, Choice, Target, interpreting, target, triton_available
 
 HEAD_DIM = 512
@@ -71,16 +71,31 @@ if triton_available():
         ie = tl.load(erow + (j - KW), mask=(j >= KW) & (j < KT), other=-1)
         return tl.where(j < KW, iw, ie)
 
+    @triton.jit
+    def _inverse_rope_chunk(x, cos_ptr, sin_ptr, HB: tl.constexpr):
+        """x fp32 [HB, 64] (dims 448..511 of each head: 32 interleaved pairs) rotated by -theta: ``lib.rope_rows``'s
+        products and sums (``inverse_rope``'s), which round separately only when the launch disables FMA
+        contraction (``enable_fp_fusion=False``, as ``sparse_prefill`` launches with ``rope``)."""
+        x0, x1 = tl.split(tl.reshape(x, [HB, 32, 2]))
+        j = tl.arange(0, 32)
+        c = tl.load(cos_ptr + j)
+        s = -tl.load(sin_ptr + j)
+        y0 = x0 * c[None, :] - x1 * s[None, :]
+        y1 = x0 * s[None, :] + x1 * c[None, :]
+        return tl.reshape(tl.join(y0, y1), [HB, 64])
+
     @triton.jit(do_not_specialize=['KW', 'KE', 'stride_wt', 'stride_et', 'blocks_per_split'])
-    def _sparse_fwd(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, OP, MLP,
+    def _sparse_fwd(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, OP, MLP, COS, SIN,
                     H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
                     w_psz, w_pbytes, e_psz, e_pbytes, blocks_per_split, qk_scale,
                     HB: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                     DT: tl.constexpr, INTERP: tl.constexpr, DP: tl.constexpr = 1,
-                    DHALF: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                    DHALF: tl.constexpr = 0, PREFETCH: tl.constexpr = False, ROPE: tl.constexpr = False):
         # DP = 2: this launch accumulates only output dims [256*DHALF, 256*DHALF + 256) (S is
         # computed in full by both halves): half the accumulator (registers on sm_90, tensor memory
         # on sm_100, whose 512 columns cannot hold a 64 x 512 fp32 accumulator plus S).
+        # ROPE (no split): the bf16 output's last 64 dims rotated by -theta of the row's position (COS / SIN
+        # fp32 [T, 32]) and rounded to bf16 again: ``inverse_rope``'s values, without its pass over o.
         pdl_wait()
         hb = tl.program_id(0)
         sp = tl.program_id(1)
@@ -213,12 +228,20 @@ if triton_available():
             tl.store(ob + 0, rne_bf16(tl.where(okc, acc0 / den, 0.0)).to(ty), mask=om)
             tl.store(ob + 64, rne_bf16(tl.where(okc, acc1 / den, 0.0)).to(ty), mask=om)
             tl.store(ob + 128, rne_bf16(tl.where(okc, acc2 / den, 0.0)).to(ty), mask=om)
-            tl.store(ob + 192, rne_bf16(tl.where(okc, acc3 / den, 0.0)).to(ty), mask=om)
             if DP == 1:
+                tl.store(ob + 192, rne_bf16(tl.where(okc, acc3 / den, 0.0)).to(ty), mask=om)
                 tl.store(ob + 256, rne_bf16(tl.where(okc, acc4 / den, 0.0)).to(ty), mask=om)
                 tl.store(ob + 320, rne_bf16(tl.where(okc, acc5 / den, 0.0)).to(ty), mask=om)
                 tl.store(ob + 384, rne_bf16(tl.where(okc, acc6 / den, 0.0)).to(ty), mask=om)
-                tl.store(ob + 448, rne_bf16(tl.where(okc, acc7 / den, 0.0)).to(ty), mask=om)
+                last = rne_bf16(tl.where(okc, acc7 / den, 0.0))
+            else:
+                last = rne_bf16(tl.where(okc, acc3 / den, 0.0))
+            if ROPE and (DP == 1 or DHALF == 1):
+                last = rne_bf16(_inverse_rope_chunk(last, COS + t64 * 32, SIN + t64 * 32, HB))
+            if DP == 1:
+                tl.store(ob + 448, last.to(ty), mask=om)
+            else:
+                tl.store(ob + 192, last.to(ty), mask=om)
 
     @triton.jit
     def _combine(OP, MLP, SINK, O, H, NS, stride_ot, stride_oh, HB: tl.constexpr):
@@ -281,9 +304,11 @@ def choices(t: Target) -> list[Choice]:
 
 
 def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-         sinks, scale, num_splits, config, out):
+         sinks, scale, num_splits, config, out, rope=None):
     check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
                   extra_page_size)
+    if rope is not None:
+        check_inverse_rope(q, *rope)
     T, H, _ = q.shape
     dev = q.device
     if q.stride(2) != 1:
@@ -334,15 +359,20 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
     dp = cfg.get("d_parts", 1)
     if cfg.get("ptx_options") and not interp:
         kw["ptx_options"] = cfg["ptx_options"]
+    if rope is not None and split:
+        raise ValueError("sparse attention: the fused inverse RoPE needs one split")
+    if rope is not None and not interp:
+        kw["enable_fp_fusion"] = False      # the rotation's products and sums rounded separately (inverse_rope's)
+    cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (sinks, sinks)
     for dhalf in range(dp):
         LAST_LAUNCH["fwd"] = _sparse_fwd[(n_hb, num_splits, T)](
-            q, window_idx, extra_idx, window_pages, extra_pages, sinks, out, op, mlp,
+            q, window_idx, extra_idx, window_pages, extra_pages, sinks, out, op, mlp, cos, sin,
             H, KW, KE, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             window_idx.stride(0), extra_idx.stride(0),
             window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1],
             bps, float(scale) * LOG2E,
             HB=HB, BN=BN, SPLIT=split, DT=dt, INTERP=interp, DP=dp, DHALF=dhalf,
-            PREFETCH=bool(cfg.get("prefetch", False)), **kw, **PDL_LAUNCH)
+            PREFETCH=bool(cfg.get("prefetch", False)), ROPE=rope is not None, **kw, **PDL_LAUNCH)
     if split:
         hbc = 8 if H >= 8 else 4
         LAST_LAUNCH["combine"] = _combine[(triton.cdiv(H, hbc), T)](op, mlp, sinks, out, H, num_splits, out.stride(0), out.stride(1),
@@ -370,13 +400,16 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
                    window_page_size: int, extra_idx: torch.Tensor | None = None,
                    extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
                    sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
-                   config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   config: dict | None = None, out: torch.Tensor | None = None,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Sparse prefill attention: many query rows, each with its own index lists over the same two
-    caches; gather + FP8 dequant fused in the kernel, no split-K. Same arguments as sparse_decode."""
+    caches; gather + FP8 dequant fused in the kernel, no split-K. Same arguments as sparse_decode;
+    ``rope=(cos, sin)`` (fp32 [T, 32] of each row's position): the output's last 64 dims of every head
+    come out rotated by -theta, ``inverse_rope``'s values in o's shape (the layer skips that pass)."""
     if sinks is None:
         sinks = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
     return _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-                sinks, scale, 1, config, out)
+                sinks, scale, 1, config, out, rope)
 
 
 __all__ = ["choices", "default_config", "sparse_decode", "sparse_prefill"]

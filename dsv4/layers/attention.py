@@ -170,9 +170,13 @@ class Attention(nn.Module):
         """The indexer head weights' scale (reference: softmax_scale * n_heads^-0.5)."""
         return self.index_dim ** -0.5 * self.index_heads ** -0.5
 
-    def _output(self, o, cos, sin, trace):
+    def _output(self, o, cos, sin, trace, rotated: bool = False):
+        """The attention output o [T, H, 512] after the inverse RoPE (``rotated``: the attention kernel's
+        epilogue did it) is the ``sparse_attn`` trace point; then the grouped output projection."""
         T = o.shape[0]
-        og = self.ops.inverse_rope(o, cos, sin).view(T, self.G, -1)
+        if not rotated:
+            o = self.ops.inverse_rope(o, cos, sin).view(o.shape)
+        og = trace(f"L{self.layer_id}.sparse_attn", o).view(T, self.G, -1)
         z = self.wo_a(og)
         return trace(f"L{self.layer_id}.attn", self.group.all_reduce(self.ops.linear(self.wo_b, z.flatten(1))))
 
@@ -237,8 +241,7 @@ class Attention(nn.Module):
         if R > 1 and trace.trace_on:
             trace(L + "q", torch.cat(qs))
             trace(L + "kv", torch.cat(kvs))
-        o = trace(L + "sparse_attn", os_[0] if R == 1 else torch.cat(os_))
-        return self._output(o, cos, sin, trace)
+        return self._output(os_[0] if R == 1 else torch.cat(os_), cos, sin, trace)
 
     def _compress_step(self, ctx, rows, groups):
         """The decode step's compressor updates (ring write + pooling into the pages), row group by row
@@ -324,14 +327,13 @@ class Attention(nn.Module):
         o = ops.sparse_prefill(q, widx.to(torch.int32), scratch, WINDOW_PAGE,
                                None if extra_idx is None else extra_idx.to(torch.int32),
                                lc.entries if self.ratio else None, lc.entries_per_block or 64,
-                               sinks=self.sink, scale=self.scale)
-        o = trace(L + "sparse_attn", o)
+                               sinks=self.sink, scale=self.scale, rope=(cos, sin))
         for s, off in zip(segs, offs):            # the ring keeps each sequence's last 128 entries
             keep = min(s.n, WINDOW)
             p = torch.arange(s.end - keep, s.end, device=dev)
             _copy_entries(lc.window, s.slot * WINDOW + p % WINDOW, scratch, off + s.w_prev + (p - s.p0),
                           WINDOW_PAGE)
-        return self._output(o, cos, sin, trace)
+        return self._output(o, cos, sin, trace, rotated=True)
 
     def _compress_chunk(self, ctx, comp, ring, s, k, sc, pages, per_block, name, snap_rows=None):
         """Chunk update of one compressor of one sequence: entries completed by the chunk pooled,

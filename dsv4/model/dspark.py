@@ -78,8 +78,8 @@ class DSparkAttention(Attention):
         scratch = torch.empty(-(-T // EXTRA_PAGE), page_bytes(EXTRA_PAGE), dtype=torch.uint8, device=x.device)
         q, kv = ops.kv_insert(q, kv, cos, sin, scratch, ctx.scratch_ids, EXTRA_PAGE, self.eps)
         o = ops.sparse_prefill(q, ctx.widx, self.lc.window, WINDOW_PAGE, ctx.xidx, scratch, EXTRA_PAGE,
-                               sinks=self.sink, scale=self.scale)
-        return self._output(o, cos, sin, ctx.trace)
+                               sinks=self.sink, scale=self.scale, rope=(cos, sin))
+        return self._output(o, cos, sin, ctx.trace, rotated=True)
 
     def write_context(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       ring_ids: torch.Tensor) -> None:

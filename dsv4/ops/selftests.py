@@ -328,7 +328,7 @@ def entry_ids(ctx: Context):
     return cases
 
 
-def _attention_case(ctx, name, T, prefill: bool):
+def _attention_case(ctx, name, T, prefill: bool, rope: bool = False):
     c = ctx.cfg
     H = _local(c.num_attention_heads, ctx.world)
     K = min(c.index_topk, 128)
@@ -348,12 +348,16 @@ def _attention_case(ctx, name, T, prefill: bool):
         eidx = eslots[g.randint(0, K, (T, K))]
         eidx[:, K - 3:] = -1
         sinks = g.randn(H)
+        kw = dict(sinks=sinks, scale=c.head_dim ** -0.5)
+        if rope:            # the fused inverse RoPE of the output (cos / sin of angles in [0, 2 pi))
+            ang = g.rand(T, 32) * 6.283185307179586
+            kw["rope"] = (torch.cos(ang), torch.sin(ang))
         return (g.randn(T, H, c.head_dim, dtype=torch.bfloat16), widx.to(torch.int32).contiguous(), wpages,
-                WINDOW_PAGE, eidx.to(torch.int32).contiguous(), epages, epb), \
-            dict(sinks=sinks, scale=c.head_dim ** -0.5)
+                WINDOW_PAGE, eidx.to(torch.int32).contiguous(), epages, epb), kw
     # the attention kernels round probabilities to bf16 per block of the running max; the twin per 64
     # entries of the reference's blocks: results agree to bf16 tolerance (tests/test_sparse_attention.py)
-    return Case(f"T={T} H={H} K={WINDOW if not prefill else T}+{K}", make, _both("o"), {"o": Tol(max_rel=0.05)})
+    return Case(f"T={T} H={H} K={WINDOW if not prefill else T}+{K}{' rope' if rope else ''}", make, _both("o"),
+                {"o": Tol(max_rel=0.05)})
 
 
 def sparse_decode(ctx: Context):
@@ -361,7 +365,8 @@ def sparse_decode(ctx: Context):
 
 
 def sparse_prefill(ctx: Context):
-    return [_attention_case(ctx, "sparse_prefill", T, True) for T in _rows(ctx, (8,), (8, 64))]
+    return [_attention_case(ctx, "sparse_prefill", T, True, rope) for T in _rows(ctx, (8,), (8, 64))
+            for rope in (False, True)]
 
 
 def _compress_variants(ctx):

@@ -162,7 +162,7 @@ class Attention:
             o[r] = sparse_attention(q[r], kv_all, idx, self.sink, self.scale, num)
             st.write_window(kv[r][-self.win:], end_pos)
         if rec is not None:
-            self._record(q, kv, o, rec)
+            self._record(q, kv, apply_rope(o, freqs, inverse=True), rec)
         # 6. inverse RoPE on the output, 7. grouped output projection
         out = self.project_out(o, freqs)
         if self.trace is not None:
@@ -170,7 +170,8 @@ class Attention:
         return out
 
     def _record(self, q, kv, o, rec) -> None:
-        """q (normed, rotated), kv (as the cache stores it), the sparse attention output, and per
+        """q (normed, rotated), kv (as the cache stores it), the sparse attention output after the inverse
+        RoPE (the production prefill rotates it in the attention kernel's epilogue), and per
         segment the indexer picks ([n, k] entry ids, -1 padded to the batch's widest) and the
         entries each compressor completed."""
         L, t = f"L{self.layer_id}.", self.trace

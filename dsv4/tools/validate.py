@@ -5,7 +5,8 @@ Two models over the same weights and nothing else in common: the production mode
 CPU, the paged cache) and the oracle (``reference.model.ReferenceModel``: fp32-dequantised
 weights, DeepSeek's official math, in-memory state). Both record their module values under the
 same names (``L<i>.hc_pre``, ``.q``, ``.kv``, ``.compressor``, ``.indexer_compressor``,
-``.indexer_topk``, ``.sparse_attn``, ``.attn``, ``.moe``, ``.hc_post``, ``logits``).
+``.indexer_topk``, ``.sparse_attn`` (the attention output after its inverse RoPE), ``.attn``, ``.moe``,
+``.hc_post``, ``logits``).
 
 1. Teacher-forced, module by module: the prompt's prefill and then ``--steps`` decode steps, each
    run by the reference first; the production model then runs every module on the reference's

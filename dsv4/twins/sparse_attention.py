@@ -1,7 +1,7 @@
 """Twin of ``kernels.sparse_attention``: the listed entries dequantised and gathered
 (``formats.kv_entry``), then the reference's ``sparse_attention`` (64-index blocks, running max, sink
-in the denominator, bf16 probabilities). ``sparse_decode`` and ``sparse_prefill`` are the same
-function: the kernels differ only in how they split the work."""
+in the denominator, bf16 probabilities). ``sparse_prefill`` is ``sparse_decode`` (the kernels differ only in how
+they split the work) with the optional fused inverse RoPE of its output."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +10,7 @@ from ..formats.contracts import check_sparse_attention
 from ..formats.kv_entry import read_kv_entries
 from ..reference.attention import sparse_attention
 from ..reference.numerics import OFFICIAL
+from .inverse_rope import inverse_rope
 
 HEAD_DIM = 512
 
@@ -51,6 +52,16 @@ def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages
     return torch.nan_to_num(out, nan=0.0)
 
 
-sparse_prefill = sparse_decode
+def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages: torch.Tensor | None,
+                   window_page_size: int, extra_idx: torch.Tensor | None = None,
+                   extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
+                   sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None, **_) -> torch.Tensor:
+    """``sparse_decode``; with ``rope=(cos, sin)`` the output after ``inverse_rope`` (same shape)."""
+    o = sparse_decode(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
+                      sinks, scale)
+    if rope is None:
+        return o
+    return inverse_rope(o, *rope).view(o.shape)
 
 __all__ = ["sparse_decode", "sparse_prefill"]
