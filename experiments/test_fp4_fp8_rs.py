@@ -3,9 +3,7 @@ GPU its outputs against ``fp4_fp8_ws`` (the product kernel: the same products in
 the exact sums. Outside the default test run: ``PYTHONPATH=. python3 -m pytest -q experiments/test_fp4_fp8_rs.py``."""
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -49,14 +47,8 @@ def test_aot_compile_sm90():
     assert ptx.count("ld.shared") == 17                 # the epilogues' transposed reads (8 each) + one barrier byte
     assert cfg["STAGES"] * (bt * 128 + 2 * RS.BW * 64) <= smem <= 232448, smem
     assert 128 * (2 * cfg["CONSUMER_REGS"] + cfg["LOADER_REGS"]) <= 65536 and 384 * cfg["maxnreg"] <= 65536
-    from triton.backends.nvidia.compiler import get_ptxas
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True).stderr
-    print(info)
+    from kernel_helpers import ptxas_report
+    print(ptxas_report(ptx))
 
 
 @pytest.mark.gpu

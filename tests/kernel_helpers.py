@@ -86,6 +86,19 @@ def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int 
     return (ptx, mma, k.metadata.shared) if shared else (ptx, mma)
 
 
+def ptxas_report(ptx: str, arch: str = "sm_90a") -> str:
+    """ptxas -v's report (registers, spill bytes) of a compiled kernel's PTX, from Triton's own ptxas."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        return subprocess.run([get_ptxas(int(arch[3:5])).path, f"-arch={arch}", "-v", src, "-o",
+                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+
+
 def kernel_device() -> str:
     """Where a kernel test file's kernels run: 'cpu' under the interpreter, 'cuda' compiled; with
     TRITON_INTERPRET=0 and no GPU nothing can run and the whole module is skipped."""

@@ -83,9 +83,9 @@ def test_fp4_fp8_ws_argument_errors():
 
 
 _AOT_SCRIPT = textwrap.dedent("""
-    import json, os, re, subprocess, sys, tempfile
+    import json, os, re, sys
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
-    from kernel_helpers import aot_compile
+    from kernel_helpers import aot_compile, ptxas_report
     from dsv4.kernels.gemm import fp4_fp8_ws as WS
     if not WS.GLUON:
         print("no Gluon Hopper ops in this triton"); sys.exit(0)
@@ -117,13 +117,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         # within sm_90's 227 KB per block
         assert cfg["STAGES"] * (consumers * 8192 + bn * 64 + bn * 128) <= smem <= 232448, smem
         # ptxas at the launch's register count: no local memory
-        from triton.backends.nvidia.compiler import get_ptxas
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "k.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                                  capture_output=True, text=True).stderr
+        info = ptxas_report(ptx)
         assert " 0 bytes spill stores, 0 bytes spill loads" in info, info
         # the driver launches at most 65,536 / maxnreg threads per block: the launch must fit the warps it needs,
         # and the partitions' register counts must fit the register file
