@@ -395,6 +395,12 @@ if triton_available():
 
     # ------------------------------------------------------------------------------ RoPE, SwiGLU
     @triton.jit
+    def rotate_pairs(x0, x1, c, s):
+        """(x0 c - x1 s, x0 s + x1 c): interleaved pairs (x0 even, x1 odd dims) rotated; each product and
+        sum rounded on its own where the launch disables FMA contraction (the reference's complex64 multiply)."""
+        return x0 * c - x1 * s, x0 * s + x1 * c
+
+    @triton.jit
     def rope_rows(x, cos_ptr, sin_ptr, ROWS: tl.constexpr, NEG_SIN: tl.constexpr):
         """Rotate the interleaved pairs of the last 64 of 512 dims of x [ROWS, 512] fp32; returns
         fp32 [ROWS, 512] (dims 0..447 untouched, also the sign of zeros)."""
@@ -406,8 +412,7 @@ if triton_available():
         s = tl.load(sin_ptr + (j - NOPE_DIM_C // 2), mask=is_rope, other=0.0)
         if NEG_SIN:
             s = -s
-        y0 = x0 * c[None, :] - x1 * s[None, :]
-        y1 = x0 * s[None, :] + x1 * c[None, :]
+        y0, y1 = rotate_pairs(x0, x1, c[None, :], s[None, :])
         y0 = tl.where(is_rope[None, :], y0, x0)
         y1 = tl.where(is_rope[None, :], y1, x1)
         return tl.reshape(tl.join(y0, y1), [ROWS, 512])

@@ -49,7 +49,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .lib import pdl_wait, rne_bf16
+    from .lib import pdl_wait, rne_bf16, rotate_pairs
 
     @triton.jit
     def _chunk(row, scw, valid, d, C: tl.constexpr, DT: tl.constexpr):
@@ -73,15 +73,12 @@ if triton_available():
 
     @triton.jit
     def _inverse_rope_chunk(x, cos_ptr, sin_ptr, HB: tl.constexpr):
-        """x fp32 [HB, 64] (dims 448..511 of each head: 32 interleaved pairs) rotated by -theta: ``lib.rope_rows``'s
-        products and sums (``inverse_rope``'s), which round separately only when the launch disables FMA
-        contraction (``enable_fp_fusion=False``, as ``sparse_prefill`` launches with ``rope``)."""
+        """x fp32 [HB, 64] (dims 448..511 of each head: 32 interleaved pairs) rotated by -theta: ``inverse_rope``'s
+        products and sums (``lib.rotate_pairs``), rounded separately as the launch disables FMA contraction
+        (``enable_fp_fusion=False``, as ``sparse_prefill`` launches with ``rope``)."""
         x0, x1 = tl.split(tl.reshape(x, [HB, 32, 2]))
         j = tl.arange(0, 32)
-        c = tl.load(cos_ptr + j)
-        s = -tl.load(sin_ptr + j)
-        y0 = x0 * c[None, :] - x1 * s[None, :]
-        y1 = x0 * s[None, :] + x1 * c[None, :]
+        y0, y1 = rotate_pairs(x0, x1, tl.load(cos_ptr + j)[None, :], -tl.load(sin_ptr + j)[None, :])
         return tl.reshape(tl.join(y0, y1), [HB, 64])
 
     @triton.jit(do_not_specialize=['KW', 'KE', 'stride_wt', 'stride_et', 'blocks_per_split'])
