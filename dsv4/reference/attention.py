@@ -101,7 +101,10 @@ class Attention:
 
     def project_out(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE on the attention output [T, H, D], then the grouped output projection."""
-        o = apply_rope(o, freqs, inverse=True)
+        return self._grouped_out(apply_rope(o, freqs, inverse=True))
+
+    def _grouped_out(self, o: torch.Tensor) -> torch.Tensor:
+        """The grouped output projection of the attention output [T, H, D] after its inverse RoPE."""
         og = o.view(o.shape[0], self.G, -1).float()
         wo_a = self.wo_a.weight.view(self.G, -1, og.shape[-1])
         z = self.num.round(self.num.einsum("tgd,grd->tgr", og, wo_a))
@@ -161,10 +164,11 @@ class Attention:
             kv_all = torch.cat([kv_ext, *extra])
             o[r] = sparse_attention(q[r], kv_all, idx, self.sink, self.scale, num)
             st.write_window(kv[r][-self.win:], end_pos)
-        if rec is not None:
-            self._record(q, kv, apply_rope(o, freqs, inverse=True), rec)
         # 6. inverse RoPE on the output, 7. grouped output projection
-        out = self.project_out(o, freqs)
+        o = apply_rope(o, freqs, inverse=True)
+        if rec is not None:
+            self._record(q, kv, o, rec)
+        out = self._grouped_out(o)
         if self.trace is not None:
             self.trace[f"L{self.layer_id}.attn"] = out.clone()
         return out
