@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.kernels import interpreting, triton_available
-from dsv4.kernels.gemm.fp4_fp8_ws import DEC_LUT_ASM, tile_counts
+from dsv4.kernels import triton_available
+from dsv4.kernels.gemm.fp4_fp8_ws import DEC_LUT_ASM, available, tile_counts
 from dsv4.kernels.lib import PDL_LAUNCH, QBLOCK
 
 BW = 64             # weight rows per consumer warpgroup (the wgmma M)
@@ -196,12 +196,6 @@ if GLUON:
 # (12 warps with the loader's padded to a warpgroup) at 65,536 / 384 -> 168.
 DEFAULT_CONFIG = {"STAGES": 4, "BT": 128, "CONSUMER_REGS": 232, "LOADER_REGS": 40, "maxnreg": 168, "GRID": 0,
                   "PROBE": 0}
-
-
-def available(dev) -> bool:
-    if not GLUON or interpreting() or torch.device(dev).type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(dev) == (9, 0)
 
 
 def fp4_fp8_rs(a_split: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, tile_smax: torch.Tensor,

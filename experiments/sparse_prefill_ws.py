@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.kernels import interpreting, triton_available
+from dsv4.kernels import triton_available
 from dsv4.kernels.lib import PDL_LAUNCH
+from dsv4.kernels.gemm.fp4_fp8_ws import available     # an sm_90 GPU with Gluon's Hopper ops
 
 HEAD_DIM = 512
 BH = 64             # heads per CTA (the wgmma M)
@@ -218,12 +219,6 @@ if GLUON:
 # q 64 KB + STAGES x 64 KB of bf16 tiles + SPLIT_QK's 2 x 16 KB (2 stages: 224 KB of sm_90's 227). ptxas (sm_90a,
 # Triton 3.6): 76 bytes of spills with SPLIT_QK, 324 without (the QK descriptors of both stages, hoisted).
 DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnreg": 168, "SPLIT_QK": True}
-
-
-def available(dev) -> bool:
-    if not GLUON or interpreting() or torch.device(dev).type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(dev) == (9, 0)
 
 
 def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: torch.Tensor, window_page_size: int,
