@@ -161,19 +161,20 @@ def test_sparse_decode_all_masked(num_splits):
     _compare(o[0, 1:], ref[0, 1:])
 
 
-def test_sparse_prefill():
-    gen = torch.Generator().manual_seed(5)
-    H, n = 8, 6
+def _prefill_case(gen, H=8, n=6):
+    """Prefill rows at positions 120..: window (positions max(0, i-127)..i), an HCA-like extra part."""
     cache = Caches(1, 12, 16, 8, gen)
-    # prefill rows at positions 120..125: window (positions max(0,i-127)..i), HCA-like extra part
     widx, eidx = [], []
     for i in range(120, 120 + n):
-        w = cache.window_idx(0, i)
-        widx.append(w)
+        widx.append(cache.window_idx(0, i))
         eidx.append(cache.extra_idx(0, (i + 1) // 16, 12, "hca", gen))
     widx, eidx = torch.stack(widx).int(), torch.stack(eidx).int()
     q = (torch.randn(n, H, 512, generator=gen) * 0.5).bfloat16()
-    sinks = torch.randn(H, generator=gen)
+    return cache, q, widx, eidx, torch.randn(H, generator=gen)
+
+
+def test_sparse_prefill():
+    cache, q, widx, eidx, sinks = _prefill_case(torch.Generator().manual_seed(5))
     o = sparse_prefill(q.to(DEV), widx.to(DEV), cache.wp, 16, eidx.to(DEV), cache.ep, 8, sinks.to(DEV))
     ref = sparse_attention_twin(q, widx, cache.wp_cpu, 16, eidx, cache.ep_cpu, 8, sinks)
     _compare(o, ref)
@@ -188,13 +189,8 @@ def test_sparse_prefill_fused_inverse_rope(d_parts):
     from dsv4.kernels.inverse_rope import inverse_rope
     from dsv4.twins.sparse_attention import sparse_prefill as twin_prefill
     gen = torch.Generator().manual_seed(11)
-    H, n = 8, 6
-    cache = Caches(1, 12, 16, 8, gen)
-    widx = torch.stack([cache.window_idx(0, i) for i in range(120, 120 + n)]).int()
-    eidx = torch.stack([cache.extra_idx(0, (i + 1) // 16, 12, "hca", gen) for i in range(120, 120 + n)]).int()
-    q = (torch.randn(n, H, 512, generator=gen) * 0.5).bfloat16()
-    sinks = torch.randn(H, generator=gen)
-    ang = torch.rand(n, 32, generator=gen) * 6.283185307179586
+    cache, q, widx, eidx, sinks = _prefill_case(gen)
+    ang = torch.rand(q.shape[0], 32, generator=gen) * 6.283185307179586
     cos, sin = torch.cos(ang), torch.sin(ang)
     args = (q.to(DEV), widx.to(DEV), cache.wp, 16, eidx.to(DEV), cache.ep, 8, sinks.to(DEV))
     cfg = {"d_parts": d_parts}
