@@ -27,6 +27,9 @@ if os.environ.get("SPLIT_STORE"):       # route.SWIGLU_SPLIT_STORE: SPLIT_STORE=
 if os.environ.get("WS_NC2"):            # fp4_fp8_ws's former default: 2 consumers, byte-lane decode
     from dsv4.kernels.gemm import fp4_fp8_ws as WS
     WS.DEFAULT_CONFIG.update(CONSUMERS=2, LUT=False)
+if os.environ.get("FUSE_QO"):           # Attention.FUSE_PREFILL_QO: FUSE_QO=1 on (the default), 0 off
+    from dsv4.layers.attention import Attention
+    Attention.FUSE_PREFILL_QO = os.environ["FUSE_QO"] == "1"
 print(f"exp_prefill_ab: {mode}")
 sys.argv[0] = os.path.join(ROOT, "benchmarks", "prefill.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -207,6 +207,40 @@ def test_sparse_prefill_fused_inverse_rope(d_parts):
         sparse_prefill(*args, rope=(cos[:2].to(DEV), sin.to(DEV)))
 
 
+@pytest.mark.parametrize("d_parts", [1, 2])
+def test_sparse_prefill_fused_q_transform(d_parts):
+    """``q_norm_eps``: q is wq_b's raw output and the kernel applies ``kv_insert``'s q transform (weightless
+    head RMSNorm, bf16 op chain, then RoPE) as it loads it. Equal, within the 1-ulp freedom of the squares'
+    summation order, to ``kv_insert``'s q fed to the plain kernel, and within tolerance of the twin; the
+    transform changes the output (raw q of scale 3, rotated rope dims)."""
+    from dsv4.kernels.kv_insert import kv_insert
+    from dsv4.twins.sparse_attention import sparse_prefill as twin_prefill
+    gen = torch.Generator().manual_seed(13)
+    cache, q, widx, eidx, sinks = _prefill_case(gen)
+    q = (q.float() * 6).bfloat16()
+    ang = torch.rand(q.shape[0], 32, generator=gen) * 6.283185307179586
+    cos, sin = torch.cos(ang).to(DEV), torch.sin(ang).to(DEV)
+    rest = (widx.to(DEV), cache.wp, 16, eidx.to(DEV), cache.ep, 8, sinks.to(DEV))
+    cfg = {"d_parts": d_parts}
+    fused = sparse_prefill(q.to(DEV), *rest, config=cfg, rope=(cos, sin), q_norm_eps=1e-6)
+    scratch = torch.zeros(1, cache.wp.shape[1], dtype=torch.uint8, device=DEV)
+    qn, _ = kv_insert(q.to(DEV), torch.zeros(q.shape[0], 512, dtype=torch.bfloat16, device=DEV), cos, sin,
+                      scratch, torch.full((q.shape[0],), -1, dtype=torch.int64, device=DEV), 16)
+    two_pass = sparse_prefill(qn, *rest, config=cfg, rope=(cos, sin))
+    _compare(fused, two_pass, tol=4e-3)
+    if DEV == "cpu":    # a mean one bf16 ulp apart moves a head's whole row: most rows stay bit-equal
+        assert (fused == two_pass).all(-1).float().mean() > 0.9
+    twin = twin_prefill(q, widx, cache.wp_cpu, 16, eidx, cache.ep_cpu, 8, sinks, rope=(cos.cpu(), sin.cpu()),
+                        q_norm_eps=1e-6)
+    _compare(fused, twin)
+    raw = sparse_prefill(q.to(DEV), *rest, config=cfg, rope=(cos, sin))
+    assert (raw.float() - fused.float()).norm() > 0.1 * fused.float().norm()
+    for fn in (sparse_prefill, twin_prefill):
+        with pytest.raises(ValueError, match="q_norm_eps"):
+            fn(q.to(DEV) if fn is sparse_prefill else q, *(rest if fn is sparse_prefill else
+               (widx, cache.wp_cpu, 16, eidx, cache.ep_cpu, 8, sinks)), q_norm_eps=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------
 # ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
 
@@ -225,10 +259,10 @@ _AOT_SCRIPT = textwrap.dedent("""
         (sa._sparse_fwd, dict(Q=P("bf16"), WIDX=P("i32"), EIDX=P("i32"), WPAGES=P("u8"), EPAGES=P("u8"),
                               SINK=P("fp32"), O=P("bf16"), OP=P("fp32"), MLP=P("fp32"), COS=P("fp32"),
                               SIN=P("fp32"), qk_scale="fp32"), None, 8),
-        # the prefill form: no split, the fused inverse RoPE in the epilogue
+        # the prefill form: no split, q's norm + RoPE at its load, the fused inverse RoPE in the epilogue
         (sa._sparse_fwd, dict(Q=P("bf16"), WIDX=P("i32"), EIDX=P("i32"), WPAGES=P("u8"), EPAGES=P("u8"),
                               SINK=P("fp32"), O=P("bf16"), OP=P("fp32"), MLP=P("fp32"), COS=P("fp32"),
-                              SIN=P("fp32"), qk_scale="fp32"), "prefill", 8),
+                              SIN=P("fp32"), qk_scale="fp32", q_eps="fp32"), "prefill", 8),
         (sa._combine, dict(OP=P("fp32"), MLP=P("fp32"), SINK=P("fp32"), O=P("bf16")), dict(HB=8), 4),
         (ir._inverse_rope_kernel, dict(O=P("bf16"), COS=P("fp32"), SIN=P("fp32"), Y=P("bf16"), YQ=P("u8"),
                                        YS=P("fp32")), dict(HPB=4, FP8=True), 4),
@@ -239,7 +273,8 @@ _AOT_SCRIPT = textwrap.dedent("""
                 cfg = sa.default_config(64, (cap // 10, cap % 10))
                 const = dict(HB=cfg["block_h"], BN=cfg["block_n"], SPLIT=const is None, DT=tl.bfloat16,
                              INTERP=False, DP=cfg["d_parts"], DHALF=cfg["d_parts"] - 1,
-                             PREFETCH=bool(cfg.get("prefetch", False)), ROPE=const == "prefill")
+                             PREFETCH=bool(cfg.get("prefetch", False)), ROPE=const == "prefill",
+                             QNORM=const == "prefill")
             ptx, mma = aot_compile(fn, types, const, cap, warps)
             if fn is sa._sparse_fwd:
                 assert mma, "the attention kernel should use tensor-core MMAs"
@@ -290,3 +325,11 @@ def test_gpu_sparse_prefill_real_shapes():
     o = sparse_prefill(q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda(), cache.ep, 64, sinks.cuda())
     ref = sparse_attention_twin(q, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks)
     _compare(o, ref)
+    # the production prefill form: q's norm + RoPE at its load, the inverse RoPE in the epilogue
+    from dsv4.twins.sparse_attention import sparse_prefill as twin_prefill
+    ang = torch.rand(n, 32, generator=gen) * 6.283185307179586
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    o = sparse_prefill(q.cuda() * 4, widx.cuda(), cache.wp, 64, eidx.cuda(), cache.ep, 64, sinks.cuda(),
+                       rope=(cos.cuda(), sin.cuda()), q_norm_eps=1e-6)
+    _compare(o, twin_prefill(q * 4, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks, rope=(cos, sin),
+                             q_norm_eps=1e-6))

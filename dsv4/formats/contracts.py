@@ -10,9 +10,9 @@ from .kv_entry import ROPE_DIM, page_bytes
 
 
 def check_kv_insert(q, kv, cos, sin, pages, slot_mapping, page_size):
-    """The ``kv_insert`` contract (kernels and twins): ValueError naming the argument."""
+    """The ``kv_insert`` contract (kernels and twins): ValueError naming the argument. ``q`` None: kv only."""
     T = kv.shape[0]
-    if q.dim() != 3 or q.shape[0] != T or q.shape[2] != HEAD_DIM or q.dtype != torch.bfloat16:
+    if q is not None and (q.dim() != 3 or q.shape[0] != T or q.shape[2] != HEAD_DIM or q.dtype != torch.bfloat16):
         raise ValueError(f"q: expected bf16 [T={T}, H, 512], got {q.dtype} {tuple(q.shape)}")
     if kv.dim() != 2 or kv.shape[1] != HEAD_DIM or kv.dtype != torch.bfloat16:
         raise ValueError(f"kv: expected bf16 [T, 512], got {kv.dtype} {tuple(kv.shape)}")

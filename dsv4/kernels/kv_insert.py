@@ -107,16 +107,20 @@ def kv_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.T
               pages: torch.Tensor, slot_mapping: torch.Tensor, page_size: int, eps: float = 1e-6,
               q_out: torch.Tensor | None = None, kv_out: torch.Tensor | None = None,
               heads_per_program: int = 8, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton: q-norm + RoPE on q, RoPE + FP8 QDQ on kv, paged insert; one launch. See module doc."""
+    """Triton: q-norm + RoPE on q, RoPE + FP8 QDQ on kv, paged insert; one launch. See module doc. ``q``
+    None: kv only (the prefill attention applies q's transform as it loads q); q_out is then None."""
     check_kv_insert(q, kv, cos, sin, pages, slot_mapping, page_size)
-    T, H, _ = q.shape
-    if q.stride(2) != 1 or kv.stride(1) != 1:
+    T, H = kv.shape[0], (0 if q is None else q.shape[1])
+    if (q is not None and q.stride(2) != 1) or kv.stride(1) != 1:
         raise ValueError("q and kv need a contiguous last dim")
     cos, sin = cos.contiguous(), sin.contiguous()
-    q_out = torch.empty_like(q) if q_out is None else q_out
+    if q is None:
+        q = q_out = kv.view(T, 1, HEAD_DIM)     # not read: no q head blocks in the grid
+    else:
+        q_out = torch.empty_like(q) if q_out is None else q_out
     kv_out = torch.empty(T, HEAD_DIM, dtype=torch.bfloat16, device=kv.device) if kv_out is None else kv_out
     if T == 0:
-        return q_out, kv_out
+        return (q_out if H else None), kv_out
     hpb = heads_per_program
     n_hb = triton.cdiv(H, hpb)
     kw = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": num_warps}
@@ -124,7 +128,7 @@ def kv_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.T
         q, kv, cos, sin, pages, slot_mapping, q_out, kv_out,
         H, q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), kv.stride(0), kv_out.stride(0),
         page_size, pages.shape[1], eps, HPB=hpb, **kw, **PDL_LAUNCH)
-    return q_out, kv_out
+    return (q_out if H else None), kv_out
 
 
 __all__ = ["kv_insert"]

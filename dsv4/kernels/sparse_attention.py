@@ -72,14 +72,27 @@ if triton_available():
         return tl.where(j < KW, iw, ie)
 
     @triton.jit
-    def _inverse_rope_chunk(x, cos_ptr, sin_ptr, HB: tl.constexpr):
-        """x fp32 [HB, 64] (dims 448..511 of each head: 32 interleaved pairs) rotated by -theta: ``inverse_rope``'s
-        products and sums (``lib.rotate_pairs``), rounded separately as the launch disables FMA contraction
-        (``enable_fp_fusion=False``, as ``sparse_prefill`` launches with ``rope``)."""
+    def _rope_chunk(x, cos_ptr, sin_ptr, HB: tl.constexpr, INVERSE: tl.constexpr):
+        """x fp32 [HB, 64] (dims 448..511 of each head: 32 interleaved pairs) rotated by theta (``INVERSE``:
+        -theta, ``inverse_rope``'s): ``lib.rotate_pairs``' products and sums, rounded separately as the launch
+        disables FMA contraction (``enable_fp_fusion=False``, as ``sparse_prefill`` launches with ``rope``)."""
         x0, x1 = tl.split(tl.reshape(x, [HB, 32, 2]))
         j = tl.arange(0, 32)
-        y0, y1 = rotate_pairs(x0, x1, tl.load(cos_ptr + j)[None, :], -tl.load(sin_ptr + j)[None, :])
+        sn = tl.load(sin_ptr + j)[None, :]
+        if INVERSE:
+            sn = -sn
+        y0, y1 = rotate_pairs(x0, x1, tl.load(cos_ptr + j)[None, :], sn)
         return tl.reshape(tl.join(y0, y1), [HB, 64])
+
+    @triton.jit
+    def _q_norm_chunk(qb, c: tl.constexpr, hm, r, cos_ptr, sin_ptr, HB: tl.constexpr, DT: tl.constexpr):
+        """Dims [64c, 64c + 64) of q after ``kv_insert``'s q transform, given r = the bf16 rsqrt of each head's
+        mean square: the product rounded to bf16, then (c = 7, the rope dims) rotated by theta and rounded
+        again."""
+        x = rne_bf16(tl.load(qb + 64 * c, mask=hm[:, None], other=0.0).to(tl.float32) * r[:, None])
+        if c == 7:
+            x = rne_bf16(_rope_chunk(x, cos_ptr, sin_ptr, HB, False))
+        return x.to(DT)
 
     @triton.jit(do_not_specialize=['KW', 'KE', 'stride_wt', 'stride_et', 'blocks_per_split'])
     def _sparse_fwd(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, OP, MLP, COS, SIN,
@@ -87,12 +100,15 @@ if triton_available():
                     w_psz, w_pbytes, e_psz, e_pbytes, blocks_per_split, qk_scale,
                     HB: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                     DT: tl.constexpr, INTERP: tl.constexpr, DP: tl.constexpr = 1,
-                    DHALF: tl.constexpr = 0, PREFETCH: tl.constexpr = False, ROPE: tl.constexpr = False):
+                    DHALF: tl.constexpr = 0, PREFETCH: tl.constexpr = False, ROPE: tl.constexpr = False,
+                    QNORM: tl.constexpr = False, q_eps=1e-6):
         # DP = 2: this launch accumulates only output dims [256*DHALF, 256*DHALF + 256) (S is
         # computed in full by both halves): half the accumulator (registers on sm_90, tensor memory
         # on sm_100, whose 512 columns cannot hold a 64 x 512 fp32 accumulator plus S).
         # ROPE (no split): the bf16 output's last 64 dims rotated by -theta of the row's position (COS / SIN
         # fp32 [T, 32]) and rounded to bf16 again: ``inverse_rope``'s values, without its pass over o.
+        # QNORM: Q is wq_b's raw output; the kernel applies ``kv_insert``'s q transform as it loads it (the
+        # weightless head RMSNorm's bf16 op chain with q_eps, then RoPE by COS / SIN), without its pass over q.
         pdl_wait()
         hb = tl.program_id(0)
         sp = tl.program_id(1)
@@ -103,14 +119,35 @@ if triton_available():
         d = tl.arange(0, 64)
         t64 = t.to(tl.int64)
         qb = Q + t64 * stride_qt + h[:, None] * stride_qh + d[None, :]
-        q0 = tl.load(qb + 0, mask=hm[:, None], other=0.0).to(DT)
-        q1 = tl.load(qb + 64, mask=hm[:, None], other=0.0).to(DT)
-        q2 = tl.load(qb + 128, mask=hm[:, None], other=0.0).to(DT)
-        q3 = tl.load(qb + 192, mask=hm[:, None], other=0.0).to(DT)
-        q4 = tl.load(qb + 256, mask=hm[:, None], other=0.0).to(DT)
-        q5 = tl.load(qb + 320, mask=hm[:, None], other=0.0).to(DT)
-        q6 = tl.load(qb + 384, mask=hm[:, None], other=0.0).to(DT)
-        q7 = tl.load(qb + 448, mask=hm[:, None], other=0.0).to(DT)
+        if QNORM:
+            # pass 1: each head's sum of the bf16-rounded squares (chunk by chunk: few registers live); pass 2
+            # re-reads q (L1 / L2) and normalises and rotates it: kv_insert's chain (mean, + eps, 1 / sqrt and
+            # product each rounded to bf16; the squares' summation order is this kernel's)
+            ss = tl.zeros([HB], tl.float32)
+            for c in tl.static_range(8):
+                x = tl.load(qb + 64 * c, mask=hm[:, None], other=0.0).to(tl.float32)
+                ss += tl.sum(rne_bf16(x * x), 1)
+            ms = rne_bf16(rne_bf16(ss / 512.0) + q_eps)
+            r = rne_bf16(tl.math.div_rn(tl.full([HB], 1.0, tl.float32), tl.sqrt_rn(ms)))
+            cq = COS + t64 * 32
+            sq_ = SIN + t64 * 32
+            q0 = _q_norm_chunk(qb, 0, hm, r, cq, sq_, HB, DT)
+            q1 = _q_norm_chunk(qb, 1, hm, r, cq, sq_, HB, DT)
+            q2 = _q_norm_chunk(qb, 2, hm, r, cq, sq_, HB, DT)
+            q3 = _q_norm_chunk(qb, 3, hm, r, cq, sq_, HB, DT)
+            q4 = _q_norm_chunk(qb, 4, hm, r, cq, sq_, HB, DT)
+            q5 = _q_norm_chunk(qb, 5, hm, r, cq, sq_, HB, DT)
+            q6 = _q_norm_chunk(qb, 6, hm, r, cq, sq_, HB, DT)
+            q7 = _q_norm_chunk(qb, 7, hm, r, cq, sq_, HB, DT)
+        else:
+            q0 = tl.load(qb + 0, mask=hm[:, None], other=0.0).to(DT)
+            q1 = tl.load(qb + 64, mask=hm[:, None], other=0.0).to(DT)
+            q2 = tl.load(qb + 128, mask=hm[:, None], other=0.0).to(DT)
+            q3 = tl.load(qb + 192, mask=hm[:, None], other=0.0).to(DT)
+            q4 = tl.load(qb + 256, mask=hm[:, None], other=0.0).to(DT)
+            q5 = tl.load(qb + 320, mask=hm[:, None], other=0.0).to(DT)
+            q6 = tl.load(qb + 384, mask=hm[:, None], other=0.0).to(DT)
+            q7 = tl.load(qb + 448, mask=hm[:, None], other=0.0).to(DT)
         KT = KW + KE
         nb = tl.cdiv(KT, BN)
         b0 = sp * blocks_per_split
@@ -234,7 +271,7 @@ if triton_available():
             else:
                 last = rne_bf16(tl.where(okc, acc3 / den, 0.0))
             if ROPE and (DP == 1 or DHALF == 1):
-                last = rne_bf16(_inverse_rope_chunk(last, COS + t64 * 32, SIN + t64 * 32, HB))
+                last = rne_bf16(_rope_chunk(last, COS + t64 * 32, SIN + t64 * 32, HB, True))
             if DP == 1:
                 tl.store(ob + 448, last.to(ty), mask=om)
             else:
@@ -301,7 +338,7 @@ def choices(t: Target) -> list[Choice]:
 
 
 def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-         sinks, scale, num_splits, config, out, rope=None):
+         sinks, scale, num_splits, config, out, rope=None, q_norm_eps=None):
     check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
                   extra_page_size)
     if rope is not None:
@@ -358,6 +395,8 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
         kw["ptx_options"] = cfg["ptx_options"]
     if rope is not None and split:
         raise ValueError("sparse attention: the fused inverse RoPE needs one split")
+    if q_norm_eps is not None and rope is None:
+        raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
     if rope is not None and not interp:
         kw["enable_fp_fusion"] = False      # the rotation's products and sums rounded separately (inverse_rope's)
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (sinks, sinks)
@@ -369,7 +408,8 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
             window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1],
             bps, float(scale) * LOG2E,
             HB=HB, BN=BN, SPLIT=split, DT=dt, INTERP=interp, DP=dp, DHALF=dhalf,
-            PREFETCH=bool(cfg.get("prefetch", False)), ROPE=rope is not None, **kw, **PDL_LAUNCH)
+            PREFETCH=bool(cfg.get("prefetch", False)), ROPE=rope is not None, QNORM=q_norm_eps is not None,
+            q_eps=float(q_norm_eps or 0.0), **kw, **PDL_LAUNCH)
     if split:
         hbc = 8 if H >= 8 else 4
         LAST_LAUNCH["combine"] = _combine[(triton.cdiv(H, hbc), T)](op, mlp, sinks, out, H, num_splits, out.stride(0), out.stride(1),
@@ -398,15 +438,19 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
                    extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
                    sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
                    config: dict | None = None, out: torch.Tensor | None = None,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   q_norm_eps: float | None = None) -> torch.Tensor:
     """Sparse prefill attention: many query rows, each with its own index lists over the same two
     caches; gather + FP8 dequant fused in the kernel, no split-K. Same arguments as sparse_decode;
     ``rope=(cos, sin)`` (fp32 [T, 32] of each row's position): the output's last 64 dims of every head
-    come out rotated by -theta, ``inverse_rope``'s values in o's shape (the layer skips that pass)."""
+    come out rotated by -theta, ``inverse_rope``'s values in o's shape (the layer skips that pass).
+    ``q_norm_eps`` (needs ``rope``): q is wq_b's raw output and the kernel applies ``kv_insert``'s q
+    transform to it (head RMSNorm with that eps, RoPE by theta) as it loads it (the layer then inserts
+    only kv)."""
     if sinks is None:
         sinks = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
     return _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-                sinks, scale, 1, config, out, rope)
+                sinks, scale, 1, config, out, rope, q_norm_eps)
 
 
 __all__ = ["choices", "default_config", "sparse_decode", "sparse_prefill"]

@@ -71,6 +71,10 @@ class Attention(nn.Module):
     the shared KV head, ``wq_a`` / ``wkv``, the compressors, the indexer (all its heads: its top-k
     must be the same on every rank) and the caches are replicated."""
 
+    # prefill: q's head norm + RoPE at the attention kernel's q load and the output's inverse RoPE in its
+    # epilogue (False: kv_insert's q pass and inverse_rope's pass, the A/B of experiments/exp_prefill_ab.py)
+    FUSE_PREFILL_QO = True
+
     def __init__(self, cfg, layer_id: int, ops, ropes: dict[int, Rope], wo_a_fmt: str, device=None, group=None,
                  prefix: str | None = None):
         """``prefix``: the block's checkpoint prefix (default ``layers.{layer_id}.``; ``mtp.0.`` for
@@ -302,8 +306,12 @@ class Attention(nn.Module):
                               s.slot * WINDOW + prev % WINDOW, WINDOW_PAGE)
             chunk_ids[s.r0:s.r1] = off + s.w_prev + torch.arange(s.n, device=dev)
             seg_base[s.r0:s.r1] = off - (s.p0 - s.w_prev)
-        q, kv = ops.kv_insert(q, kv, cos, sin, scratch, chunk_ids, WINDOW_PAGE, self.eps)
-        q = trace(L + "q", q)
+        fuse = self.FUSE_PREFILL_QO
+        if fuse:    # kv only: the attention kernel normalises and rotates q as it loads it (no pass, no "q" trace)
+            _, kv = ops.kv_insert(None, kv, cos, sin, scratch, chunk_ids, WINDOW_PAGE, self.eps)
+        else:
+            q, kv = ops.kv_insert(q, kv, cos, sin, scratch, chunk_ids, WINDOW_PAGE, self.eps)
+            q = trace(L + "q", q)
         trace(L + "kv", kv)
         snaps = [(s, off, b, t) for s, off in zip(segs, offs) for b, t in s.snaps]
         if snaps:
@@ -327,13 +335,14 @@ class Attention(nn.Module):
         o = ops.sparse_prefill(q, widx.to(torch.int32), scratch, WINDOW_PAGE,
                                None if extra_idx is None else extra_idx.to(torch.int32),
                                lc.entries if self.ratio else None, lc.entries_per_block or 64,
-                               sinks=self.sink, scale=self.scale, rope=(cos, sin))
+                               sinks=self.sink, scale=self.scale, rope=(cos, sin) if fuse else None,
+                               q_norm_eps=self.eps if fuse else None)
         for s, off in zip(segs, offs):            # the ring keeps each sequence's last 128 entries
             keep = min(s.n, WINDOW)
             p = torch.arange(s.end - keep, s.end, device=dev)
             _copy_entries(lc.window, s.slot * WINDOW + p % WINDOW, scratch, off + s.w_prev + (p - s.p0),
                           WINDOW_PAGE)
-        return self._output(o, cos, sin, trace, rotated=True)
+        return self._output(o, cos, sin, trace, rotated=fuse)
 
     def _compress_chunk(self, ctx, comp, ring, s, k, sc, pages, per_block, name, snap_rows=None):
         """Chunk update of one compressor of one sequence: entries completed by the chunk pooled,

@@ -281,7 +281,7 @@ def kv_insert(ctx: Context):
     c = ctx.cfg
     H = _local(c.num_attention_heads, ctx.world)
 
-    def case(T):
+    def case(T, with_q=True):
         def make():
             g = _Gen(ctx, f"kv_insert{T}")
             n_pages = -(-(T + 2) // WINDOW_PAGE) + 1
@@ -290,13 +290,17 @@ def kv_insert(ctx: Context):
             if T > 1:
                 slots[-1] = -1                                   # a row that writes nothing
             cos, sin = g.rope(T)
-            return (g.randn(T, H, c.head_dim, scale=2, dtype=torch.bfloat16),
+            q = g.randn(T, H, c.head_dim, scale=2, dtype=torch.bfloat16)
+            return (q if with_q else None,
                     g.randn(T, c.head_dim, scale=2, dtype=torch.bfloat16), cos, sin, pages, slots, WINDOW_PAGE,
                     c.rms_norm_eps), {}
         # q: the 512-term square sum's order can move the bf16 mean by one ulp (2 ulps in a head)
+        if not with_q:      # the prefill form: kv only (the attention transforms q)
+            return Case(f"T={T} kv only", make, lambda r, a, kw: {"kv": r[1], "pages": a[4]},
+                        {"kv": BF16, "pages": Tol(exact=True)})
         return Case(f"T={T} H={H}", make, lambda r, a, kw: {"q": r[0], "kv": r[1], "pages": a[4]},
                     {"q": Tol(max_rel=2.0 ** -5), "kv": BF16, "pages": Tol(exact=True)})
-    return [case(T) for T in _rows(ctx, (2,), (1, 2, 64))]
+    return [case(T) for T in _rows(ctx, (2,), (1, 2, 64))] + [case(T, False) for T in _rows(ctx, (3,), (64,))]
 
 
 def inverse_rope(ctx: Context):
@@ -349,14 +353,15 @@ def _attention_case(ctx, name, T, prefill: bool, rope: bool = False):
         eidx[:, K - 3:] = -1
         sinks = g.randn(H)
         kw = dict(sinks=sinks, scale=c.head_dim ** -0.5)
-        if rope:            # the fused inverse RoPE of the output (cos / sin of angles in [0, 2 pi))
+        if rope:            # the prefill form: q's norm + RoPE at its load, the inverse RoPE of the output
             ang = g.rand(T, 32) * 6.283185307179586
             kw["rope"] = (torch.cos(ang), torch.sin(ang))
+            kw["q_norm_eps"] = c.rms_norm_eps
         return (g.randn(T, H, c.head_dim, dtype=torch.bfloat16), widx.to(torch.int32).contiguous(), wpages,
                 WINDOW_PAGE, eidx.to(torch.int32).contiguous(), epages, epb), kw
     # the attention kernels round probabilities to bf16 per block of the running max; the twin per 64
     # entries of the reference's blocks: results agree to bf16 tolerance (tests/test_sparse_attention.py)
-    return Case(f"T={T} H={H} K={WINDOW if not prefill else T}+{K}{' rope' if rope else ''}", make, _both("o"),
+    return Case(f"T={T} H={H} K={WINDOW if not prefill else T}+{K}{' q-norm rope' if rope else ''}", make, _both("o"),
                 {"o": Tol(max_rel=0.05)})
 
 

@@ -4,7 +4,8 @@ Two models over the same weights and nothing else in common: the production mode
 (``model.deepseek_v4.DeepseekV4``: native weights, the op table's kernels on a GPU or twins on a
 CPU, the paged cache) and the oracle (``reference.model.ReferenceModel``: fp32-dequantised
 weights, DeepSeek's official math, in-memory state). Both record their module values under the
-same names (``L<i>.hc_pre``, ``.q``, ``.kv``, ``.compressor``, ``.indexer_compressor``,
+same names (``L<i>.hc_pre``, ``.q`` (decode only: at prefill the attention kernel normalises and rotates q
+as it loads it, and ``.sparse_attn`` covers that), ``.kv``, ``.compressor``, ``.indexer_compressor``,
 ``.indexer_topk``, ``.sparse_attn`` (the attention output after its inverse RoPE), ``.attn``, ``.moe``,
 ``.hc_post``, ``logits``).
 

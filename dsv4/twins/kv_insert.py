@@ -17,7 +17,7 @@ def kv_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.T
               ) -> tuple[torch.Tensor, torch.Tensor]:
     check_kv_insert(q, kv, cos, sin, pages, slot_mapping, page_size)
     freqs = torch.complex(cos.float(), sin.float())
-    q_out = apply_rope(head_rms_norm(q, eps, OFFICIAL), freqs)
+    q_out = None if q is None else apply_rope(head_rms_norm(q, eps, OFFICIAL), freqs)
     kvr = apply_rope(kv, freqs)
     kv_out = torch.cat([fp8_qdq(kvr[:, :NOPE_DIM], 64), kvr[:, NOPE_DIM:]], dim=-1)
     write_kv_entries(pages, slot_mapping, kv_out, page_size)

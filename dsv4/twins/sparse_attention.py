@@ -1,15 +1,17 @@
 """Twin of ``kernels.sparse_attention``: the listed entries dequantised and gathered
 (``formats.kv_entry``), then the reference's ``sparse_attention`` (64-index blocks, running max, sink
 in the denominator, bf16 probabilities). ``sparse_prefill`` is ``sparse_decode`` (the kernels differ only in how
-they split the work) with the optional fused inverse RoPE of its output."""
+they split the work) with the optional fused inverse RoPE of its output and q transform of its input."""
 from __future__ import annotations
 
 import torch
 
-from ..formats.contracts import check_sparse_attention
+from ..formats.contracts import check_inverse_rope, check_sparse_attention
 from ..formats.kv_entry import read_kv_entries
 from ..reference.attention import sparse_attention
+from ..reference.norm import head_rms_norm
 from ..reference.numerics import OFFICIAL
+from ..reference.rope import apply_rope
 from .inverse_rope import inverse_rope
 
 HEAD_DIM = 512
@@ -56,8 +58,15 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
                    window_page_size: int, extra_idx: torch.Tensor | None = None,
                    extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
                    sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
-                   rope: tuple[torch.Tensor, torch.Tensor] | None = None, **_) -> torch.Tensor:
-    """``sparse_decode``; with ``rope=(cos, sin)`` the output after ``inverse_rope`` (same shape)."""
+                   rope: tuple[torch.Tensor, torch.Tensor] | None = None, q_norm_eps: float | None = None,
+                   **_) -> torch.Tensor:
+    """``sparse_decode``; with ``rope=(cos, sin)`` the output after ``inverse_rope`` (same shape); with
+    ``q_norm_eps`` too, q first takes ``kv_insert``'s q transform (head RMSNorm, RoPE)."""
+    if q_norm_eps is not None:
+        if rope is None:
+            raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
+        check_inverse_rope(q, *rope)
+        q = apply_rope(head_rms_norm(q, q_norm_eps, OFFICIAL), torch.complex(rope[0].float(), rope[1].float()))
     o = sparse_decode(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
                       sinks, scale)
     if rope is None:
