@@ -51,6 +51,14 @@ def _check_insert(T, H, B, n_pages, slots, gen, device=DEV):
     # kv: exactly the twin's row, and the bytes are encode_kv_entries of it; nothing else touched
     assert torch.equal(kv_out.view(torch.int16), kv_ref.view(torch.int16))
     assert torch.equal(pages, pages_ref)
+    # q None (the prefill form): the same kv row and bytes, no q output, from the kernel and the twin
+    pages_kv = pages0.to(device)
+    none_q, kv_only = kv_insert(None, kv.to(device), cos.to(device), sin.to(device), pages_kv, slots.to(device), B)
+    assert none_q is None and torch.equal(kv_only.cpu().view(torch.int16), kv_ref.view(torch.int16))
+    assert torch.equal(pages_kv.cpu(), pages_ref)
+    pages_tw = pages0.clone()
+    none_q, kv_tw = kv_insert_twin(None, kv, cos, sin, pages_tw, slots, B)
+    assert none_q is None and torch.equal(kv_tw, kv_ref) and torch.equal(pages_tw, pages_ref)
     data_v, scale_v = page_views(pages, B)
     data, scales = encode_kv_entries(kv_ref)
     for t, s in enumerate(slots.tolist()):
