@@ -42,13 +42,21 @@ def main():
         tf = c["flops"] / us / 1e6
         lab = f"128 + {topk}"
         print(f"| {H} | {lab} | sparse_prefill (Triton) | {us:.0f} | {tf:.0f} | {FLASHMLA[H]:.0f} | ref |", flush=True)
-        for name, cfg in (("split QK, 2 stages", {}), ("split QK, 1 stage", {"STAGES": 1}),
-                          ("full QK in both consumers", {"SPLIT_QK": False})):
+        ang = torch.rand(args.sq, 32, device=dev) * 6.283185307179586
+        fkw = dict(rope=(torch.cos(ang), torch.sin(ang)), q_norm_eps=1e-6)
+        fref = sa.sparse_prefill(*a, **fkw)
+        us = graph_time(lambda: sa.sparse_prefill(*a, **fkw)) * 1e3
+        print(f"| {H} | {lab} | sparse_prefill (Triton), q transform + inverse RoPE fused | {us:.0f} | "
+              f"{c['flops'] / us / 1e6:.0f} | {FLASHMLA[H]:.0f} | |", flush=True)
+        for name, cfg, kw in (("split QK, 2 stages", {}, {}), ("split QK, 1 stage", {"STAGES": 1}, {}),
+                              ("full QK in both consumers", {"SPLIT_QK": False}, {}),
+                              ("split QK, 2 stages, q transform + inverse RoPE fused", {}, fkw)):
             try:
-                o = SP.sparse_prefill_ws(*a, config=cfg)
+                o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
                 torch.cuda.synchronize()
-                rel = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
-                us = graph_time(lambda: SP.sparse_prefill_ws(*a, config=cfg)) * 1e3
+                r0 = fref if kw else ref
+                rel = ((o.float() - r0.float()).norm() / r0.float().norm()).item()
+                us = graph_time(lambda: SP.sparse_prefill_ws(*a, config=cfg, **kw)) * 1e3
                 print(f"| {H} | {lab} | sparse_prefill_ws, {name} | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "
                       f"{FLASHMLA[H]:.0f} | {rel:.1e} |", flush=True)
             except Exception as e:          # noqa: BLE001 - reported

@@ -49,6 +49,20 @@ if GLUON:
     _D = gl.constexpr(HEAD_DIM)
 
     @gluon.jit
+    def _rne(x):
+        """fp32 -> the fp32 value of its bf16 round-to-nearest-even (``lib.rne_bf16``), on the bits."""
+        b = x.to(gl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _rotate(x, partner, c, s, odd):
+        """One element of ``lib.rotate_pairs`` given its pair partner: x c - p s at even dims, x c + p s at odd
+        (the same products and sums, rounded separately where the launch disables FMA contraction)."""
+        ps = partner * s
+        return x * c + gl.where(odd, ps, -ps)
+
+    @gluon.jit
     def _load_idx(wrow, erow, j, KW, KT):
         """Entries j of the row's [window | extra] list (-1 past its end)."""
         iw = gl.load(wrow + j, mask=j < KW, other=-1)
@@ -56,9 +70,9 @@ if GLUON:
         return gl.where(j < KW, iw, ie)
 
     @gluon.jit
-    def _producer(Q, WIDX, EIDX, WPAGES, EPAGES, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
-                  stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes,
-                  STAGES: gl.constexpr):
+    def _producer(Q, WIDX, EIDX, WPAGES, EPAGES, COS, SIN, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
+                  stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, q_eps,
+                  STAGES: gl.constexpr, QNORM: gl.constexpr):
         l8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
                                             order=[1, 0])
         l16: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
@@ -68,8 +82,26 @@ if GLUON:
         hq = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, l16))
         dq = gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
         qb = Q + t64 * stride_qt + hq.to(gl.int64)[:, None] * stride_qh + dq[None, :]
-        for c in gl.static_range(8):
-            q_smem.slice(64 * c, 64, dim=1).store(gl.load(qb + 64 * c))
+        if QNORM:
+            # kv_insert's q transform (sparse_prefill's QNORM): the bf16 op chain of the weightless head RMSNorm,
+            # then RoPE on dims 448..511 (each element's pair partner loaded at dim ^ 1)
+            ss = gl.zeros([64], gl.float32, gl.SliceLayout(1, l16))
+            for c in gl.static_range(8):
+                qc = gl.load(qb + 64 * c).to(gl.float32)
+                ss += gl.sum(_rne(qc * qc), 1)
+            ms = _rne(_rne(ss / 512.0) + q_eps)
+            r = _rne(gl.div_rn(gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, l16)), gl.sqrt_rn(ms)))[:, None]
+            for c in gl.static_range(7):
+                q_smem.slice(64 * c, 64, dim=1).store(_rne(gl.load(qb + 64 * c).to(gl.float32) * r).to(gl.bfloat16))
+            qc = _rne(gl.load(qb + 448).to(gl.float32) * r)
+            pq = Q + t64 * stride_qt + hq.to(gl.int64)[:, None] * stride_qh + 448 + (dq ^ 1)[None, :]
+            partner = _rne(gl.load(pq).to(gl.float32) * r)
+            cs = gl.load(COS + t64 * 32 + dq // 2)[None, :]
+            sn = gl.load(SIN + t64 * 32 + dq // 2)[None, :]
+            q_smem.slice(448, 64, dim=1).store(_rne(_rotate(qc, partner, cs, sn, ((dq & 1) == 1)[None, :])).to(gl.bfloat16))
+        else:
+            for c in gl.static_range(8):
+                q_smem.slice(64 * c, 64, dim=1).store(gl.load(qb + 64 * c))
         fence_async_shared()
         mbarrier.arrive(q_ready, count=1)
         n = gl.arange(0, _BN, layout=gl.SliceLayout(1, l8))
@@ -107,9 +139,9 @@ if GLUON:
             mbarrier.arrive(ready.index(s), count=1)
 
     @gluon.jit
-    def _consumer(WIDX, EIDX, SINK, O, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t, h0, H, KW, KE,
-                  stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES: gl.constexpr, HALF: gl.constexpr,
-                  SPLIT_QK: gl.constexpr):
+    def _consumer(WIDX, EIDX, SINK, O, COS, SIN, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t, h0, H,
+                  KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES: gl.constexpr,
+                  HALF: gl.constexpr, SPLIT_QK: gl.constexpr, ROPE: gl.constexpr):
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -172,15 +204,26 @@ if GLUON:
         do = 256 * HALF + gl.arange(0, 256, layout=gl.SliceLayout(0, o_l))
         den_o = gl.convert_layout(gl.where(ok, den, 1.0), gl.SliceLayout(1, o_l))
         ok_o = gl.convert_layout(ok, gl.SliceLayout(1, o_l))
-        o = gl.where(ok_o[:, None], acc / den_o[:, None], 0.0)
+        o = _rne(gl.where(ok_o[:, None], acc / den_o[:, None], 0.0))
+        if ROPE and HALF == 1:
+            # sparse_prefill's ROPE: dims 448..511 rotated by -theta, rounded to bf16 again (inverse_rope's values);
+            # the accumulator layout holds each pair in one thread: split / join move no data
+            e, od = gl.split(gl.reshape(o, [_BH, 128, 2]))
+            j = gl.arange(0, 128, layout=gl.SliceLayout(0, e.type.layout)) - 96
+            rp = j >= 0
+            c = gl.load(COS + t64 * 32 + j, mask=rp, other=1.0)[None, :]
+            sn = -gl.load(SIN + t64 * 32 + j, mask=rp, other=0.0)[None, :]
+            ye = gl.where(rp[None, :], _rne(e * c - od * sn), e)
+            yo = gl.where(rp[None, :], _rne(e * sn + od * c), od)
+            o = gl.convert_layout(gl.reshape(gl.join(ye, yo), [_BH, 256]), o_l)
         gl.store(O + t64 * stride_ot + ho.to(gl.int64)[:, None] * stride_oh + do[None, :], o.to(gl.bfloat16))
 
     @gluon.jit
-    def _sparse_prefill_ws_kernel(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, H, KW, KE,
+    def _sparse_prefill_ws_kernel(Q, WIDX, EIDX, WPAGES, EPAGES, SINK, O, COS, SIN, H, KW, KE,
                                   stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
-                                  w_psz, w_pbytes, e_psz, e_pbytes, qk_scale,
+                                  w_psz, w_pbytes, e_psz, e_pbytes, qk_scale, q_eps,
                                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                  SPLIT_QK: gl.constexpr):
+                                  SPLIT_QK: gl.constexpr, ROPE: gl.constexpr = False, QNORM: gl.constexpr = False):
         pdl_wait()
         hb = gl.program_id(0)
         t = gl.program_id(1)
@@ -205,12 +248,15 @@ if GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)      # one arrival per consumer
         gl.warp_specialize([
-            (_consumer, (WIDX, EIDX, SINK, O, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t, h0, H,
-                         KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 0, SPLIT_QK)),
-            (_consumer, (WIDX, EIDX, SINK, O, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t, h0, H,
-                         KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 1, SPLIT_QK)),
-            (_producer, (Q, WIDX, EIDX, WPAGES, EPAGES, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
-                         stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, STAGES)),
+            (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t,
+                         h0, H, KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 0, SPLIT_QK,
+                         ROPE)),
+            (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t,
+                         h0, H, KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 1, SPLIT_QK,
+                         ROPE)),
+            (_producer, (Q, WIDX, EIDX, WPAGES, EPAGES, COS, SIN, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
+                         stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, q_eps, STAGES,
+                         QNORM)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -224,8 +270,10 @@ DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnr
 def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: torch.Tensor, window_page_size: int,
                       extra_idx: torch.Tensor | None, extra_pages: torch.Tensor | None, extra_page_size: int,
                       sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5, config: dict | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """``sparse_prefill``'s arguments and result (H a multiple of 64, a window list)."""
+                      out: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      q_norm_eps: float | None = None) -> torch.Tensor:
+    """``sparse_prefill``'s arguments and result (H a multiple of 64, a window list), ``rope`` and ``q_norm_eps``
+    included."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     T, H, D = q.shape
     if D != HEAD_DIM or H % BH or q.stride(2) != 1:
@@ -233,8 +281,11 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
                          f"got {tuple(q.shape)}")
     if not available(q.device):
         raise ValueError("sparse_prefill_ws: needs an sm_90 GPU with Gluon's Hopper ops")
+    if q_norm_eps is not None and rope is None:
+        raise ValueError("sparse_prefill_ws: q_norm_eps needs rope=(cos, sin)")
     if sinks is None:
         sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (sinks, sinks)
     KW = window_idx.shape[1]
     if extra_idx is None or extra_idx.shape[1] == 0:
         extra_idx, extra_pages, extra_page_size, KE = window_idx, window_pages, window_page_size, 0
@@ -245,9 +296,11 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
     if T == 0:
         return out
     _sparse_prefill_ws_kernel[(H // BH, T)](
-        q, window_idx, extra_idx, window_pages, extra_pages, sinks.float(), out, H, KW, KE,
+        q, window_idx, extra_idx, window_pages, extra_pages, sinks.float(), out, cos, sin, H, KW, KE,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), window_idx.stride(0), extra_idx.stride(0),
         window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1], float(scale) * LOG2E,
-        STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-        SPLIT_QK=bool(cfg["SPLIT_QK"]), num_warps=4, maxnreg=cfg["maxnreg"], **PDL_LAUNCH)
+        float(q_norm_eps or 0.0), STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
+        PRODUCER_REGS=cfg["PRODUCER_REGS"], SPLIT_QK=bool(cfg["SPLIT_QK"]), ROPE=rope is not None,
+        QNORM=q_norm_eps is not None, num_warps=4, maxnreg=cfg["maxnreg"],
+        **({"enable_fp_fusion": False} if rope is not None else {}), **PDL_LAUNCH)
     return out

@@ -15,7 +15,8 @@ import sparse_prefill_ws as SP  # noqa: E402
 from kernel_helpers import need_gpu  # noqa: E402
 
 
-def test_aot_compile_sm90():
+@pytest.mark.parametrize("fused", [False, True])
+def test_aot_compile_sm90(fused):
     """bf16 wgmma m64n64k16 for QK (q and the dequantised tile from shared memory) and m64n256k16 for PV (P from
     registers), the partitions' register counts within the file, shared memory within sm_90's 227 KB."""
     if not SP.GLUON or os.environ.get("TRITON_INTERPRET") == "1":
@@ -24,9 +25,10 @@ def test_aot_compile_sm90():
     from kernel_helpers import aot_compile
     cfg = SP.DEFAULT_CONFIG
     types = dict(Q="*bf16", WIDX="*i32", EIDX="*i32", WPAGES="*u8", EPAGES="*u8", SINK="*fp32", O="*bf16",
-                 qk_scale="fp32")
+                 COS="*fp32", SIN="*fp32", qk_scale="fp32", q_eps="fp32")
+    # fused: the production prefill form (q's norm + RoPE in the producer, the inverse RoPE in the epilogue)
     const = dict(STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                 SPLIT_QK=cfg["SPLIT_QK"])
+                 SPLIT_QK=cfg["SPLIT_QK"], ROPE=fused, QNORM=fused)
     ptx, mma, smem = aot_compile(SP._sparse_prefill_ws_kernel, types, const, 90, 4,
                                  div=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "w_pbytes", "e_pbytes"),
                                  maxnreg=cfg["maxnreg"], shared=True)
@@ -77,3 +79,31 @@ def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, ex
     rel = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
     print(f"relative difference to the product kernel {rel:.1e}; outputs off its bits: {int((o != ref).sum())} of "
           f"{o.numel()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,n,topk", [(64, 256, 512), (128, 64, 1024)])
+def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk):
+    """The production prefill form: raw q normalised and rotated in the producer, the output's rope dims rotated
+    back in the epilogue; against the product kernel's same form and the twin."""
+    need_gpu()
+    if not SP.available("cuda"):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    import test_sparse_attention as TS
+    from dsv4.kernels.sparse_attention import sparse_prefill
+    from dsv4.twins.sparse_attention import sparse_prefill as twin
+    cache, q, widx, eidx, sinks = _case(H, n, topk)
+    q = (q.float() * 5).bfloat16()
+    gen = torch.Generator().manual_seed(7)
+    ang = torch.rand(n, 32, generator=gen) * 6.283185307179586
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    args = (q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda(), cache.ep, 64, sinks.cuda())
+    kw = dict(rope=(cos.cuda(), sin.cuda()), q_norm_eps=1e-6)
+    o = SP.sparse_prefill_ws(*args, **kw)
+    ref = sparse_prefill(*args, **kw)
+    TS._compare(o, ref)
+    TS._compare(o, twin(q, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks, rope=(cos, sin), q_norm_eps=1e-6))
+    plain = SP.sparse_prefill_ws(*args)
+    assert (plain.float() - o.float()).norm() > 0.1 * o.float().norm()
+    print(f"fused: relative difference to the product kernel "
+          f"{((o.float() - ref.float()).norm() / ref.float().norm()).item():.1e}")
