@@ -27,6 +27,7 @@ FLASHMLA = {64: 697.0, 128: 2087.0}     # us, s_q 4096, s_kv 64K, topk 640 / 115
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sq", type=int, default=4096)
+    ap.add_argument("--heads", default="64,128", help="head counts to run (64: top-512, 128: top-1024)")
     args = ap.parse_args()
     setup = gpu_experiment("exp_sparse_prefill_ws", "an sm_90 GPU")
     if setup is None or not SP.available("cuda"):
@@ -35,6 +36,8 @@ def main():
     dev, gen, _ = setup
     print("| H | list | kernel | us | TFLOP/s | FlashMLA us (H200) | rel. diff to sparse_prefill |\n|---|---|---|---|---|---|---|")
     for H, topk in ((64, 512), (128, 1024)):
+        if str(H) not in args.heads.split(","):
+            continue
         c = decode_case("csa", H, topk, 1, 65536, args.sq, torch.device(dev), gen)
         a = (c["q"], c["widx"], c["wpages"], PAGE, c["eidx"], c["epages"], PAGE, c["sinks"])
         ref = sa.sparse_prefill(*a)
@@ -50,11 +53,15 @@ def main():
               f"{c['flops'] / us / 1e6:.0f} | {FLASHMLA[H]:.0f} | |", flush=True)
         for name, cfg, kw in (("split QK, 2 stages", {}, {}), ("split QK, 1 stage", {"STAGES": 1}, {}),
                               ("full QK in both consumers", {"SPLIT_QK": False}, {}),
-                              ("split QK, 2 stages, q transform + inverse RoPE fused", {}, fkw)):
+                              ("split QK, 2 stages, S exchange rows padded", {"SX_PAD": True}, {}),
+                              ("split QK, padded, consumers 208 / producer 96 registers",
+                               {"SX_PAD": True, "CONSUMER_REGS": 208, "PRODUCER_REGS": 96}, {}),
+                              ("split QK, 2 stages, q transform + inverse RoPE fused", {}, fkw),
+                              ("split QK, 2 stages, inverse RoPE fused", {}, {"rope": fkw["rope"]})):
             try:
                 o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
                 torch.cuda.synchronize()
-                r0 = fref if kw else ref
+                r0 = fref if "q_norm_eps" in kw else sa.sparse_prefill(*a, **kw) if kw else ref
                 rel = ((o.float() - r0.float()).norm() / r0.float().norm()).item()
                 us = graph_time(lambda: SP.sparse_prefill_ws(*a, config=cfg, **kw)) * 1e3
                 print(f"| {H} | {lab} | sparse_prefill_ws, {name} | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "

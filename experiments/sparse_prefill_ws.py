@@ -223,7 +223,8 @@ if GLUON:
                                   stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
                                   w_psz, w_pbytes, e_psz, e_pbytes, qk_scale, q_eps,
                                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                  SPLIT_QK: gl.constexpr, ROPE: gl.constexpr = False, QNORM: gl.constexpr = False):
+                                  SPLIT_QK: gl.constexpr, ROPE: gl.constexpr = False, QNORM: gl.constexpr = False,
+                                  SX_PAD: gl.constexpr = False):
         pdl_wait()
         hb = gl.program_id(0)
         t = gl.program_id(1)
@@ -236,8 +237,15 @@ if GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # SPLIT_QK: each consumer's partial S [64, 64] fp32 for the other (2 x 16 KB; one slot a consumer: its
         # s_full / s_free pair orders the writes and reads); else a placeholder
-        s_x = gl.allocate_shared_memory(gl.float32, [2, _BH, _BN] if SPLIT_QK else [2, 1, 16],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        # rows padded by 4 words (8 would not fit 227 KB): a warp's 64-bit accesses of the accumulator layout
+        # (8 rows x 8 columns) then conflict 2-way, not 4-way as with 256-byte rows (ncu, H100)
+        if SX_PAD:
+            s_x = gl.allocate_shared_memory(gl.float32, [2, _BH, _BN] if SPLIT_QK else [2, 1, 16],
+                                            gl.PaddedSharedLayout.with_identity_for([[_BN, 4]], [_BH, _BN],
+                                                                                     [1, 0]))
+        else:
+            s_x = gl.allocate_shared_memory(gl.float32, [2, _BH, _BN] if SPLIT_QK else [2, 1, 16],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         s_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         s_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
@@ -301,6 +309,6 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
         window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1], float(scale) * LOG2E,
         float(q_norm_eps or 0.0), STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
         PRODUCER_REGS=cfg["PRODUCER_REGS"], SPLIT_QK=bool(cfg["SPLIT_QK"]), ROPE=rope is not None,
-        QNORM=q_norm_eps is not None, num_warps=4, maxnreg=cfg["maxnreg"],
+        QNORM=q_norm_eps is not None, SX_PAD=bool(cfg.get("SX_PAD", False)), num_warps=4, maxnreg=cfg["maxnreg"],
         **({"enable_fp_fusion": False} if rope is not None else {}), **PDL_LAUNCH)
     return out
