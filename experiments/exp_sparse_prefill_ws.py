@@ -57,7 +57,10 @@ def main():
                               ("split QK, padded, consumers 208 / producer 96 registers",
                                {"SX_PAD": True, "CONSUMER_REGS": 208, "PRODUCER_REGS": 96}, {}),
                               ("split QK, 2 stages, q transform + inverse RoPE fused", {}, fkw),
-                              ("split QK, 2 stages, inverse RoPE fused", {}, {"rope": fkw["rope"]})):
+                              ("split QK, 2 stages, inverse RoPE fused", {}, {"rope": fkw["rope"]}),
+                              ("split QK, q loaded by the consumers", {"Q_CONSUMERS": True}, {}),
+                              ("split QK, q loaded + transformed by the consumers, inverse RoPE fused",
+                               {"Q_CONSUMERS": True}, fkw)):
             try:
                 o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
                 torch.cuda.synchronize()

@@ -72,7 +72,7 @@ if GLUON:
     @gluon.jit
     def _producer(Q, WIDX, EIDX, WPAGES, EPAGES, COS, SIN, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
                   stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, q_eps,
-                  STAGES: gl.constexpr, QNORM: gl.constexpr):
+                  STAGES: gl.constexpr, QNORM: gl.constexpr, Q_CONSUMERS: gl.constexpr):
         l8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
                                             order=[1, 0])
         l16: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
@@ -82,7 +82,9 @@ if GLUON:
         hq = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, l16))
         dq = gl.arange(0, 64, layout=gl.SliceLayout(0, l16))
         qb = Q + t64 * stride_qt + hq.to(gl.int64)[:, None] * stride_qh + dq[None, :]
-        if QNORM:
+        if Q_CONSUMERS:
+            pass                # the consumers load (and transform) q
+        elif QNORM:
             # kv_insert's q transform (sparse_prefill's QNORM): the bf16 op chain of the weightless head RMSNorm,
             # then RoPE on dims 448..511 (each element's pair partner loaded at dim ^ 1)
             ss = gl.zeros([64], gl.float32, gl.SliceLayout(1, l16))
@@ -102,8 +104,9 @@ if GLUON:
         else:
             for c in gl.static_range(8):
                 q_smem.slice(64 * c, 64, dim=1).store(gl.load(qb + 64 * c))
-        fence_async_shared()
-        mbarrier.arrive(q_ready, count=1)
+        if not Q_CONSUMERS:
+            fence_async_shared()
+            mbarrier.arrive(q_ready.index(0), count=1)
         n = gl.arange(0, _BN, layout=gl.SliceLayout(1, l8))
         d = gl.arange(0, 64, layout=gl.SliceLayout(0, l8))
         wrow = WIDX + t64 * stride_wt
@@ -139,9 +142,51 @@ if GLUON:
             mbarrier.arrive(ready.index(s), count=1)
 
     @gluon.jit
-    def _consumer(WIDX, EIDX, SINK, O, COS, SIN, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t, h0, H,
-                  KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES: gl.constexpr,
-                  HALF: gl.constexpr, SPLIT_QK: gl.constexpr, ROPE: gl.constexpr):
+    def _q_half(Q, COS, SIN, q_smem, ss_x, q_ready, t64, h0, stride_qt, stride_qh, q_eps, HALF: gl.constexpr,
+                QNORM: gl.constexpr):
+        """Q_CONSUMERS: this consumer's 256 dims of q into shared memory (QNORM: kv_insert's q transform, the two
+        halves' sums of squares exchanged through ss_x and added in one order, half 0's first), then the
+        consumer's own arrive / wait orders its stores before its wgmmas read them."""
+        lq: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        hq = h0 + gl.arange(0, 64, layout=gl.SliceLayout(1, lq))
+        dq = gl.arange(0, 64, layout=gl.SliceLayout(0, lq))
+        qb = Q + t64 * stride_qt + hq.to(gl.int64)[:, None] * stride_qh + (256 * HALF) + dq[None, :]
+        if QNORM:
+            ss = gl.zeros([64], gl.float32, gl.SliceLayout(1, lq))
+            for c in gl.static_range(4):
+                qc = gl.load(qb + 64 * c).to(gl.float32)
+                ss += gl.sum(_rne(qc * qc), 1)
+            ss_x.slice(64 * HALF, 64).store(ss)
+            mbarrier.arrive(q_ready.index(1 + HALF), count=1)
+            mbarrier.wait(q_ready.index(2 - HALF), 0)
+            other = ss_x.slice(64 * (1 - HALF), 64).load(gl.SliceLayout(1, lq))
+            if HALF == 0:
+                ss = ss + other
+            else:
+                ss = other + ss
+            ms = _rne(_rne(ss / 512.0) + q_eps)
+            r = _rne(gl.div_rn(gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, lq)), gl.sqrt_rn(ms)))[:, None]
+            for c in gl.static_range(4):
+                qc = _rne(gl.load(qb + 64 * c).to(gl.float32) * r)
+                if HALF == 1 and c == 3:        # dims 448..511: RoPE, each element's pair partner at dim ^ 1
+                    partner = _rne(gl.load(qb + 192 + (dq ^ 1)[None, :] - dq[None, :]).to(gl.float32) * r)
+                    cs = gl.load(COS + t64 * 32 + dq // 2)[None, :]
+                    sn = gl.load(SIN + t64 * 32 + dq // 2)[None, :]
+                    qc = _rne(_rotate(qc, partner, cs, sn, ((dq & 1) == 1)[None, :]))
+                q_smem.slice(256 * HALF + 64 * c, 64, dim=1).store(qc.to(gl.bfloat16))
+        else:
+            for c in gl.static_range(4):
+                q_smem.slice(256 * HALF + 64 * c, 64, dim=1).store(gl.load(qb + 64 * c))
+        fence_async_shared()
+        mbarrier.arrive(q_ready.index(3 + HALF), count=1)
+        mbarrier.wait(q_ready.index(3 + HALF), 0)
+
+    @gluon.jit
+    def _consumer(WIDX, EIDX, SINK, O, COS, SIN, Q, q_smem, k_smem, s_x, ss_x, q_ready, ready, empty, s_full, s_free,
+                  t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, q_eps,
+                  STAGES: gl.constexpr, HALF: gl.constexpr, SPLIT_QK: gl.constexpr, ROPE: gl.constexpr,
+                  QNORM: gl.constexpr, Q_CONSUMERS: gl.constexpr):
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -155,7 +200,12 @@ if GLUON:
         m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([_BH, 256], gl.float32, o_l)
-        mbarrier.wait(q_ready, 0)
+        if Q_CONSUMERS:
+            _q_half(Q, COS, SIN, q_smem, ss_x, q_ready, t64, h0, stride_qt, stride_qh, q_eps, HALF, QNORM)
+            if not SPLIT_QK:        # the full QK reads the other half too
+                mbarrier.wait(q_ready.index(4 - HALF), 0)
+        else:
+            mbarrier.wait(q_ready.index(0), 0)
         for blk in range(nb):
             s = blk % STAGES
             mbarrier.wait(ready.index(s), (blk // STAGES) & 1)
@@ -224,7 +274,7 @@ if GLUON:
                                   w_psz, w_pbytes, e_psz, e_pbytes, qk_scale, q_eps,
                                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                   SPLIT_QK: gl.constexpr, ROPE: gl.constexpr = False, QNORM: gl.constexpr = False,
-                                  SX_PAD: gl.constexpr = False):
+                                  SX_PAD: gl.constexpr = False, Q_CONSUMERS: gl.constexpr = False):
         pdl_wait()
         hb = gl.program_id(0)
         t = gl.program_id(1)
@@ -232,7 +282,10 @@ if GLUON:
         lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [_BH, _D], lay)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, _D], lay)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        # q_ready: 0 the producer's q (not Q_CONSUMERS); 1 + i consumer i's sum of squares in ss_x; 3 + i its q half
+        q_ready = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+        ss_x = gl.allocate_shared_memory(gl.float32, [2 * _BH] if Q_CONSUMERS and QNORM else [2],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # SPLIT_QK: each consumer's partial S [64, 64] fp32 for the other (2 x 16 KB; one slot a consumer: its
@@ -248,7 +301,8 @@ if GLUON:
                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         s_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         s_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
+        for i in gl.static_range(5):
+            mbarrier.init(q_ready.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(s_full.index(i), count=1)
             mbarrier.init(s_free.index(i), count=1)
@@ -256,15 +310,15 @@ if GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)      # one arrival per consumer
         gl.warp_specialize([
-            (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t,
-                         h0, H, KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 0, SPLIT_QK,
-                         ROPE)),
-            (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, q_smem, k_smem, s_x, q_ready, ready, empty, s_full, s_free, t,
-                         h0, H, KW, KE, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, STAGES, 1, SPLIT_QK,
-                         ROPE)),
+            (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_smem, k_smem, s_x, ss_x, q_ready, ready, empty, s_full,
+                         s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
+                         qk_scale, q_eps, STAGES, 0, SPLIT_QK, ROPE, QNORM, Q_CONSUMERS)),
+            (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_smem, k_smem, s_x, ss_x, q_ready, ready, empty, s_full,
+                         s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et,
+                         qk_scale, q_eps, STAGES, 1, SPLIT_QK, ROPE, QNORM, Q_CONSUMERS)),
             (_producer, (Q, WIDX, EIDX, WPAGES, EPAGES, COS, SIN, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
                          stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, q_eps, STAGES,
-                         QNORM)),
+                         QNORM, Q_CONSUMERS)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -309,6 +363,7 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
         window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1], float(scale) * LOG2E,
         float(q_norm_eps or 0.0), STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
         PRODUCER_REGS=cfg["PRODUCER_REGS"], SPLIT_QK=bool(cfg["SPLIT_QK"]), ROPE=rope is not None,
-        QNORM=q_norm_eps is not None, SX_PAD=bool(cfg.get("SX_PAD", False)), num_warps=4, maxnreg=cfg["maxnreg"],
+        QNORM=q_norm_eps is not None, SX_PAD=bool(cfg.get("SX_PAD", False)),
+        Q_CONSUMERS=bool(cfg.get("Q_CONSUMERS", False)), num_warps=4, maxnreg=cfg["maxnreg"],
         **({"enable_fp_fusion": False} if rope is not None else {}), **PDL_LAUNCH)
     return out

@@ -58,7 +58,7 @@ def _case(H, n, topk, all_masked_row=None, extra=True):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,n,topk,masked,extra", [(64, 256, 512, None, True), (128, 64, 1024, 3, True),
                                                    (64, 33, 512, 0, False)])
-@pytest.mark.parametrize("cfg", [None, {"STAGES": 1}, {"SPLIT_QK": False}])
+@pytest.mark.parametrize("cfg", [None, {"STAGES": 1}, {"SPLIT_QK": False}, {"Q_CONSUMERS": True, "SX_PAD": True}])
 def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, extra, cfg):
     need_gpu()
     if not SP.available("cuda"):
@@ -83,7 +83,8 @@ def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, ex
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,n,topk", [(64, 256, 512), (128, 64, 1024)])
-def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk):
+@pytest.mark.parametrize("cfg", [None, {"Q_CONSUMERS": True}, {"Q_CONSUMERS": True, "SPLIT_QK": False}])
+def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk, cfg):
     """The production prefill form: raw q normalised and rotated in the producer, the output's rope dims rotated
     back in the epilogue; against the product kernel's same form and the twin."""
     need_gpu()
@@ -99,11 +100,11 @@ def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk):
     cos, sin = torch.cos(ang), torch.sin(ang)
     args = (q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda(), cache.ep, 64, sinks.cuda())
     kw = dict(rope=(cos.cuda(), sin.cuda()), q_norm_eps=1e-6)
-    o = SP.sparse_prefill_ws(*args, **kw)
+    o = SP.sparse_prefill_ws(*args, config=cfg, **kw)
     ref = sparse_prefill(*args, **kw)
     TS._compare(o, ref)
     TS._compare(o, twin(q, widx, cache.wp_cpu, 64, eidx, cache.ep_cpu, 64, sinks, rope=(cos, sin), q_norm_eps=1e-6))
-    plain = SP.sparse_prefill_ws(*args)
+    plain = SP.sparse_prefill_ws(*args, config=cfg)
     assert (plain.float() - o.float()).norm() > 0.1 * o.float().norm()
     print(f"fused: relative difference to the product kernel "
           f"{((o.float() - ref.float()).norm() / ref.float().norm()).item():.1e}")
