@@ -51,16 +51,14 @@ def main():
         us = graph_time(lambda: sa.sparse_prefill(*a, **fkw)) * 1e3
         print(f"| {H} | {lab} | sparse_prefill (Triton), q transform + inverse RoPE fused | {us:.0f} | "
               f"{c['flops'] / us / 1e6:.0f} | {FLASHMLA[H]:.0f} | |", flush=True)
-        for name, cfg, kw in (("split QK, 2 stages", {}, {}), ("split QK, 1 stage", {"STAGES": 1}, {}),
+        base = {"SX_PAD": False, "Q_CONSUMERS": False}     # the eighth session's form
+        for name, cfg, kw in (("default (padded S exchange, q in the consumers)", {}, {}),
+                              ("default, q transform + inverse RoPE fused", {}, fkw),
+                              ("first form (q by the producer, unpadded exchange)", base, {}),
+                              ("first form, 1 stage", dict(base, STAGES=1), {}),
                               ("full QK in both consumers", {"SPLIT_QK": False}, {}),
-                              ("split QK, 2 stages, S exchange rows padded", {"SX_PAD": True}, {}),
-                              ("split QK, padded, consumers 208 / producer 96 registers",
-                               {"SX_PAD": True, "CONSUMER_REGS": 208, "PRODUCER_REGS": 96}, {}),
-                              ("split QK, 2 stages, q transform + inverse RoPE fused", {}, fkw),
-                              ("split QK, 2 stages, inverse RoPE fused", {}, {"rope": fkw["rope"]}),
-                              ("split QK, q loaded by the consumers", {"Q_CONSUMERS": True}, {}),
-                              ("split QK, q loaded + transformed by the consumers, inverse RoPE fused",
-                               {"Q_CONSUMERS": True}, fkw)):
+                              ("padded exchange only", {"Q_CONSUMERS": False}, {}),
+                              ("q in the consumers only", {"SX_PAD": False}, {})):
             try:
                 o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
                 torch.cuda.synchronize()

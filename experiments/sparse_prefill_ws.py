@@ -144,8 +144,8 @@ if GLUON:
     @gluon.jit
     def _q_half(Q, COS, SIN, q_smem, ss_x, q_ready, t64, h0, stride_qt, stride_qh, q_eps, HALF: gl.constexpr,
                 QNORM: gl.constexpr):
-        """Q_CONSUMERS: this consumer's 256 dims of q into shared memory (QNORM: kv_insert's q transform, the two
-        halves' sums of squares exchanged through ss_x and added in one order, half 0's first), then the
+        """Q_CONSUMERS: this consumer's 256 dims of q into shared memory (QNORM: kv_insert's q transform; half 0
+        adds half 1's sum of squares to its own and hands back the rsqrt, through ss_x), then the
         consumer's own arrive / wait orders its stores before its wgmmas read them."""
         lq: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
@@ -157,16 +157,21 @@ if GLUON:
             for c in gl.static_range(4):
                 qc = gl.load(qb + 64 * c).to(gl.float32)
                 ss += gl.sum(_rne(qc * qc), 1)
-            ss_x.slice(64 * HALF, 64).store(ss)
-            mbarrier.arrive(q_ready.index(1 + HALF), count=1)
-            mbarrier.wait(q_ready.index(2 - HALF), 0)
-            other = ss_x.slice(64 * (1 - HALF), 64).load(gl.SliceLayout(1, lq))
-            if HALF == 0:
-                ss = ss + other
+            # half 1 hands its partial sum to half 0 (barrier 1), which adds it to its own, computes r and hands
+            # r back in the same 256 bytes (barrier 2): one 64-float buffer fits beside SX_PAD's padded rows
+            if HALF == 1:
+                ss_x.store(ss)
+                mbarrier.arrive(q_ready.index(1), count=1)
+                mbarrier.wait(q_ready.index(2), 0)
+                r = ss_x.load(gl.SliceLayout(1, lq))[:, None]
             else:
-                ss = other + ss
-            ms = _rne(_rne(ss / 512.0) + q_eps)
-            r = _rne(gl.div_rn(gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, lq)), gl.sqrt_rn(ms)))[:, None]
+                mbarrier.wait(q_ready.index(1), 0)
+                ss = ss + ss_x.load(gl.SliceLayout(1, lq))
+                ms = _rne(_rne(ss / 512.0) + q_eps)
+                r1 = _rne(gl.div_rn(gl.full([64], 1.0, gl.float32, gl.SliceLayout(1, lq)), gl.sqrt_rn(ms)))
+                ss_x.store(r1)
+                mbarrier.arrive(q_ready.index(2), count=1)
+                r = r1[:, None]
             for c in gl.static_range(4):
                 qc = _rne(gl.load(qb + 64 * c).to(gl.float32) * r)
                 if HALF == 1 and c == 3:        # dims 448..511: RoPE, each element's pair partner at dim ^ 1
@@ -282,9 +287,10 @@ if GLUON:
         lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [_BH, _D], lay)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, _D], lay)
-        # q_ready: 0 the producer's q (not Q_CONSUMERS); 1 + i consumer i's sum of squares in ss_x; 3 + i its q half
+        # q_ready: 0 the producer's q (not Q_CONSUMERS); 1 half 1's sum of squares in ss_x, 2 half 0's r there; 3 + i
+        # consumer i's q half
         q_ready = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
-        ss_x = gl.allocate_shared_memory(gl.float32, [2 * _BH] if Q_CONSUMERS and QNORM else [2],
+        ss_x = gl.allocate_shared_memory(gl.float32, [_BH] if Q_CONSUMERS and QNORM else [2],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -292,7 +298,7 @@ if GLUON:
         # s_full / s_free pair orders the writes and reads); else a placeholder
         # rows padded by 4 words (8 would not fit 227 KB): a warp's 64-bit accesses of the accumulator layout
         # (8 rows x 8 columns) then conflict 2-way, not 4-way as with 256-byte rows (ncu, H100)
-        if SX_PAD:
+        if SX_PAD and SPLIT_QK:
             s_x = gl.allocate_shared_memory(gl.float32, [2, _BH, _BN] if SPLIT_QK else [2, 1, 16],
                                             gl.PaddedSharedLayout.with_identity_for([[_BN, 4]], [_BH, _BN],
                                                                                      [1, 0]))
@@ -326,7 +332,8 @@ if GLUON:
 # 512 - the workers' - 8 = 216) and the producer's at 64; the launch (12 warps) at 65,536 / 384 -> 168. Shared memory:
 # q 64 KB + STAGES x 64 KB of bf16 tiles + SPLIT_QK's 2 x 16 KB (2 stages: 224 KB of sm_90's 227). ptxas (sm_90a,
 # Triton 3.6): 76 bytes of spills with SPLIT_QK, 324 without (the QK descriptors of both stages, hoisted).
-DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnreg": 168, "SPLIT_QK": True}
+DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnreg": 168, "SPLIT_QK": True,
+                  "SX_PAD": True, "Q_CONSUMERS": True}
 
 
 def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: torch.Tensor, window_page_size: int,
