@@ -58,7 +58,12 @@ def main():
                               ("first form, 1 stage", dict(base, STAGES=1), {}),
                               ("full QK in both consumers", {"SPLIT_QK": False}, {}),
                               ("padded exchange only", {"Q_CONSUMERS": False}, {}),
-                              ("q in the consumers only", {"SX_PAD": False}, {})):
+                              ("q in the consumers only", {"SX_PAD": False}, {}),
+                              ("staged producer (cp.async), 1 tile, full QK",
+                               {"STAGED": True, "STAGES": 1, "SPLIT_QK": False}, {}),
+                              ("staged, consumers 192 / producer 128 registers",
+                               {"STAGED": True, "STAGES": 1, "SPLIT_QK": False, "CONSUMER_REGS": 192,
+                                "PRODUCER_REGS": 128}, {})):
             try:
                 o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
                 torch.cuda.synchronize()

@@ -15,8 +15,8 @@ import sparse_prefill_ws as SP  # noqa: E402
 from kernel_helpers import need_gpu  # noqa: E402
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_aot_compile_sm90(fused):
+@pytest.mark.parametrize("fused,staged", [(False, False), (True, False), (False, True)])
+def test_aot_compile_sm90(fused, staged):
     """bf16 wgmma m64n64k16 for QK (q and the dequantised tile from shared memory) and m64n256k16 for PV (P from
     registers), the partitions' register counts within the file, shared memory within sm_90's 227 KB."""
     if not SP.GLUON or os.environ.get("TRITON_INTERPRET") == "1":
@@ -28,16 +28,23 @@ def test_aot_compile_sm90(fused):
                  COS="*fp32", SIN="*fp32", qk_scale="fp32", q_eps="fp32")
     # fused: the production prefill form (q's norm + RoPE in the producer, the inverse RoPE in the epilogue)
     const = dict(STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                 SPLIT_QK=cfg["SPLIT_QK"], ROPE=fused, QNORM=fused, SX_PAD=cfg["SX_PAD"], Q_CONSUMERS=cfg["Q_CONSUMERS"])
+                 SPLIT_QK=cfg["SPLIT_QK"] and not staged, ROPE=fused, QNORM=fused, SX_PAD=cfg["SX_PAD"],
+                 Q_CONSUMERS=cfg["Q_CONSUMERS"], STAGED=staged)
+    if staged:      # the staged producer's form: one bf16 tile, full QK in both consumers (shared memory)
+        const["STAGES"] = 1
     ptx, mma, smem = aot_compile(SP._sparse_prefill_ws_kernel, types, const, 90, 4,
                                  div=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "w_pbytes", "e_pbytes"),
                                  maxnreg=cfg["maxnreg"], shared=True)
     # page sizes in bytes are multiples of 16 (the JIT's divisibility specialisation): the gathers are 16-byte loads
-    assert ptx.count("ld.global.v4.b32") >= 40, ptx.count("ld.global.v4.b32")
+    # (staged: 16-byte cp.async into the staging slots, 8-byte ones for the scale words, each thread's async arrival)
+    if staged:
+        assert ptx.count("cp.async.cg.shared.global") >= 40 and "cp.async.mbarrier.arrive.noinc" in ptx
+    else:
+        assert ptx.count("ld.global.v4.b32") >= 18, ptx.count("ld.global.v4.b32")   # a block: 7 x 2 e4m3 + 4 rope
     assert mma == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"], mma
     assert re.search(r"m64n256k16\S+ \{[^}]+\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+", ptx), "P not in registers"
-    assert (64 + cfg["STAGES"] * 64) * 1024 <= smem <= 232448, smem
+    assert (64 + const["STAGES"] * 64 + (72 if staged else 0)) * 1024 <= smem <= 232448, smem
     assert 128 * (2 * cfg["CONSUMER_REGS"] + cfg["PRODUCER_REGS"]) <= 65536 and 384 * cfg["maxnreg"] <= 65536
 
 
@@ -58,7 +65,8 @@ def _case(H, n, topk, all_masked_row=None, extra=True):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,n,topk,masked,extra", [(64, 256, 512, None, True), (128, 64, 1024, 3, True),
                                                    (64, 33, 512, 0, False)])
-@pytest.mark.parametrize("cfg", [None, {"STAGES": 1}, {"SPLIT_QK": False}, {"Q_CONSUMERS": False, "SX_PAD": False}])
+@pytest.mark.parametrize("cfg", [None, {"STAGES": 1}, {"SPLIT_QK": False}, {"Q_CONSUMERS": False, "SX_PAD": False},
+                                 {"STAGED": True, "STAGES": 1, "SPLIT_QK": False}])
 def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, extra, cfg):
     need_gpu()
     if not SP.available("cuda"):
@@ -83,7 +91,8 @@ def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, ex
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,n,topk", [(64, 256, 512), (128, 64, 1024)])
-@pytest.mark.parametrize("cfg", [None, {"Q_CONSUMERS": False, "SX_PAD": False}, {"SPLIT_QK": False}])
+@pytest.mark.parametrize("cfg", [None, {"Q_CONSUMERS": False, "SX_PAD": False}, {"SPLIT_QK": False},
+                                 {"STAGED": True, "STAGES": 1, "SPLIT_QK": False}])
 def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk, cfg):
     """The production prefill form: raw q normalised and rotated in the producer, the output's rope dims rotated
     back in the epilogue; against the product kernel's same form and the twin."""
