@@ -432,7 +432,7 @@ if GLUON:
 
 
 # STAGED (the producer's cp.async staging, ``_producer_staged``): with one bf16 tile and full QK (no S exchange) 210 KB
-# of shared memory (q 64 + tile 64 + two staging slots 2 x 40.5); compiles for sm_90a, spilling 2,792 bytes at
+# of shared memory (q 64 + tile 64 + two staging slots 2 x 40.5); compiles for sm_90a, spilling ~2.8 KB at
 # 224 / 64 registers and 1,536 at 192 / 128 (ptxas); not yet run on a GPU.
 # Consumer warpgroups at 224 registers (a 64 x 256 fp32 accumulator, S, P; Triton 3.6 gives the default partition
 # 512 - the workers' - 8 = 216) and the producer's at 64; the launch (12 warps) at 65,536 / 384 -> 168. Shared memory:
