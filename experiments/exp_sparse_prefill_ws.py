@@ -59,11 +59,11 @@ def main():
                               ("full QK in both consumers", {"SPLIT_QK": False}, {}),
                               ("padded exchange only", {"Q_CONSUMERS": False}, {}),
                               ("q in the consumers only", {"SX_PAD": False}, {}),
-                              ("staged producer (cp.async), 1 tile, full QK",
-                               {"STAGED": True, "STAGES": 1, "SPLIT_QK": False}, {}),
-                              ("staged, consumers 192 / producer 128 registers",
-                               {"STAGED": True, "STAGES": 1, "SPLIT_QK": False, "CONSUMER_REGS": 192,
-                                "PRODUCER_REGS": 128}, {})):
+                              ("staged producer (cp.async), 1 tile, full QK, 200 / 112 registers", SP.STAGED_CONFIG,
+                               {}),
+                              ("staged, production form", SP.STAGED_CONFIG, fkw),
+                              ("staged, 208 / 96 registers", dict(SP.STAGED_CONFIG, CONSUMER_REGS=208,
+                                                                  PRODUCER_REGS=96), {})):
             try:
                 o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
                 torch.cuda.synchronize()

@@ -267,7 +267,7 @@ if GLUON:
         mbarrier.wait(q_ready.index(3 + HALF), 0)
 
     @gluon.jit
-    def _consumer(WIDX, EIDX, SINK, O, COS, SIN, Q, q_smem, k_smem, s_x, ss_x, q_ready, ready, empty, s_full, s_free,
+    def _consumer(WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty, s_full, s_free,
                   t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, q_eps,
                   STAGES: gl.constexpr, HALF: gl.constexpr, SPLIT_QK: gl.constexpr, ROPE: gl.constexpr,
                   QNORM: gl.constexpr, Q_CONSUMERS: gl.constexpr):
@@ -284,6 +284,7 @@ if GLUON:
         m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
         l_i = gl.zeros([_BH], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([_BH, 256], gl.float32, o_l)
+        q_smem = q_all.index(0)
         if Q_CONSUMERS:
             _q_half(Q, COS, SIN, q_smem, ss_x, q_ready, t64, h0, stride_qt, stride_qh, q_eps, HALF, QNORM)
             if not SPLIT_QK:        # the full QK reads the other half too
@@ -293,7 +294,12 @@ if GLUON:
         for blk in range(nb):
             s = blk % STAGES
             mbarrier.wait(ready.index(s), (blk // STAGES) & 1)
-            kt = k_smem.index(s)
+            # q and the tile through an index offset by blk // (KW + KE + 1), 0 (blk < nb <= KW + KE) but not for the
+            # compiler: their addresses depend on the iteration, so the wgmma descriptors are rebuilt each block
+            # instead of hoisted out of the loop (one stage, full QK: ~1.2 KB of spills)
+            zero = blk // (KW + KE + 1)
+            kt = k_smem.index(s + zero)
+            q_smem = q_all.index(zero)
             if SPLIT_QK:
                 # this consumer's 256 dims of q . k, the other's through shared memory, summed in one order (half
                 # 0's partial first) by both: the same S in both consumers, each block's QK done once
@@ -365,7 +371,8 @@ if GLUON:
         t = gl.program_id(1)
         h0 = hb * _BH
         lay: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [_BH, _D], lay)
+        q_all = gl.allocate_shared_memory(gl.bfloat16, [1, _BH, _D], lay)
+        q_smem = q_all.index(0)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, _D], lay)
         # q_ready: 0 the producer's q (not Q_CONSUMERS); 1 half 1's sum of squares in ss_x, 2 half 0's r there; 3 + i
         # consumer i's q half
@@ -408,10 +415,10 @@ if GLUON:
             mbarrier.init(empty.index(i), count=2)      # one arrival per consumer
         if STAGED:
             gl.warp_specialize([
-                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_smem, k_smem, s_x, ss_x, q_ready, ready, empty,
+                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
                              s_full, s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt,
                              stride_et, qk_scale, q_eps, STAGES, 0, SPLIT_QK, ROPE, QNORM, True)),
-                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_smem, k_smem, s_x, ss_x, q_ready, ready, empty,
+                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
                              s_full, s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt,
                              stride_et, qk_scale, q_eps, STAGES, 1, SPLIT_QK, ROPE, QNORM, True)),
                 (_producer_staged, (WIDX, EIDX, WPAGES, EPAGES, k_smem, raw, raw_rope, raw_sc, rbar, ready, empty, t,
@@ -419,10 +426,10 @@ if GLUON:
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_smem, k_smem, s_x, ss_x, q_ready, ready, empty,
+                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
                              s_full, s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt,
                              stride_et, qk_scale, q_eps, STAGES, 0, SPLIT_QK, ROPE, QNORM, Q_CONSUMERS)),
-                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_smem, k_smem, s_x, ss_x, q_ready, ready, empty,
+                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
                              s_full, s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt,
                              stride_et, qk_scale, q_eps, STAGES, 1, SPLIT_QK, ROPE, QNORM, Q_CONSUMERS)),
                 (_producer, (Q, WIDX, EIDX, WPAGES, EPAGES, COS, SIN, q_smem, k_smem, q_ready, ready, empty, t, h0,
@@ -432,14 +439,15 @@ if GLUON:
 
 
 # STAGED (the producer's cp.async staging, ``_producer_staged``): with one bf16 tile and full QK (no S exchange) 210 KB
-# of shared memory (q 64 + tile 64 + two staging slots 2 x 40.5); compiles for sm_90a, spilling ~2.8 KB at
-# 224 / 64 registers and 1,536 at 192 / 128 (ptxas); not yet run on a GPU.
+# of shared memory (q 64 + tile 64 + two staging slots 2 x 40.5); compiles for sm_90a, spilling 1,296 bytes at
+# 224 / 64 registers, 392 at 208 / 96 and 140 at 200 / 112 (``STAGED_CONFIG``; ptxas); not yet run on a GPU.
 # Consumer warpgroups at 224 registers (a 64 x 256 fp32 accumulator, S, P; Triton 3.6 gives the default partition
 # 512 - the workers' - 8 = 216) and the producer's at 64; the launch (12 warps) at 65,536 / 384 -> 168. Shared memory:
 # q 64 KB + STAGES x 64 KB of bf16 tiles + SPLIT_QK's 2 x 16 KB (2 stages: 224 KB of sm_90's 227). ptxas (sm_90a,
-# Triton 3.6): 76 bytes of spills with SPLIT_QK, 324 without (the QK descriptors of both stages, hoisted).
+# Triton 3.6): 40 bytes of spills with SPLIT_QK (the consumers' wgmma descriptors rebuilt each block: see the loop).
 DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnreg": 168, "SPLIT_QK": True,
                   "SX_PAD": True, "Q_CONSUMERS": True}
+STAGED_CONFIG = {"STAGED": True, "STAGES": 1, "SPLIT_QK": False, "CONSUMER_REGS": 200, "PRODUCER_REGS": 112}
 
 
 def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: torch.Tensor, window_page_size: int,

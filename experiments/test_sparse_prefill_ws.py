@@ -31,7 +31,7 @@ def test_aot_compile_sm90(fused, staged):
                  SPLIT_QK=cfg["SPLIT_QK"] and not staged, ROPE=fused, QNORM=fused, SX_PAD=cfg["SX_PAD"],
                  Q_CONSUMERS=cfg["Q_CONSUMERS"], STAGED=staged)
     if staged:      # the staged producer's form: one bf16 tile, full QK in both consumers (shared memory)
-        const["STAGES"] = 1
+        const.update({k: v for k, v in SP.STAGED_CONFIG.items() if k in const})
     ptx, mma, smem = aot_compile(SP._sparse_prefill_ws_kernel, types, const, 90, 4,
                                  div=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "w_pbytes", "e_pbytes"),
                                  maxnreg=cfg["maxnreg"], shared=True)
@@ -66,7 +66,7 @@ def _case(H, n, topk, all_masked_row=None, extra=True):
 @pytest.mark.parametrize("H,n,topk,masked,extra", [(64, 256, 512, None, True), (128, 64, 1024, 3, True),
                                                    (64, 33, 512, 0, False)])
 @pytest.mark.parametrize("cfg", [None, {"STAGES": 1}, {"SPLIT_QK": False}, {"Q_CONSUMERS": False, "SX_PAD": False},
-                                 {"STAGED": True, "STAGES": 1, "SPLIT_QK": False}])
+                                 SP.STAGED_CONFIG])
 def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, extra, cfg):
     need_gpu()
     if not SP.available("cuda"):
@@ -92,7 +92,7 @@ def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, ex
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,n,topk", [(64, 256, 512), (128, 64, 1024)])
 @pytest.mark.parametrize("cfg", [None, {"Q_CONSUMERS": False, "SX_PAD": False}, {"SPLIT_QK": False},
-                                 {"STAGED": True, "STAGES": 1, "SPLIT_QK": False}])
+                                 SP.STAGED_CONFIG])
 def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk, cfg):
     """The production prefill form: raw q normalised and rotated in the producer, the output's rope dims rotated
     back in the epilogue; against the product kernel's same form and the twin."""
