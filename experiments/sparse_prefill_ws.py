@@ -73,6 +73,20 @@ if GLUON:
         return gl.where(j < KW, iw, ie)
 
     @gluon.jit
+    def _entries(wrow, erow, j, KW, KT, WPAGES, EPAGES, w_psz, w_pbytes, e_psz, e_pbytes):
+        """List entries j of the row: (valid, each entry's 576-byte row, its 8-byte scale word's pointer)."""
+        idx = _load_idx(wrow, erow, j, KW, KT)
+        valid = idx >= 0
+        slot = gl.maximum(idx, 0)
+        in_w = j < KW
+        psz = gl.where(in_w, w_psz, e_psz)
+        pnb = gl.where(in_w, w_pbytes, e_pbytes)
+        page = slot // psz
+        off = slot - page * psz
+        base = gl.where(in_w, WPAGES, EPAGES) + page.to(gl.int64) * pnb
+        return valid, base + off * 576, (base + psz * 576 + off * 8).to(gl.pointer_type(gl.int64))
+
+    @gluon.jit
     def _producer(Q, WIDX, EIDX, WPAGES, EPAGES, COS, SIN, q_smem, k_smem, q_ready, ready, empty, t, h0, KW, KE,
                   stride_qt, stride_qh, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, q_eps,
                   STAGES: gl.constexpr, QNORM: gl.constexpr, Q_CONSUMERS: gl.constexpr):
@@ -120,18 +134,9 @@ if GLUON:
             s = blk % STAGES
             mbarrier.wait(empty.index(s), ((blk // STAGES) & 1) ^ 1)      # fresh barriers: phase 1 done
             kt = k_smem.index(s)
-            j = blk * _BN + n
-            idx = _load_idx(wrow, erow, j, KW, KT)
-            valid = idx >= 0
-            slot = gl.maximum(idx, 0)
-            in_w = j < KW
-            psz = gl.where(in_w, w_psz, e_psz)
-            pnb = gl.where(in_w, w_pbytes, e_pbytes)
-            page = slot // psz
-            off = slot - page * psz
-            base = gl.where(in_w, WPAGES, EPAGES) + page.to(gl.int64) * pnb
-            row = base + off * 576
-            scw = gl.load((base + psz * 576 + off * 8).to(gl.pointer_type(gl.int64)), mask=valid, other=0)
+            valid, row, sptr = _entries(wrow, erow, blk * _BN + n, KW, KT, WPAGES, EPAGES, w_psz, w_pbytes, e_psz,
+                                        e_pbytes)
+            scw = gl.load(sptr, mask=valid, other=0)
             for c in gl.static_range(7):       # the 448 e4m3 dims, 2^(byte - 127) per 64-dim block: exact in bf16
                 sc = (((scw >> (8 * c)) & 0xFF).to(gl.int32) << 23).to(gl.float32, bitcast=True)
                 x = gl.load(row[:, None] + (64 * c) + d[None, :], mask=valid[:, None], other=0)
@@ -156,17 +161,9 @@ if GLUON:
                                             order=[1, 0])
         ls: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         n = gl.arange(0, _BN, layout=gl.SliceLayout(1, lc))
-        j = blk * _BN + n
-        idx = _load_idx(wrow, erow, j, KW, KT)
-        valid = idx >= 0
-        slot = gl.maximum(idx, 0)
-        in_w = j < KW
-        psz = gl.where(in_w, w_psz, e_psz)
-        pnb = gl.where(in_w, w_pbytes, e_pbytes)
-        page = slot // psz
-        off = slot - page * psz
-        base = gl.where(in_w, WPAGES, EPAGES) + page.to(gl.int64) * pnb
-        row = gl.multiple_of(base + off * 576, 16)     # pages and entries are 16-byte multiples: 16-byte copies
+        valid, row, sptr = _entries(wrow, erow, blk * _BN + n, KW, KT, WPAGES, EPAGES, w_psz, w_pbytes, e_psz,
+                                    e_pbytes)
+        row = gl.multiple_of(row, 16)     # pages and entries are 16-byte multiples: 16-byte copies
         col = gl.arange(0, 512, layout=gl.SliceLayout(0, lc))
         # all 512 bytes of the row: the last 64 are the start of the entry's own rope dims (inside its 576 bytes;
         # unused), and a mask constant along the row keeps the 16-byte copies (Triton 3.9's contiguity analysis)
@@ -177,7 +174,7 @@ if GLUON:
         _cp_async(raw_rope.index(r),
                                                (row_r + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + dr[None, :],
                                                mask=valid_r[:, None])
-        sp = gl.convert_layout((base + psz * 576 + off * 8).to(gl.pointer_type(gl.int64)), ls)
+        sp = gl.convert_layout(sptr, ls)
         _cp_async(raw_sc.index(r), sp, mask=gl.convert_layout(valid, ls))
         async_copy.mbarrier_arrive(rbar.index(r), increment_count=False)
 
@@ -439,8 +436,8 @@ if GLUON:
 
 
 # STAGED (the producer's cp.async staging, ``_producer_staged``): with one bf16 tile and full QK (no S exchange) 210 KB
-# of shared memory (q 64 + tile 64 + two staging slots 2 x 40.5); compiles for sm_90a, spilling 1,296 bytes at
-# 224 / 64 registers, 392 at 208 / 96 and 140 at 200 / 112 (``STAGED_CONFIG``; ptxas); not yet run on a GPU.
+# of shared memory (q 64 + tile 64 + two staging slots 2 x 40.5); compiles for sm_90a, spilling 972 bytes at
+# 224 / 64 registers, 224 at 208 / 96 and 56 at 200 / 112 (``STAGED_CONFIG``; ptxas); not yet run on a GPU.
 # Consumer warpgroups at 224 registers (a 64 x 256 fp32 accumulator, S, P; Triton 3.6 gives the default partition
 # 512 - the workers' - 8 = 216) and the producer's at 64; the launch (12 warps) at 65,536 / 384 -> 168. Shared memory:
 # q 64 KB + STAGES x 64 KB of bf16 tiles + SPLIT_QK's 2 x 16 KB (2 stages: 224 KB of sm_90's 227). ptxas (sm_90a,
