@@ -9,10 +9,9 @@ import torch
 from ..formats.contracts import check_inverse_rope, check_sparse_attention
 from ..formats.kv_entry import read_kv_entries
 from ..reference.attention import sparse_attention
-from ..reference.norm import head_rms_norm
 from ..reference.numerics import OFFICIAL
-from ..reference.rope import apply_rope
 from .inverse_rope import inverse_rope
+from .kv_insert import q_transform
 
 HEAD_DIM = 512
 
@@ -66,7 +65,7 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
         if rope is None:
             raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
         check_inverse_rope(q, *rope)
-        q = apply_rope(head_rms_norm(q, q_norm_eps, OFFICIAL), torch.complex(rope[0].float(), rope[1].float()))
+        q = q_transform(q, *rope, q_norm_eps)
     o = sparse_decode(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
                       sinks, scale)
     if rope is None:
