@@ -51,7 +51,7 @@ def main():
         us = graph_time(lambda: sa.sparse_prefill(*a, **fkw)) * 1e3
         print(f"| {H} | {lab} | sparse_prefill (Triton), q transform + inverse RoPE fused | {us:.0f} | "
               f"{c['flops'] / us / 1e6:.0f} | {FLASHMLA[H]:.0f} | |", flush=True)
-        base = {"SX_PAD": False, "Q_CONSUMERS": False}     # the eighth session's form
+        base = {"SX_PAD": False, "Q_CONSUMERS": False}     # the first form: q by the producer, unpadded exchange
         for name, cfg, kw in (("default (padded S exchange, q in the consumers)", {}, {}),
                               ("default, q transform + inverse RoPE fused", {}, fkw),
                               ("first form (q by the producer, unpadded exchange)", base, {}),

@@ -3,8 +3,8 @@
 ``dsv4/kernels/gemm/fp4_fp8_ws.py`` (the product kernel) decodes each weight tile into shared memory, where NC
 consumer warpgroups read it as wgmma's B operand next to their activation slices: per K block of a 256 x 64 tile
 ~112 KB of shared-memory traffic for 2.1M MACs, ~875 cycles at 128 B/clk, against ~490 cycles of MACs (H100,
-docs/benchmarks-2026-12-06.md, eighth session). Here the roles swap: out^T = W a^T, the weights the M side
-(64 weight rows a consumer warpgroup) decoded by the consumer itself straight into the registers wgmma's A operand
+docs/benchmarks-2026-12-06.md, "The two prepared variants"). Here the roles swap: out^T = W a^T, the weights the
+M side (64 weight rows a consumer warpgroup) decoded by the consumer itself straight into the registers wgmma's A operand
 reads, and the activations the shared-memory B operand (N = BT tokens). Per K block of a 128-weight-row x BT-token
 tile (NC 2, BT 128, 2.1M MACs): the activation box (16 KB) and the packed weights (8 KB) by TMA, the box read by
 both consumers' wgmma (32 KB), the packed bytes by the consumers (8 KB): ~64 KB. The activations in L2 are read
@@ -22,7 +22,7 @@ Contract: ``fp4_fp8_ws``'s (same arguments, same products in the same K = 32 ins
 promotion; H100: the same bits on every GPU test case). Timing: ``experiments/exp_fp4_fp8_ws.py --only register``.
 Not routed to by the product: on an H100 it ran 2.5x slower than ``fp4_fp8_ws`` (GEMM 1 at 8192 tokens x 256
 experts 7,738 vs 3,063 us; 64-token tiles 5,817; without the decode 6,485: the consumers' wgmma chain, not the
-decode; docs/benchmarks-2026-12-06.md, eighth session).
+decode; docs/benchmarks-2026-12-06.md, "The weights as wgmma's register operand").
 """
 from __future__ import annotations
 

@@ -327,7 +327,7 @@ if GLUON:
 # The scales loaded one K block ahead in the decoder and the consumers (H100, 2026-12-06, at 50610af): GEMM 1 3068 vs
 # 3101 us, GEMM 2 1653 vs 1636, prefill within its run-to-run spread: not kept. Per K block a tile spends ~1,300
 # cycles for ~490 of MACs; its ~112 KB of shared-memory traffic (wgmma's A and B reads, TMA, the decoder) is ~875
-# cycles (docs/benchmarks-2026-12-06.md, eighth session).
+# cycles (docs/benchmarks-2026-12-06.md, "The two prepared variants").
 # PROBE (timing only, wrong outputs): 1 = the decoder stores nothing, 2 = the consumers skip the wgmma, 3 = both
 # (the loads and the barrier ring alone).
 DEFAULT_CONFIG = {"STAGES": 4, "CONSUMERS": 4, "CONSUMER_REGS": None, "DECODER_REGS": None, "LOADER_REGS": None,
