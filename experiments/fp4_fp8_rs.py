@@ -4,8 +4,8 @@
 consumer warpgroups read it as wgmma's B operand next to their activation slices: per K block of a 256 x 64 tile
 ~112 KB of shared-memory traffic for 2.1M MACs, ~875 cycles at 128 B/clk, against ~490 cycles of MACs (H100,
 docs/benchmarks-2026-12-06.md, "The two prepared variants"). Here the roles swap: out^T = W a^T, the weights the
-M side (64 weight rows a consumer warpgroup) decoded by the consumer itself straight into the registers wgmma's A operand
-reads, and the activations the shared-memory B operand (N = BT tokens). Per K block of a 128-weight-row x BT-token
+M side (64 weight rows a consumer warpgroup) decoded by the consumer itself straight into the registers wgmma's A
+operand reads, and the activations the shared-memory B operand (N = BT tokens). Per K block of a 128-weight-row x BT-token
 tile (NC 2, BT 128, 2.1M MACs): the activation box (16 KB) and the packed weights (8 KB) by TMA, the box read by
 both consumers' wgmma (32 KB), the packed bytes by the consumers (8 KB): ~64 KB. The activations in L2 are read
 once per 128 weight rows instead of once per 64.

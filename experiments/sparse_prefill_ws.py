@@ -117,7 +117,8 @@ if GLUON:
             partner = _rne(gl.load(pq).to(gl.float32) * r)
             cs = gl.load(COS + t64 * 32 + dq // 2)[None, :]
             sn = gl.load(SIN + t64 * 32 + dq // 2)[None, :]
-            q_smem.slice(448, 64, dim=1).store(_rne(_rotate(qc, partner, cs, sn, ((dq & 1) == 1)[None, :])).to(gl.bfloat16))
+            qr = _rne(_rotate(qc, partner, cs, sn, ((dq & 1) == 1)[None, :]))
+            q_smem.slice(448, 64, dim=1).store(qr.to(gl.bfloat16))
         else:
             for c in gl.static_range(8):
                 q_smem.slice(64 * c, 64, dim=1).store(gl.load(qb + 64 * c))
@@ -153,8 +154,8 @@ if GLUON:
     def _issue_gathers(WPAGES, EPAGES, raw, raw_rope, raw_sc, rbar, r, blk, wrow, erow, KW, KT, w_psz, w_pbytes,
                        e_psz, e_pbytes):
         """STAGED: ``cp.async`` gathers of block ``blk``'s raw entries into staging slot r (the 448 e4m3 bytes of
-        each entry at the start of a 512-byte row, its 64 bf16 rope dims, its 8 scale bytes; invalid entries zero-filled), no
-        registers held; each thread's copies arrive on rbar[r] when they land (count: the 128 producer threads)."""
+        each entry at the start of a 512-byte row, its 64 bf16 rope dims, its 8 scale bytes; invalid entries
+        zero-filled), no registers held; each thread's copies arrive on rbar[r] when they land (count: the 128 producer threads)."""
         lc: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
                                             order=[1, 0])
         lr: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
@@ -482,6 +483,7 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
         float(q_norm_eps or 0.0), STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
         PRODUCER_REGS=cfg["PRODUCER_REGS"], SPLIT_QK=bool(cfg["SPLIT_QK"]), ROPE=rope is not None,
         QNORM=q_norm_eps is not None, SX_PAD=bool(cfg.get("SX_PAD", False)),
-        Q_CONSUMERS=bool(cfg.get("Q_CONSUMERS", False)), STAGED=bool(cfg.get("STAGED", False)), num_warps=4, maxnreg=cfg["maxnreg"],
+        Q_CONSUMERS=bool(cfg.get("Q_CONSUMERS", False)), STAGED=bool(cfg.get("STAGED", False)), num_warps=4,
+        maxnreg=cfg["maxnreg"],
         **({"enable_fp_fusion": False} if rope is not None else {}), **PDL_LAUNCH)
     return out
