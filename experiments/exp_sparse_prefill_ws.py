@@ -51,19 +51,40 @@ def main():
         us = graph_time(lambda: sa.sparse_prefill(*a, **fkw)) * 1e3
         print(f"| {H} | {lab} | sparse_prefill (Triton), q transform + inverse RoPE fused | {us:.0f} | "
               f"{c['flops'] / us / 1e6:.0f} | {FLASHMLA[H]:.0f} | |", flush=True)
+        rkw = dict(rope=fkw["rope"])
+        us = graph_time(lambda: sa.sparse_prefill(*a, **rkw)) * 1e3
+        print(f"| {H} | {lab} | sparse_prefill (Triton), inverse RoPE only | {us:.0f} | "
+              f"{c['flops'] / us / 1e6:.0f} | {FLASHMLA[H]:.0f} | |", flush=True)
+        ws = (SP.dequantize_pages(c["wpages"], PAGE), SP.dequantize_pages(c["epages"], PAGE))
+        us = graph_time(lambda: (SP.dequantize_pages(c["wpages"], PAGE), SP.dequantize_pages(c["epages"], PAGE))) * 1e3
+        print(f"| {H} | {lab} | dequantize_pages (torch) of both pools: {ws[0].shape[0]} + {ws[1].shape[0]} slots | "
+              f"{us:.0f} | | | |", flush=True)
+        for name, kw in (("bf16 workspace (cp.async producer)", dict(kv_bf16=ws)),
+                         ("bf16 workspace, q transform + inverse RoPE fused", dict(kv_bf16=ws, **fkw))):
+            try:
+                o = SP.sparse_prefill_ws(*a, **kw)
+                r0 = fref if "q_norm_eps" in kw else ref
+                rel = ((o.float() - r0.float()).norm() / r0.float().norm()).item()
+                us = graph_time(lambda: SP.sparse_prefill_ws(*a, **kw)) * 1e3
+                print(f"| {H} | {lab} | sparse_prefill_ws, {name} | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "
+                      f"{FLASHMLA[H]:.0f} | {rel:.1e} |", flush=True)
+            except Exception as e:          # noqa: BLE001 - reported
+                print(f"| {H} | {lab} | sparse_prefill_ws, {name} | failed: {type(e).__name__}: {str(e)[:300]} | | | |",
+                      flush=True)
         base = {"SX_PAD": False, "Q_CONSUMERS": False}     # the first form: q by the producer, unpadded exchange
         for name, cfg, kw in (("default (padded S exchange, q in the consumers)", {}, {}),
                               ("default, q transform + inverse RoPE fused", {}, fkw),
+                              ("default, inverse RoPE only", {}, rkw),
+                              ("default, q transform + inverse RoPE, FMA contraction on (timing probe, not the "
+                               "bits)", {"FP_FUSION": True}, fkw),
+                              ("default, inverse RoPE only, FMA contraction on (timing probe)", {"FP_FUSION": True},
+                               rkw),
                               ("first form (q by the producer, unpadded exchange)", base, {}),
-                              ("first form, 1 stage", dict(base, STAGES=1), {}),
                               ("full QK in both consumers", {"SPLIT_QK": False}, {}),
                               ("padded exchange only", {"Q_CONSUMERS": False}, {}),
                               ("q in the consumers only", {"SX_PAD": False}, {}),
                               ("staged producer (cp.async), 1 tile, full QK, 200 / 112 registers", SP.STAGED_CONFIG,
-                               {}),
-                              ("staged, production form", SP.STAGED_CONFIG, fkw),
-                              ("staged, 208 / 96 registers", dict(SP.STAGED_CONFIG, CONSUMER_REGS=208,
-                                                                  PRODUCER_REGS=96), {})):
+                               {})):
             try:
                 o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
                 torch.cuda.synchronize()

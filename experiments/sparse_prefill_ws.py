@@ -219,6 +219,36 @@ if GLUON:
                                w_pbytes, e_psz, e_pbytes)
 
     @gluon.jit
+    def _producer_bf16(WIDX, EIDX, WKV, EKV, k_smem, ready, empty, t, KW, KE, stride_wt, stride_et,
+                       STAGES: gl.constexpr):
+        """BF16_KV: the entries are rows of dense bf16 [slots, 512] workspaces (the FP8 caches dequantised once
+        per chunk, vLLM's and FlashMLA's prefill form): per block, ``cp.async`` copies of its 64 rows straight into
+        the ring's tile (invalid entries zero-filled), no data in registers; each thread's copies arrive on
+        ready[s] when they land (count: the 128 producer threads), so the producer runs up to STAGES blocks ahead.
+        The consumers load q (``Q_CONSUMERS``)."""
+        lc: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        t64 = t.to(gl.int64)
+        wrow = WIDX + t64 * stride_wt
+        erow = EIDX + t64 * stride_et
+        KT = KW + KE
+        nb = gl.cdiv(KT, _BN)
+        n = gl.arange(0, _BN, layout=gl.SliceLayout(1, lc))
+        d = gl.arange(0, 64, layout=gl.SliceLayout(0, lc))
+        for blk in range(nb):
+            s = blk % STAGES
+            mbarrier.wait(empty.index(s), ((blk // STAGES) & 1) ^ 1)      # fresh barriers: phase 1 done
+            j = blk * _BN + n
+            idx = _load_idx(wrow, erow, j, KW, KT)
+            valid = idx >= 0
+            row = gl.where(j < KW, WKV, EKV) + gl.maximum(idx, 0).to(gl.int64) * 512
+            row = gl.multiple_of(row, 16)     # 1024-byte rows (divisibility in bytes): 16-byte copies
+            kt = k_smem.index(s)
+            for c in gl.static_range(8):
+                _cp_async(kt.slice(64 * c, 64, dim=1), row[:, None] + (64 * c) + d[None, :], mask=valid[:, None])
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+    @gluon.jit
     def _q_half(Q, COS, SIN, q_smem, ss_x, q_ready, t64, h0, stride_qt, stride_qh, q_eps, HALF: gl.constexpr,
                 QNORM: gl.constexpr):
         """Q_CONSUMERS: this consumer's 256 dims of q into shared memory (QNORM: kv_insert's q transform; half 0
@@ -268,7 +298,7 @@ if GLUON:
     def _consumer(WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty, s_full, s_free,
                   t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt, stride_et, qk_scale, q_eps,
                   STAGES: gl.constexpr, HALF: gl.constexpr, SPLIT_QK: gl.constexpr, ROPE: gl.constexpr,
-                  QNORM: gl.constexpr, Q_CONSUMERS: gl.constexpr):
+                  QNORM: gl.constexpr, Q_CONSUMERS: gl.constexpr, BF16_KV: gl.constexpr = False):
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -292,6 +322,8 @@ if GLUON:
         for blk in range(nb):
             s = blk % STAGES
             mbarrier.wait(ready.index(s), (blk // STAGES) & 1)
+            if BF16_KV:
+                fence_async_shared()        # the producer's cp.async writes (generic proxy) before wgmma reads them
             # q and the tile through an index offset by blk // (KW + KE + 1), 0 (blk < nb <= KW + KE) but not for the
             # compiler: their addresses depend on the iteration, so the wgmma descriptors are rebuilt each block
             # instead of hoisted out of the loop (one stage, full QK: ~1.2 KB of spills)
@@ -363,7 +395,7 @@ if GLUON:
                                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                   SPLIT_QK: gl.constexpr, ROPE: gl.constexpr = False, QNORM: gl.constexpr = False,
                                   SX_PAD: gl.constexpr = False, Q_CONSUMERS: gl.constexpr = False,
-                                  STAGED: gl.constexpr = False):
+                                  STAGED: gl.constexpr = False, BF16_KV: gl.constexpr = False):
         pdl_wait()
         hb = gl.program_id(0)
         t = gl.program_id(1)
@@ -409,9 +441,20 @@ if GLUON:
             mbarrier.init(s_full.index(i), count=1)
             mbarrier.init(s_free.index(i), count=1)
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=128 if BF16_KV else 1)   # BF16_KV: each producer thread's copies
             mbarrier.init(empty.index(i), count=2)      # one arrival per consumer
-        if STAGED:
+        if BF16_KV:
+            gl.warp_specialize([
+                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
+                             s_full, s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt,
+                             stride_et, qk_scale, q_eps, STAGES, 0, SPLIT_QK, ROPE, QNORM, True, True)),
+                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
+                             s_full, s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt,
+                             stride_et, qk_scale, q_eps, STAGES, 1, SPLIT_QK, ROPE, QNORM, True, True)),
+                (_producer_bf16, (WIDX, EIDX, WPAGES, EPAGES, k_smem, ready, empty, t, KW, KE, stride_wt, stride_et,
+                                  STAGES)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        elif STAGED:
             gl.warp_specialize([
                 (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
                              s_full, s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt,
@@ -448,13 +491,23 @@ DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnr
 STAGED_CONFIG = {"STAGED": True, "STAGES": 1, "SPLIT_QK": False, "CONSUMER_REGS": 200, "PRODUCER_REGS": 112}
 
 
+def dequantize_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Every slot of an FP8 page pool as a dense bf16 [num_pages * page_size, 512] workspace (slot id = row;
+    ``decode_kv_entries``' values, the attention kernels' dequantisation)."""
+    from dsv4.formats.kv_entry import decode_kv_entries, page_views
+    data, scales = page_views(pages, page_size)
+    return decode_kv_entries(data.reshape(-1, data.shape[-1]), scales.reshape(-1, scales.shape[-1]))
+
+
 def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: torch.Tensor, window_page_size: int,
                       extra_idx: torch.Tensor | None, extra_pages: torch.Tensor | None, extra_page_size: int,
                       sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5, config: dict | None = None,
                       out: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      q_norm_eps: float | None = None) -> torch.Tensor:
+                      q_norm_eps: float | None = None,
+                      kv_bf16: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """``sparse_prefill``'s arguments and result (H a multiple of 64, a window list), ``rope`` and ``q_norm_eps``
-    included."""
+    included. ``kv_bf16`` = (window, extra) dense bf16 [slots, 512] workspaces (``dequantize_pages``) read instead of
+    the pages: the lists' slot ids index their rows (the ``BF16_KV`` producer)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     T, H, D = q.shape
     if D != HEAD_DIM or H % BH or q.stride(2) != 1:
@@ -473,6 +526,12 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
     else:
         KE = extra_idx.shape[1]
     window_idx, extra_idx = window_idx.contiguous(), extra_idx.contiguous()
+    if kv_bf16 is not None:
+        wkv, ekv = kv_bf16[0], kv_bf16[1] if KE else kv_bf16[0]
+        for name, a in (("window", wkv), ("extra", ekv)):
+            if a is None or a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != HEAD_DIM or not a.is_contiguous():
+                raise ValueError(f"sparse_prefill_ws: kv_bf16's {name} workspace must be contiguous bf16 [slots, 512]")
+        window_pages, extra_pages = wkv, ekv
     out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device) if out is None else out
     if T == 0:
         return out
@@ -483,7 +542,9 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
         float(q_norm_eps or 0.0), STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
         PRODUCER_REGS=cfg["PRODUCER_REGS"], SPLIT_QK=bool(cfg["SPLIT_QK"]), ROPE=rope is not None,
         QNORM=q_norm_eps is not None, SX_PAD=bool(cfg.get("SX_PAD", False)),
-        Q_CONSUMERS=bool(cfg.get("Q_CONSUMERS", False)), STAGED=bool(cfg.get("STAGED", False)), num_warps=4,
+        # the staged and bf16 producers leave q to the consumers
+        Q_CONSUMERS=bool(cfg.get("Q_CONSUMERS", False) or cfg.get("STAGED", False) or kv_bf16 is not None),
+        STAGED=bool(cfg.get("STAGED", False)), BF16_KV=kv_bf16 is not None, num_warps=4,
         maxnreg=cfg["maxnreg"],
-        **({"enable_fp_fusion": False} if rope is not None else {}), **PDL_LAUNCH)
+        **({"enable_fp_fusion": False} if rope is not None and not cfg.get("FP_FUSION") else {}), **PDL_LAUNCH)
     return out

@@ -15,8 +15,9 @@ import sparse_prefill_ws as SP  # noqa: E402
 from kernel_helpers import need_gpu  # noqa: E402
 
 
-@pytest.mark.parametrize("fused,staged", [(False, False), (True, False), (False, True)])
-def test_aot_compile_sm90(fused, staged):
+@pytest.mark.parametrize("fused,staged,bf16", [(False, False, False), (True, False, False), (False, True, False),
+                                               (True, False, True)])
+def test_aot_compile_sm90(fused, staged, bf16):
     """bf16 wgmma m64n64k16 for QK (q and the dequantised tile from shared memory) and m64n256k16 for PV (P from
     registers), the partitions' register counts within the file, shared memory within sm_90's 227 KB."""
     if not SP.GLUON or os.environ.get("TRITON_INTERPRET") == "1":
@@ -24,12 +25,13 @@ def test_aot_compile_sm90(fused, staged):
     import re
     from kernel_helpers import aot_compile
     cfg = SP.DEFAULT_CONFIG
-    types = dict(Q="*bf16", WIDX="*i32", EIDX="*i32", WPAGES="*u8", EPAGES="*u8", SINK="*fp32", O="*bf16",
+    pool = "*bf16" if bf16 else "*u8"
+    types = dict(Q="*bf16", WIDX="*i32", EIDX="*i32", WPAGES=pool, EPAGES=pool, SINK="*fp32", O="*bf16",
                  COS="*fp32", SIN="*fp32", qk_scale="fp32", q_eps="fp32")
     # fused: the production prefill form (q's norm + RoPE in the producer, the inverse RoPE in the epilogue)
     const = dict(STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
                  SPLIT_QK=cfg["SPLIT_QK"] and not staged, ROPE=fused, QNORM=fused, SX_PAD=cfg["SX_PAD"],
-                 Q_CONSUMERS=cfg["Q_CONSUMERS"], STAGED=staged)
+                 Q_CONSUMERS=cfg["Q_CONSUMERS"], STAGED=staged, BF16_KV=bf16)
     if staged:      # the staged producer's form: one bf16 tile, full QK in both consumers (shared memory)
         const.update({k: v for k, v in SP.STAGED_CONFIG.items() if k in const})
     ptx, mma, smem = aot_compile(SP._sparse_prefill_ws_kernel, types, const, 90, 4,
@@ -37,8 +39,11 @@ def test_aot_compile_sm90(fused, staged):
                                  maxnreg=cfg["maxnreg"], shared=True)
     # page sizes in bytes are multiples of 16 (the JIT's divisibility specialisation): the gathers are 16-byte loads
     # (staged: 16-byte cp.async into the staging slots, 8-byte ones for the scale words, each thread's async arrival)
+    # (bf16: each thread's 32 16-byte copies of a block straight into the tile, one async arrival)
     if staged:
         assert ptx.count("cp.async.cg.shared.global") >= 40 and "cp.async.mbarrier.arrive.noinc" in ptx
+    elif bf16:
+        assert ptx.count("cp.async.cg.shared.global") == 32 and "cp.async.mbarrier.arrive.noinc" in ptx
     else:
         assert ptx.count("ld.global.v4.b32") >= 18, ptx.count("ld.global.v4.b32")   # a block: 7 x 2 e4m3 + 4 rope
     assert mma == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
@@ -116,4 +121,36 @@ def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk, cf
     plain = SP.sparse_prefill_ws(*args, config=cfg)
     assert (plain.float() - o.float()).norm() > 0.1 * o.float().norm()
     print(f"fused: relative difference to the product kernel "
+          f"{((o.float() - ref.float()).norm() / ref.float().norm()).item():.1e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,n,topk,masked,extra", [(64, 256, 512, 5, True), (128, 64, 1024, None, True),
+                                                   (64, 33, 512, None, False)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_sparse_prefill_ws_bf16_workspace(H, n, topk, masked, extra, fused):
+    """``kv_bf16``: the pools dequantised once into dense bf16 workspaces (``dequantize_pages``), the entries copied
+    by ``cp.async``; the same attention as the product kernel on the pages (plain and production forms)."""
+    need_gpu()
+    if not SP.available("cuda"):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    import test_sparse_attention as TS
+    from dsv4.kernels.sparse_attention import sparse_prefill
+    cache, q, widx, eidx, sinks = _case(H, n, topk, masked, extra)
+    if fused:
+        q = (q.float() * 5).bfloat16()
+    ang = torch.rand(n, 32, generator=torch.Generator().manual_seed(7)) * 6.283185307179586
+    kw = dict(rope=(torch.cos(ang).cuda(), torch.sin(ang).cuda()), q_norm_eps=1e-6) if fused else {}
+    args = (q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda() if extra else None, cache.ep if extra else None, 64,
+            sinks.cuda())
+    ws = (SP.dequantize_pages(cache.wp, 64), SP.dequantize_pages(cache.ep, 64) if extra else None)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    o = SP.sparse_prefill_ws(*args, out=out, kv_bf16=ws, **kw)
+    ref = sparse_prefill(*args, **kw)
+    if masked is not None:
+        assert torch.equal(o[masked], torch.zeros_like(o[masked]))
+    TS._compare(o, ref)
+    # the same tiles as the FP8 producer's (decode_kv_entries rounds the fp32 product once, as it does): same bits
+    assert torch.equal(o, SP.sparse_prefill_ws(*args, **kw))
+    print(f"bf16 workspace: relative difference to the product kernel "
           f"{((o.float() - ref.float()).norm() / ref.float().norm()).item():.1e}")
