@@ -491,14 +491,6 @@ DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnr
 STAGED_CONFIG = {"STAGED": True, "STAGES": 1, "SPLIT_QK": False, "CONSUMER_REGS": 200, "PRODUCER_REGS": 112}
 
 
-def dequantize_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Every slot of an FP8 page pool as a dense bf16 [num_pages * page_size, 512] workspace (slot id = row;
-    ``decode_kv_entries``' values, the attention kernels' dequantisation)."""
-    from dsv4.formats.kv_entry import decode_kv_entries, page_views
-    data, scales = page_views(pages, page_size)
-    return decode_kv_entries(data.reshape(-1, data.shape[-1]), scales.reshape(-1, scales.shape[-1]))
-
-
 def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: torch.Tensor, window_page_size: int,
                       extra_idx: torch.Tensor | None, extra_pages: torch.Tensor | None, extra_page_size: int,
                       sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5, config: dict | None = None,
@@ -506,7 +498,7 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
                       q_norm_eps: float | None = None,
                       kv_bf16: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """``sparse_prefill``'s arguments and result (H a multiple of 64, a window list), ``rope`` and ``q_norm_eps``
-    included. ``kv_bf16`` = (window, extra) dense bf16 [slots, 512] workspaces (``dequantize_pages``) read instead of
+    included. ``kv_bf16`` = (window, extra) dense bf16 [slots, 512] workspaces (``sparse_attention.dequantize_slots``) read instead of
     the pages: the lists' slot ids index their rows (the ``BF16_KV`` producer)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     T, H, D = q.shape

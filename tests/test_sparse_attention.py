@@ -241,6 +241,32 @@ def test_sparse_prefill_fused_q_transform(d_parts):
                (widx, cache.wp_cpu, 16, eidx, cache.ep_cpu, 8, sinks)), q_norm_eps=1e-6)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_sparse_prefill_from_bf16_workspaces_gives_the_pages_bits(fused):
+    """``kv_bf16``: the lists' entries read from dense bf16 workspaces (``dequantize_slots``: the whole window pool;
+    the extra pool's listed slots compacted, the list remapped to their rows) instead of the FP8 pages: the same
+    dequantised values, so the same output bits, plain and in the production form; a wrong workspace is refused."""
+    from dsv4.kernels.sparse_attention import dequantize_slots
+    gen = torch.Generator().manual_seed(17)
+    cache, q, widx, eidx, sinks = _prefill_case(gen)
+    q = (q.float() * 6).bfloat16()
+    ang = torch.rand(q.shape[0], 32, generator=gen) * 6.283185307179586
+    kw = dict(rope=(torch.cos(ang).to(DEV), torch.sin(ang).to(DEV)), q_norm_eps=1e-6) if fused else {}
+    args = (q.to(DEV), widx.to(DEV), cache.wp, 16, eidx.to(DEV), cache.ep, 8, sinks.to(DEV))
+    want = sparse_prefill(*args, **kw)
+    uniq, rows = torch.unique(eidx[eidx >= 0], return_inverse=True)
+    compact = torch.full_like(eidx, -1)
+    compact[eidx >= 0] = rows.int()
+    ws = (dequantize_slots(cache.wp, 16), dequantize_slots(cache.ep, 8, torch.cat([uniq, uniq.new_full((1,), -1)])
+                                                           .to(DEV)))
+    assert ws[1].shape == (len(uniq) + 1, 512) and not ws[1][-1].any()      # a -1 slot is a zero row
+    got = sparse_prefill(q.to(DEV), widx.to(DEV), cache.wp, 16, compact.to(DEV), cache.ep, 8, sinks.to(DEV),
+                         kv_bf16=ws, **kw)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="extra workspace"):
+        sparse_prefill(*args, kv_bf16=(ws[0], ws[1].float()), **kw)
+
+
 # ------------------------------------------------------------------------------------------------
 # ahead-of-time compilation for Hopper and Blackwell (no GPU needed)
 
@@ -263,18 +289,23 @@ _AOT_SCRIPT = textwrap.dedent("""
         (sa._sparse_fwd, dict(Q=P("bf16"), WIDX=P("i32"), EIDX=P("i32"), WPAGES=P("u8"), EPAGES=P("u8"),
                               SINK=P("fp32"), O=P("bf16"), OP=P("fp32"), MLP=P("fp32"), COS=P("fp32"),
                               SIN=P("fp32"), qk_scale="fp32", q_eps="fp32"), "prefill", 8),
+        # the prefill form reading bf16 workspaces (kv_bf16)
+        (sa._sparse_fwd, dict(Q=P("bf16"), WIDX=P("i32"), EIDX=P("i32"), WPAGES=P("bf16"), EPAGES=P("bf16"),
+                              SINK=P("fp32"), O=P("bf16"), OP=P("fp32"), MLP=P("fp32"), COS=P("fp32"),
+                              SIN=P("fp32"), qk_scale="fp32", q_eps="fp32"), "prefill_bf16", 8),
         (sa._combine, dict(OP=P("fp32"), MLP=P("fp32"), SINK=P("fp32"), O=P("bf16")), dict(HB=8), 4),
         (ir._inverse_rope_kernel, dict(O=P("bf16"), COS=P("fp32"), SIN=P("fp32"), Y=P("bf16"), YQ=P("u8"),
                                        YS=P("fp32")), dict(HPB=4, FP8=True), 4),
     ]
     for cap in aot_caps():
         for fn, types, const, warps in cases:
-            if const in (None, "prefill"):   # the attention tile the launcher picks for 64 heads on this arch
+            if const in (None, "prefill", "prefill_bf16"):   # the tile the launcher picks for 64 heads here
                 cfg = sa.default_config(64, (cap // 10, cap % 10))
-                const = dict(HB=cfg["block_h"], BN=cfg["block_n"], SPLIT=const is None, DT=tl.bfloat16,
+                pre = const is not None
+                const = dict(HB=cfg["block_h"], BN=cfg["block_n"], SPLIT=not pre, DT=tl.bfloat16,
                              INTERP=False, DP=cfg["d_parts"], DHALF=cfg["d_parts"] - 1,
-                             PREFETCH=bool(cfg.get("prefetch", False)), ROPE=const == "prefill",
-                             QNORM=const == "prefill")
+                             PREFETCH=bool(cfg.get("prefetch", False)), ROPE=pre, QNORM=pre,
+                             BF16_KV=const == "prefill_bf16")
             ptx, mma = aot_compile(fn, types, const, cap, warps)
             if fn is sa._sparse_fwd:
                 assert mma, "the attention kernel should use tensor-core MMAs"

@@ -65,6 +65,11 @@ if triton_available():
         return k.to(DT)
 
     @triton.jit
+    def _chunk_bf16(kr, valid, d, C: tl.constexpr, DT: tl.constexpr):
+        """Dims [64C, 64C+64) of the listed workspace rows (BF16_KV) -> [BN, 64] of dtype DT (0 where invalid)."""
+        return tl.load(kr[:, None] + (C * 64) + d[None, :], mask=valid[:, None], other=0.0).to(DT)
+
+    @triton.jit
     def _load_idx(wrow, erow, j, KW, KT):
         """entries j of the row's [window | extra] list (-1 past its end)."""
         iw = tl.load(wrow + j, mask=j < KW, other=-1)
@@ -101,7 +106,9 @@ if triton_available():
                     HB: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                     DT: tl.constexpr, INTERP: tl.constexpr, DP: tl.constexpr = 1,
                     DHALF: tl.constexpr = 0, PREFETCH: tl.constexpr = False, ROPE: tl.constexpr = False,
-                    QNORM: tl.constexpr = False, q_eps=1e-6):
+                    QNORM: tl.constexpr = False, q_eps=1e-6, BF16_KV: tl.constexpr = False):
+        # BF16_KV: WPAGES / EPAGES are dense bf16 [slots, 512] workspaces (the caches' entries dequantised once,
+        # ``dequantize_slots``), a list's slot id its row: plain 16-byte gathers, no dequantisation per row.
         # DP = 2: this launch accumulates only output dims [256*DHALF, 256*DHALF + 256) (S is
         # computed in full by both halves): half the accumulator (registers on sm_90, tensor memory
         # on sm_100, whose 512 columns cannot hold a 64 x 512 fp32 accumulator plus S).
@@ -177,22 +184,33 @@ if triton_available():
                 idx = _load_idx(wrow, erow, j, KW, KT)
             valid = idx >= 0
             slot = tl.maximum(idx, 0)
-            psz = tl.where(in_w, w_psz, e_psz)
-            pnb = tl.where(in_w, w_pbytes, e_pbytes)
-            page = slot // psz
-            off = slot - page * psz
-            base = tl.where(in_w, WPAGES, EPAGES) + page.to(tl.int64) * pnb
-            row = base + off * 576
-            sptr = (base + psz * 576 + off * 8).to(tl.pointer_type(tl.int64))
-            scw = tl.load(sptr, mask=valid, other=0)
-            k0 = _chunk(row, scw, valid, d, 0, DT)
-            k1 = _chunk(row, scw, valid, d, 1, DT)
-            k2 = _chunk(row, scw, valid, d, 2, DT)
-            k3 = _chunk(row, scw, valid, d, 3, DT)
-            k4 = _chunk(row, scw, valid, d, 4, DT)
-            k5 = _chunk(row, scw, valid, d, 5, DT)
-            k6 = _chunk(row, scw, valid, d, 6, DT)
-            k7 = _chunk(row, scw, valid, d, 7, DT)
+            if BF16_KV:
+                kr = tl.where(in_w, WPAGES, EPAGES) + slot.to(tl.int64) * 512
+                k0 = _chunk_bf16(kr, valid, d, 0, DT)
+                k1 = _chunk_bf16(kr, valid, d, 1, DT)
+                k2 = _chunk_bf16(kr, valid, d, 2, DT)
+                k3 = _chunk_bf16(kr, valid, d, 3, DT)
+                k4 = _chunk_bf16(kr, valid, d, 4, DT)
+                k5 = _chunk_bf16(kr, valid, d, 5, DT)
+                k6 = _chunk_bf16(kr, valid, d, 6, DT)
+                k7 = _chunk_bf16(kr, valid, d, 7, DT)
+            else:
+                psz = tl.where(in_w, w_psz, e_psz)
+                pnb = tl.where(in_w, w_pbytes, e_pbytes)
+                page = slot // psz
+                off = slot - page * psz
+                base = tl.where(in_w, WPAGES, EPAGES) + page.to(tl.int64) * pnb
+                row = base + off * 576
+                sptr = (base + psz * 576 + off * 8).to(tl.pointer_type(tl.int64))
+                scw = tl.load(sptr, mask=valid, other=0)
+                k0 = _chunk(row, scw, valid, d, 0, DT)
+                k1 = _chunk(row, scw, valid, d, 1, DT)
+                k2 = _chunk(row, scw, valid, d, 2, DT)
+                k3 = _chunk(row, scw, valid, d, 3, DT)
+                k4 = _chunk(row, scw, valid, d, 4, DT)
+                k5 = _chunk(row, scw, valid, d, 5, DT)
+                k6 = _chunk(row, scw, valid, d, 6, DT)
+                k7 = _chunk(row, scw, valid, d, 7, DT)
             s = tl.dot(q0, tl.trans(k0))
             s = tl.dot(q1, tl.trans(k1), s)
             s = tl.dot(q2, tl.trans(k2), s)
@@ -337,10 +355,45 @@ def choices(t: Target) -> list[Choice]:
     return list(dict.fromkeys(out))
 
 
+def dequantize_slots(pages: torch.Tensor, page_size: int, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """A bf16 workspace for ``kv_bf16``: the entries at ``slots`` (1-D global slot ids, -1 -> a zero row; every slot
+    of the pool when None) dequantised to bf16 [len(slots), 512], row i = slots[i] (``decode_kv_entries``' values:
+    the kernel's own dequantisation, so the attention gives the pages' bits)."""
+    from dsv4.formats.kv_entry import decode_kv_entries, page_views
+    data, scales = page_views(pages, page_size)
+    data, scales = data.reshape(-1, data.shape[-1]), scales.reshape(-1, scales.shape[-1])
+    if slots is None:
+        return decode_kv_entries(data, scales)
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slots: expected 1-D int32 / int64 slot ids, got {slots.dtype} {tuple(slots.shape)}")
+    s = slots.long()
+    rows = decode_kv_entries(data[s.clamp(min=0)], scales[s.clamp(min=0)])
+    return rows.masked_fill_((s < 0)[:, None], 0)
+
+
+def _check_workspaces(kv_bf16, window_idx, extra_idx):
+    """``kv_bf16`` = (window, extra) dense bf16 [slots, 512] workspaces (``None`` for a list not given) -> the two
+    tensors the launch passes in the pages' places."""
+    if not isinstance(kv_bf16, (tuple, list)) or len(kv_bf16) != 2:
+        raise ValueError("kv_bf16: expected (window workspace, extra workspace)")
+    for name, ws, idx in (("window", kv_bf16[0], window_idx), ("extra", kv_bf16[1], extra_idx)):
+        if idx is None or idx.shape[1] == 0:
+            continue
+        if ws is None or ws.dtype != torch.bfloat16 or ws.dim() != 2 or ws.shape[1] != HEAD_DIM \
+                or not ws.is_contiguous():
+            got = None if ws is None else f"{ws.dtype} {tuple(ws.shape)}"
+            raise ValueError(f"kv_bf16: the {name} workspace must be contiguous bf16 [slots, {HEAD_DIM}], got {got}")
+    w, e = kv_bf16
+    return (w if w is not None else e), (e if e is not None else w)
+
+
 def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-         sinks, scale, num_splits, config, out, rope=None, q_norm_eps=None):
+         sinks, scale, num_splits, config, out, rope=None, q_norm_eps=None, kv_bf16=None):
     check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
                   extra_page_size)
+    if kv_bf16 is not None:
+        # the workspaces replace the pages in the launch (same lists: a slot id is a workspace row)
+        window_pages, extra_pages = _check_workspaces(kv_bf16, window_idx, extra_idx)
     if rope is not None:
         check_inverse_rope(q, *rope)
     T, H, _ = q.shape
@@ -409,7 +462,7 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
             bps, float(scale) * LOG2E,
             HB=HB, BN=BN, SPLIT=split, DT=dt, INTERP=interp, DP=dp, DHALF=dhalf,
             PREFETCH=bool(cfg.get("prefetch", False)), ROPE=rope is not None, QNORM=q_norm_eps is not None,
-            q_eps=float(q_norm_eps or 0.0), **kw, **PDL_LAUNCH)
+            q_eps=float(q_norm_eps or 0.0), BF16_KV=kv_bf16 is not None, **kw, **PDL_LAUNCH)
     if split:
         hbc = 8 if H >= 8 else 4
         LAST_LAUNCH["combine"] = _combine[(triton.cdiv(H, hbc), T)](op, mlp, sinks, out, H, num_splits, out.stride(0), out.stride(1),
@@ -439,9 +492,12 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
                    sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
                    config: dict | None = None, out: torch.Tensor | None = None,
                    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   q_norm_eps: float | None = None) -> torch.Tensor:
+                   q_norm_eps: float | None = None,
+                   kv_bf16: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Sparse prefill attention: many query rows, each with its own index lists over the same two
     caches; gather + FP8 dequant fused in the kernel, no split-K. Same arguments as sparse_decode;
+    ``kv_bf16=(window, extra)``: dense bf16 [slots, 512] workspaces holding the pages' entries dequantised
+    (``dequantize_slots``; a slot id is a row) read instead of the pages, which then only give the shapes;
     ``rope=(cos, sin)`` (fp32 [T, 32] of each row's position): the output's last 64 dims of every head
     come out rotated by -theta, ``inverse_rope``'s values in o's shape (the layer skips that pass).
     ``q_norm_eps`` (needs ``rope``): q is wq_b's raw output and the kernel applies ``kv_insert``'s q
@@ -450,7 +506,7 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
     if sinks is None:
         sinks = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
     return _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-                sinks, scale, 1, config, out, rope, q_norm_eps)
+                sinks, scale, 1, config, out, rope, q_norm_eps, kv_bf16)
 
 
-__all__ = ["choices", "default_config", "sparse_decode", "sparse_prefill"]
+__all__ = ["choices", "default_config", "dequantize_slots", "sparse_decode", "sparse_prefill"]
