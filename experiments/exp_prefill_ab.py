@@ -30,6 +30,9 @@ if os.environ.get("WS_NC2"):            # fp4_fp8_ws's former default: 2 consume
 if os.environ.get("FUSE_QO"):           # Attention.FUSE_PREFILL_QO: FUSE_QO=1 on (the default), 0 off
     from dsv4.layers.attention import Attention
     Attention.FUSE_PREFILL_QO = os.environ["FUSE_QO"] == "1"
+if os.environ.get("BF16_KV"):           # Attention.PREFILL_BF16_KV: BF16_KV=1 on, 0 off (the default)
+    from dsv4.layers.attention import Attention
+    Attention.PREFILL_BF16_KV = os.environ["BF16_KV"] == "1"
 print(f"exp_prefill_ab: {mode}")
 sys.argv[0] = os.path.join(ROOT, "benchmarks", "prefill.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks"), os.path.dirname(os.path.abspath(__file__))]
 from attention import PAGE, decode_case  # noqa: E402
 from common import gpu_experiment, graph_time  # noqa: E402
+from dsv4.formats.kv_entry import read_entries  # noqa: E402
 from dsv4.kernels import sparse_attention as sa  # noqa: E402
 import sparse_prefill_ws as SP  # noqa: E402
 
@@ -55,9 +56,10 @@ def main():
         us = graph_time(lambda: sa.sparse_prefill(*a, **rkw)) * 1e3
         print(f"| {H} | {lab} | sparse_prefill (Triton), inverse RoPE only | {us:.0f} | "
               f"{c['flops'] / us / 1e6:.0f} | {FLASHMLA[H]:.0f} | |", flush=True)
-        ws = (sa.dequantize_slots(c["wpages"], PAGE), sa.dequantize_slots(c["epages"], PAGE))
-        us = graph_time(lambda: (sa.dequantize_slots(c["wpages"], PAGE), sa.dequantize_slots(c["epages"], PAGE))) * 1e3
-        print(f"| {H} | {lab} | dequantize_slots (torch) of both pools: {ws[0].shape[0]} + {ws[1].shape[0]} slots | "
+        every = lambda p: read_entries(p, torch.arange(p.shape[0] * PAGE, device=p.device), PAGE)
+        ws = (every(c["wpages"]), every(c["epages"]))
+        us = graph_time(lambda: (every(c["wpages"]), every(c["epages"]))) * 1e3
+        print(f"| {H} | {lab} | read_entries (torch) of both pools: {ws[0].shape[0]} + {ws[1].shape[0]} slots | "
               f"{us:.0f} | | | |", flush=True)
         for name, kw, cfg in (("bf16 workspace", dict(kv_bf16=ws), None),
                               ("bf16 workspace, production form", dict(kv_bf16=ws, **fkw), None),

@@ -498,8 +498,8 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
                       q_norm_eps: float | None = None,
                       kv_bf16: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """``sparse_prefill``'s arguments and result (H a multiple of 64, a window list), ``rope`` and ``q_norm_eps``
-    included. ``kv_bf16`` = (window, extra) dense bf16 [slots, 512] workspaces (``sparse_attention.dequantize_slots``) read instead of
-    the pages: the lists' slot ids index their rows (the ``BF16_KV`` producer)."""
+    included. ``kv_bf16`` = (window, extra) dense bf16 [slots, 512] workspaces (``formats.kv_entry.read_entries``)
+    read instead of the pages: the lists' ids index their rows (the ``BF16_KV`` producer)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     T, H, D = q.shape
     if D != HEAD_DIM or H % BH or q.stride(2) != 1:
@@ -521,7 +521,8 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
     if kv_bf16 is not None:
         wkv, ekv = kv_bf16[0], kv_bf16[1] if KE else kv_bf16[0]
         for name, a in (("window", wkv), ("extra", ekv)):
-            if a is None or a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != HEAD_DIM or not a.is_contiguous():
+            if a is None or a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != HEAD_DIM \
+                    or not a.is_contiguous():
                 raise ValueError(f"sparse_prefill_ws: kv_bf16's {name} workspace must be contiguous bf16 [slots, 512]")
         window_pages, extra_pages = wkv, ekv
     out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device) if out is None else out

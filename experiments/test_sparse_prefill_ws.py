@@ -129,8 +129,8 @@ def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk, cf
                                                    (64, 33, 512, None, False)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_sparse_prefill_ws_bf16_workspace(H, n, topk, masked, extra, fused):
-    """``kv_bf16``: the pools dequantised once into dense bf16 workspaces (``dequantize_slots``), the entries copied
-    by ``cp.async``; the same attention as the product kernel on the pages (plain and production forms)."""
+    """``kv_bf16``: the pools dequantised once into dense bf16 workspaces (``formats.kv_entry.read_entries``), the
+    entries copied by ``cp.async``; the same attention as the product kernel on the pages (plain and production forms)."""
     need_gpu()
     if not SP.available("cuda"):
         pytest.skip("needs an sm_90 GPU with Gluon")
@@ -143,8 +143,9 @@ def test_gpu_sparse_prefill_ws_bf16_workspace(H, n, topk, masked, extra, fused):
     kw = dict(rope=(torch.cos(ang).cuda(), torch.sin(ang).cuda()), q_norm_eps=1e-6) if fused else {}
     args = (q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda() if extra else None, cache.ep if extra else None, 64,
             sinks.cuda())
-    from dsv4.kernels.sparse_attention import dequantize_slots
-    ws = (dequantize_slots(cache.wp, 64), dequantize_slots(cache.ep, 64) if extra else None)
+    from dsv4.formats.kv_entry import read_entries
+    every = lambda p: read_entries(p, torch.arange(p.shape[0] * 64, device=p.device), 64)
+    ws = (every(cache.wp), every(cache.ep) if extra else None)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     o = SP.sparse_prefill_ws(*args, out=out, kv_bf16=ws, **kw)
     ref = sparse_prefill(*args, **kw)

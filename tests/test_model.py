@@ -130,6 +130,43 @@ def test_fused_mhc_sites_give_the_per_op_blocks_logits(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_prefill_from_bf16_workspaces_gives_the_pages_logits(tmp_path, monkeypatch):
+    """``Attention.PREFILL_BF16_KV``: the prefill attention reads the window and compressed entries from bf16
+    workspaces (lists remapped to their rows) instead of the FP8 pages: the same logits, bit for bit (on the
+    twins, which read ``kv_bf16`` as the kernel does: tests/test_sparse_attention.py). Two sequences in two chunks
+    each: the second chunk's window starts in the ring and its compressed entries include the first chunk's; the
+    150-token sequence completes an HCA entry (ratio 128) in its second chunk, the 70-token one none (an empty
+    list beside a full one); then a decode step."""
+    import dsv4.layers.attention as A
+    path = make_tiny(str(tmp_path / "tiny"))
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(3, 128000, (n,), generator=g) for n in (150, 70)]
+
+    def run(m):
+        cache = _paged(m.cfg)
+        m.attach_cache(cache, 1024)
+        sts = [PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(3)) for _ in ids]
+        out = []
+        for lo, hi in ((0, 11), (11, None)):
+            out.append(m(m.prefill_context([(x[lo:hi], st) for x, st in zip(ids, sts)])))
+            for x, st in zip(ids, sts):
+                st.advance_to(len(x[:hi]))
+        bt = torch.full((2, m.max_blocks), -1, dtype=torch.long)
+        for i, st in enumerate(sts):
+            bt[i, :len(st.block_table)] = torch.tensor(st.block_table)
+        out.append(m(m.decode_context(torch.tensor([5, 7]), torch.tensor([st.pos for st in sts]),
+                                      torch.tensor([st.slot for st in sts]), bt)))
+        return out
+
+    m = DeepseekV4.from_checkpoint(path)
+    monkeypatch.setattr(A.Attention, "PREFILL_BF16_KV", False)
+    want = run(m)
+    monkeypatch.setattr(A.Attention, "PREFILL_BF16_KV", True)
+    got = run(m)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_batched_uneven_chunks_match_the_reference(tmp_path, monkeypatch):
     """Two prompts prefilled together in uneven chunks (chunk ends inside compressor windows, one
     sequence's chunk beside the other's), indexer scores in row blocks of 7 rows (the bound a long

@@ -243,10 +243,10 @@ def test_sparse_prefill_fused_q_transform(d_parts):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_sparse_prefill_from_bf16_workspaces_gives_the_pages_bits(fused):
-    """``kv_bf16``: the lists' entries read from dense bf16 workspaces (``dequantize_slots``: the whole window pool;
+    """``kv_bf16``: the lists' entries read from dense bf16 workspaces (``read_entries``: the whole window pool;
     the extra pool's listed slots compacted, the list remapped to their rows) instead of the FP8 pages: the same
     dequantised values, so the same output bits, plain and in the production form; a wrong workspace is refused."""
-    from dsv4.kernels.sparse_attention import dequantize_slots
+    from dsv4.formats.kv_entry import read_entries
     gen = torch.Generator().manual_seed(17)
     cache, q, widx, eidx, sinks = _prefill_case(gen)
     q = (q.float() * 6).bfloat16()
@@ -257,14 +257,20 @@ def test_sparse_prefill_from_bf16_workspaces_gives_the_pages_bits(fused):
     uniq, rows = torch.unique(eidx[eidx >= 0], return_inverse=True)
     compact = torch.full_like(eidx, -1)
     compact[eidx >= 0] = rows.int()
-    ws = (dequantize_slots(cache.wp, 16), dequantize_slots(cache.ep, 8, torch.cat([uniq, uniq.new_full((1,), -1)])
-                                                           .to(DEV)))
+    ws = (read_entries(cache.wp, torch.arange(cache.wp.shape[0] * 16, device=DEV), 16),
+          read_entries(cache.ep, torch.cat([uniq, uniq.new_full((1,), -1)]).to(DEV), 8))
     assert ws[1].shape == (len(uniq) + 1, 512) and not ws[1][-1].any()      # a -1 slot is a zero row
     got = sparse_prefill(q.to(DEV), widx.to(DEV), cache.wp, 16, compact.to(DEV), cache.ep, 8, sinks.to(DEV),
                          kv_bf16=ws, **kw)
     assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="extra workspace"):
-        sparse_prefill(*args, kv_bf16=(ws[0], ws[1].float()), **kw)
+    from dsv4.twins.sparse_attention import sparse_prefill as twin_prefill
+    ckw = {k: tuple(x.cpu() for x in v) if k == "rope" else v for k, v in kw.items()}
+    assert torch.equal(twin_prefill(q, widx, cache.wp_cpu, 16, compact, cache.ep_cpu, 8, sinks,
+                                    kv_bf16=tuple(w.cpu() for w in ws), **ckw),
+                       twin_prefill(q, widx, cache.wp_cpu, 16, eidx, cache.ep_cpu, 8, sinks, **ckw))
+    for fn in (sparse_prefill, twin_prefill):
+        with pytest.raises(ValueError, match="extra workspace"):
+            fn(*args, kv_bf16=(ws[0], ws[1].float()), **kw)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ if triton_available():
                     DHALF: tl.constexpr = 0, PREFETCH: tl.constexpr = False, ROPE: tl.constexpr = False,
                     QNORM: tl.constexpr = False, q_eps=1e-6, BF16_KV: tl.constexpr = False):
         # BF16_KV: WPAGES / EPAGES are dense bf16 [slots, 512] workspaces (the caches' entries dequantised once,
-        # ``dequantize_slots``), a list's slot id its row: plain 16-byte gathers, no dequantisation per row.
+        # ``formats.kv_entry.read_entries``), a list's id its row: plain 16-byte gathers, no dequantisation per row.
         # DP = 2: this launch accumulates only output dims [256*DHALF, 256*DHALF + 256) (S is
         # computed in full by both halves): half the accumulator (registers on sm_90, tensor memory
         # on sm_100, whose 512 columns cannot hold a 64 x 512 fp32 accumulator plus S).
@@ -355,22 +355,6 @@ def choices(t: Target) -> list[Choice]:
     return list(dict.fromkeys(out))
 
 
-def dequantize_slots(pages: torch.Tensor, page_size: int, slots: torch.Tensor | None = None) -> torch.Tensor:
-    """A bf16 workspace for ``kv_bf16``: the entries at ``slots`` (1-D global slot ids, -1 -> a zero row; every slot
-    of the pool when None) dequantised to bf16 [len(slots), 512], row i = slots[i] (``decode_kv_entries``' values:
-    the kernel's own dequantisation, so the attention gives the pages' bits)."""
-    from dsv4.formats.kv_entry import decode_kv_entries, page_views
-    data, scales = page_views(pages, page_size)
-    data, scales = data.reshape(-1, data.shape[-1]), scales.reshape(-1, scales.shape[-1])
-    if slots is None:
-        return decode_kv_entries(data, scales)
-    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slots: expected 1-D int32 / int64 slot ids, got {slots.dtype} {tuple(slots.shape)}")
-    s = slots.long()
-    rows = decode_kv_entries(data[s.clamp(min=0)], scales[s.clamp(min=0)])
-    return rows.masked_fill_((s < 0)[:, None], 0)
-
-
 def _check_workspaces(kv_bf16, window_idx, extra_idx):
     """``kv_bf16`` = (window, extra) dense bf16 [slots, 512] workspaces (``None`` for a list not given) -> the two
     tensors the launch passes in the pages' places."""
@@ -496,8 +480,8 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
                    kv_bf16: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Sparse prefill attention: many query rows, each with its own index lists over the same two
     caches; gather + FP8 dequant fused in the kernel, no split-K. Same arguments as sparse_decode;
-    ``kv_bf16=(window, extra)``: dense bf16 [slots, 512] workspaces holding the pages' entries dequantised
-    (``dequantize_slots``; a slot id is a row) read instead of the pages, which then only give the shapes;
+    ``kv_bf16=(window, extra)``: dense bf16 [rows, 512] workspaces of dequantised entries
+    (``formats.kv_entry.read_entries``), a list's id a row, read instead of the pages (then only checked);
     ``rope=(cos, sin)`` (fp32 [T, 32] of each row's position): the output's last 64 dims of every head
     come out rotated by -theta, ``inverse_rope``'s values in o's shape (the layer skips that pass).
     ``q_norm_eps`` (needs ``rope``): q is wq_b's raw output and the kernel applies ``kv_insert``'s q
@@ -509,4 +493,4 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
                 sinks, scale, 1, config, out, rope, q_norm_eps, kv_bf16)
 
 
-__all__ = ["choices", "default_config", "dequantize_slots", "sparse_decode", "sparse_prefill"]
+__all__ = ["choices", "default_config", "sparse_decode", "sparse_prefill"]

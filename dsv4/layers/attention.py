@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..formats.kv_entry import page_bytes, page_views
+from ..formats.kv_entry import page_bytes, page_views, read_entries
 from ..formats.paging import INDEX_PAGE, WINDOW, WINDOW_PAGE, block_entry_ids
 from ..parallel import SINGLE
 from ..streams import Fork
@@ -74,6 +74,10 @@ class Attention(nn.Module):
     # prefill: q's head norm + RoPE at the attention kernel's q load and the output's inverse RoPE in its
     # epilogue (False: kv_insert's q pass and inverse_rope's pass, the A/B of experiments/exp_prefill_ab.py)
     FUSE_PREFILL_QO = True
+    # prefill: the attention reads the chunk's window entries and its sequences' compressed entries from bf16
+    # workspaces (each entry dequantised once, vLLM's prefill form) instead of dequantising an entry for every row
+    # that lists it; the same values, so the same bits (False: from the FP8 pages; the A/B of exp_prefill_ab.py)
+    PREFILL_BF16_KV = False
 
     def __init__(self, cfg, layer_id: int, ops, ropes: dict[int, Rope], wo_a_fmt: str, device=None, group=None,
                  prefix: str | None = None):
@@ -328,15 +332,18 @@ class Attention(nn.Module):
         W = WINDOW if any(s.p0 > 0 or s.n >= WINDOW for s in segs) else max(s.n for s in segs)
         wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + torch.arange(W, device=dev)
         widx = torch.where(wpos <= pos[:, None], seg_base[:, None] + wpos, -1)
-        extra_idx = None
+        extra_idx, ws = None, self.PREFILL_BF16_KV
         if self.ratio:
             iq = self._index_queries(qr, cos, sin) if self.index_comp is not None else None
-            extra_idx = self._compressed(ctx, rows, iq, iw)
+            extra_idx, ws_e = self._compressed(ctx, rows, iq, iw, workspace=ws)
+        if ws:      # the scratch source is dense: its slot ids are the workspace's rows
+            ws = (read_entries(scratch, torch.arange(scratch.shape[0] * WINDOW_PAGE, device=dev), WINDOW_PAGE),
+                  ws_e if self.ratio else None)
         o = ops.sparse_prefill(q, widx.to(torch.int32), scratch, WINDOW_PAGE,
                                None if extra_idx is None else extra_idx.to(torch.int32),
                                lc.entries if self.ratio else None, lc.entries_per_block or 64,
                                sinks=self.sink, scale=self.scale, rope=(cos, sin) if fuse else None,
-                               q_norm_eps=self.eps if fuse else None)
+                               q_norm_eps=self.eps if fuse else None, kv_bf16=ws or None)
         for s, off in zip(segs, offs):            # the ring keeps each sequence's last 128 entries
             keep = min(s.n, WINDOW)
             p = torch.arange(s.end - keep, s.end, device=dev)
@@ -382,13 +389,14 @@ class Attention(nn.Module):
             p = torch.arange(keep_from, s.end, device=dev)
             ring[s.slot, p % R] = torch.cat([k[keep_from - s.p0:], sc[keep_from - s.p0:]], dim=1)
 
-    def _compressed(self, ctx, rows, iq, iw):
-        """Compressor (and indexer) updates of every segment; extra index lists [T, K] of global
-        entry ids into the compressed pages (-1 pad)."""
+    def _compressed(self, ctx, rows, iq, iw, workspace: bool = False):
+        """Compressor (and indexer) updates of every segment -> (extra index lists [T, K] of global entry ids
+        into the compressed pages (-1 pad), None); ``workspace``: (lists of rows of the bf16 workspace, the
+        workspace: each segment's complete entries in order, dequantised once)."""
         ops, lc, L = self.ops, self.lc, f"L{self.layer_id}."
         dev, epb = ctx.pos.device, lc.entries_per_block
         ck, cs = rows["main"]
-        lists = []
+        lists, ws_slots, ws_off = [], [], 0
         for s in ctx.segs:
             r = slice(s.r0, s.r1)
             if self.index_comp is not None:
@@ -413,13 +421,21 @@ class Attention(nn.Module):
                                    min(self.index_topk, n_e), n_valid=(p[i:i + rb] + 1) // 4).long()
                     for i in range(0, s.n, rb)])
                 picks = ctx.trace(L + "indexer_topk", picks)
-                lists.append(ops.entry_ids(s.bt.expand(s.n, -1), picks, epb, 4))
             else:
                 j = torch.arange(n_e, device=dev)[None, :].expand(s.n, -1)
-                vis = j < ((p + 1) // self.ratio)[:, None]
-                lists.append(ops.entry_ids(s.bt.expand(s.n, -1), torch.where(vis, j, -1), epb, self.ratio))
+                picks = torch.where(j < ((p + 1) // self.ratio)[:, None], j, -1)
+            if workspace:       # entries [0, n_e) of the segment at rows ws_off + e
+                lists.append(torch.where(picks >= 0, picks + ws_off, -1))
+                ws_slots.append(ops.entry_ids(s.bt[:1], torch.arange(n_e, device=dev)[None, :], epb, self.ratio)[0])
+                ws_off += n_e
+            else:
+                lists.append(ops.entry_ids(s.bt.expand(s.n, -1), picks, epb, self.ratio))
         K = max(li.shape[1] for li in lists)
         out = torch.full((ctx.pos.shape[0], K), -1, dtype=torch.long, device=dev)
         for s, li in zip(ctx.segs, lists):
             out[s.r0:s.r1, :li.shape[1]] = li
-        return out
+        if not workspace:
+            return out, None
+        if not ws_slots:        # no complete entry yet: every list is empty, one zero row stands in
+            return out, torch.zeros(1, self.D, dtype=torch.bfloat16, device=dev)
+        return out, read_entries(lc.entries, torch.cat(ws_slots).long(), epb)

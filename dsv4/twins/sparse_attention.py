@@ -16,17 +16,25 @@ from .kv_insert import q_transform
 HEAD_DIM = 512
 
 
-def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size):
-    """Dequantised rows [T, K, 512] bf16 of the concatenated list and its validity [T, K]."""
+def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
+                 kv_bf16=None):
+    """Dequantised rows [T, K, 512] bf16 of the concatenated list and its validity [T, K]; with ``kv_bf16`` =
+    (window, extra) bf16 workspaces, the lists' ids are their rows (the kernels' contract)."""
     parts, valid = [], []
-    for idx, pages, psz in ((window_idx, window_pages, window_page_size),
-                            (extra_idx, extra_pages, extra_page_size)):
+    for i, (idx, pages, psz) in enumerate(((window_idx, window_pages, window_page_size),
+                                           (extra_idx, extra_pages, extra_page_size))):
         if idx is None or idx.shape[1] == 0:
             continue
         T, K = idx.shape
-        # each distinct entry decoded once (prefill rows share most of their lists), then gathered
-        uniq, inv = torch.unique(idx.reshape(-1).long(), return_inverse=True)
-        parts.append(read_kv_entries(pages, uniq, psz)[inv].view(T, K, HEAD_DIM))
+        if kv_bf16 is not None:
+            ws = kv_bf16[i]
+            if ws is None or ws.dtype != torch.bfloat16 or ws.dim() != 2 or ws.shape[1] != HEAD_DIM:
+                raise ValueError(f"kv_bf16: the {('window', 'extra')[i]} workspace must be bf16 [slots, {HEAD_DIM}]")
+            parts.append(ws[idx.reshape(-1).long().clamp(min=0)].view(T, K, HEAD_DIM))
+        else:
+            # each distinct entry decoded once (prefill rows share most of their lists), then gathered
+            uniq, inv = torch.unique(idx.reshape(-1).long(), return_inverse=True)
+            parts.append(read_kv_entries(pages, uniq, psz)[inv].view(T, K, HEAD_DIM))
         valid.append(idx >= 0)
     return torch.cat(parts, 1), torch.cat(valid, 1)
 
@@ -34,7 +42,8 @@ def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pa
 def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages: torch.Tensor | None,
                   window_page_size: int, extra_idx: torch.Tensor | None = None,
                   extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
-                  sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5, **_) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
+                  kv_bf16: tuple[torch.Tensor | None, torch.Tensor | None] | None = None, **_) -> torch.Tensor:
     T, H, _ = q.shape
     if sinks is None:
         sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
@@ -43,7 +52,7 @@ def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages
     if window_idx is None and extra_idx is None:
         raise ValueError("need at least one of window_idx / extra_idx")
     rows, valid = _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages,
-                               extra_page_size)
+                               extra_page_size, kv_bf16)
     K = rows.shape[1]
     loc = torch.arange(T * K, device=q.device).view(T, K)
     idx = torch.where(valid, loc, -1)
@@ -58,16 +67,18 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
                    extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
                    sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
                    rope: tuple[torch.Tensor, torch.Tensor] | None = None, q_norm_eps: float | None = None,
+                   kv_bf16: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
                    **_) -> torch.Tensor:
     """``sparse_decode``; with ``rope=(cos, sin)`` the output after ``inverse_rope`` (same shape); with
-    ``q_norm_eps`` too, q first takes ``kv_insert``'s q transform (head RMSNorm, RoPE)."""
+    ``q_norm_eps`` too, q first takes ``kv_insert``'s q transform (head RMSNorm, RoPE); ``kv_bf16``: the
+    entries from bf16 workspaces (``kernels.sparse_attention.sparse_prefill``'s argument)."""
     if q_norm_eps is not None:
         if rope is None:
             raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
         check_inverse_rope(q, *rope)
         q = q_transform(q, *rope, q_norm_eps)
     o = sparse_decode(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-                      sinks, scale)
+                      sinks, scale, kv_bf16=kv_bf16)
     if rope is None:
         return o
     return inverse_rope(o, *rope).view(o.shape)
