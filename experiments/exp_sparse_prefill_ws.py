@@ -29,6 +29,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sq", type=int, default=4096)
     ap.add_argument("--heads", default="64,128", help="head counts to run (64: top-512, 128: top-1024)")
+    ap.add_argument("--quick", action="store_true", help="the prototype's default and workspace rows only")
     args = ap.parse_args()
     setup = gpu_experiment("exp_sparse_prefill_ws", "an sm_90 GPU")
     if setup is None or not SP.available("cuda"):
@@ -101,6 +102,8 @@ def main():
                               ("q in the consumers only", {"SX_PAD": False}, {}),
                               ("staged producer (cp.async), 1 tile, full QK, 200 / 112 registers", SP.STAGED_CONFIG,
                                {})):
+            if args.quick and cfg:
+                continue
             try:
                 o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
                 torch.cuda.synchronize()
