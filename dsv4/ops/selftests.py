@@ -25,7 +25,7 @@ import torch
 from ..config import ModelConfig
 from ..formats.decode_plan import TABLE_NEG, MetaPlan
 from ..formats.index_key import write_index_entries
-from ..formats.kv_entry import page_bytes, write_kv_entries
+from ..formats.kv_entry import page_bytes, read_entries, write_kv_entries
 from ..formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE
 from ..parallel import SINGLE
 
@@ -332,7 +332,7 @@ def entry_ids(ctx: Context):
     return cases
 
 
-def _attention_case(ctx, name, T, prefill: bool, rope: bool = False):
+def _attention_case(ctx, name, T, prefill: bool, rope: bool = False, ws: bool = False):
     c = ctx.cfg
     H = _local(c.num_attention_heads, ctx.world)
     K = min(c.index_topk, 128)
@@ -357,11 +357,15 @@ def _attention_case(ctx, name, T, prefill: bool, rope: bool = False):
             ang = g.rand(T, 32) * 6.283185307179586
             kw["rope"] = (torch.cos(ang), torch.sin(ang))
             kw["q_norm_eps"] = c.rms_norm_eps
+        if ws:              # the entries from bf16 workspaces of every slot (a slot id is a row)
+            every = lambda p, n: read_entries(p, torch.arange(p.shape[0] * n, device=p.device), n)
+            kw["kv_bf16"] = (every(wpages, WINDOW_PAGE), every(epages, epb))
         return (g.randn(T, H, c.head_dim, dtype=torch.bfloat16), widx.to(torch.int32).contiguous(), wpages,
                 WINDOW_PAGE, eidx.to(torch.int32).contiguous(), epages, epb), kw
     # the attention kernels round probabilities to bf16 per block of the running max; the twin per 64
     # entries of the reference's blocks: results agree to bf16 tolerance (tests/test_sparse_attention.py)
-    return Case(f"T={T} H={H} K={WINDOW if not prefill else T}+{K}{' q-norm rope' if rope else ''}", make, _both("o"),
+    return Case(f"T={T} H={H} K={WINDOW if not prefill else T}+{K}{' q-norm rope' if rope else ''}"
+                f"{' bf16 workspaces' if ws else ''}", make, _both("o"),
                 {"o": Tol(max_rel=0.05)})
 
 
@@ -371,7 +375,7 @@ def sparse_decode(ctx: Context):
 
 def sparse_prefill(ctx: Context):
     return [_attention_case(ctx, "sparse_prefill", T, True, rope) for T in _rows(ctx, (8,), (8, 64))
-            for rope in (False, True)]
+            for rope in (False, True)] + [_attention_case(ctx, "sparse_prefill", 8, True, True, ws=True)]
 
 
 def _compress_variants(ctx):

@@ -30,7 +30,8 @@ def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pa
             ws = kv_bf16[i]
             if ws is None or ws.dtype != torch.bfloat16 or ws.dim() != 2 or ws.shape[1] != HEAD_DIM:
                 raise ValueError(f"kv_bf16: the {('window', 'extra')[i]} workspace must be bf16 [slots, {HEAD_DIM}]")
-            parts.append(ws[idx.reshape(-1).long().clamp(min=0)].view(T, K, HEAD_DIM))
+            flat = idx.reshape(-1).long()       # -1 -> a zero row, as the pages' path (a workspace row may be junk)
+            parts.append(ws[flat.clamp(min=0)].masked_fill((flat < 0)[:, None], 0).view(T, K, HEAD_DIM))
         else:
             # each distinct entry decoded once (prefill rows share most of their lists), then gathered
             uniq, inv = torch.unique(idx.reshape(-1).long(), return_inverse=True)
