@@ -245,7 +245,9 @@ def test_sparse_prefill_fused_q_transform(d_parts):
 def test_sparse_prefill_from_bf16_workspaces_gives_the_pages_bits(fused):
     """``kv_bf16``: the lists' entries read from dense bf16 workspaces (``read_entries``: the whole window pool;
     the extra pool's listed slots compacted, the list remapped to their rows) instead of the FP8 pages: the same
-    dequantised values, so the same output bits, plain and in the production form; a wrong workspace is refused."""
+    dequantised values, so the same output bits under the interpreter, plain and in the production form (compiled
+    for a 16-head tile, Triton's MMA lowering of the two forms differs: an H200 moved 4 of 24,576 outputs by one
+    bf16 ulp); a wrong workspace is refused."""
     from dsv4.formats.kv_entry import read_entries
     gen = torch.Generator().manual_seed(17)
     cache, q, widx, eidx, sinks = _prefill_case(gen)
@@ -262,7 +264,11 @@ def test_sparse_prefill_from_bf16_workspaces_gives_the_pages_bits(fused):
     assert ws[1].shape == (len(uniq) + 1, 512) and not ws[1][-1].any()      # a -1 slot is a zero row
     got = sparse_prefill(q.to(DEV), widx.to(DEV), cache.wp, 16, compact.to(DEV), cache.ep, 8, sinks.to(DEV),
                          kv_bf16=ws, **kw)
-    assert torch.equal(got, want)
+    if DEV == "cpu":
+        assert torch.equal(got, want)
+    else:
+        _compare(got, want, tol=4e-3)
+        assert (got == want).float().mean() > 0.99
     from dsv4.twins.sparse_attention import sparse_prefill as twin_prefill
     ckw = {k: tuple(x.cpu() for x in v) if k == "rope" else v for k, v in kw.items()}
     assert torch.equal(twin_prefill(q, widx, cache.wp_cpu, 16, compact, cache.ep_cpu, 8, sinks,
