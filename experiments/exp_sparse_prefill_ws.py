@@ -76,13 +76,16 @@ def main():
             except Exception as e:          # noqa: BLE001 - reported
                 print(f"| {H} | {lab} | sparse_prefill (Triton), {name} | failed: {type(e).__name__}: "
                       f"{str(e)[:300]} | | | |", flush=True)
-        for name, kw in (("bf16 workspace (cp.async producer)", dict(kv_bf16=ws)),
-                         ("bf16 workspace, q transform + inverse RoPE fused", dict(kv_bf16=ws, **fkw))):
+        for name, cfg, kw in (("bf16 workspace (cp.async producer)", None, dict(kv_bf16=ws)),
+                              ("bf16 workspace, production form (q by kv_insert's pass, inverse RoPE fused)", None,
+                               dict(kv_bf16=ws, **fkw)),
+                              ("bf16 workspace, production form (q transform in the consumers)", {"Q_PASS": False},
+                               dict(kv_bf16=ws, **fkw))):
             try:
-                o = SP.sparse_prefill_ws(*a, **kw)
+                o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
                 r0 = fref if "q_norm_eps" in kw else ref
                 rel = ((o.float() - r0.float()).norm() / r0.float().norm()).item()
-                us = graph_time(lambda: SP.sparse_prefill_ws(*a, **kw)) * 1e3
+                us = graph_time(lambda: SP.sparse_prefill_ws(*a, config=cfg, **kw)) * 1e3
                 print(f"| {H} | {lab} | sparse_prefill_ws, {name} | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "
                       f"{FLASHMLA[H]:.0f} | {rel:.1e} |", flush=True)
             except Exception as e:          # noqa: BLE001 - reported
@@ -90,10 +93,11 @@ def main():
                       flush=True)
         base = {"SX_PAD": False, "Q_CONSUMERS": False}     # the first form: q by the producer, unpadded exchange
         for name, cfg, kw in (("default (padded S exchange, q in the consumers)", {}, {}),
-                              ("default, q transform + inverse RoPE fused", {}, fkw),
+                              ("default, production form (q by kv_insert's pass)", {}, fkw),
+                              ("default, production form (q transform in the consumers)", {"Q_PASS": False}, fkw),
                               ("default, inverse RoPE only", {}, rkw),
                               ("default, q transform + inverse RoPE, FMA contraction on (timing probe, not the "
-                               "bits)", {"FP_FUSION": True}, fkw),
+                               "bits)", {"FP_FUSION": True, "Q_PASS": False}, fkw),
                               ("default, inverse RoPE only, FMA contraction on (timing probe)", {"FP_FUSION": True},
                                rkw),
                               ("first form (q by the producer, unpadded exchange)", base, {}),

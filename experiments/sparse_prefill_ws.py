@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.formats.kv_entry import page_bytes
 from dsv4.kernels import triton_available
 from dsv4.kernels.lib import PDL_LAUNCH
 from dsv4.kernels.gemm.fp4_fp8_ws import available     # an sm_90 GPU with Gluon's Hopper ops
@@ -486,8 +487,10 @@ if GLUON:
 # 512 - the workers' - 8 = 216) and the producer's at 64; the launch (12 warps) at 65,536 / 384 -> 168. Shared memory:
 # q 64 KB + STAGES x 64 KB of bf16 tiles + SPLIT_QK's 2 x 16 KB (2 stages: 224 KB of sm_90's 227). ptxas (sm_90a,
 # Triton 3.6): 40 bytes of spills with SPLIT_QK (the consumers' wgmma descriptors rebuilt each block: see the loop).
+# Q_PASS: with q_norm_eps, q's transform runs as kv_insert's q pass before the kernel (which then only rotates the
+# output back); False: in the consumers (QNORM), measured ~750 us slower at H64 / s_q 4096 (serial per CTA)
 DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnreg": 168, "SPLIT_QK": True,
-                  "SX_PAD": True, "Q_CONSUMERS": True}
+                  "SX_PAD": True, "Q_CONSUMERS": True, "Q_PASS": True}
 STAGED_CONFIG = {"STAGED": True, "STAGES": 1, "SPLIT_QK": False, "CONSUMER_REGS": 200, "PRODUCER_REGS": 112}
 
 
@@ -509,6 +512,14 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
         raise ValueError("sparse_prefill_ws: needs an sm_90 GPU with Gluon's Hopper ops")
     if q_norm_eps is not None and rope is None:
         raise ValueError("sparse_prefill_ws: q_norm_eps needs rope=(cos, sin)")
+    if q_norm_eps is not None and cfg.get("Q_PASS"):
+        # kv_insert's q transform (the bits the kernel's QNORM computes, up to the squares' summation order) as its
+        # own launch: a zero kv row a token, no slot written
+        from dsv4.kernels.kv_insert import kv_insert
+        pool = torch.zeros(1, page_bytes(16), dtype=torch.uint8, device=q.device)
+        q, _ = kv_insert(q, torch.zeros(T, HEAD_DIM, dtype=torch.bfloat16, device=q.device), rope[0], rope[1], pool,
+                         torch.full((T,), -1, dtype=torch.int64, device=q.device), 16, q_norm_eps)
+        q_norm_eps = None
     if sinks is None:
         sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (sinks, sinks)

@@ -96,11 +96,12 @@ def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, ex
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,n,topk", [(64, 256, 512), (128, 64, 1024)])
-@pytest.mark.parametrize("cfg", [None, {"Q_CONSUMERS": False, "SX_PAD": False}, {"SPLIT_QK": False},
-                                 SP.STAGED_CONFIG])
+@pytest.mark.parametrize("cfg", [None, {"Q_PASS": False}, {"Q_CONSUMERS": False, "SX_PAD": False, "Q_PASS": False},
+                                 {"SPLIT_QK": False}, dict(SP.STAGED_CONFIG, Q_PASS=False)])
 def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk, cfg):
-    """The production prefill form: raw q normalised and rotated in the producer, the output's rope dims rotated
-    back in the epilogue; against the product kernel's same form and the twin."""
+    """The production prefill form: raw q normalised and rotated (by kv_insert's pass, the default, or in the
+    kernel: the consumers, or the producer in the first form), the output's rope dims rotated back in the epilogue;
+    against the product kernel's same form and the twin."""
     need_gpu()
     if not SP.available("cuda"):
         pytest.skip("needs an sm_90 GPU with Gluon")
