@@ -62,35 +62,18 @@ def main():
         us = graph_time(lambda: (every(c["wpages"]), every(c["epages"]))) * 1e3
         print(f"| {H} | {lab} | read_entries (torch) of both pools: {ws[0].shape[0]} + {ws[1].shape[0]} slots | "
               f"{us:.0f} | | | |", flush=True)
+        row = lambda label, fn, cfg, kw, r0: _row(H, lab, label, fn, cfg, kw, r0, a, c["flops"])
         for name, kw, cfg in (("bf16 workspace", dict(kv_bf16=ws), None),
                               ("bf16 workspace, production form", dict(kv_bf16=ws, **fkw), None),
                               ("bf16 workspace, production form, 2 stages", dict(kv_bf16=ws, **fkw),
                                {"num_stages": 2})):
-            try:
-                o = sa.sparse_prefill(*a, config=cfg, **kw)
-                r0 = fref if "q_norm_eps" in kw else ref
-                rel = ((o.float() - r0.float()).norm() / r0.float().norm()).item()
-                us = graph_time(lambda: sa.sparse_prefill(*a, config=cfg, **kw)) * 1e3
-                print(f"| {H} | {lab} | sparse_prefill (Triton), {name} | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "
-                      f"{FLASHMLA[H]:.0f} | {rel:.1e} |", flush=True)
-            except Exception as e:          # noqa: BLE001 - reported
-                print(f"| {H} | {lab} | sparse_prefill (Triton), {name} | failed: {type(e).__name__}: "
-                      f"{str(e)[:300]} | | | |", flush=True)
+            row(f"sparse_prefill (Triton), {name}", sa.sparse_prefill, cfg, kw, fref if "q_norm_eps" in kw else ref)
         for name, cfg, kw in (("bf16 workspace (cp.async producer)", None, dict(kv_bf16=ws)),
                               ("bf16 workspace, production form (q by kv_insert's pass, inverse RoPE fused)", None,
                                dict(kv_bf16=ws, **fkw)),
                               ("bf16 workspace, production form (q transform in the consumers)", {"Q_PASS": False},
                                dict(kv_bf16=ws, **fkw))):
-            try:
-                o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
-                r0 = fref if "q_norm_eps" in kw else ref
-                rel = ((o.float() - r0.float()).norm() / r0.float().norm()).item()
-                us = graph_time(lambda: SP.sparse_prefill_ws(*a, config=cfg, **kw)) * 1e3
-                print(f"| {H} | {lab} | sparse_prefill_ws, {name} | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "
-                      f"{FLASHMLA[H]:.0f} | {rel:.1e} |", flush=True)
-            except Exception as e:          # noqa: BLE001 - reported
-                print(f"| {H} | {lab} | sparse_prefill_ws, {name} | failed: {type(e).__name__}: {str(e)[:300]} | | | |",
-                      flush=True)
+            row(f"sparse_prefill_ws, {name}", SP.sparse_prefill_ws, cfg, kw, fref if "q_norm_eps" in kw else ref)
         base = {"SX_PAD": False, "Q_CONSUMERS": False}     # the first form: q by the producer, unpadded exchange
         for name, cfg, kw in (("default (padded S exchange, q in the consumers)", {}, {}),
                               ("default, production form (q by kv_insert's pass)", {}, fkw),
@@ -103,23 +86,24 @@ def main():
                               ("first form (q by the producer, unpadded exchange)", base, {}),
                               ("full QK in both consumers", {"SPLIT_QK": False}, {}),
                               ("padded exchange only", {"Q_CONSUMERS": False}, {}),
-                              ("q in the consumers only", {"SX_PAD": False}, {}),
-                              ("staged producer (cp.async), 1 tile, full QK, 200 / 112 registers", SP.STAGED_CONFIG,
-                               {})):
+                              ("q in the consumers only", {"SX_PAD": False}, {})):
             if args.quick and cfg:
                 continue
-            try:
-                o = SP.sparse_prefill_ws(*a, config=cfg, **kw)
-                torch.cuda.synchronize()
-                r0 = fref if "q_norm_eps" in kw else sa.sparse_prefill(*a, **kw) if kw else ref
-                rel = ((o.float() - r0.float()).norm() / r0.float().norm()).item()
-                us = graph_time(lambda: SP.sparse_prefill_ws(*a, config=cfg, **kw)) * 1e3
-                print(f"| {H} | {lab} | sparse_prefill_ws, {name} | {us:.0f} | {c['flops'] / us / 1e6:.0f} | "
-                      f"{FLASHMLA[H]:.0f} | {rel:.1e} |", flush=True)
-            except Exception as e:          # noqa: BLE001 - reported
-                print(f"| {H} | {lab} | sparse_prefill_ws, {name} | failed: {type(e).__name__}: {str(e)[:300]} | | | |",
-                      flush=True)
+            r0 = fref if "q_norm_eps" in kw else sa.sparse_prefill(*a, **kw) if kw else ref
+            row(f"sparse_prefill_ws, {name}", SP.sparse_prefill_ws, cfg, kw, r0)
 
+
+def _row(H, lab, label, fn, cfg, kw, r0, a, flops):
+    """One table row: fn(*a, config=cfg, **kw) timed, its relative difference to r0; a failure is a row too."""
+    try:
+        o = fn(*a, config=cfg, **kw)
+        torch.cuda.synchronize()
+        rel = ((o.float() - r0.float()).norm() / r0.float().norm()).item()
+        us = graph_time(lambda: fn(*a, config=cfg, **kw)) * 1e3
+        print(f"| {H} | {lab} | {label} | {us:.0f} | {flops / us / 1e6:.0f} | {FLASHMLA[H]:.0f} | {rel:.1e} |",
+              flush=True)
+    except Exception as e:          # noqa: BLE001 - reported
+        print(f"| {H} | {lab} | {label} | failed: {type(e).__name__}: {str(e)[:300]} | | | |", flush=True)
 
 if __name__ == "__main__":
     main()

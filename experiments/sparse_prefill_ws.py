@@ -152,74 +152,6 @@ if GLUON:
             mbarrier.arrive(ready.index(s), count=1)
 
     @gluon.jit
-    def _issue_gathers(WPAGES, EPAGES, raw, raw_rope, raw_sc, rbar, r, blk, wrow, erow, KW, KT, w_psz, w_pbytes,
-                       e_psz, e_pbytes):
-        """STAGED: ``cp.async`` gathers of block ``blk``'s raw entries into staging slot r (the 448 e4m3 bytes of
-        each entry at the start of a 512-byte row, its 64 bf16 rope dims, its 8 scale bytes; invalid entries
-        zero-filled), no registers held; each thread's copies arrive on rbar[r] when they land (count: the 128 producer threads)."""
-        lc: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
-                                            order=[1, 0])
-        lr: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                            order=[1, 0])
-        ls: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
-        n = gl.arange(0, _BN, layout=gl.SliceLayout(1, lc))
-        valid, row, sptr = _entries(wrow, erow, blk * _BN + n, KW, KT, WPAGES, EPAGES, w_psz, w_pbytes, e_psz,
-                                    e_pbytes)
-        row = gl.multiple_of(row, 16)     # pages and entries are 16-byte multiples: 16-byte copies
-        col = gl.arange(0, 512, layout=gl.SliceLayout(0, lc))
-        # all 512 bytes of the row: the last 64 are the start of the entry's own rope dims (inside its 576 bytes;
-        # unused), and a mask constant along the row keeps the 16-byte copies (Triton 3.9's contiguity analysis)
-        _cp_async(raw.index(r), row[:, None] + col[None, :], mask=valid[:, None])
-        row_r = gl.convert_layout(row, gl.SliceLayout(1, lr))
-        valid_r = gl.convert_layout(valid, gl.SliceLayout(1, lr))
-        dr = gl.arange(0, 64, layout=gl.SliceLayout(0, lr))
-        _cp_async(raw_rope.index(r),
-                                               (row_r + 448).to(gl.pointer_type(gl.bfloat16))[:, None] + dr[None, :],
-                                               mask=valid_r[:, None])
-        sp = gl.convert_layout(sptr, ls)
-        _cp_async(raw_sc.index(r), sp, mask=gl.convert_layout(valid, ls))
-        async_copy.mbarrier_arrive(rbar.index(r), increment_count=False)
-
-    @gluon.jit
-    def _producer_staged(WIDX, EIDX, WPAGES, EPAGES, k_smem, raw, raw_rope, raw_sc, rbar, ready, empty, t, KW, KE,
-                         stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, STAGES: gl.constexpr):
-        """STAGED: two staging slots of raw entries in flight (``_issue_gathers``); each block converted from
-        shared memory (no global-load latency on the conversion) into the bf16 tile ring, then slot reused for the
-        block two ahead. The consumers load q (``Q_CONSUMERS``)."""
-        l8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4], warps_per_cta=[4, 1],
-                                            order=[1, 0])
-        l16: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                             order=[1, 0])
-        t64 = t.to(gl.int64)
-        wrow = WIDX + t64 * stride_wt
-        erow = EIDX + t64 * stride_et
-        KT = KW + KE
-        nb = gl.cdiv(KT, _BN)
-        _issue_gathers(WPAGES, EPAGES, raw, raw_rope, raw_sc, rbar, 0, 0, wrow, erow, KW, KT, w_psz, w_pbytes, e_psz,
-                       e_pbytes)
-        if nb > 1:
-            _issue_gathers(WPAGES, EPAGES, raw, raw_rope, raw_sc, rbar, 1, 1, wrow, erow, KW, KT, w_psz, w_pbytes,
-                           e_psz, e_pbytes)
-        for blk in range(nb):
-            r = blk % 2
-            mbarrier.wait(rbar.index(r), (blk // 2) & 1)
-            s = blk % STAGES
-            mbarrier.wait(empty.index(s), ((blk // STAGES) & 1) ^ 1)
-            kt = k_smem.index(s)
-            scw = raw_sc.index(r).load(gl.SliceLayout(1, l8))
-            for c in gl.static_range(7):       # the 448 e4m3 dims, 2^(byte - 127) per 64-dim block: exact in bf16
-                sc = (((scw >> (8 * c)) & 0xFF).to(gl.int32) << 23).to(gl.float32, bitcast=True)
-                x = raw.index(r).slice(64 * c, 64, dim=1).load(l8)
-                kv = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-                kt.slice(64 * c, 64, dim=1).store(kv.to(gl.bfloat16))
-            kt.slice(448, 64, dim=1).store(raw_rope.index(r).load(l16))
-            fence_async_shared()
-            mbarrier.arrive(ready.index(s), count=1)
-            if blk + 2 < nb:
-                _issue_gathers(WPAGES, EPAGES, raw, raw_rope, raw_sc, rbar, r, blk + 2, wrow, erow, KW, KT, w_psz,
-                               w_pbytes, e_psz, e_pbytes)
-
-    @gluon.jit
     def _producer_bf16(WIDX, EIDX, WKV, EKV, k_smem, ready, empty, t, KW, KE, stride_wt, stride_et,
                        STAGES: gl.constexpr):
         """BF16_KV: the entries are rows of dense bf16 [slots, 512] workspaces (the FP8 caches dequantised once
@@ -396,7 +328,7 @@ if GLUON:
                                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                                   SPLIT_QK: gl.constexpr, ROPE: gl.constexpr = False, QNORM: gl.constexpr = False,
                                   SX_PAD: gl.constexpr = False, Q_CONSUMERS: gl.constexpr = False,
-                                  STAGED: gl.constexpr = False, BF16_KV: gl.constexpr = False):
+                                  BF16_KV: gl.constexpr = False):
         pdl_wait()
         hb = gl.program_id(0)
         t = gl.program_id(1)
@@ -425,17 +357,6 @@ if GLUON:
                                             gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         s_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         s_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # STAGED: two slots of raw entries (e4m3 rows padded to 512 bytes, rope dims, scale words) and their
-        # arrival barriers (one async arrival per producer thread); else placeholders
-        raw = gl.allocate_shared_memory(gl.uint8, [2, _BN, 512] if STAGED else [2, 1, 16],
-                                        gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))
-        raw_rope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 64] if STAGED else [2, 1, 8],
-                                             gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
-        raw_sc = gl.allocate_shared_memory(gl.int64, [2, _BN] if STAGED else [2, 2],
-                                           gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        rbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(rbar.index(i), count=128)
         for i in gl.static_range(5):
             mbarrier.init(q_ready.index(i), count=1)
         for i in gl.static_range(2):
@@ -455,17 +376,6 @@ if GLUON:
                 (_producer_bf16, (WIDX, EIDX, WPAGES, EPAGES, k_smem, ready, empty, t, KW, KE, stride_wt, stride_et,
                                   STAGES)),
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-        elif STAGED:
-            gl.warp_specialize([
-                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
-                             s_full, s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt,
-                             stride_et, qk_scale, q_eps, STAGES, 0, SPLIT_QK, ROPE, QNORM, True)),
-                (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
-                             s_full, s_free, t, h0, H, KW, KE, stride_qt, stride_qh, stride_ot, stride_oh, stride_wt,
-                             stride_et, qk_scale, q_eps, STAGES, 1, SPLIT_QK, ROPE, QNORM, True)),
-                (_producer_staged, (WIDX, EIDX, WPAGES, EPAGES, k_smem, raw, raw_rope, raw_sc, rbar, ready, empty, t,
-                                    KW, KE, stride_wt, stride_et, w_psz, w_pbytes, e_psz, e_pbytes, STAGES)),
-            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (WIDX, EIDX, SINK, O, COS, SIN, Q, q_all, k_smem, s_x, ss_x, q_ready, ready, empty,
@@ -480,9 +390,6 @@ if GLUON:
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# STAGED (the producer's cp.async staging, ``_producer_staged``): with one bf16 tile and full QK (no S exchange) 210 KB
-# of shared memory (q 64 + tile 64 + two staging slots 2 x 40.5); compiles for sm_90a, spilling 972 bytes at
-# 224 / 64 registers, 224 at 208 / 96 and 56 at 200 / 112 (``STAGED_CONFIG``; ptxas); not yet run on a GPU.
 # Consumer warpgroups at 224 registers (a 64 x 256 fp32 accumulator, S, P; Triton 3.6 gives the default partition
 # 512 - the workers' - 8 = 216) and the producer's at 64; the launch (12 warps) at 65,536 / 384 -> 168. Shared memory:
 # q 64 KB + STAGES x 64 KB of bf16 tiles + SPLIT_QK's 2 x 16 KB (2 stages: 224 KB of sm_90's 227). ptxas (sm_90a,
@@ -491,7 +398,6 @@ if GLUON:
 # output back); False: in the consumers (QNORM), measured ~750 us slower at H64 / s_q 4096 (serial per CTA)
 DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnreg": 168, "SPLIT_QK": True,
                   "SX_PAD": True, "Q_CONSUMERS": True, "Q_PASS": True}
-STAGED_CONFIG = {"STAGED": True, "STAGES": 1, "SPLIT_QK": False, "CONSUMER_REGS": 200, "PRODUCER_REGS": 112}
 
 
 def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: torch.Tensor, window_page_size: int,
@@ -546,9 +452,9 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
         float(q_norm_eps or 0.0), STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
         PRODUCER_REGS=cfg["PRODUCER_REGS"], SPLIT_QK=bool(cfg["SPLIT_QK"]), ROPE=rope is not None,
         QNORM=q_norm_eps is not None, SX_PAD=bool(cfg.get("SX_PAD", False)),
-        # the staged and bf16 producers leave q to the consumers
-        Q_CONSUMERS=bool(cfg.get("Q_CONSUMERS", False) or cfg.get("STAGED", False) or kv_bf16 is not None),
-        STAGED=bool(cfg.get("STAGED", False)), BF16_KV=kv_bf16 is not None, num_warps=4,
+        # the bf16 producer leaves q to the consumers
+        Q_CONSUMERS=bool(cfg.get("Q_CONSUMERS", False) or kv_bf16 is not None), BF16_KV=kv_bf16 is not None,
+        num_warps=4,
         maxnreg=cfg["maxnreg"],
         **({"enable_fp_fusion": False} if rope is not None and not cfg.get("FP_FUSION") else {}), **PDL_LAUNCH)
     return out

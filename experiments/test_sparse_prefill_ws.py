@@ -15,9 +15,8 @@ import sparse_prefill_ws as SP  # noqa: E402
 from kernel_helpers import need_gpu  # noqa: E402
 
 
-@pytest.mark.parametrize("fused,staged,bf16", [(False, False, False), (True, False, False), (False, True, False),
-                                               (True, False, True)])
-def test_aot_compile_sm90(fused, staged, bf16):
+@pytest.mark.parametrize("fused,bf16", [(False, False), (True, False), (False, True), (True, True)])
+def test_aot_compile_sm90(fused, bf16):
     """bf16 wgmma m64n64k16 for QK (q and the dequantised tile from shared memory) and m64n256k16 for PV (P from
     registers), the partitions' register counts within the file, shared memory within sm_90's 227 KB."""
     if not SP.GLUON or os.environ.get("TRITON_INTERPRET") == "1":
@@ -28,28 +27,24 @@ def test_aot_compile_sm90(fused, staged, bf16):
     pool = "*bf16" if bf16 else "*u8"
     types = dict(Q="*bf16", WIDX="*i32", EIDX="*i32", WPAGES=pool, EPAGES=pool, SINK="*fp32", O="*bf16",
                  COS="*fp32", SIN="*fp32", qk_scale="fp32", q_eps="fp32")
-    # fused: the production prefill form (q's norm + RoPE in the producer, the inverse RoPE in the epilogue)
+    # fused: the production prefill form with q's norm + RoPE in the consumers (QNORM) and the inverse RoPE in the
+    # epilogue; bf16: the entries from bf16 workspaces
     const = dict(STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                 SPLIT_QK=cfg["SPLIT_QK"] and not staged, ROPE=fused, QNORM=fused, SX_PAD=cfg["SX_PAD"],
-                 Q_CONSUMERS=cfg["Q_CONSUMERS"], STAGED=staged, BF16_KV=bf16)
-    if staged:      # the staged producer's form: one bf16 tile, full QK in both consumers (shared memory)
-        const.update({k: v for k, v in SP.STAGED_CONFIG.items() if k in const})
+                 SPLIT_QK=cfg["SPLIT_QK"], ROPE=fused, QNORM=fused, SX_PAD=cfg["SX_PAD"],
+                 Q_CONSUMERS=cfg["Q_CONSUMERS"], BF16_KV=bf16)
     ptx, mma, smem = aot_compile(SP._sparse_prefill_ws_kernel, types, const, 90, 4,
                                  div=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "w_pbytes", "e_pbytes"),
                                  maxnreg=cfg["maxnreg"], shared=True)
     # page sizes in bytes are multiples of 16 (the JIT's divisibility specialisation): the gathers are 16-byte loads
-    # (staged: 16-byte cp.async into the staging slots, 8-byte ones for the scale words, each thread's async arrival)
     # (bf16: each thread's 32 16-byte copies of a block straight into the tile, one async arrival)
-    if staged:
-        assert ptx.count("cp.async.cg.shared.global") >= 40 and "cp.async.mbarrier.arrive.noinc" in ptx
-    elif bf16:
+    if bf16:
         assert ptx.count("cp.async.cg.shared.global") == 32 and "cp.async.mbarrier.arrive.noinc" in ptx
     else:
         assert ptx.count("ld.global.v4.b32") >= 18, ptx.count("ld.global.v4.b32")   # a block: 7 x 2 e4m3 + 4 rope
     assert mma == ["wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"], mma
     assert re.search(r"m64n256k16\S+ \{[^}]+\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+", ptx), "P not in registers"
-    assert (64 + const["STAGES"] * 64 + (72 if staged else 0)) * 1024 <= smem <= 232448, smem
+    assert (64 + const["STAGES"] * 64) * 1024 <= smem <= 232448, smem
     assert 128 * (2 * cfg["CONSUMER_REGS"] + cfg["PRODUCER_REGS"]) <= 65536 and 384 * cfg["maxnreg"] <= 65536
 
 
@@ -70,8 +65,7 @@ def _case(H, n, topk, all_masked_row=None, extra=True):
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,n,topk,masked,extra", [(64, 256, 512, None, True), (128, 64, 1024, 3, True),
                                                    (64, 33, 512, 0, False)])
-@pytest.mark.parametrize("cfg", [None, {"STAGES": 1}, {"SPLIT_QK": False}, {"Q_CONSUMERS": False, "SX_PAD": False},
-                                 SP.STAGED_CONFIG])
+@pytest.mark.parametrize("cfg", [None, {"STAGES": 1}, {"SPLIT_QK": False}, {"Q_CONSUMERS": False, "SX_PAD": False}])
 def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, extra, cfg):
     need_gpu()
     if not SP.available("cuda"):
@@ -97,7 +91,7 @@ def test_gpu_sparse_prefill_ws_matches_the_product_kernel(H, n, topk, masked, ex
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,n,topk", [(64, 256, 512), (128, 64, 1024)])
 @pytest.mark.parametrize("cfg", [None, {"Q_PASS": False}, {"Q_CONSUMERS": False, "SX_PAD": False, "Q_PASS": False},
-                                 {"SPLIT_QK": False}, dict(SP.STAGED_CONFIG, Q_PASS=False)])
+                                 {"SPLIT_QK": False, "Q_PASS": False}])
 def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk, cfg):
     """The production prefill form: raw q normalised and rotated (by kv_insert's pass, the default, or in the
     kernel: the consumers, or the producer in the first form), the output's rope dims rotated back in the epilogue;
@@ -131,7 +125,8 @@ def test_gpu_sparse_prefill_ws_fused_q_transform_and_inverse_rope(H, n, topk, cf
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_sparse_prefill_ws_bf16_workspace(H, n, topk, masked, extra, fused):
     """``kv_bf16``: the pools dequantised once into dense bf16 workspaces (``formats.kv_entry.read_entries``), the
-    entries copied by ``cp.async``; the same attention as the product kernel on the pages (plain and production forms)."""
+    entries copied by ``cp.async``; the same attention as the product kernel on the pages (plain and production
+    forms)."""
     need_gpu()
     if not SP.available("cuda"):
         pytest.skip("needs an sm_90 GPU with Gluon")
