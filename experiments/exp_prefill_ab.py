@@ -33,6 +33,9 @@ if os.environ.get("FUSE_QO"):           # Attention.FUSE_PREFILL_QO: FUSE_QO=1 o
 if os.environ.get("BF16_KV"):           # Attention.PREFILL_BF16_KV: BF16_KV=1 on, 0 off (the default)
     from dsv4.layers.attention import Attention
     Attention.PREFILL_BF16_KV = os.environ["BF16_KV"] == "1"
+if os.environ.get("WS_PREFILL"):        # sparse_attention.WS_PREFILL: WS_PREFILL=1 on (with BF16_KV=1), 0 off (default)
+    from dsv4.kernels import sparse_attention as SA
+    SA.WS_PREFILL = os.environ["WS_PREFILL"] == "1"
 print(f"exp_prefill_ab: {mode}")
 sys.argv[0] = os.path.join(ROOT, "benchmarks", "prefill.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

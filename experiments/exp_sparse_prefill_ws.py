@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Experiment: the warp-specialized sparse prefill prototype (``experiments/sparse_prefill_ws.py``) against the
+"""Experiment: the warp-specialized sparse prefill prototype (``dsv4/kernels/sparse_prefill_ws.py``) against the
 product kernel (``sparse_prefill``, Triton) and FlashMLA's figures (shared/spec/flashmla-h200.md, bf16 KV) on the
 V4 prefill configs: window 128 + CSA top-512 at h64 and + top-1024 at h128, s_q 4096, s_kv 64K (FlashMLA's
 counting: FLOPs = 2 s_q topk H 1024). CUDA-graph replays, L2 flushed.
@@ -20,7 +20,7 @@ from attention import PAGE, decode_case  # noqa: E402
 from common import gpu_experiment, graph_time  # noqa: E402
 from dsv4.formats.kv_entry import read_entries  # noqa: E402
 from dsv4.kernels import sparse_attention as sa  # noqa: E402
-import sparse_prefill_ws as SP  # noqa: E402
+from dsv4.kernels import sparse_prefill_ws as SP  # noqa: E402
 
 FLASHMLA = {64: 697.0, 128: 2087.0}     # us, s_q 4096, s_kv 64K, topk 640 / 1152 (H200, bf16 KV)
 

@@ -489,8 +489,36 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
     only kv)."""
     if sinks is None:
         sinks = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
+    if _ws_route(q, window_idx, kv_bf16, config):
+        check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
+                               extra_page_size)
+        if rope is not None:
+            check_inverse_rope(q, *rope)
+        if q_norm_eps is not None and rope is None:
+            raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
+        wkv, ekv = _check_workspaces(kv_bf16, window_idx, extra_idx)
+        from .sparse_prefill_ws import sparse_prefill_ws
+        return sparse_prefill_ws(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages,
+                                 extra_page_size, sinks, scale, out=out, rope=rope, q_norm_eps=q_norm_eps,
+                                 kv_bf16=(wkv, ekv))
     return _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
                 sinks, scale, 1, config, out, rope, q_norm_eps, kv_bf16)
+
+
+# sparse_prefill's route to the warp-specialized Gluon kernel (``sparse_prefill_ws``) on sm_90: off until it is
+# timed against this module's kernel in the product's form (docs/design-sparse-prefill.md, "Routing plan")
+WS_PREFILL = False
+
+
+def _ws_route(q, window_idx, kv_bf16, config) -> bool:
+    """The Gluon route: on, an sm_90 GPU with Gluon, workspaces given (its producer copies bf16 rows), a window list,
+    a multiple of 64 heads, no explicit Triton config (a caller that passes one asks for this module's kernel)."""
+    if not WS_PREFILL or kv_bf16 is None or config is not None or window_idx is None or interpreting():
+        return False
+    if q.device.type != "cuda" or q.shape[1] % 64 or q.stride(2) != 1:
+        return False
+    from .sparse_prefill_ws import available
+    return available(q.device)
 
 
 __all__ = ["choices", "default_config", "sparse_decode", "sparse_prefill"]

@@ -1,31 +1,36 @@
-"""Prototype: warp-specialized sparse prefill attention over the FP8 paged caches (Gluon, sm_90).
+"""Warp-specialized sparse prefill attention (Gluon, sm_90), ``sparse_attention.sparse_prefill``'s route on sm_90
+when ``sparse_attention.WS_PREFILL`` is on (off until timed against the Triton kernel in the product's form).
 
-``dsv4/kernels/sparse_attention.sparse_prefill``'s contract (module doc there) for H a multiple of 64, one CTA per
-(64-head block, query row), three partitions (design: docs/design-sparse-prefill.md):
+``sparse_prefill``'s contract (module doc of ``sparse_attention``) for H a multiple of 64 and a window list, one CTA
+per (64-head block, query row), three partitions (design: docs/design-sparse-prefill.md):
 
-* producer (4 warps): q's [64, 512] rows into shared memory once; per block of 64 list entries the row's window /
-  extra indices, each entry's 448 e4m3 bytes times its 64-dim blocks' 2^(scale byte - 127) and its 64 bf16 rope
-  dims, stored as a bf16 [64 entries, 512] tile into a ``STAGES``-deep ring (one dequantisation per gathered tile,
-  shared by both consumers);
-* two consumer warpgroups, one per half of the 512 dims: each computes q . k over its 256 dims, hands its partial S
-  to the other through shared memory and adds the two in one order (half 0's first), so both hold the same S, running
-  max, probabilities and denominator; it masks invalid entries, runs the online softmax (running max per block, P
-  rounded to bf16, fp32 denominator) and accumulates P V over its 256 dims with P as wgmma's register operand; the
-  sink enters the final denominator, an all-masked row writes 0.
+* producer (4 warps): per block of 64 list entries the row's window / extra indices, then the entries into a
+  ``STAGES``-deep ring of bf16 [64 entries, 512] tiles shared by both consumers: with ``kv_bf16`` (the route's
+  form) ``cp.async`` copies of bf16 workspace rows (the entries dequantised once per chunk, vLLM's prefill form), no
+  data in registers; else each entry's 448 e4m3 bytes times its 64-dim blocks' 2^(scale byte - 127) and its 64 bf16
+  rope dims, dequantised in registers (q's rows too in the first form, ``Q_CONSUMERS`` False);
+* two consumer warpgroups, one per half of the 512 dims: each loads its half of q, computes q . k over its 256 dims,
+  hands its partial S to the other through shared memory and adds the two in one order (half 0's first), so both
+  hold the same S, running max, probabilities and denominator; it masks invalid entries, runs the online softmax
+  (running max per block, P rounded to bf16, fp32 denominator) and accumulates P V over its 256 dims with P as
+  wgmma's register operand; the sink enters the final denominator, an all-masked row writes 0; ``rope``: the
+  output's rope dims rotated back in the epilogue.
 
-Per block 4.2M MACs, FlashMLA's count (its ping-pong exchanges P and the maxima instead of S). ``SPLIT_QK`` False:
-each consumer computes the block's full S itself (6.3M MACs, no exchange). S = S_0 + S_1 sums the 512 products in
-another order than one 512-long chain: the product kernel's bits are not expected, its tolerance is. Tests: ``experiments/test_sparse_prefill_ws.py``; timing: ``experiments/exp_sparse_prefill_ws.py``.
-Not routed to by the product.
+``q_norm_eps``: q's transform (kv_insert's) runs as kv_insert's q pass before the kernel (``Q_PASS``; in the
+consumers it costs ~750 us at H64 / s_q 4096, serial per CTA). Per block 4.2M MACs, FlashMLA's count (its ping-pong
+exchanges P and the maxima instead of S). ``SPLIT_QK`` False: each consumer computes the block's full S itself (6.3M
+MACs, no exchange). S = S_0 + S_1 sums the 512 products in another order than one 512-long chain: the Triton
+kernel's bits are not expected, its tolerance is. Tests: ``tests/test_sparse_prefill_ws.py``; timing:
+``experiments/exp_sparse_prefill_ws.py``.
 """
 from __future__ import annotations
 
 import torch
 
-from dsv4.formats.kv_entry import page_bytes
-from dsv4.kernels import triton_available
-from dsv4.kernels.lib import PDL_LAUNCH
-from dsv4.kernels.gemm.fp4_fp8_ws import available     # an sm_90 GPU with Gluon's Hopper ops
+from ..formats.kv_entry import page_bytes
+from . import triton_available
+from .gemm.fp4_fp8_ws import available as _hopper_gluon
+from .lib import PDL_LAUNCH
 
 HEAD_DIM = 512
 BH = 64             # heads per CTA (the wgmma M)
@@ -45,7 +50,7 @@ except ImportError:
     GLUON = False
 
 if GLUON:
-    from dsv4.kernels.lib import pdl_wait
+    from .lib import pdl_wait
     # cp.async into shared memory: ``async_load`` from Triton 3.7 on (the old name raises there), the old name in 3.6
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _BH = gl.constexpr(BH)
@@ -400,6 +405,12 @@ DEFAULT_CONFIG = {"STAGES": 2, "CONSUMER_REGS": 224, "PRODUCER_REGS": 64, "maxnr
                   "SX_PAD": True, "Q_CONSUMERS": True, "Q_PASS": True}
 
 
+def available(dev) -> bool:
+    """Whether this kernel can run on ``dev``: an sm_90 GPU with Gluon's Hopper and cp.async ops, not the
+    interpreter."""
+    return GLUON and _hopper_gluon(dev)
+
+
 def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: torch.Tensor, window_page_size: int,
                       extra_idx: torch.Tensor | None, extra_pages: torch.Tensor | None, extra_page_size: int,
                       sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5, config: dict | None = None,
@@ -421,7 +432,7 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
     if q_norm_eps is not None and cfg.get("Q_PASS"):
         # kv_insert's q transform (the bits the kernel's QNORM computes, up to the squares' summation order) as its
         # own launch: a zero kv row a token, no slot written
-        from dsv4.kernels.kv_insert import kv_insert
+        from .kv_insert import kv_insert
         pool = torch.zeros(1, page_bytes(16), dtype=torch.uint8, device=q.device)
         q, _ = kv_insert(q, torch.zeros(T, HEAD_DIM, dtype=torch.bfloat16, device=q.device), rope[0], rope[1], pool,
                          torch.full((T,), -1, dtype=torch.int64, device=q.device), 16, q_norm_eps)
@@ -458,3 +469,6 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
         maxnreg=cfg["maxnreg"],
         **({"enable_fp_fusion": False} if rope is not None and not cfg.get("FP_FUSION") else {}), **PDL_LAUNCH)
     return out
+
+
+__all__ = ["BH", "DEFAULT_CONFIG", "available", "sparse_prefill_ws"]

@@ -1,42 +1,41 @@
-"""The warp-specialized sparse prefill prototype (``experiments/sparse_prefill_ws.py``): an sm_90 compile on any
+"""The warp-specialized sparse prefill kernel (``kernels/sparse_prefill_ws.py``): an sm_90 compile on any
 machine; on an sm_90 GPU its outputs against the product kernel (``sparse_prefill``) and the CPU twin.
-Outside the default test run: ``PYTHONPATH=. python3 -m pytest -q experiments/test_sparse_prefill_ws.py``."""
+The route from ``sparse_attention.sparse_prefill`` (``WS_PREFILL``) on an sm_90 GPU."""
 import os
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
-                os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("triton")
 
-import sparse_prefill_ws as SP  # noqa: E402
-from kernel_helpers import need_gpu  # noqa: E402
+from dsv4.kernels import sparse_prefill_ws as SP  # noqa: E402
+from kernel_helpers import need_gpu, run_aot_script  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("fused,bf16", [(False, False), (True, False), (False, True), (True, True)])
-def test_aot_compile_sm90(fused, bf16):
-    """bf16 wgmma m64n64k16 for QK (q and the dequantised tile from shared memory) and m64n256k16 for PV (P from
-    registers), the partitions' register counts within the file, shared memory within sm_90's 227 KB."""
-    if not SP.GLUON or os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("needs Gluon's Hopper ops, compiled (TRITON_INTERPRET=0)")
+def _aot_case(rope: bool, qnorm: bool, bf16: bool):
+    """One compile for sm_90a (``tests/kernel_helpers.aot_compile``) and its checks: bf16 wgmma m64n64k16 for QK (q
+    and the tile from shared memory) and m64n256k16 for PV (P from registers), the partitions' register counts within
+    the file, shared memory within sm_90's 227 KB; the gathers 16-byte loads (page sizes in bytes are multiples of 16,
+    the JIT's divisibility specialisation), or with bf16 workspaces each thread's 32 16-byte ``cp.async`` copies of a
+    block straight into the tile and one async arrival."""
     import re
     from kernel_helpers import aot_compile
     cfg = SP.DEFAULT_CONFIG
     pool = "*bf16" if bf16 else "*u8"
     types = dict(Q="*bf16", WIDX="*i32", EIDX="*i32", WPAGES=pool, EPAGES=pool, SINK="*fp32", O="*bf16",
                  COS="*fp32", SIN="*fp32", qk_scale="fp32", q_eps="fp32")
-    # fused: the production prefill form with q's norm + RoPE in the consumers (QNORM) and the inverse RoPE in the
-    # epilogue; bf16: the entries from bf16 workspaces
     const = dict(STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], PRODUCER_REGS=cfg["PRODUCER_REGS"],
-                 SPLIT_QK=cfg["SPLIT_QK"], ROPE=fused, QNORM=fused, SX_PAD=cfg["SX_PAD"],
+                 SPLIT_QK=cfg["SPLIT_QK"], ROPE=rope, QNORM=qnorm, SX_PAD=cfg["SX_PAD"],
                  Q_CONSUMERS=cfg["Q_CONSUMERS"], BF16_KV=bf16)
     ptx, mma, smem = aot_compile(SP._sparse_prefill_ws_kernel, types, const, 90, 4,
                                  div=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "w_pbytes", "e_pbytes"),
                                  maxnreg=cfg["maxnreg"], shared=True)
-    # page sizes in bytes are multiples of 16 (the JIT's divisibility specialisation): the gathers are 16-byte loads
-    # (bf16: each thread's 32 16-byte copies of a block straight into the tile, one async arrival)
     if bf16:
         assert ptx.count("cp.async.cg.shared.global") == 32 and "cp.async.mbarrier.arrive.noinc" in ptx
     else:
@@ -46,6 +45,38 @@ def test_aot_compile_sm90(fused, bf16):
     assert re.search(r"m64n256k16\S+ \{[^}]+\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+", ptx), "P not in registers"
     assert (64 + const["STAGES"] * 64) * 1024 <= smem <= 232448, smem
     assert 128 * (2 * cfg["CONSUMER_REGS"] + cfg["PRODUCER_REGS"]) <= 65536 and 384 * cfg["maxnreg"] <= 65536
+
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+    import test_sparse_prefill_ws as T
+    if not T.SP.GLUON:
+        print("skip: no Gluon"); sys.exit(0)
+    # the FP8 pages; sparse_prefill's route (bf16 workspaces, the inverse RoPE in the epilogue, q by kv_insert);
+    # q's transform in the consumers
+    for rope, qnorm, bf16 in ((False, False, False), (True, False, True), (True, True, False)):
+        T._aot_case(rope, qnorm, bf16)
+""")
+
+
+def test_aot_compile_sm90():
+    run_aot_script(_AOT_SCRIPT, REPO, timeout=600)
+
+
+def test_the_route_is_taken_only_where_it_runs(monkeypatch):
+    """``sparse_attention._ws_route``: never with the switch off, without workspaces, with an explicit Triton config,
+    without a window list, with H not a multiple of 64, or off an sm_90 GPU (this machine: a CPU)."""
+    from dsv4.kernels import sparse_attention as sa
+    q = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
+    w = torch.zeros(2, 4, dtype=torch.int32)
+    ws = (torch.zeros(4, 512, dtype=torch.bfloat16), None)
+    monkeypatch.setattr(sa, "WS_PREFILL", False)
+    assert not sa._ws_route(q, w, ws, None)
+    monkeypatch.setattr(sa, "WS_PREFILL", True)
+    for args in ((q, w, None, None), (q, w, ws, {"num_stages": 1}), (q, None, ws, None), (q[:, :48], w, ws, None)):
+        assert not sa._ws_route(*args)
+    assert sa._ws_route(q, w, ws, None) == SP.available(q.device)
 
 
 def _case(H, n, topk, all_masked_row=None, extra=True):
@@ -152,3 +183,30 @@ def test_gpu_sparse_prefill_ws_bf16_workspace(H, n, topk, masked, extra, fused):
     assert torch.equal(o, SP.sparse_prefill_ws(*args, **kw))
     print(f"bf16 workspace: relative difference to the product kernel "
           f"{((o.float() - ref.float()).norm() / ref.float().norm()).item():.1e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_sparse_prefill_routes_to_the_ws_kernel(monkeypatch, fused):
+    """``sparse_attention.WS_PREFILL`` on: ``sparse_prefill`` with workspaces gives this kernel's output (q by
+    kv_insert's pass in the production form), within the Triton kernel's tolerance; off, the Triton kernel's."""
+    need_gpu()
+    if not SP.available("cuda"):
+        pytest.skip("needs an sm_90 GPU with Gluon")
+    import test_sparse_attention as TS
+    from dsv4.formats.kv_entry import read_entries
+    from dsv4.kernels import sparse_attention as sa
+    cache, q, widx, eidx, sinks = _case(64, 96, 512, 3)
+    if fused:
+        q = (q.float() * 5).bfloat16()
+    ang = torch.rand(q.shape[0], 32, generator=torch.Generator().manual_seed(7)) * 6.283185307179586
+    kw = dict(rope=(torch.cos(ang).cuda(), torch.sin(ang).cuda()), q_norm_eps=1e-6) if fused else {}
+    args = (q.cuda(), widx.cuda(), cache.wp, 64, eidx.cuda(), cache.ep, 64, sinks.cuda())
+    every = lambda p: read_entries(p, torch.arange(p.shape[0] * 64, device=p.device), 64)
+    ws = (every(cache.wp), every(cache.ep))
+    monkeypatch.setattr(sa, "WS_PREFILL", True)
+    routed = sa.sparse_prefill(*args, kv_bf16=ws, **kw)
+    assert torch.equal(routed, SP.sparse_prefill_ws(*args, kv_bf16=ws, **kw))
+    monkeypatch.setattr(sa, "WS_PREFILL", False)
+    triton_out = sa.sparse_prefill(*args, kv_bf16=ws, **kw)
+    TS._compare(routed, triton_out)
