@@ -56,6 +56,23 @@ def check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, 
         raise ValueError(f"sinks: expected fp32 [{H}], got {sinks.dtype} {tuple(sinks.shape)}")
 
 
+def check_sparse_workspaces(kv_bf16, window_idx, extra_idx):
+    """The sparse attention's ``kv_bf16`` = (window, extra): dense contiguous bf16 [rows, 512] workspaces of
+    dequantised entries, one for each list given (None for a list not given) -> the two tensors a launch passes
+    in the pages' places (a missing one stands in for the other)."""
+    if not isinstance(kv_bf16, (tuple, list)) or len(kv_bf16) != 2:
+        raise ValueError("kv_bf16: expected (window workspace, extra workspace)")
+    for name, ws, idx in (("window", kv_bf16[0], window_idx), ("extra", kv_bf16[1], extra_idx)):
+        if idx is None or idx.shape[1] == 0:
+            continue
+        if ws is None or ws.dtype != torch.bfloat16 or ws.dim() != 2 or ws.shape[1] != HEAD_DIM \
+                or not ws.is_contiguous():
+            got = None if ws is None else f"{ws.dtype} {tuple(ws.shape)}"
+            raise ValueError(f"kv_bf16: the {name} workspace must be contiguous bf16 [slots, {HEAD_DIM}], got {got}")
+    w, e = kv_bf16
+    return (w if w is not None else e), (e if e is not None else w)
+
+
 def compressor_dims(state: torch.Tensor, ratio: int) -> tuple[int, int, bool]:
     overlap = ratio == 4
     coff = 2 if overlap else 1

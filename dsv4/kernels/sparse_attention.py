@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.contracts import check_inverse_rope, check_sparse_attention
+from ..formats.contracts import check_inverse_rope, check_sparse_attention, check_sparse_workspaces
 from .lib import PDL_LAUNCH, Choice, Target, interpreting, target, triton_available
 
 HEAD_DIM = 512
@@ -355,31 +355,25 @@ def choices(t: Target) -> list[Choice]:
     return list(dict.fromkeys(out))
 
 
-def _check_workspaces(kv_bf16, window_idx, extra_idx):
-    """``kv_bf16`` = (window, extra) dense bf16 [slots, 512] workspaces (``None`` for a list not given) -> the two
-    tensors the launch passes in the pages' places."""
-    if not isinstance(kv_bf16, (tuple, list)) or len(kv_bf16) != 2:
-        raise ValueError("kv_bf16: expected (window workspace, extra workspace)")
-    for name, ws, idx in (("window", kv_bf16[0], window_idx), ("extra", kv_bf16[1], extra_idx)):
-        if idx is None or idx.shape[1] == 0:
-            continue
-        if ws is None or ws.dtype != torch.bfloat16 or ws.dim() != 2 or ws.shape[1] != HEAD_DIM \
-                or not ws.is_contiguous():
-            got = None if ws is None else f"{ws.dtype} {tuple(ws.shape)}"
-            raise ValueError(f"kv_bf16: the {name} workspace must be contiguous bf16 [slots, {HEAD_DIM}], got {got}")
-    w, e = kv_bf16
-    return (w if w is not None else e), (e if e is not None else w)
+def _check_args(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks,
+                rope, q_norm_eps, kv_bf16):
+    """The contract checks of every launch (this module's kernel and the Gluon route) -> the (window, extra)
+    tensors the kernel reads: the pages, or the workspaces in their places (same lists: an id is a row)."""
+    check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
+                           extra_page_size)
+    if rope is not None:
+        check_inverse_rope(q, *rope)
+    if q_norm_eps is not None and rope is None:
+        raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
+    if kv_bf16 is None:
+        return window_pages, extra_pages
+    return check_sparse_workspaces(kv_bf16, window_idx, extra_idx)
 
 
 def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
          sinks, scale, num_splits, config, out, rope=None, q_norm_eps=None, kv_bf16=None):
-    check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
-                  extra_page_size)
-    if kv_bf16 is not None:
-        # the workspaces replace the pages in the launch (same lists: a slot id is a workspace row)
-        window_pages, extra_pages = _check_workspaces(kv_bf16, window_idx, extra_idx)
-    if rope is not None:
-        check_inverse_rope(q, *rope)
+    window_pages, extra_pages = _check_args(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages,
+                                            extra_page_size, sinks, rope, q_norm_eps, kv_bf16)
     T, H, _ = q.shape
     dev = q.device
     if q.stride(2) != 1:
@@ -432,8 +426,6 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
         kw["ptx_options"] = cfg["ptx_options"]
     if rope is not None and split:
         raise ValueError("sparse attention: the fused inverse RoPE needs one split")
-    if q_norm_eps is not None and rope is None:
-        raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
     if rope is not None and not interp:
         kw["enable_fp_fusion"] = False      # the rotation's products and sums rounded separately (inverse_rope's)
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (sinks, sinks)
@@ -490,17 +482,12 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
     if sinks is None:
         sinks = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
     if _ws_route(q, window_idx, kv_bf16, config):
-        check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
-                               extra_page_size)
-        if rope is not None:
-            check_inverse_rope(q, *rope)
-        if q_norm_eps is not None and rope is None:
-            raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
-        wkv, ekv = _check_workspaces(kv_bf16, window_idx, extra_idx)
+        _check_args(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks,
+                    rope, q_norm_eps, kv_bf16)
         from .sparse_prefill_ws import sparse_prefill_ws
         return sparse_prefill_ws(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages,
                                  extra_page_size, sinks, scale, out=out, rope=rope, q_norm_eps=q_norm_eps,
-                                 kv_bf16=(wkv, ekv))
+                                 kv_bf16=kv_bf16)
     return _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
                 sinks, scale, 1, config, out, rope, q_norm_eps, kv_bf16)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.contracts import check_sparse_workspaces
 from ..formats.kv_entry import page_bytes
 from . import triton_available
 from .gemm.fp4_fp8_ws import available as _hopper_gluon
@@ -77,6 +78,12 @@ if GLUON:
         iw = gl.load(wrow + j, mask=j < KW, other=-1)
         ie = gl.load(erow + (j - KW), mask=(j >= KW) & (j < KT), other=-1)
         return gl.where(j < KW, iw, ie)
+
+    @gluon.jit
+    def _lists(WIDX, EIDX, t64, stride_wt, stride_et, KW, KE):
+        """Row t64's window / extra list pointers, its list length and its count of 64-entry blocks."""
+        KT = KW + KE
+        return WIDX + t64 * stride_wt, EIDX + t64 * stride_et, KT, gl.cdiv(KT, _BN)
 
     @gluon.jit
     def _entries(wrow, erow, j, KW, KT, WPAGES, EPAGES, w_psz, w_pbytes, e_psz, e_pbytes):
@@ -133,10 +140,7 @@ if GLUON:
             mbarrier.arrive(q_ready.index(0), count=1)
         n = gl.arange(0, _BN, layout=gl.SliceLayout(1, l8))
         d = gl.arange(0, 64, layout=gl.SliceLayout(0, l8))
-        wrow = WIDX + t64 * stride_wt
-        erow = EIDX + t64 * stride_et
-        KT = KW + KE
-        nb = gl.cdiv(KT, _BN)
+        wrow, erow, KT, nb = _lists(WIDX, EIDX, t64, stride_wt, stride_et, KW, KE)
         for blk in range(nb):
             s = blk % STAGES
             mbarrier.wait(empty.index(s), ((blk // STAGES) & 1) ^ 1)      # fresh barriers: phase 1 done
@@ -167,10 +171,7 @@ if GLUON:
         lc: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         t64 = t.to(gl.int64)
-        wrow = WIDX + t64 * stride_wt
-        erow = EIDX + t64 * stride_et
-        KT = KW + KE
-        nb = gl.cdiv(KT, _BN)
+        wrow, erow, KT, nb = _lists(WIDX, EIDX, t64, stride_wt, stride_et, KW, KE)
         n = gl.arange(0, _BN, layout=gl.SliceLayout(1, lc))
         d = gl.arange(0, 64, layout=gl.SliceLayout(0, lc))
         for blk in range(nb):
@@ -241,10 +242,7 @@ if GLUON:
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         t64 = t.to(gl.int64)
-        wrow = WIDX + t64 * stride_wt
-        erow = EIDX + t64 * stride_et
-        KT = KW + KE
-        nb = gl.cdiv(KT, _BN)
+        wrow, erow, KT, nb = _lists(WIDX, EIDX, t64, stride_wt, stride_et, KW, KE)
         n = gl.arange(0, _BN, layout=gl.SliceLayout(0, s_l))
         zero_s = gl.zeros([_BH, _BN], gl.float32, s_l)
         m_i = gl.full([_BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
@@ -447,12 +445,7 @@ def sparse_prefill_ws(q: torch.Tensor, window_idx: torch.Tensor, window_pages: t
         KE = extra_idx.shape[1]
     window_idx, extra_idx = window_idx.contiguous(), extra_idx.contiguous()
     if kv_bf16 is not None:
-        wkv, ekv = kv_bf16[0], kv_bf16[1] if KE else kv_bf16[0]
-        for name, a in (("window", wkv), ("extra", ekv)):
-            if a is None or a.dtype != torch.bfloat16 or a.dim() != 2 or a.shape[1] != HEAD_DIM \
-                    or not a.is_contiguous():
-                raise ValueError(f"sparse_prefill_ws: kv_bf16's {name} workspace must be contiguous bf16 [slots, 512]")
-        window_pages, extra_pages = wkv, ekv
+        window_pages, extra_pages = check_sparse_workspaces(kv_bf16, window_idx, extra_idx if KE else None)
     out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device) if out is None else out
     if T == 0:
         return out

@@ -332,13 +332,12 @@ class Attention(nn.Module):
         W = WINDOW if any(s.p0 > 0 or s.n >= WINDOW for s in segs) else max(s.n for s in segs)
         wpos = (pos - (WINDOW - 1)).clamp(min=0)[:, None] + torch.arange(W, device=dev)
         widx = torch.where(wpos <= pos[:, None], seg_base[:, None] + wpos, -1)
-        extra_idx, ws = None, self.PREFILL_BF16_KV
+        extra_idx, ws_e, ws = None, None, self.PREFILL_BF16_KV
         if self.ratio:
             iq = self._index_queries(qr, cos, sin) if self.index_comp is not None else None
             extra_idx, ws_e = self._compressed(ctx, rows, iq, iw, workspace=ws)
         if ws:      # the scratch source is dense: its slot ids are the workspace's rows
-            ws = (read_entries(scratch, torch.arange(scratch.shape[0] * WINDOW_PAGE, device=dev), WINDOW_PAGE),
-                  ws_e if self.ratio else None)
+            ws = (read_entries(scratch, torch.arange(scratch.shape[0] * WINDOW_PAGE, device=dev), WINDOW_PAGE), ws_e)
         o = ops.sparse_prefill(q, widx.to(torch.int32), scratch, WINDOW_PAGE,
                                None if extra_idx is None else extra_idx.to(torch.int32),
                                lc.entries if self.ratio else None, lc.entries_per_block or 64,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.contracts import check_inverse_rope, check_sparse_attention
+from ..formats.contracts import check_inverse_rope, check_sparse_attention, check_sparse_workspaces
 from ..formats.kv_entry import read_kv_entries
 from ..reference.attention import sparse_attention
 from ..reference.numerics import OFFICIAL
@@ -27,11 +27,8 @@ def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pa
             continue
         T, K = idx.shape
         if kv_bf16 is not None:
-            ws = kv_bf16[i]
-            if ws is None or ws.dtype != torch.bfloat16 or ws.dim() != 2 or ws.shape[1] != HEAD_DIM:
-                raise ValueError(f"kv_bf16: the {('window', 'extra')[i]} workspace must be bf16 [slots, {HEAD_DIM}]")
             flat = idx.reshape(-1).long()       # -1 -> a zero row, as the pages' path (a workspace row may be junk)
-            parts.append(ws[flat.clamp(min=0)].masked_fill((flat < 0)[:, None], 0).view(T, K, HEAD_DIM))
+            parts.append(kv_bf16[i][flat.clamp(min=0)].masked_fill((flat < 0)[:, None], 0).view(T, K, HEAD_DIM))
         else:
             # each distinct entry decoded once (prefill rows share most of their lists), then gathered
             uniq, inv = torch.unique(idx.reshape(-1).long(), return_inverse=True)
@@ -43,13 +40,21 @@ def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pa
 def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages: torch.Tensor | None,
                   window_page_size: int, extra_idx: torch.Tensor | None = None,
                   extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
-                  sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
-                  kv_bf16: tuple[torch.Tensor | None, torch.Tensor | None] | None = None, **_) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5, **_) -> torch.Tensor:
+    return _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks,
+                   scale)
+
+
+def _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks, scale,
+            kv_bf16=None):
+    """Both ops' attention; ``kv_bf16``: the entries from bf16 workspaces (sparse_prefill's argument)."""
     T, H, _ = q.shape
     if sinks is None:
         sinks = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
     check_sparse_attention(q, window_idx, extra_idx, window_pages, extra_pages, sinks, window_page_size,
                            extra_page_size)
+    if kv_bf16 is not None:
+        kv_bf16 = check_sparse_workspaces(kv_bf16, window_idx, extra_idx)
     if window_idx is None and extra_idx is None:
         raise ValueError("need at least one of window_idx / extra_idx")
     rows, valid = _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages,
@@ -78,8 +83,8 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
             raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
         check_inverse_rope(q, *rope)
         q = q_transform(q, *rope, q_norm_eps)
-    o = sparse_decode(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-                      sinks, scale, kv_bf16=kv_bf16)
+    o = _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks, scale,
+                kv_bf16)
     if rope is None:
         return o
     return inverse_rope(o, *rope).view(o.shape)
