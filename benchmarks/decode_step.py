@@ -42,6 +42,7 @@ from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  #
 from dsv4.kernels.gemm import route as gemm_route  # noqa: E402
 from dsv4.kernels import lib as kernel_lib  # noqa: E402
 from dsv4.kernels.lib import PDL_ON  # noqa: E402
+from dsv4.layers.attention import Attention  # noqa: E402
 from dsv4.model import deepseek_v4 as dsv4_model  # noqa: E402
 from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
 
@@ -169,6 +170,10 @@ def main():
     ap.add_argument("--prefetch", default=None,
                     help="comma list of off / on: time the step with the weight kernels' L2 hints before their PDL "
                          "wait (kernels.lib.PREFETCH) off or on, in this process")
+    ap.add_argument("--decode-rope", default=None,
+                    help="comma list of fused / pass: time the step with the attention output's inverse RoPE in the "
+                         "attention's combine (layers.attention.Attention.FUSE_DECODE_ROPE, the default) or in "
+                         "inverse_rope's own pass, in this process")
     ap.add_argument("--one-rank-collectives", action="store_true",
                     help="run inside a one-rank process group (NCCL on GPUs) whose collectives run "
                          "(parallel.Group(always=True)): the cost of the tensor-parallel calls themselves")
@@ -226,8 +231,13 @@ def main():
     pmodes = [None] if args.prefetch is None else [m.strip() for m in args.prefetch.split(",")]
     if any(m not in (None, "off", "on") for m in pmodes):
         raise SystemExit(f"--prefetch: expected off / on, got {args.prefetch!r}")
-    for mode, gmode, smode, pmode, B in [(m, g, s, p, B) for m in modes for g in gmodes for s in smodes
-                                         for p in pmodes for B in batches]:
+    rmodes = [None] if args.decode_rope is None else [m.strip() for m in args.decode_rope.split(",")]
+    if any(m not in (None, "fused", "pass") for m in rmodes):
+        raise SystemExit(f"--decode-rope: expected fused / pass, got {args.decode_rope!r}")
+    for mode, gmode, smode, pmode, rmode, B in [(m, g, s, p, r, B) for m in modes for g in gmodes for s in smodes
+                                                for p in pmodes for r in rmodes for B in batches]:
+        if rmode is not None:
+            Attention.FUSE_DECODE_ROPE = rmode == "fused"
         if smode is not None:
             dsv4_model.FUSED_SITES = smode == "fused"
         if pmode is not None:
@@ -238,7 +248,8 @@ def main():
         if gmode is not None:
             gemm_route.DENSE_GEMV_MAX_WEIGHT = 0 if gmode == "off" else gemv_max
         tag = ("" if len(modes) == 1 else f"streams {mode}: ") + ("" if len(gmodes) == 1 else f"dense gemv {gmode}: ") \
-            + ("" if len(smodes) == 1 else f"mhc {smode}: ") + ("" if len(pmodes) == 1 else f"prefetch {pmode}: ")
+            + ("" if len(smodes) == 1 else f"mhc {smode}: ") + ("" if len(pmodes) == 1 else f"prefetch {pmode}: ") \
+            + ("" if len(rmodes) == 1 else f"rope {rmode}: ")
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(slots[:B], device=dev)

@@ -82,7 +82,8 @@ KERNELS = {
                                                            WPAGES=P("u8"), EPAGES=P("u8"), SINK=F, O=P("bf16"),
                                                            OP=F, MLP=F, qk_scale="fp32"),
                    ("sparse_decode", "sparse_prefill")),
-    "sparse_combine": ("sparse_attention", "_combine", dict(OP=F, MLP=F, SINK=F, O=P("bf16")), ("sparse_decode",)),
+    "sparse_combine": ("sparse_attention", "_combine", dict(OP=F, MLP=F, SINK=F, O=P("bf16"), COS=F, SIN=F),
+                       ("sparse_decode",)),
     "inverse_rope": ("inverse_rope", "_inverse_rope_kernel", dict(O=P("bf16"), COS=F, SIN=F, Y=P("bf16"),
                                                                   YQ=P("u8"), YS=F), ("inverse_rope",)),
     "rms_norm": ("norm", "_rms_norm_kernel", dict(X=P("bf16"), W=F, Y=P("bf16"), eps="fp32"), ("rms_norm",)),
@@ -171,6 +172,8 @@ FIXED = {
     "moe_combine": [(dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=True, F32=False, INTERP=False), 4, None),
                     (dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=False, SPLIT=False, F32=True, INTERP=False), 4, None)],
     "kv_insert": [(dict(HPB=8), 4, None)],
+    # the decode step's combine with the output's inverse RoPE (layers.attention FUSE_DECODE_ROPE)
+    "sparse_combine": [(dict(HB=8, ROPE=True), 4, None)],
     "inverse_rope": [(dict(HPB=4, FP8=False), 4, None)],
     "rms_norm": [(dict(BD=bd, INTERP=False), 4 if bd <= 2048 else 8, None) for bd in (8192, 4096, 2048, 1024, 512)],
     "rms_norm_pair": [(dict(BDA=2048, BDB=512, INTERP=False), 4, None), (dict(BDA=1024, BDB=512, INTERP=False), 4, None)],

@@ -173,6 +173,45 @@ def test_prefill_from_bf16_workspaces_gives_the_pages_logits(tmp_path, monkeypat
         assert torch.equal(a, b)
 
 
+def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tmp_path, monkeypatch):
+    """``Attention.FUSE_DECODE_ROPE``: the decode attention rotates its output back itself (the split combine's
+    epilogue) instead of ``inverse_rope``'s pass: the same logits, bit for bit, for a plain step of two sequences
+    and a 3-row verify step (each row group with its own rows of cos / sin), on the twins and with the attention
+    kernel under the interpreter."""
+    import dsv4.layers.attention as A
+    from dsv4.ops import Ops
+    path = make_tiny(str(tmp_path / "tiny"))
+    g = torch.Generator().manual_seed(9)
+    ids = [torch.randint(3, 128000, (n,), generator=g) for n in (140, 33)]
+
+    def run(m):
+        cache = _paged(m.cfg)
+        m.attach_cache(cache, 1024)
+        sts = [PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2)) for _ in ids]
+        m(m.prefill_context([(x, st) for x, st in zip(ids, sts)]))
+        for x, st in zip(ids, sts):
+            st.advance_to(len(x))
+        bt = torch.full((2, m.max_blocks), -1, dtype=torch.long)
+        for i, st in enumerate(sts):
+            bt[i, :len(st.block_table)] = torch.tensor(st.block_table)
+        slots = torch.tensor([st.slot for st in sts])
+        pos = torch.tensor([st.pos for st in sts])
+        out = [m(m.decode_context(torch.tensor([5, 7]), pos, slots, bt))]
+        out.append(m(m.decode_context(torch.tensor([9, 11, 13, 15, 17, 19]), pos + 1, slots, bt, rows=3)))
+        return out
+
+    for ops in (None, Ops("cpu", kernels={"sparse_decode"})):
+        if ops is not None and "TRITON_INTERPRET" not in os.environ:
+            continue
+        m = DeepseekV4.from_checkpoint(path, **({} if ops is None else {"ops": ops}))
+        monkeypatch.setattr(A.Attention, "FUSE_DECODE_ROPE", False)
+        want = run(m)
+        monkeypatch.setattr(A.Attention, "FUSE_DECODE_ROPE", True)
+        got = run(m)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
 def test_batched_uneven_chunks_match_the_reference(tmp_path, monkeypatch):
     """Two prompts prefilled together in uneven chunks (chunk ends inside compressor windows, one
     sequence's chunk beside the other's), indexer scores in row blocks of 7 rows (the bound a long

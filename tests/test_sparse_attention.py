@@ -161,6 +161,38 @@ def test_sparse_decode_all_masked(num_splits):
     _compare(o[0, 1:], ref[0, 1:])
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sparse_decode_fused_inverse_rope(num_splits):
+    """``rope=(cos, sin)`` at decode: the output's last 64 dims rotated by -theta in the combine's epilogue (split)
+    or the kernel's (one split). Under the interpreter the bits of ``inverse_rope`` on the plain output, and a row
+    with every entry masked stays 0; compiled (the rotating launch without FMA contraction) within tolerance. The
+    twin's ``rope`` is its ``inverse_rope``."""
+    from dsv4.kernels import sparse_attention as sa
+    from dsv4.kernels.inverse_rope import inverse_rope
+    gen = torch.Generator().manual_seed(17)
+    cache, q, widx, eidx, sinks = _decode_case(3, 1, 8, 24, "csa", gen, [300, 40, 150], n_extra=80)
+    widx[2] = -1
+    eidx[2] = -1
+    ang = torch.rand(q.shape[0], 32, generator=gen) * 6.283185307179586
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    rope = (cos.to(DEV), sin.to(DEV))
+    fused, _ = _run_decode(cache, q, widx, eidx, sinks, num_splits=num_splits, rope=rope)
+    assert sa.LAST_LAUNCH["num_splits"] == num_splits
+    plain, ref = _run_decode(cache, q, widx, eidx, sinks, num_splits=num_splits)
+    want = inverse_rope(plain, *rope).view(plain.shape)
+    if DEV == "cpu":
+        assert torch.equal(fused, want)
+    else:
+        _compare(fused, want, tol=4e-3)
+    assert torch.equal(fused[2].float().cpu(), torch.zeros(8, 512))
+    assert not torch.equal(fused[:2, :, 448:], plain[:2, :, 448:])
+    twin = sparse_attention_twin(q, widx, cache.wp_cpu, cache.wB, eidx, cache.ep_cpu, cache.eB, sinks, rope=(cos, sin))
+    assert torch.equal(twin, inverse_rope(ref, cos, sin).view(ref.shape))
+    _compare(fused[:2], twin[:2])
+    with pytest.raises(ValueError, match="cos"):
+        _run_decode(cache, q, widx, eidx, sinks, num_splits=num_splits, rope=(rope[0][:2], rope[1]))
+
+
 def _prefill_case(gen, H=8, n=6):
     """Prefill rows at positions 120..: window (positions max(0, i-127)..i), an HCA-like extra part."""
     cache = Caches(1, 12, 16, 8, gen)
@@ -306,6 +338,9 @@ _AOT_SCRIPT = textwrap.dedent("""
                               SINK=P("fp32"), O=P("bf16"), OP=P("fp32"), MLP=P("fp32"), COS=P("fp32"),
                               SIN=P("fp32"), qk_scale="fp32", q_eps="fp32"), "prefill_bf16", 8),
         (sa._combine, dict(OP=P("fp32"), MLP=P("fp32"), SINK=P("fp32"), O=P("bf16")), dict(HB=8), 4),
+        # the decode form: the output's inverse RoPE in the combine
+        (sa._combine, dict(OP=P("fp32"), MLP=P("fp32"), SINK=P("fp32"), O=P("bf16"), COS=P("fp32"),
+                           SIN=P("fp32")), dict(HB=8, ROPE=True), 4),
         (ir._inverse_rope_kernel, dict(O=P("bf16"), COS=P("fp32"), SIN=P("fp32"), Y=P("bf16"), YQ=P("u8"),
                                        YS=P("fp32")), dict(HPB=4, FP8=True), 4),
     ]

@@ -296,7 +296,12 @@ if triton_available():
                 tl.store(ob + 192, last.to(ty), mask=om)
 
     @triton.jit
-    def _combine(OP, MLP, SINK, O, H, NS, stride_ot, stride_oh, HB: tl.constexpr):
+    def _combine(OP, MLP, SINK, O, COS, SIN, H, NS, stride_ot, stride_oh, HB: tl.constexpr,
+                 ROPE: tl.constexpr = False):
+        """The splits' partials -> o (``_sparse_fwd``'s unsplit epilogue: sink in the denominator, an all-masked row
+        0, bf16). ROPE: dims 448..511 of each head accumulated apart (the same weights, the same order: the same
+        sums) and rotated back after their bf16 rounding (``inverse_rope``'s values; the launch disables FMA
+        contraction)."""
         pdl_wait()
         hb = tl.program_id(0)
         t = tl.program_id(1)
@@ -304,6 +309,7 @@ if triton_available():
         h = hb * HB + tl.arange(0, HB)
         hm = h < H
         d = tl.arange(0, 512)
+        dr = 448 + tl.arange(0, 64)
         M = tl.full([HB], float("-inf"), tl.float32)
         for s in range(NS):
             m_s = tl.load(MLP + (t64 * NS + s) * 2 * H + h, mask=hm, other=float("-inf"))
@@ -311,6 +317,7 @@ if triton_available():
         M_safe = tl.where(M == float("-inf"), 0.0, M)
         L = tl.zeros([HB], tl.float32)
         acc = tl.zeros([HB, 512], tl.float32)
+        accr = tl.zeros([HB, 64], tl.float32)
         for s in range(NS):
             pb = (t64 * NS + s) * H
             m_s = tl.load(MLP + pb * 2 + h, mask=hm, other=float("-inf"))
@@ -319,12 +326,22 @@ if triton_available():
             L += w * l_s
             a = tl.load(OP + (pb + h[:, None]) * 512 + d[None, :], mask=hm[:, None], other=0.0)
             acc += w[:, None] * a
+            if ROPE:
+                ar = tl.load(OP + (pb + h[:, None]) * 512 + dr[None, :], mask=hm[:, None], other=0.0)
+                accr += w[:, None] * ar
         sink = tl.load(SINK + h, mask=hm, other=0.0) * 1.4426950408889634
         den = L + tl.exp2(sink - M_safe)
         ok = den > 0
-        o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
-        tl.store(O + t64 * stride_ot + h[:, None] * stride_oh + d[None, :], rne_bf16(o).to(O.dtype.element_ty),
-                 mask=hm[:, None])
+        den = tl.where(ok, den, 1.0)[:, None]
+        o = tl.where(ok[:, None], acc / den, 0.0)
+        ob = O + t64 * stride_ot + h[:, None] * stride_oh
+        if ROPE:
+            tl.store(ob + d[None, :], rne_bf16(o).to(O.dtype.element_ty), mask=hm[:, None] & (d < 448)[None, :])
+            last = rne_bf16(tl.where(ok[:, None], accr / den, 0.0))
+            last = rne_bf16(_rope_chunk(last, COS + t64 * 32, SIN + t64 * 32, HB, True))
+            tl.store(ob + dr[None, :], last.to(O.dtype.element_ty), mask=hm[:, None])
+        else:
+            tl.store(ob + d[None, :], rne_bf16(o).to(O.dtype.element_ty), mask=hm[:, None])
 
 
 def default_config(H: int, capability: tuple[int, int] = (9, 0)) -> dict:
@@ -424,10 +441,11 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
     dp = cfg.get("d_parts", 1)
     if cfg.get("ptx_options") and not interp:
         kw["ptx_options"] = cfg["ptx_options"]
-    if rope is not None and split:
-        raise ValueError("sparse attention: the fused inverse RoPE needs one split")
-    if rope is not None and not interp:
-        kw["enable_fp_fusion"] = False      # the rotation's products and sums rounded separately (inverse_rope's)
+    # ``rope``: the rotation in the unsplit kernel's epilogue, else in the combine's; that launch's products and sums
+    # rounded separately (inverse_rope's)
+    no_fma = {} if interp else {"enable_fp_fusion": False}
+    if rope is not None and not split:
+        kw.update(no_fma)
     cos, sin = (rope[0].contiguous(), rope[1].contiguous()) if rope is not None else (sinks, sinks)
     for dhalf in range(dp):
         LAST_LAUNCH["fwd"] = _sparse_fwd[(n_hb, num_splits, T)](
@@ -437,12 +455,14 @@ def _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, 
             window_page_size, window_pages.shape[1], extra_page_size, extra_pages.shape[1],
             bps, float(scale) * LOG2E,
             HB=HB, BN=BN, SPLIT=split, DT=dt, INTERP=interp, DP=dp, DHALF=dhalf,
-            PREFETCH=bool(cfg.get("prefetch", False)), ROPE=rope is not None, QNORM=q_norm_eps is not None,
-            q_eps=float(q_norm_eps or 0.0), BF16_KV=kv_bf16 is not None, **kw, **PDL_LAUNCH)
+            PREFETCH=bool(cfg.get("prefetch", False)), ROPE=rope is not None and not split,
+            QNORM=q_norm_eps is not None, q_eps=float(q_norm_eps or 0.0), BF16_KV=kv_bf16 is not None, **kw,
+            **PDL_LAUNCH)
     if split:
         hbc = 8 if H >= 8 else 4
-        LAST_LAUNCH["combine"] = _combine[(triton.cdiv(H, hbc), T)](op, mlp, sinks, out, H, num_splits, out.stride(0), out.stride(1),
-                                           HB=hbc, **({} if interp else {"num_warps": 4}), **PDL_LAUNCH)
+        LAST_LAUNCH["combine"] = _combine[(triton.cdiv(H, hbc), T)](
+            op, mlp, sinks, out, cos, sin, H, num_splits, out.stride(0), out.stride(1), HB=hbc, ROPE=rope is not None,
+            **({} if interp else {"num_warps": 4}), **(no_fma if rope is not None else {}), **PDL_LAUNCH)
     return out
 
 
@@ -451,15 +471,18 @@ def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages
                   extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
                   sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
                   num_splits: int | None = None, config: dict | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Sparse decode attention (split-K + combine). q bf16 [T, H, 512] (T = query tokens, 1 or 2
     per sequence); window_idx / extra_idx int32 [T, K] global slot ids (-1 masked) into
     window_pages / extra_pages (uint8 [num_pages, page_bytes(B)]); sinks fp32 [H]. -> bf16 [T, H, 512].
-    ``num_splits=None`` picks a split count that fills the GPU."""
+    ``num_splits=None`` picks a split count that fills the GPU. ``rope=(cos, sin)`` (fp32 [T, 32]): the
+    output's last 64 dims of every head come out rotated by -theta, ``inverse_rope``'s values (in the
+    combine's epilogue, or the kernel's with one split)."""
     if sinks is None:
         sinks = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
     return _run(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
-                sinks, scale, num_splits, config, out)
+                sinks, scale, num_splits, config, out, rope)
 
 
 def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages: torch.Tensor | None,

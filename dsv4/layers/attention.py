@@ -78,6 +78,9 @@ class Attention(nn.Module):
     # workspaces (each entry dequantised once, vLLM's prefill form) instead of dequantising an entry for every row
     # that lists it; the same values, so the same bits (False: from the FP8 pages; the A/B of exp_prefill_ab.py)
     PREFILL_BF16_KV = False
+    # decode: the output's inverse RoPE in the attention's combine (or its unsplit epilogue) instead of its own pass
+    # (False: inverse_rope's pass; the A/B of benchmarks/decode_step.py --decode-rope)
+    FUSE_DECODE_ROPE = True
 
     def __init__(self, cfg, layer_id: int, ops, ropes: dict[int, Rope], wo_a_fmt: str, device=None, group=None,
                  prefix: str | None = None):
@@ -231,6 +234,7 @@ class Attention(nn.Module):
         q = self._q(qr)
         win_slot, widx = m["win_slot"], m["widx32"]
         qs, kvs, os_ = [], [], []
+        fuse = self.FUSE_DECODE_ROPE
         if R == 1:     # the insert does not touch what the branch reads or writes
             qs, kvs = ops.kv_insert(q, kv, cos, sin, lc.window, win_slot, WINDOW_PAGE, self.eps)
             qs, kvs = [trace(L + "q", qs)], [trace(L + "kv", kvs)]   # a traced value may be replaced (forcing)
@@ -244,12 +248,13 @@ class Attention(nn.Module):
                 qs.append(qg)
                 kvs.append(kvg)
             og = ops.sparse_decode(qs[j], widx[g], lc.window, WINDOW_PAGE, None if extra_idx is None else extra_idx[g],
-                                   lc.entries, lc.entries_per_block or 64, sinks=self.sink, scale=self.scale)
+                                   lc.entries, lc.entries_per_block or 64, sinks=self.sink, scale=self.scale,
+                                   rope=(cos[g], sin[g]) if fuse else None)
             os_.append(og)
         if R > 1 and trace.trace_on:
             trace(L + "q", torch.cat(qs))
             trace(L + "kv", torch.cat(kvs))
-        return self._output(os_[0] if R == 1 else torch.cat(os_), cos, sin, trace)
+        return self._output(os_[0] if R == 1 else torch.cat(os_), cos, sin, trace, rotated=fuse)
 
     def _compress_step(self, ctx, rows, groups):
         """The decode step's compressor updates (ring write + pooling into the pages), row group by row

@@ -353,10 +353,11 @@ def _attention_case(ctx, name, T, prefill: bool, rope: bool = False, ws: bool = 
         eidx[:, K - 3:] = -1
         sinks = g.randn(H)
         kw = dict(sinks=sinks, scale=c.head_dim ** -0.5)
-        if rope:            # the prefill form: q's norm + RoPE at its load, the inverse RoPE of the output
+        if rope:            # the inverse RoPE of the output (and in the prefill form q's norm + RoPE at its load)
             ang = g.rand(T, 32) * 6.283185307179586
             kw["rope"] = (torch.cos(ang), torch.sin(ang))
-            kw["q_norm_eps"] = c.rms_norm_eps
+            if prefill:
+                kw["q_norm_eps"] = c.rms_norm_eps
         if ws:              # the entries from bf16 workspaces of every slot (a slot id is a row)
             every = lambda p, n: read_entries(p, torch.arange(p.shape[0] * n, device=p.device), n)
             kw["kv_bf16"] = (every(wpages, WINDOW_PAGE), every(epages, epb))
@@ -364,13 +365,14 @@ def _attention_case(ctx, name, T, prefill: bool, rope: bool = False, ws: bool = 
                 WINDOW_PAGE, eidx.to(torch.int32).contiguous(), epages, epb), kw
     # the attention kernels round probabilities to bf16 per block of the running max; the twin per 64
     # entries of the reference's blocks: results agree to bf16 tolerance (tests/test_sparse_attention.py)
-    return Case(f"T={T} H={H} K={WINDOW if not prefill else T}+{K}{' q-norm rope' if rope else ''}"
-                f"{' bf16 workspaces' if ws else ''}", make, _both("o"),
+    form = ((" q-norm" if prefill else "") + " rope" if rope else "") + (" bf16 workspaces" if ws else "")
+    return Case(f"T={T} H={H} K={WINDOW if not prefill else T}+{K}{form}", make, _both("o"),
                 {"o": Tol(max_rel=0.05)})
 
 
 def sparse_decode(ctx: Context):
-    return [_attention_case(ctx, "sparse_decode", T, False) for T in _rows(ctx, (2,), (1, 2, 32))]
+    return [_attention_case(ctx, "sparse_decode", T, False) for T in _rows(ctx, (2,), (1, 2, 32))] + [
+        _attention_case(ctx, "sparse_decode", 2, False, rope=True)]     # the decode form: inverse RoPE in the combine
 
 
 def sparse_prefill(ctx: Context):

@@ -40,9 +40,13 @@ def _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pa
 def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages: torch.Tensor | None,
                   window_page_size: int, extra_idx: torch.Tensor | None = None,
                   extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
-                  sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5, **_) -> torch.Tensor:
-    return _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks,
-                   scale)
+                  sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None, **_) -> torch.Tensor:
+    """With ``rope=(cos, sin)`` the output after ``inverse_rope`` (same shape)."""
+    if rope is not None:
+        check_inverse_rope(q, *rope)
+    o = _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks, scale)
+    return o if rope is None else inverse_rope(o, *rope).view(o.shape)
 
 
 def _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks, scale,
