@@ -41,6 +41,7 @@ from dsv4.formats.kv_entry import write_entries  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  # noqa: E402
 from dsv4.kernels.gemm import route as gemm_route  # noqa: E402
 from dsv4.kernels import lib as kernel_lib  # noqa: E402
+from dsv4.kernels import mhc as mhc_kernels  # noqa: E402
 from dsv4.kernels.lib import PDL_ON  # noqa: E402
 from dsv4.layers.attention import Attention  # noqa: E402
 from dsv4.model import deepseek_v4 as dsv4_model  # noqa: E402
@@ -174,6 +175,10 @@ def main():
                     help="comma list of fused / pass: time the step with the attention output's inverse RoPE in the "
                          "attention's combine (layers.attention.Attention.FUSE_DECODE_ROPE, the default) or in "
                          "inverse_rope's own pass, in this process")
+    ap.add_argument("--hc-loads", default=None,
+                    help="comma list of first / after: time the step with the fused mHC sites' last arriver issuing "
+                         "its stream loads before its Sinkhorn (kernels.mhc.LOADS_FIRST, the default) or after it, "
+                         "in this process")
     ap.add_argument("--one-rank-collectives", action="store_true",
                     help="run inside a one-rank process group (NCCL on GPUs) whose collectives run "
                          "(parallel.Group(always=True)): the cost of the tensor-parallel calls themselves")
@@ -234,8 +239,14 @@ def main():
     rmodes = [None] if args.decode_rope is None else [m.strip() for m in args.decode_rope.split(",")]
     if any(m not in (None, "fused", "pass") for m in rmodes):
         raise SystemExit(f"--decode-rope: expected fused / pass, got {args.decode_rope!r}")
-    for mode, gmode, smode, pmode, rmode, B in [(m, g, s, p, r, B) for m in modes for g in gmodes for s in smodes
-                                                for p in pmodes for r in rmodes for B in batches]:
+    lmodes = [None] if args.hc_loads is None else [m.strip() for m in args.hc_loads.split(",")]
+    if any(m not in (None, "first", "after") for m in lmodes):
+        raise SystemExit(f"--hc-loads: expected first / after, got {args.hc_loads!r}")
+    for mode, gmode, smode, pmode, rmode, lmode, B in [(m, g, s, p, r, lm, B) for m in modes for g in gmodes
+                                                       for s in smodes for p in pmodes for r in rmodes
+                                                       for lm in lmodes for B in batches]:
+        if lmode is not None:
+            mhc_kernels.LOADS_FIRST = lmode == "first"
         if rmode is not None:
             Attention.FUSE_DECODE_ROPE = rmode == "fused"
         if smode is not None:
@@ -249,7 +260,7 @@ def main():
             gemm_route.DENSE_GEMV_MAX_WEIGHT = 0 if gmode == "off" else gemv_max
         tag = ("" if len(modes) == 1 else f"streams {mode}: ") + ("" if len(gmodes) == 1 else f"dense gemv {gmode}: ") \
             + ("" if len(smodes) == 1 else f"mhc {smode}: ") + ("" if len(pmodes) == 1 else f"prefetch {pmode}: ") \
-            + ("" if len(rmodes) == 1 else f"rope {rmode}: ")
+            + ("" if len(rmodes) == 1 else f"rope {rmode}: ") + ("" if len(lmodes) == 1 else f"hc loads {lmode}: ")
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(slots[:B], device=dev)

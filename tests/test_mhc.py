@@ -208,6 +208,21 @@ def test_hc_post_pre_fused(T, D):
             _check_hc_post_pre(T, D, gen, with_post=with_post, config=cfg)
 
 
+def test_hc_post_pre_loads_first_gives_the_same_bits(monkeypatch):
+    """``mhc.LOADS_FIRST`` (one token a block: the last arriver's stream loads before its Sinkhorn): the
+    streams, post, comb and normed input of the loads-after form, bit for bit, and through hc_post_pre's
+    checks against the three kernels it replaces."""
+    from dsv4.kernels import mhc
+    gen = torch.Generator().manual_seed(33)
+    x, fn, base, scale = _hc_inputs(3, 320, gen)
+    y, post, comb, w = _post_inputs(3, 320, gen, DEV)
+    cfg = {"impl": "fused", "splits": 3, "block_t": 1}
+    got = hc_post_pre(y, x, post, comb, fn, base, scale, w, config=cfg)
+    monkeypatch.setattr(mhc, "LOADS_FIRST", False)
+    want = hc_post_pre(y, x, post, comb, fn, base, scale, w, config=cfg)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_hc_post_pre_default_paths_and_errors():
     """The default choice (one launch up to FUSED_MAX_T tokens, the three kernels above), the
     counters left at 0 (a second call gives the same bits), and the shape errors."""

@@ -89,7 +89,7 @@ if triton_available():
 
     from .counters import arrive
     from .lib import pdl_wait, prefetch_l2, rne_bf16
-    from .norm import norm_store
+    from .norm import norm_store, norm_store_w
 
     @triton.jit
     def _mix_dot(xv, W, kx, km, K, n, nm, acc, acc2, acc3, NP: tl.constexpr, MODE: tl.constexpr,
@@ -358,11 +358,25 @@ if triton_available():
     def _stream_sum(X, ti, d, dm, D, stride_xt, p0, p1, p2, p3, CM: tl.constexpr):
         """sum_j pre_j x[ti, j, d] in fp32 (scalar pre_j, j in order); CM: the loads' cache modifier
         (".cg": from L2, x written by other programs of this launch)."""
+        x0, x1, x2, x3 = _stream_rows(X, ti, d, dm, D, stride_xt, CM)
+        return _weigh4(x0, x1, x2, x3, p0, p1, p2, p3)
+
+    @triton.jit
+    def _stream_rows(X, ti, d, dm, D, stride_xt, CM: tl.constexpr):
+        """The four streams' elements d of token ti, as loaded (bf16)."""
         xp = X + ti.to(tl.int64) * stride_xt + d
-        y = p0 * tl.load(xp, mask=dm, other=0.0, cache_modifier=CM).to(tl.float32)
-        y += p1 * tl.load(xp + D, mask=dm, other=0.0, cache_modifier=CM).to(tl.float32)
-        y += p2 * tl.load(xp + 2 * D, mask=dm, other=0.0, cache_modifier=CM).to(tl.float32)
-        y += p3 * tl.load(xp + 3 * D, mask=dm, other=0.0, cache_modifier=CM).to(tl.float32)
+        return (tl.load(xp, mask=dm, other=0.0, cache_modifier=CM),
+                tl.load(xp + D, mask=dm, other=0.0, cache_modifier=CM),
+                tl.load(xp + 2 * D, mask=dm, other=0.0, cache_modifier=CM),
+                tl.load(xp + 3 * D, mask=dm, other=0.0, cache_modifier=CM))
+
+    @triton.jit
+    def _weigh4(x0, x1, x2, x3, p0, p1, p2, p3):
+        """sum_j p_j x_j in fp32, j in order (``_stream_sum``'s expression)."""
+        y = p0 * x0.to(tl.float32)
+        y += p1 * x1.to(tl.float32)
+        y += p2 * x2.to(tl.float32)
+        y += p3 * x3.to(tl.float32)
         return y
 
     @triton.jit
@@ -412,7 +426,8 @@ if triton_available():
                   k_per_split, inv_k, rms_eps, hc_eps, iters, YP, RES, PPOST, PCOMB, NW, norm_eps,
                   NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BD: tl.constexpr, HEAD: tl.constexpr, PRE_POST: tl.constexpr = False, NORM: tl.constexpr = False,
-                  INTERP: tl.constexpr = False, PF: tl.constexpr = False, PFL: tl.constexpr = 1):
+                  INTERP: tl.constexpr = False, PF: tl.constexpr = False, PFL: tl.constexpr = 1,
+                  LOADS_FIRST: tl.constexpr = False):
         """Decode-sized hc_pre / hc_head in one launch, grid (S, token blocks of BT). Each program: the
         partial mix of its K range in fp32 FMAs (exact products, fn read as fp32: ``ieee`` accuracy in
         either mode) and the partial sum of squares -> PART; then an acq_rel arrival on the token
@@ -426,7 +441,10 @@ if triton_available():
         them into X (the new residual streams) and mixes them; the last arriver reads X back after its
         acquire (``.cg``: from L2). NORM: Y gets the weighted RMSNorm (weight NW fp32 [D], norm_eps) of
         the bf16-rounded stream sum instead of the sum itself (one row per program: BD >= D). PF: the
-        program's first fn tile (NMIX rows x PFL 128-byte lines) hinted into L2 before the wait."""
+        program's first fn tile (NMIX rows x PFL 128-byte lines) hinted into L2 before the wait.
+        LOADS_FIRST (BT 1, NORM, not HEAD): the last arriver issues its token's stream loads and the norm
+        weight's before the Sinkhorn and consumes them after it, so their round trips run under the
+        Sinkhorn's serial chain (the same expressions: the same bits)."""
         if PF:
             prefetch_l2(FN + tl.arange(0, NP)[:, None] * K + tl.program_id(0) * k_per_split
                         + tl.arange(0, PFL)[None, :] * 32,
@@ -461,22 +479,32 @@ if triton_available():
             sv, bv = _coefs(BASE, SCALE, NMIX, NP)
             z = _logits(_split_sum(PART, t, tm, S, T, NMIX, SP, NP), sv, bv, inv_k, rms_eps, NP)
             p0, p1, p2, p3 = _pre_weights(z, hc_eps, NP)
-            if not HEAD:
+            if LOADS_FIRST:
+                tl.static_assert(BT == 1 and NORM and not HEAD)
+                d = tl.arange(0, BD)
+                dm = d < D
+                x0, x1, x2, x3 = _stream_rows(X, tb, d, dm, D, stride_xt, ".cg")
+                nw = tl.load(NW + d, mask=dm, other=0.0)
                 _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP)
-            for i in tl.static_range(BT):
-                ti = tb * BT + i
-                if ti < T:
-                    q0 = _pick(p0, i, BT)
-                    q1 = _pick(p1, i, BT)
-                    q2 = _pick(p2, i, BT)
-                    q3 = _pick(p3, i, BT)
-                    if NORM:
-                        _weighted_norm_row(X, Y, NW, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, norm_eps, BD,
-                                           INTERP)
-                    else:
-                        for d0 in range(0, D, BD):
-                            _weighted_row(X, Y, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, d0, BD,
-                                          ".cg" if PRE_POST else "")
+                y = _weigh4(x0, x1, x2, x3, _pick(p0, 0, BT), _pick(p1, 0, BT), _pick(p2, 0, BT), _pick(p3, 0, BT))
+                norm_store_w(rne_bf16(y), nw, Y + tb.to(tl.int64) * stride_yt, d, dm, D, norm_eps, INTERP)
+            else:
+                if not HEAD:
+                    _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP)
+                for i in tl.static_range(BT):
+                    ti = tb * BT + i
+                    if ti < T:
+                        q0 = _pick(p0, i, BT)
+                        q1 = _pick(p1, i, BT)
+                        q2 = _pick(p2, i, BT)
+                        q3 = _pick(p3, i, BT)
+                        if NORM:
+                            _weighted_norm_row(X, Y, NW, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, norm_eps, BD,
+                                               INTERP)
+                        else:
+                            for d0 in range(0, D, BD):
+                                _weighted_row(X, Y, ti, D, stride_xt, stride_yt, q0, q1, q2, q3, d0, BD,
+                                              ".cg" if PRE_POST else "")
             tl.store(CNT + tb, 0)
 
     # ---------------------------------------------------------------- v2 large T: mix GEMM, finish, apply
@@ -613,6 +641,9 @@ def _mix_launch(x, fn, nmix, np_, config):
 
 FUSED_MAX_T = 1       # hc_pre: the one-launch fused path up to this many tokens, the tiled path above
                       # (H200, d 4096: T 1 fused 8.8 vs v1 10.5 us; T 8 fused 19.3, tiled 12.3, v1 12.0)
+# the fused decode site (one token a block, NORM): the last arriver's stream loads issued before its Sinkhorn
+# (``_hc_fused`` LOADS_FIRST; False: after it, the A/B of benchmarks/decode_step.py --hc-loads)
+LOADS_FIRST = True
 _counters = arrival_counters   # one zeroed buffer per device, reset by each last arriver (counters.py)
 
 
@@ -669,7 +700,8 @@ def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
                          y.stride(0), k_per_split, 1.0 / K, rms_eps, hc_eps, iters, yp, res, ppost, pcomb, nw_,
                          float(neps), NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
                          HEAD=head, PRE_POST=prev is not None, NORM=norm is not None, INTERP=interpreting(),
-                         PF=prefetch_on(), PFL=max(1, BK // 32), **kw, **PDL_LAUNCH)
+                         PF=prefetch_on(), PFL=max(1, BK // 32),
+                         LOADS_FIRST=LOADS_FIRST and BT == 1 and norm is not None and not head, **kw, **PDL_LAUNCH)
 
 
 def _mode(cfg: dict) -> int:

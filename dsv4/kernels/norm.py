@@ -22,10 +22,14 @@ if triton_available():
     def norm_store(x, W, Y, d, m, D, eps, INTERP: tl.constexpr):
         """Y[d] = bf16(W[d] * (x * rsqrt(mean(x^2) + eps))) where m, for one row x fp32 [BD] in registers
         (zeros off m; fp32 math, one rounding): the RMSNorm of every kernel that ends in one."""
+        norm_store_w(x, tl.load(W + d, mask=m, other=0.0), Y, d, m, D, eps, INTERP)
+
+    @triton.jit
+    def norm_store_w(x, w, Y, d, m, D, eps, INTERP: tl.constexpr):
+        """``norm_store`` with the weight's elements d already loaded (w, any float dtype)."""
         ms = tl.sum(x * x, axis=0) / D
         y = x * tl.rsqrt(ms + eps)
-        w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
-        store_bf16(Y + d, w * y, m, INTERP)
+        store_bf16(Y + d, w.to(tl.float32) * y, m, INTERP)
 
     @triton.jit
     def _norm_row(X, W, Y, D, eps, BD: tl.constexpr, INTERP: tl.constexpr):
