@@ -117,9 +117,10 @@ _HC_IMPL_CONFIGS = {
 
 @pytest.mark.parametrize("impl", list(_HC_IMPL_CONFIGS))
 def test_hc_impls(impl):
-    """Each hc_pre / hc_head path (config impl) against the twins at several T and configs."""
+    """Each hc_pre / hc_head path (config impl) against the twins at several T and configs (the fused path, whose
+    every token block runs the Sinkhorn under the interpreter, up to 7 tokens: ragged for its blocks of 4 and 8)."""
     gen = torch.Generator().manual_seed(11)
-    for T, D in ((1, 64), (7, 128), (37, 64)):
+    for T, D in ((1, 64), (7, 128)) + (((37, 64),) if impl != "fused" else ()):
         for cfg in _HC_IMPL_CONFIGS[impl]:
             _check_hc_pre(T, D, gen, config=dict(cfg, impl=impl))
             _check_hc_head(T, D, gen, config=dict(cfg, impl=impl))

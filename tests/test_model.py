@@ -176,15 +176,15 @@ def test_prefill_from_bf16_workspaces_gives_the_pages_logits(tmp_path, monkeypat
 def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tmp_path, monkeypatch):
     """``Attention.FUSE_DECODE_ROPE``: the decode attention rotates its output back itself (the split combine's
     epilogue) instead of ``inverse_rope``'s pass: the same logits, bit for bit, for a plain step of two sequences
-    and a 3-row verify step (each row group with its own rows of cos / sin), on the twins and with the attention
-    kernel under the interpreter."""
+    and a 3-row verify step (each row group with its own rows of cos / sin) on the twins; the plain step with the
+    attention kernel under the interpreter."""
     import dsv4.layers.attention as A
     from dsv4.ops import Ops
     path = make_tiny(str(tmp_path / "tiny"))
     g = torch.Generator().manual_seed(9)
-    ids = [torch.randint(3, 128000, (n,), generator=g) for n in (140, 33)]
+    ids = [torch.randint(3, 128000, (n,), generator=g) for n in (41, 6)]
 
-    def run(m):
+    def run(m, verify):
         cache = _paged(m.cfg)
         m.attach_cache(cache, 1024)
         sts = [PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2)) for _ in ids]
@@ -197,7 +197,8 @@ def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tmp
         slots = torch.tensor([st.slot for st in sts])
         pos = torch.tensor([st.pos for st in sts])
         out = [m(m.decode_context(torch.tensor([5, 7]), pos, slots, bt))]
-        out.append(m(m.decode_context(torch.tensor([9, 11, 13, 15, 17, 19]), pos + 1, slots, bt, rows=3)))
+        if verify:
+            out.append(m(m.decode_context(torch.tensor([9, 11, 13, 15, 17, 19]), pos + 1, slots, bt, rows=3)))
         return out
 
     for ops in (None, Ops("cpu", kernels={"sparse_decode"})):
@@ -205,9 +206,9 @@ def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tmp
             continue
         m = DeepseekV4.from_checkpoint(path, **({} if ops is None else {"ops": ops}))
         monkeypatch.setattr(A.Attention, "FUSE_DECODE_ROPE", False)
-        want = run(m)
+        want = run(m, ops is None)
         monkeypatch.setattr(A.Attention, "FUSE_DECODE_ROPE", True)
-        got = run(m)
+        got = run(m, ops is None)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
 

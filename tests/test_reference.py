@@ -36,12 +36,13 @@ def _ids(n: int, seed: int = 0) -> torch.Tensor:
 def test_incremental_and_chunked_equal_one_shot(tiny, numerics):
     cfg, tensors = tiny
     m = ReferenceModel(cfg, tensors, numerics=numerics)
-    n, split = 720, 690
+    # the one-token steps from 370 complete an HCA entry (at 384) and CSA entries
+    n, split = 400, 370
     ids = _ids(n)
     st = m.new_state()
     full = m.forward([(ids, st)], all_logits=True)[0]
     # the sequence really exercises the compressed paths
-    assert st.layers[3].compressor.num_entries == n // 128 >= 5               # HCA entries
+    assert st.layers[3].compressor.num_entries == n // 128 >= 3               # HCA entries
     assert st.layers[2].compressor.num_entries == n // 4 > cfg.index_topk       # CSA: top-k drops entries
     st = m.new_state()
     inc = [m.forward([(ids[:split], st)])[0]]
