@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import sys
 
@@ -145,6 +146,37 @@ def kernel_profile(fn, reps=5, top=25):
     return rows[:top] + extra + [("(all kernels)", sum(r[1] for r in rows), total)]
 
 
+def _switches() -> dict:
+    """The A/B switches: flag -> (choices, the rows' tag, setter, what it switches). Each flag takes a comma list;
+    the step is timed under every combination, in this process (graphs capture the setting in force)."""
+    max_rows, gemv_max = streams.MAX_ROWS, gemm_route.DENSE_GEMV_MAX_WEIGHT
+
+    def side_stream(m):
+        streams.STREAMS_ON = m != "off"
+        streams.MAX_ROWS = 1 << 30 if m == "on" else max_rows
+
+    return {
+        "streams": (("off", "on", "auto"), "streams", side_stream,
+                    "the side stream (dsv4.streams) off, on at every batch, on up to streams.MAX_ROWS rows (the "
+                    "default; default: the DSV4_STREAMS setting only)"),
+        "dense-gemv": (("off", "on"), "dense gemv",
+                       lambda m: setattr(gemm_route, "DENSE_GEMV_MAX_WEIGHT", 0 if m == "off" else gemv_max),
+                       "the fp32-output GEMMs (compressor projection, router gate) on torch's GEMMs or on "
+                       "kernels.gemm.dense_gemv up to its routed rows (default: the router's choice only)"),
+        "mhc-sites": (("fused", "per-op"), "mhc", lambda m: setattr(dsv4_model, "FUSED_SITES", m == "fused"),
+                      "the mHC sites on hc_post_pre (model.deepseek_v4.FUSED_SITES, the default) or on the per-op "
+                      "blocks"),
+        "prefetch": (("off", "on"), "prefetch", lambda m: setattr(kernel_lib, "PREFETCH", m == "on"),
+                     "the weight kernels' L2 hints before their PDL wait (kernels.lib.PREFETCH) off or on"),
+        "decode-rope": (("fused", "pass"), "rope", lambda m: setattr(Attention, "FUSE_DECODE_ROPE", m == "fused"),
+                        "the attention output's inverse RoPE in the attention's combine "
+                        "(layers.attention.Attention.FUSE_DECODE_ROPE, the default) or in inverse_rope's own pass"),
+        "hc-loads": (("first", "after"), "hc loads", lambda m: setattr(mhc_kernels, "LOADS_FIRST", m == "first"),
+                     "the fused mHC sites' last arriver issuing its stream loads before its Sinkhorn "
+                     "(kernels.mhc.LOADS_FIRST, the default) or after it"),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="flash", choices=["flash", "pro"])
@@ -157,28 +189,10 @@ def main():
                     help="also list the GPU kernels of this layer (torch.profiler, eager calls)")
     ap.add_argument("--profile-step", action="store_true",
                     help="also list the GPU kernels of one whole step (torch.profiler, eager call)")
-    ap.add_argument("--streams", default=None,
-                    help="comma list of off / on / auto: time the step with the side stream (dsv4.streams) off, "
-                         "on at every batch, on up to streams.MAX_ROWS rows (the default), in this process "
-                         "(default: the DSV4_STREAMS setting only)")
-    ap.add_argument("--dense-gemv", default=None,
-                    help="comma list of off / on: time the step with the fp32-output GEMMs (compressor projection, "
-                         "router gate) on torch's GEMMs or on kernels.gemm.dense_gemv up to its routed rows, in "
-                         "this process (default: the router's choice only)")
-    ap.add_argument("--mhc-sites", default=None,
-                    help="comma list of fused / per-op: time the step with the mHC sites on hc_post_pre "
-                         "(model.deepseek_v4.FUSED_SITES, the default) or on the per-op blocks, in this process")
-    ap.add_argument("--prefetch", default=None,
-                    help="comma list of off / on: time the step with the weight kernels' L2 hints before their PDL "
-                         "wait (kernels.lib.PREFETCH) off or on, in this process")
-    ap.add_argument("--decode-rope", default=None,
-                    help="comma list of fused / pass: time the step with the attention output's inverse RoPE in the "
-                         "attention's combine (layers.attention.Attention.FUSE_DECODE_ROPE, the default) or in "
-                         "inverse_rope's own pass, in this process")
-    ap.add_argument("--hc-loads", default=None,
-                    help="comma list of first / after: time the step with the fused mHC sites' last arriver issuing "
-                         "its stream loads before its Sinkhorn (kernels.mhc.LOADS_FIRST, the default) or after it, "
-                         "in this process")
+    switches = _switches()
+    for name, (choices, _tag, _set, what) in switches.items():
+        ap.add_argument(f"--{name}", default=None,
+                        help=f"comma list of {' / '.join(choices)}: time the step with {what}, in this process")
     ap.add_argument("--one-rank-collectives", action="store_true",
                     help="run inside a one-rank process group (NCCL on GPUs) whose collectives run "
                          "(parallel.Group(always=True)): the cost of the tensor-parallel calls themselves")
@@ -223,44 +237,19 @@ def main():
     slots = [cache.allocate_slot() for _ in range(Bmax)]
     tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
     rows, profiles = [], []
-    modes = [None] if args.streams is None else [m.strip() for m in args.streams.split(",")]
-    if any(m not in (None, "off", "on", "auto") for m in modes):
-        raise SystemExit(f"--streams: expected off / on / auto, got {args.streams!r}")
-    gmodes = [None] if args.dense_gemv is None else [m.strip() for m in args.dense_gemv.split(",")]
-    if any(m not in (None, "off", "on") for m in gmodes):
-        raise SystemExit(f"--dense-gemv: expected off / on, got {args.dense_gemv!r}")
-    smodes = [None] if args.mhc_sites is None else [m.strip() for m in args.mhc_sites.split(",")]
-    if any(m not in (None, "fused", "per-op") for m in smodes):
-        raise SystemExit(f"--mhc-sites: expected fused / per-op, got {args.mhc_sites!r}")
-    max_rows, gemv_max = streams.MAX_ROWS, gemm_route.DENSE_GEMV_MAX_WEIGHT
-    pmodes = [None] if args.prefetch is None else [m.strip() for m in args.prefetch.split(",")]
-    if any(m not in (None, "off", "on") for m in pmodes):
-        raise SystemExit(f"--prefetch: expected off / on, got {args.prefetch!r}")
-    rmodes = [None] if args.decode_rope is None else [m.strip() for m in args.decode_rope.split(",")]
-    if any(m not in (None, "fused", "pass") for m in rmodes):
-        raise SystemExit(f"--decode-rope: expected fused / pass, got {args.decode_rope!r}")
-    lmodes = [None] if args.hc_loads is None else [m.strip() for m in args.hc_loads.split(",")]
-    if any(m not in (None, "first", "after") for m in lmodes):
-        raise SystemExit(f"--hc-loads: expected first / after, got {args.hc_loads!r}")
-    for mode, gmode, smode, pmode, rmode, lmode, B in [(m, g, s, p, r, lm, B) for m in modes for g in gmodes
-                                                       for s in smodes for p in pmodes for r in rmodes
-                                                       for lm in lmodes for B in batches]:
-        if lmode is not None:
-            mhc_kernels.LOADS_FIRST = lmode == "first"
-        if rmode is not None:
-            Attention.FUSE_DECODE_ROPE = rmode == "fused"
-        if smode is not None:
-            dsv4_model.FUSED_SITES = smode == "fused"
-        if pmode is not None:
-            kernel_lib.PREFETCH = pmode == "on"
-        if mode is not None:
-            streams.STREAMS_ON = mode != "off"
-            streams.MAX_ROWS = 1 << 30 if mode == "on" else max_rows
-        if gmode is not None:
-            gemm_route.DENSE_GEMV_MAX_WEIGHT = 0 if gmode == "off" else gemv_max
-        tag = ("" if len(modes) == 1 else f"streams {mode}: ") + ("" if len(gmodes) == 1 else f"dense gemv {gmode}: ") \
-            + ("" if len(smodes) == 1 else f"mhc {smode}: ") + ("" if len(pmodes) == 1 else f"prefetch {pmode}: ") \
-            + ("" if len(rmodes) == 1 else f"rope {rmode}: ") + ("" if len(lmodes) == 1 else f"hc loads {lmode}: ")
+    lists = {}
+    for name, (choices, _tag, _set, _what) in switches.items():
+        given = getattr(args, name.replace("-", "_"))
+        lists[name] = [None] if given is None else [m.strip() for m in given.split(",")]
+        if any(m not in (None, *choices) for m in lists[name]):
+            raise SystemExit(f"--{name}: expected {' / '.join(choices)}, got {given!r}")
+    for *picked, B in itertools.product(*lists.values(), batches):
+        tag = ""
+        for (name, (_c, label, setter, _w)), m in zip(switches.items(), picked):
+            if m is not None:
+                setter(m)
+            if len(lists[name]) > 1:
+                tag += f"{label} {m}: "
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(slots[:B], device=dev)
@@ -299,10 +288,9 @@ def main():
           f"benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
           f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}"
           f"{' --one-rank-collectives' if args.one_rank_collectives else ''}"
-          f"{f' --streams {args.streams}' if args.streams else ''}"
-          f"{f' --mhc-sites {args.mhc_sites}' if args.mhc_sites else ''}"
-          f"{f' --prefetch {args.prefetch}' if args.prefetch else ''}"
-          f"{f' --dense-gemv {args.dense_gemv}' if args.dense_gemv else ''}`; torch {torch.__version__}. Copy bandwidth measured in the "
+          + "".join(f" --{n} {getattr(args, n.replace('-', '_'))}" for n in switches
+                    if getattr(args, n.replace('-', '_')))
+          + f"`; torch {torch.__version__}. Copy bandwidth measured in the "
           f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
           f"{cfg.n_routed_experts} routed experts (MXFP4); weights {model.weight_bytes() / 2**30:.2f} GiB"
           f"{f' per rank, tensor parallel over {world}' if world > 1 else ''}. Times: CUDA-graph replays, L2 flushed before each call"
