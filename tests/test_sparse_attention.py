@@ -186,8 +186,9 @@ def test_sparse_decode_fused_inverse_rope(num_splits):
         _compare(fused, want, tol=4e-3)
     assert torch.equal(fused[2].float().cpu(), torch.zeros(8, 512))
     assert not torch.equal(fused[:2, :, 448:], plain[:2, :, 448:])
+    from dsv4.twins.inverse_rope import inverse_rope as inverse_rope_twin
     twin = sparse_attention_twin(q, widx, cache.wp_cpu, cache.wB, eidx, cache.ep_cpu, cache.eB, sinks, rope=(cos, sin))
-    assert torch.equal(twin, inverse_rope(ref, cos, sin).view(ref.shape))
+    assert torch.equal(twin, inverse_rope_twin(ref, cos, sin).view(ref.shape))
     _compare(fused[:2], twin[:2])
     with pytest.raises(ValueError, match="cos"):
         _run_decode(cache, q, widx, eidx, sinks, num_splits=num_splits, rope=(rope[0][:2], rope[1]))
