@@ -1,7 +1,8 @@
 """Twin of ``kernels.sparse_attention``: the listed entries dequantised and gathered
 (``formats.kv_entry``), then the reference's ``sparse_attention`` (64-index blocks, running max, sink
-in the denominator, bf16 probabilities). ``sparse_prefill`` is ``sparse_decode`` (the kernels differ only in how
-they split the work) with the optional fused inverse RoPE of its output and q transform of its input."""
+in the denominator, bf16 probabilities), the output optionally rotated back (``rope``, both ops).
+``sparse_decode`` is ``sparse_prefill`` (the kernels differ only in how they split the work) without the optional
+q transform of its input and the bf16 workspaces."""
 from __future__ import annotations
 
 import torch
@@ -42,11 +43,9 @@ def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages
                   extra_pages: torch.Tensor | None = None, extra_page_size: int = 64,
                   sinks: torch.Tensor | None = None, scale: float = HEAD_DIM ** -0.5,
                   rope: tuple[torch.Tensor, torch.Tensor] | None = None, **_) -> torch.Tensor:
-    """With ``rope=(cos, sin)`` the output after ``inverse_rope`` (same shape)."""
-    if rope is not None:
-        check_inverse_rope(q, *rope)
-    o = _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks, scale)
-    return o if rope is None else inverse_rope(o, *rope).view(o.shape)
+    """With ``rope=(cos, sin)`` the output after ``inverse_rope`` (same shape): ``sparse_prefill``'s math."""
+    return sparse_prefill(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size,
+                          sinks, scale, rope=rope)
 
 
 def _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks, scale,
@@ -82,15 +81,14 @@ def sparse_prefill(q: torch.Tensor, window_idx: torch.Tensor | None, window_page
     """``sparse_decode``; with ``rope=(cos, sin)`` the output after ``inverse_rope`` (same shape); with
     ``q_norm_eps`` too, q first takes ``kv_insert``'s q transform (head RMSNorm, RoPE); ``kv_bf16``: the
     entries from bf16 workspaces (``kernels.sparse_attention.sparse_prefill``'s argument)."""
+    if rope is not None:
+        check_inverse_rope(q, *rope)
     if q_norm_eps is not None:
         if rope is None:
             raise ValueError("sparse attention: q_norm_eps (q's RMSNorm + RoPE in the kernel) needs rope=(cos, sin)")
-        check_inverse_rope(q, *rope)
         q = q_transform(q, *rope, q_norm_eps)
     o = _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks, scale,
                 kv_bf16)
-    if rope is None:
-        return o
-    return inverse_rope(o, *rope).view(o.shape)
+    return o if rope is None else inverse_rope(o, *rope).view(o.shape)
 
 __all__ = ["sparse_decode", "sparse_prefill"]
