@@ -43,7 +43,7 @@ from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  #
 from dsv4.kernels.gemm import route as gemm_route  # noqa: E402
 from dsv4.kernels import lib as kernel_lib  # noqa: E402
 from dsv4.kernels import mhc as mhc_kernels  # noqa: E402
-from dsv4.kernels.lib import PDL_EARLY, PDL_ON  # noqa: E402
+from dsv4.kernels.lib import PDL_ON  # noqa: E402
 from dsv4.layers.attention import Attention  # noqa: E402
 from dsv4.model import deepseek_v4 as dsv4_model  # noqa: E402
 from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
@@ -166,10 +166,8 @@ def _switches() -> dict:
         "mhc-sites": (("fused", "per-op"), "mhc", lambda m: setattr(dsv4_model, "FUSED_SITES", m == "fused"),
                       "the mHC sites on hc_post_pre (model.deepseek_v4.FUSED_SITES, the default) or on the per-op "
                       "blocks"),
-        "prefetch": (("off", "on", "all"), "prefetch",
-                     lambda m: setattr(kernel_lib, "PREFETCH", {"off": False, "on": True, "all": "all"}[m]),
-                     "the weight kernels' L2 hints before their PDL wait (kernels.lib.PREFETCH) off, on (the first lines "
-                     "of each program's rows) or all (its whole weight slice)"),
+        "prefetch": (("off", "on"), "prefetch", lambda m: setattr(kernel_lib, "PREFETCH", m == "on"),
+                     "the weight kernels' L2 hints before their PDL wait (kernels.lib.PREFETCH) off or on"),
         "decode-rope": (("fused", "pass"), "rope", lambda m: setattr(Attention, "FUSE_DECODE_ROPE", m == "fused"),
                         "the attention output's inverse RoPE in the attention's combine "
                         "(layers.attention.Attention.FUSE_DECODE_ROPE, the default) or in inverse_rope's own pass"),
@@ -231,8 +229,7 @@ def main():
     model.attach_cache(cache, per_seq * BLOCK_TOKENS)
     fill_caches(cache, dev, gen, Bmax * per_seq + 1)
     log(f"{model.describe()}")
-    log(f"programmatic dependent launch (DSV4_PDL): {'on' if PDL_ON else 'off'}"
-        f"{', dependents triggered before the wait (DSV4_PDL_EARLY)' if PDL_EARLY else ''}; side stream (DSV4_STREAMS): "
+    log(f"programmatic dependent launch (DSV4_PDL): {'on' if PDL_ON else 'off'}; side stream (DSV4_STREAMS): "
         f"{args.streams or ('on' if streams.STREAMS_ON else 'off')}")
     copy_bw, _ = roofline(dev, dev.type != "cuda")
     log(f"roofline: copy {copy_bw / 1e12:.2f} TB/s; {args.model} {args.layers} layers, ratios "
@@ -286,7 +283,7 @@ def main():
                 f"({x[3] / copy_bw * 1e6 / x[2] * 100:4.0f}%)")
     md = [f"## Decode step (DeepseekV4), synthetic {args.model} ({args.layers} layers), {datetime.date.today()}, "
           f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU smoke run'}", "",
-          f"Command: `{'DSV4_PDL=1 ' if PDL_ON else ''}{'DSV4_PDL_EARLY=1 ' if PDL_EARLY else ''}PYTHONPATH=. "
+          f"Command: `{'DSV4_PDL=1 ' if PDL_ON else ''}PYTHONPATH=. "
           f"{f'torchrun --nproc-per-node {world}' if world > 1 else 'python'} "
           f"benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
           f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}"

@@ -49,8 +49,7 @@ def _kernels_and_launches():
 
 # What a kernel may do before its pdl_wait(): index arithmetic and L2 prefetch hints of static weights
 # (``lib.prefetch_l2``: no value, nothing that could be stale); no load, store, atomic or inline asm
-PRE_WAIT_CALLS = {"prefetch_l2", "grouped_tile", "program_id", "arange", "cdiv", "to", "minimum", "BlockedLayout",
-                  "SliceLayout"}
+PRE_WAIT_CALLS = {"prefetch_l2", "grouped_tile", "program_id", "arange", "cdiv", "to", "minimum", "BlockedLayout"}
 
 
 def _is_pdl_attr(v) -> bool:
@@ -129,29 +128,6 @@ def test_a_bad_value_is_refused(monkeypatch):
         lib.pdl_mode()
 
 
-def test_prefetch_lines_and_the_early_switch(monkeypatch):
-    """``lib.prefetch_lines``: 0 with the hints off or PDL off, the first lines with True, the program's whole
-    range rounded up to a power of two with "all", any other value refused; ``DSV4_PDL_EARLY`` takes 1 / 0 and
-    refuses anything else."""
-    from dsv4.kernels import lib
-    monkeypatch.setattr(lib, "PDL_ON", True)
-    for value, want in ((False, 0), (True, 2), ("all", 8)):
-        monkeypatch.setattr(lib, "PREFETCH", value)
-        assert lib.prefetch_lines(7, 2) == want, value
-    assert lib.prefetch_lines(1, 2) == 1 and lib.prefetch_lines(8, 2) == 8
-    monkeypatch.setattr(lib, "PDL_ON", False)
-    assert lib.prefetch_lines(7, 2) == 0
-    monkeypatch.setattr(lib, "PREFETCH", "first")
-    with pytest.raises(ValueError, match="PREFETCH='first'"):
-        lib.prefetch_lines(7, 2)
-    for v, want in (("1", True), ("on", True), ("0", False), ("", False)):
-        monkeypatch.setenv("DSV4_PDL_EARLY", v)
-        assert lib.pdl_early_mode() is want
-    monkeypatch.setenv("DSV4_PDL_EARLY", "yes")
-    with pytest.raises(ValueError, match="DSV4_PDL_EARLY='yes'"):
-        lib.pdl_early_mode()
-
-
 def test_pdl_launch_keeps_the_attribute_up_to_one_wave_of_programs(monkeypatch):
     """``lib.pdl_launch``: the Gluon decode GEMVs launch with PDL for grids of up to PDL_MAX_PROGRAMS_PER_SM
     programs per SM (batch 1's), plainly above (the batch-64 loss measured on the H100), and never when PDL is
@@ -205,10 +181,9 @@ _AOT = textwrap.dedent("""
         for name in ("hc_fused", "fp8_mma", "fp8_gemm", "dense_gemv"):
             cid, kernel, const, warps, stages = next(c for c in A.cases(cap, False) if c[1] == name)
             mod, fname, types, _ops = A.KERNELS[name]
+            pf = dict(const, PF=True)
             if name in ("hc_fused", "dense_gemv"):      # lines of fp32 per row hinted: one K tile
-                pf = dict(const, PF=True, PFL=max(1, const["BK"] // 32))
-            else:                                       # K blocks per row hinted (lib.prefetch_lines)
-                pf = dict(const, PF=8)
+                pf["PFL"] = max(1, const["BK"] // 32)
             pf_cases.append((getattr(importlib.import_module("dsv4.kernels." + mod), fname), types, pf, warps))
         for fn, types, const, warps in cases + gl_cases + (pf_cases if want else []):
             ptx, _ = aot_compile(fn, types, const, cap, warps)
@@ -216,18 +191,15 @@ _AOT = textwrap.dedent("""
                 assert (ins in ptx) is want, (fn.__name__, cap, ins, want)
             if want:       # the wait comes before the kernel's first global load
                 assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), fn.__name__
-                # the trigger after the wait, or before it with DSV4_PDL_EARLY (lib.pdl_early_mode)
-                first = ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
-                assert first is lib.PDL_EARLY, (fn.__name__, cap)
             if const.get("PF"):   # and after the weights' L2 hints, which are there
                 assert ptx.index("prefetch.global.L2::evict_last") < ptx.index("griddepcontrol.wait"), fn.__name__
     print("ok", want)
 """)
 
 
-@pytest.mark.parametrize("mode,early", [("force", "0"), ("force", "1"), ("0", "0")])
-def test_aot_ptx_has_the_grid_dependency_instructions_only_when_on(mode, early):
-    run_aot_script(_AOT, ROOT, timeout=300, DSV4_PDL=mode, DSV4_PDL_EARLY=early)
+@pytest.mark.parametrize("mode", ["force", "0"])
+def test_aot_ptx_has_the_grid_dependency_instructions_only_when_on(mode):
+    run_aot_script(_AOT, ROOT, timeout=300, DSV4_PDL=mode)
 
 
 _SAME = textwrap.dedent("""

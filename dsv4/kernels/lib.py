@@ -189,23 +189,6 @@ def pdl_mode() -> bool:
 
 
 PDL_ON = pdl_mode()
-
-
-def pdl_early_mode() -> bool:
-    """``DSV4_PDL_EARLY=1`` (read once at import; off by default, an experiment's switch until timed): every
-    kernel's ``pdl_wait()`` triggers its dependents before it waits instead of after, so the next launch's
-    programs (their weight prefetch hints, ``PREFETCH``) may start while this kernel still waits on its own
-    predecessor. Ordering still holds: a kernel reads and writes nothing before its wait, and its wait
-    returns only once its predecessor, which itself waited on its own, has completed (completion is
-    transitive down the stream). No deadlock: a launch starts only once every program of its predecessor has
-    started, so waiting programs never hold back one the chain waits on."""
-    mode = os.environ.get("DSV4_PDL_EARLY", "").strip().lower()
-    if mode not in ("", "0", "off", "1", "on"):
-        raise ValueError(f"DSV4_PDL_EARLY={mode!r}: expected 1 / on or 0 / off (the default)")
-    return mode in ("1", "on")
-
-
-PDL_EARLY = pdl_early_mode()
 PDL_LAUNCH = {"launch_pdl": True} if PDL_ON else {}
 # The Gluon decode GEMVs (``fp4_mma``'s grouped GEMV, ``fp8_mma``) launch with PDL only up to this many programs
 # per SM (``pdl_launch``). H100, ``decode_step.py --layers 4 --ctx 8192`` (2026-12-06, one process, the attribute
@@ -222,31 +205,16 @@ def pdl_launch(grid, t) -> dict:
 
 
 # Static weights' L2 prefetch before ``pdl_wait()`` (``prefetch_l2``): the weight kernels of the decode step
-# (hc_post_pre's mixing weights, the dense FP8 GEMV and MMA kernels, the router's gate) hint weight lines while
-# their predecessor still runs. Only with PDL (without it nothing runs before the wait anyway); read at each
-# launch (benchmarks/decode_step.py --prefetch toggles it in one process). False: off (the default); True: the
-# first lines of each program's weight rows; "all": every line of each program's weight slice. H100,
-# ``decode_step.py --layers 4 --ctx 8192 --prefetch on,off`` (2026-12-06, one process): 1093.6 vs 1094.5 us at
-# batch 1, 6301.2 vs 6157.0 at batch 64 (per-op mHC sites: 6277.1 vs 6185.4).
-PREFETCH: bool | str = False
+# (hc_post_pre's mixing weights, the dense FP8 GEMV and MMA kernels, the router's gate) hint their first
+# weight lines while their predecessor still runs. Only with PDL (without it nothing runs before the wait
+# anyway); read at each launch (benchmarks/decode_step.py --prefetch toggles it in one process). Off by
+# default: H100, ``decode_step.py --layers 4 --ctx 8192 --prefetch on,off`` (2026-12-06, one process) 1093.6 vs
+# 1094.5 us at batch 1, 6301.2 vs 6157.0 at batch 64 (per-op mHC sites: 6277.1 vs 6185.4).
+PREFETCH = False
 
 
 def prefetch_on() -> bool:
-    return bool(PREFETCH) and PDL_ON
-
-
-def prefetch_lines(total: int, first: int) -> int:
-    """How many 128-byte lines (or K blocks) of each weight row a program hints before its wait, as the
-    kernels' power-of-two ``PF`` constexpr: 0 when off, ``first`` (a power of two) with ``PREFETCH`` True,
-    the program's whole range (``total``, rounded up to a power of two; the kernel masks the rest) with
-    "all". Any other ``PREFETCH`` value is refused."""
-    if PREFETCH not in (False, True, "all"):
-        raise ValueError(f"kernels.lib.PREFETCH={PREFETCH!r}: expected False, True or 'all'")
-    if not prefetch_on():
-        return 0
-    if PREFETCH == "all":
-        return 1 << max(0, int(total) - 1).bit_length()
-    return first
+    return PREFETCH and PDL_ON
 
 
 def asm_text(lines) -> str:
@@ -260,7 +228,6 @@ if triton_available():
 
     NOPE_DIM_C = tl.constexpr(NOPE_DIM)
     PDL_C = tl.constexpr(PDL_ON)
-    PDL_EARLY_C = tl.constexpr(PDL_EARLY)
 
     @triton.jit
     def prefetch_l2(ptrs, mask):
@@ -295,15 +262,10 @@ if triton_available():
 
     @triton.jit
     def pdl_wait():
-        """The first statement of every launched kernel (``pdl_mode`` doc); nothing when PDL is off. With
-        ``PDL_EARLY`` the dependents are triggered before the wait (``pdl_early_mode`` doc)."""
+        """The first statement of every launched kernel (``pdl_mode`` doc); nothing when PDL is off."""
         if PDL_C:
-            if PDL_EARLY_C:
-                tl.extra.cuda.gdc_launch_dependents()
-                tl.extra.cuda.gdc_wait()
-            else:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     # ------------------------------------------------------------------------------ numbers
     @triton.jit
@@ -510,5 +472,5 @@ if triton_available():
         return first_m + (tile % width) % gsize, (tile % width) // gsize
 
 
-__all__ = ["Choice", "PDL_LAUNCH", "PDL_MAX_PROGRAMS_PER_SM", "PDL_EARLY", "PDL_ON", "PREFETCH", "QBLOCK", "SMEM_PER_BLOCK", "Target", "aot_target", "asm_text", "pdl_launch", "cuda_ok",
-           "gluon_available", "interpreting", "pdl_early_mode", "pdl_mode", "prefetch_lines", "prefetch_on", "target", "triton_available", "u8"]
+__all__ = ["Choice", "PDL_LAUNCH", "PDL_MAX_PROGRAMS_PER_SM", "PDL_ON", "PREFETCH", "QBLOCK", "SMEM_PER_BLOCK", "Target", "aot_target", "asm_text", "pdl_launch", "cuda_ok",
+           "gluon_available", "interpreting", "pdl_mode", "prefetch_on", "target", "triton_available", "u8"]

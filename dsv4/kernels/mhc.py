@@ -76,7 +76,7 @@ import weakref
 
 import torch
 
-from .lib import PDL_LAUNCH, interpreting, prefetch_lines, prefetch_on, target, triton_available
+from .lib import PDL_LAUNCH, interpreting, prefetch_on, target, triton_available
 from .counters import arrival_counters
 from .norm import rms_norm
 
@@ -449,8 +449,7 @@ if triton_available():
             prefetch_l2(FN + tl.arange(0, NP)[:, None] * K + tl.program_id(0) * k_per_split
                         + tl.arange(0, PFL)[None, :] * 32,
                         (tl.arange(0, NP) < NMIX)[:, None]
-                        & (tl.program_id(0) * k_per_split + tl.arange(0, PFL)[None, :] * 32
-                           < tl.minimum(K, (tl.program_id(0) + 1) * k_per_split)))
+                        & (tl.program_id(0) * k_per_split + tl.arange(0, PFL)[None, :] * 32 < K))
         pdl_wait()
         pid_s = tl.program_id(0)
         tb = tl.program_id(1)
@@ -701,7 +700,7 @@ def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
                          y.stride(0), k_per_split, 1.0 / K, rms_eps, hc_eps, iters, yp, res, ppost, pcomb, nw_,
                          float(neps), NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
                          HEAD=head, PRE_POST=prev is not None, NORM=norm is not None, INTERP=interpreting(),
-                         PF=prefetch_on(), PFL=max(1, prefetch_lines(triton.cdiv(k_per_split, 32), max(1, BK // 32))),
+                         PF=prefetch_on(), PFL=max(1, BK // 32),
                          LOADS_FIRST=LOADS_FIRST and BT == 1 and norm is not None and not head, **kw, **PDL_LAUNCH)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..counters import arrival_counters
-from ..lib import PDL_LAUNCH, interpreting, prefetch_lines, prefetch_on, target, triton_available
+from ..lib import PDL_LAUNCH, interpreting, prefetch_on, target, triton_available
 from . import route
 
 
@@ -35,14 +35,13 @@ if triton_available():
     @triton.jit(do_not_specialize=["N", "K", "k_per_split"])
     def _dense_gemv_kernel(X, W, PART, Y, CNT, N, K, stride_wn, k_per_split, BN: tl.constexpr, BK: tl.constexpr,
                            SPLIT: tl.constexpr, PF: tl.constexpr = False, PFL: tl.constexpr = 1):
-        """PF: the program's first PFL 128-byte lines of fp32 of its BN W rows (within its K range) hinted into L2
-        before the wait (``lib.prefetch_lines``)."""
+        """PF: the program's first W tile (BN rows x PFL 128-byte lines of fp32) hinted into L2 before the
+        wait."""
         if PF:
             prefetch_l2(W + (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)[:, None] * stride_wn
                         + tl.program_id(1) * k_per_split + tl.arange(0, PFL)[None, :] * 32,
                         ((tl.program_id(0) * BN + tl.arange(0, BN)) < N)[:, None]
-                        & (tl.program_id(1) * k_per_split + tl.arange(0, PFL)[None, :] * 32
-                           < tl.minimum(K, (tl.program_id(1) + 1) * k_per_split)))
+                        & (tl.program_id(1) * k_per_split + tl.arange(0, PFL)[None, :] * 32 < K))
         pdl_wait()
         pid_n = tl.program_id(0)
         ks = tl.program_id(1)
@@ -111,8 +110,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> 
     cnt = arrival_counters(x.device, grid[0]) if S > 1 else y
     kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
     _dense_gemv_kernel[grid](x, w, part, y, cnt, N, K, w.stride(0), kps, BN=BN, BK=BK, SPLIT=S > 1,
-                             PF=prefetch_on() and w.dtype == torch.float32,
-                             PFL=max(1, prefetch_lines(triton.cdiv(kps, 32), max(1, BK // 32))), **kw, **PDL_LAUNCH)
+                             PF=prefetch_on() and w.dtype == torch.float32, PFL=max(1, BK // 32), **kw, **PDL_LAUNCH)
     return y
 
 

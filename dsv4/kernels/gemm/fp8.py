@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..counters import arrival_counters
-from ..lib import PDL_LAUNCH, QBLOCK, interpreting, prefetch_lines, target, triton_available, u8
+from ..lib import PDL_LAUNCH, QBLOCK, interpreting, prefetch_on, target, triton_available, u8
 from . import route
 from .common import check_fp8_gemm_args, check_fp8_weight, weight_scales
 
@@ -76,21 +76,25 @@ if triton_available():
                          k_per_split,
                          SB_SHIFT: tl.constexpr, A_BF16: tl.constexpr, SB_E8M0: tl.constexpr,
                          SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-                         SPLIT: tl.constexpr, SUM: tl.constexpr, INTERP: tl.constexpr, PF: tl.constexpr = 0):
+                         SPLIT: tl.constexpr, SUM: tl.constexpr, INTERP: tl.constexpr, PF: tl.constexpr = False):
         """SPLIT: program axis 1 takes K range [ks * k_per_split, ...) and stores its fp32 partial
         in C = workspace [S, M, N]. SUM: the tile's last program to arrive on its counter (CNT, per
         output tile, reset to 0 by that program: ``counters.arrival_counters``) adds the S partials in
         split order, from 0 (``_splitk_sum``'s sums, bit for bit, without its launch), into bf16 OUT. PF:
-        the tile's first PF K blocks of weight rows (and of their SwiGLU partners; within its K range) hinted
-        into L2 before the wait (``lib.prefetch_lines``)."""
+        the tile's first two K blocks of weight rows (and of their SwiGLU partners) hinted into L2 before
+        the wait."""
         ks = tl.program_id(1)
         pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N_out, BN), GROUP_M)
         if PF:
-            k_pf = ks * k_per_split + tl.arange(0, PF)[None, :] * 128
-            m_pf = ((pid_n * BN + tl.arange(0, BN)) < N_out)[:, None] & (k_pf < tl.minimum(K, (ks + 1) * k_per_split))
-            prefetch_l2(B + (pid_n * BN + tl.arange(0, BN)).to(tl.int64)[:, None] * stride_bn + k_pf, m_pf)
+            prefetch_l2(B + (pid_n * BN + tl.arange(0, BN)).to(tl.int64)[:, None] * stride_bn
+                        + ks * k_per_split + tl.arange(0, 2)[None, :] * 128,
+                        ((pid_n * BN + tl.arange(0, BN)) < N_out)[:, None]
+                        & (ks * k_per_split + tl.arange(0, 2)[None, :] * 128 < K))
             if SWIGLU:
-                prefetch_l2(B + (pid_n * BN + n_half + tl.arange(0, BN)).to(tl.int64)[:, None] * stride_bn + k_pf, m_pf)
+                prefetch_l2(B + (pid_n * BN + n_half + tl.arange(0, BN)).to(tl.int64)[:, None] * stride_bn
+                            + ks * k_per_split + tl.arange(0, 2)[None, :] * 128,
+                            ((pid_n * BN + tl.arange(0, BN)) < N_out)[:, None]
+                            & (ks * k_per_split + tl.arange(0, 2)[None, :] * 128 < K))
         pdl_wait()
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -245,7 +249,7 @@ def launch(a, sa, w, ws, out, out_s, M, N_out, K, n_half, a_bf16, swiglu, limit,
         wsv.stride(0), dst.stride(-2), out_s.stride(0) if out_s is not None else 0,
         out.stride(0) if fused_sum else 0, float(limit), kps,
         SB_SHIFT=0 if per_row else 7, A_BF16=a_bf16, SB_E8M0=sb_e8m0, SWIGLU=swiglu,
-        BM=BM, BN=BN, GROUP_M=GM, SPLIT=split, SUM=fused_sum, INTERP=interpreting(), PF=prefetch_lines(kps // QBLOCK, 2), **kw,
+        BM=BM, BN=BN, GROUP_M=GM, SPLIT=split, SUM=fused_sum, INTERP=interpreting(), PF=prefetch_on(), **kw,
         **PDL_LAUNCH)
     if partial:
         return dst

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..lib import QBLOCK, asm_text, gluon_available, pdl_launch, prefetch_lines, target, u8
+from ..lib import QBLOCK, asm_text, gluon_available, pdl_launch, prefetch_on, target, u8
 from . import route
 from .common import check_fp8_weight, launch_plan, weight_scales
 
@@ -134,20 +134,23 @@ if GLUON:
                         stride_am, stride_ag, stride_sam, stride_wn, stride_wsn, stride_cm,
                         ACT: gl.constexpr, SB_E8M0: gl.constexpr, SB_ROW: gl.constexpr, BM: gl.constexpr,
                         BN: gl.constexpr, SPLIT: gl.constexpr, REDUCE: gl.constexpr, NUM_WARPS: gl.constexpr,
-                        UNROLL: gl.constexpr, PF: gl.constexpr = 0):
+                        UNROLL: gl.constexpr, PF: gl.constexpr = False):
         """Program (m-tile, BN weight rows, K split ks). ACT: 0 e4m3 activations + scales SA, 1 bf16
         activations quantised here, 2 bf16 activations as they are (bf16 mma, weights e4m3 -> bf16).
         Weight rows come in groups of ``group_rows`` (a multiple of BN); group g reads the activation
         columns from g * stride_ag (wo_a's grouped einsum; one group: all N rows). SPLIT: fp32
         partials into PART [S, M, N]; REDUCE: the tile's last arriving split sums them into bf16 C.
-        Not SPLIT: bf16 C directly. PF: the program's first PF K blocks of its BN weight rows (within its
-        K range) hinted into L2 before the wait (``lib.prefetch_lines``)."""
+        Not SPLIT: bf16 C directly. PF: the program's first two K blocks of its BN weight rows hinted
+        into L2 before the wait."""
+        _PF_ROWS: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
         if PF:
-            _PF: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [NUM_WARPS, 1], [1, 0])
-            r_pf = gl.program_id(1) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, _PF))
-            k_pf = gl.program_id(2) * k_per_split + gl.arange(0, PF, layout=gl.SliceLayout(0, _PF)) * 128
-            prefetch_l2(W + r_pf.to(gl.int64)[:, None] * stride_wn + k_pf[None, :],
-                        (r_pf < N)[:, None] & (k_pf < gl.minimum(K, (gl.program_id(2) + 1) * k_per_split))[None, :])
+            prefetch_l2(W + (gl.program_id(1) * BN + gl.arange(0, BN, layout=_PF_ROWS)).to(gl.int64) * stride_wn
+                        + gl.program_id(2) * k_per_split,
+                        gl.program_id(1) * BN + gl.arange(0, BN, layout=_PF_ROWS) < N)
+            prefetch_l2(W + (gl.program_id(1) * BN + gl.arange(0, BN, layout=_PF_ROWS)).to(gl.int64) * stride_wn
+                        + gl.program_id(2) * k_per_split + 128,
+                        (gl.program_id(1) * BN + gl.arange(0, BN, layout=_PF_ROWS) < N)
+                        & (gl.program_id(2) * k_per_split + 128 < K))
         pdl_wait()
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, 8])
@@ -293,7 +296,7 @@ def fp8_mma(w: torch.Tensor, ws: torch.Tensor, xq: torch.Tensor | None = None, x
         a, sa, u8(w), wsv, res, dst, cnt, M, N, K, kps, N // groups,
         a.stride(0), K, sa.stride(0), w.stride(0), wsv.stride(0), res.stride(-2),
         ACT=mode, SB_E8M0=sb_e8m0, SB_ROW=sb_row, BM=BM_ROWS, BN=BN,
-        SPLIT=dst.dtype == torch.float32, REDUCE=reduce, NUM_WARPS=nw, UNROLL=cfg["UNROLL"], PF=prefetch_lines(kps // QBLOCK, 2),
+        SPLIT=dst.dtype == torch.float32, REDUCE=reduce, NUM_WARPS=nw, UNROLL=cfg["UNROLL"], PF=prefetch_on(),
         num_warps=nw, **pdl_launch(grid, t))
     return res
 
