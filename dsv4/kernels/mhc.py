@@ -458,8 +458,11 @@ if triton_available():
         n = tl.arange(0, NP)
         nm = n < NMIX
         kk = tl.arange(0, BK)
+        # the sum of squares rides in the mix's spare last column (x times itself), so both come out of one
+        # reduction in one layout: with a separate [BT, BK] sum, Triton 3.6 laid it out differently with and
+        # without PRE_POST (sm_90 TTGIR), and the two launches' sums of squares differed in the last bit
+        sqc = (n == NP - 1)[None, :, None]
         acc = tl.zeros([BT, NP, BK], tl.float32)
-        sq = tl.zeros([BT, BK], tl.float32)
         k0 = pid_s * k_per_split
         xrow = X + t.to(tl.int64)[:, None] * stride_xt
         for k in range(k0, tl.minimum(k0 + k_per_split, K), BK):
@@ -470,11 +473,10 @@ if triton_available():
             else:
                 xf = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
             f = tl.load(FN + n[:, None] * K + kx[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            acc += xf[:, None, :] * f[None, :, :]
-            sq += xf * xf
+            acc += xf[:, None, :] * tl.where(sqc, xf[:, None, :], f[None, :, :])
         col = PART + pid_s * NP * T + t.to(tl.int64)
-        tl.store(col[:, None] + (n * T)[None, :], tl.sum(acc, axis=2), mask=tm[:, None] & nm[None, :])
-        tl.store(col + (NP - 1) * T, tl.sum(sq, axis=1), mask=tm)
+        tl.store(col[:, None] + (n * T)[None, :], tl.sum(acc, axis=2),
+                 mask=tm[:, None] & (nm | (n == NP - 1))[None, :])
         if arrive(CNT + tb) == S - 1:
             sv, bv = _coefs(BASE, SCALE, NMIX, NP)
             z = _logits(_split_sum(PART, t, tm, S, T, NMIX, SP, NP), sv, bv, inv_k, rms_eps, NP)
