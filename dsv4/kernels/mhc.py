@@ -458,9 +458,10 @@ if triton_available():
         n = tl.arange(0, NP)
         nm = n < NMIX
         kk = tl.arange(0, BK)
-        # the sum of squares rides in the mix's spare last column (x times itself), so both come out of one
-        # reduction in one layout: with a separate [BT, BK] sum, Triton 3.6 laid it out differently with and
-        # without PRE_POST (sm_90 TTGIR), and the two launches' sums of squares differed in the last bit
+        # the sum of squares rides in the mix's spare last column (x times itself): mix and squares leave the
+        # loop through one reduction whose layout, hence summation order, is the same with and without PRE_POST,
+        # so hc_post_pre's post / comb are hc_pre's bits (a separate [BT, BK] reduction's layout may differ
+        # between the two: Triton 3.6 on sm_90 does)
         sqc = (n == NP - 1)[None, :, None]
         acc = tl.zeros([BT, NP, BK], tl.float32)
         k0 = pid_s * k_per_split
