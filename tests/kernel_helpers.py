@@ -47,13 +47,13 @@ def need_gpu() -> None:
 
 
 def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int | None = None, div=(),
-                shared: bool = False, maxnreg: int | None = None):
+                shared: bool = False, maxnreg: int | None = None, ir: str | None = None):
     """Compile a Triton kernel for GPUTarget('cuda', cap, 32) without a GPU (called inside the AOT
     scripts, TRITON_INTERPRET=0). Arguments not in ``const`` take ``types`` (default i32); pointer
     arguments and those named in ``div`` get the divisibility-16 hint the runtime would give.
     Asserts a non-empty cubin and no lone ``trap`` (what an over-subscribed resource, e.g. sm_100
     tensor memory, compiles to). -> (ptx, the tensor-core MMA instructions it uses[, the shared
-    memory bytes per block it launches with, with ``shared``])."""
+    memory bytes per block it launches with, with ``shared``][, the text of compile stage ``ir``, e.g. "ttgir"])."""
     import re
     import time
 
@@ -83,7 +83,7 @@ def aot_compile(fn, types: dict, const: dict, cap: int, warps: int, stages: int 
     assert "trap;" not in ptx, f"{fn.__name__} sm_{cap} compiled to a trap"
     mma = sorted(set(re.findall(r"(wgmma\.mma_async\.\S*|tcgen05\.mma\S*|mma\.sync\.\S*)", ptx)))
     print(f"sm_{cap} {fn.__name__} {const}: {time.time() - t0:.1f}s {mma[:2]}")
-    return (ptx, mma, k.metadata.shared) if shared else (ptx, mma)
+    return (ptx, mma) + ((k.metadata.shared,) if shared else ()) + ((k.asm[ir],) if ir else ())
 
 
 def ptxas_report(ptx: str, arch: str = "sm_90a") -> str:

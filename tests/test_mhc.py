@@ -485,37 +485,26 @@ _ONE_REDUCTION = textwrap.dedent("""
     import os, re, sys
     os.environ["TRITON_INTERPRET"] = "0"
     sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from dsv4.kernels import mhc
+    import aot_cases as A
+    from kernel_helpers import aot_compile
 
-    P = lambda t: "*" + t
-    F = P("fp32")
-    types = dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F, COMB=F, inv_k="fp32",
-                 rms_eps="fp32", hc_eps="fp32", YP=P("bf16"), RES=P("bf16"), PPOST=F, PCOMB=F, NW=F, norm_eps="fp32")
-    fn = mhc._hc_fused
-
-    def mix_reductions(**c):
-        const = dict({q.name: q.default for q in fn.params if q.is_constexpr and q.has_default}, **c)
-        sig = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if types.get(n, "").startswith("*")}
-        g = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4}).asm["ttgir"]
+    def k_reductions(**const):
+        \"\"\"(axis, shape, layout) of the first two reductions of _hc_fused's sm_90 TTGIR: the K loop's, then the next.\"\"\"
+        *_, g = aot_compile(A.function("hc_fused"), A.KERNELS["hc_fused"][2], const, 90, 4, ir="ttgir")
         layouts = dict(re.findall(r"^(#blocked\\d*) = (.*)$", g, re.M))
-        # the reductions before the arrival: over the K tile (axis 2 of the [BT, NP, BK] partials)
-        red = re.findall(r'"tt.reduce"\\(%[^)]*\\) <\\{axis = (\\d) : i32\\}>.*?\\}\\) : \\(tensor<([^,]*), (#blocked\\d*)>', g, re.S)
-        pre_arrive = [(a, shape, layouts[lay]) for a, shape, lay in red[:2]]
-        return pre_arrive
+        red = re.findall(r'"tt.reduce"\\(%[^)]*\\) <\\{axis = (\\d) : i32\\}>.*?\\}\\) : \\(tensor<([^,]*), (#blocked\\d*)>',
+                         g, re.S)
+        return [(a, shape, layouts[lay]) for a, shape, lay in red[:2]]
 
     for bt, bk, bd in ((2, 128, 128), (1, 128, 4096)):
         base = dict(NMIX=24, NP=32, SP=2, BT=bt, BK=bk, BD=bd, HEAD=False)
-        a = mix_reductions(**base)
-        b = mix_reductions(**base, PRE_POST=True, NORM=True, LOADS_FIRST=bt == 1)
+        a = k_reductions(**base)
+        b = k_reductions(**base, PRE_POST=True, NORM=True, LOADS_FIRST=bt == 1)
         assert a[0][0] == "2" and a[1][0] == "0", a       # one K reduction (mix + sum of squares), then the split sum
         assert a[0] == b[0], (bt, a[0], b[0])
     print("ok")
 """)
+
 
 
 def test_hc_fused_mix_and_sum_of_squares_in_one_reduction():
