@@ -462,7 +462,8 @@ if triton_available():
         # loop through one reduction whose layout, hence summation order, is the same with and without PRE_POST,
         # so hc_post_pre's post / comb are hc_pre's bits (a separate [BT, BK] reduction's layout may differ
         # between the two: Triton 3.6 on sm_90 does)
-        sqc = (n == NP - 1)[None, :, None]
+        sqn = n == NP - 1
+        sqc = sqn[None, :, None]
         acc = tl.zeros([BT, NP, BK], tl.float32)
         k0 = pid_s * k_per_split
         xrow = X + t.to(tl.int64)[:, None] * stride_xt
@@ -477,7 +478,7 @@ if triton_available():
             acc += xf[:, None, :] * tl.where(sqc, xf[:, None, :], f[None, :, :])
         col = PART + pid_s * NP * T + t.to(tl.int64)
         tl.store(col[:, None] + (n * T)[None, :], tl.sum(acc, axis=2),
-                 mask=tm[:, None] & (nm | (n == NP - 1))[None, :])
+                 mask=tm[:, None] & (nm | sqn)[None, :])
         if arrive(CNT + tb) == S - 1:
             sv, bv = _coefs(BASE, SCALE, NMIX, NP)
             z = _logits(_split_sum(PART, t, tm, S, T, NMIX, SP, NP), sv, bv, inv_k, rms_eps, NP)
