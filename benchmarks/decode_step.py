@@ -237,12 +237,12 @@ def main():
     slots = [cache.allocate_slot() for _ in range(Bmax)]
     tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
     rows, profiles = [], []
+    given = {name: getattr(args, name.replace("-", "_")) for name in switches}
     lists = {}
     for name, (choices, _tag, _set, _what) in switches.items():
-        given = getattr(args, name.replace("-", "_"))
-        lists[name] = [None] if given is None else [m.strip() for m in given.split(",")]
+        lists[name] = [None] if given[name] is None else [m.strip() for m in given[name].split(",")]
         if any(m not in (None, *choices) for m in lists[name]):
-            raise SystemExit(f"--{name}: expected {' / '.join(choices)}, got {given!r}")
+            raise SystemExit(f"--{name}: expected {' / '.join(choices)}, got {given[name]!r}")
     for *picked, B in itertools.product(*lists.values(), batches):
         tag = ""
         for (name, (_c, label, setter, _w)), m in zip(switches.items(), picked):
@@ -288,8 +288,7 @@ def main():
           f"benchmarks/decode_step.py --model {args.model} --layers {args.layers} "
           f"{'' if args.experts is None else f'--experts {args.experts} '}--batch {args.batch} --ctx {args.ctx}"
           f"{' --one-rank-collectives' if args.one_rank_collectives else ''}"
-          + "".join(f" --{n} {getattr(args, n.replace('-', '_'))}" for n in switches
-                    if getattr(args, n.replace('-', '_')))
+          + "".join(f" --{n} {v}" for n, v in given.items() if v)
           + f"`; torch {torch.__version__}. Copy bandwidth measured in the "
           f"run: {copy_bw / 1e12:.2f} TB/s. Every sequence at position {args.ctx}; "
           f"{cfg.n_routed_experts} routed experts (MXFP4); weights {model.weight_bytes() / 2**30:.2f} GiB"
