@@ -149,7 +149,7 @@ def kernel_profile(fn, reps=5, top=25):
 def _switches() -> dict:
     """The A/B switches: flag -> (choices, the rows' tag, setter, what it switches). Each flag takes a comma list;
     the step is timed under every combination, in this process (graphs capture the setting in force)."""
-    max_rows, gemv_max = streams.MAX_ROWS, gemm_route.DENSE_GEMV_MAX_WEIGHT
+    max_rows, gemv_max, fused_t = streams.MAX_ROWS, gemm_route.DENSE_GEMV_MAX_WEIGHT, mhc_kernels.FUSED_MAX_T
 
     def side_stream(m):
         streams.STREAMS_ON = m != "off"
@@ -174,6 +174,10 @@ def _switches() -> dict:
         "hc-loads": (("first", "after"), "hc loads", lambda m: setattr(mhc_kernels, "LOADS_FIRST", m == "first"),
                      "the fused mHC sites' last arriver issuing its stream loads before its Sinkhorn "
                      "(kernels.mhc.LOADS_FIRST, the default) or after it"),
+        "hc-fused-rows": (tuple(str(n) for n in (1, 2, 3, 4, 8, 16, 64)), "hc fused rows",
+                          lambda m: setattr(mhc_kernels, "FUSED_MAX_T", int(m)),
+                          f"the most rows an mHC site runs on the one-launch fused path, the tiled path above "
+                          f"(kernels.mhc.FUSED_MAX_T; default {fused_t})"),
     }
 
 
