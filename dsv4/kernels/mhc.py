@@ -18,7 +18,7 @@ outputs differing by one bf16 ulp between two identical calls on the H200 at 64 
 not found; the hc_pre paths were bit-stable there, eager and in CUDA graphs):
 
 * ``"fused"`` (decode sizes), one launch, ``_hc_fused``: grid (K splits, token blocks of ``block_t``
-  = 1-2 tokens). Each program computes the partial mix of its K range with fp32 FMAs against ``fn``
+  = 1 token up to 3, else 2). Each program computes the partial mix of its K range with fp32 FMAs against ``fn``
   read as fp32 (exact products: the ``ieee`` accuracy in either mode; at decode sizes ``fn`` is the
   dominant read and fp32 is half the bytes of the bf16x3 split) and its partial sum of squares,
   stores them, and arrives on the token block's counter (``atomic_add``, acq_rel, gpu scope). The
@@ -643,8 +643,11 @@ def _mix_launch(x, fn, nmix, np_, config):
     return part, sq, S
 
 
-FUSED_MAX_T = 1       # hc_pre: the one-launch fused path up to this many tokens, the tiled path above
-                      # (H200, d 4096: T 1 fused 8.8 vs v1 10.5 us; T 8 fused 19.3, tiled 12.3, v1 12.0)
+FUSED_MAX_T = 3       # hc_pre / hc_post_pre: the one-launch fused path up to this many tokens, the tiled path above.
+                      # The whole decode site (hc_post_pre: hc_post, hc_pre, rms_norm), H100, d 4096, us: T 2 / 3 / 4
+                      # fused (blocks of 1 token) 12.4 / 12.7 / 16.6 against 14.0 / 15.5 / 15.3 for the tiled path's
+                      # five launches (experiments/exp_hc_site.py --tokens); the decode step at batch 2 / 3 1.2% / 1.3%
+                      # faster than with the fused path at 1 token only (docs/benchmarks-2026-12-07.md)
 # the fused decode site (one token a block, NORM): the last arriver's stream loads issued before its Sinkhorn
 # (``_hc_fused`` LOADS_FIRST; False: after it, the A/B of benchmarks/decode_step.py --hc-loads)
 LOADS_FIRST = True
@@ -678,8 +681,8 @@ def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
     K = HC * D
     np_ = triton.next_power_of_2(nmix + 1)
     # tokens per block: the last arriver re-reads its tokens' x serially (~0.5 us a token from L2), every
-    # block re-reads fn (from L2): 1-2 tokens
-    BT = cfg.get("block_t") or (1 if T <= 2 else 2)
+    # block re-reads fn (from L2): one token up to 3 (blocks of 2 were 2-6 us slower there), 2 above
+    BT = cfg.get("block_t") or (1 if T <= 3 else 2)
     # 8 warps where the norm's one-tile row is above 4096 wide (V4-Pro's 7168: 32 fp32 a thread)
     nw = cfg.get("num_warps", 4 if BT <= 2 and (norm is None or D <= 4096) else 8)
     # the [BT, NP, BK] fp32 FMA accumulator: <= 64 registers per thread
