@@ -49,6 +49,17 @@ _one_rank_process_group()
 
 
 @pytest.fixture(autouse=True)
+def _gpu_memory_back(request):
+    """After a GPU test, its dead objects' device memory goes back: an engine left in a reference cycle holds
+    its KV cache (sized to the free memory) until the collector runs, and a later test's allocations fail."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
 def _triton_interpret_unchanged():
     """A test that changes TRITON_INTERPRET in this process would switch the kernels of every module
     imported after it: restore it and fail that test."""

@@ -340,6 +340,10 @@ class LLMEngine:
         if self.cfg.kv_cache_memory is not None:
             return parse_bytes(self.cfg.kv_cache_memory)
         if self.device.type == "cuda":
+            # memory of dead objects (a closed engine in a reference cycle) counts as free only once collected
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * self.cfg.gpu_memory_utilization)
         return 256 * 2**20
