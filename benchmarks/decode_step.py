@@ -174,10 +174,6 @@ def _switches() -> dict:
         "hc-loads": (("first", "after"), "hc loads", lambda m: setattr(mhc_kernels, "LOADS_FIRST", m == "first"),
                      "the fused mHC sites' last arriver issuing its stream loads before its Sinkhorn "
                      "(kernels.mhc.LOADS_FIRST, the default) or after it"),
-        "moe-combine": (("launch", "site"), "moe combine",
-                        lambda m: setattr(dsv4_model, "DEFER_MOE_COMBINE", m == "site"),
-                        "the MoE's combine in its own launch or inside the next block's fused mHC site "
-                        "(model.deepseek_v4.DEFER_MOE_COMBINE; default: launch)"),
         "hc-fused-rows": (tuple(str(n) for n in (1, 2, 3, 4, 8, 16, 64)), "hc fused rows",
                           lambda m: setattr(mhc_kernels, "FUSED_MAX_T", int(m)),
                           f"the most rows an mHC site runs on the one-launch fused path, the tiled path above "

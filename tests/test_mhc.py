@@ -259,8 +259,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     PREF = dict(RK=F, RS=F, POOLED=F, NORMW=F, COS=F, SIN_=F, OUT=P("bf16"), PAGES=P("u8"), PSLOTS=P("i64"),
                 CNT=P("i32"), eps="fp32")
     HCF = dict(X=P("bf16"), FN=F, PART=F, CNT=P("i32"), BASE=F, SCALE=F, Y=P("bf16"), POST=F, COMB=F, inv_k="fp32",
-               rms_eps="fp32", hc_eps="fp32", YP=P("bf16"), RES=P("bf16"), PPOST=F, PCOMB=F, NW=F, norm_eps="fp32",
-               MO=F, MINV=P("i32"), MOFFS=P("i64"), MSH=P("bf16"))
+               rms_eps="fp32", hc_eps="fp32", YP=P("bf16"), RES=P("bf16"), PPOST=F, PCOMB=F, NW=F, norm_eps="fp32")
     cases = [
         (mhc._hc_mix_partial, dict(X=P("bf16"), FN=F, PART=F, SQ=F),
          dict(NMIX=24, NP=32, BT=16, BK=64, MODE=0), 4, False),
@@ -291,9 +290,6 @@ _AOT_SCRIPT = textwrap.dedent("""
          dict(NMIX=24, NP=32, SP=128, BT=1, BK=128, BD=8192, HEAD=False, PRE_POST=True, NORM=True), 8, False),
         (mhc._hc_fused, HCF,
          dict(NMIX=4, NP=8, SP=128, BT=2, BK=128, BD=2048, HEAD=True), 4, False),
-        (mhc._hc_fused, HCF,   # hc_post_pre with the MoE's pending combine (w2 split partials, a shared expert)
-         dict(NMIX=24, NP=32, SP=128, BT=1, BK=128, BD=4096, HEAD=False, PRE_POST=True, NORM=True, LOADS_FIRST=True,
-              MKTOP=6, MKP=8, MSHARED=True, MSPLIT=True, COMBINE=True), 4, False),
         (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),
          dict(M=4, C=512, OVERLAP=True, HAS_APE=True, CB=512, FAST=True), 4, False),
         (cp._comp_pool, dict(STATE=F, SLOTS=P("i64"), POS=P("i64"), KIN=F, SIN_=F, APE=F, POOLED=F),

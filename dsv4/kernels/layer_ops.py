@@ -93,22 +93,20 @@ def kernel_weights(layer) -> MoEWeights:
     return w
 
 
-def takes_moe(layer, *_, **__) -> bool:
+def takes_moe(layer, *_) -> bool:
     """Whether ``moe`` has a kernel for this layer's experts (FP4: yes; FP8: no)."""
     return layer.fmt != "fp8"
 
 
-def moe(layer, x: torch.Tensor, ids: torch.Tensor, defer: bool = False):
-    """``defer``: at decode sizes on one rank a ``moe.MoEPending`` (the rows before their combine, which the next
-    mHC site's fused launch computes) instead of the combined bf16 rows."""
-    return _moe(layer, x, ids, False, defer)
+def moe(layer, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return _moe(layer, x, ids, False)
 
 
-def _moe(layer, x: torch.Tensor, ids: torch.Tensor, portable: bool, defer: bool = False):
+def _moe(layer, x: torch.Tensor, ids: torch.Tensor, portable: bool) -> torch.Tensor:
     if not takes_moe(layer):
         raise ValueError("moe: FP8 routed experts have no kernel (the op table runs their twin)")
     if not layer.group.active:
-        return moe_forward(x, ids, kernel_weights(layer), portable=portable, defer=defer)
+        return moe_forward(x, ids, kernel_weights(layer), portable=portable)
     y, sh = moe_forward(x, ids, kernel_weights(layer), partial=True, portable=portable)
     y = layer.group.all_reduce(y)
     return (y if sh is None else y + sh.float()).to(torch.bfloat16)
@@ -124,10 +122,10 @@ def wo_a_portable(g, o: torch.Tensor) -> torch.Tensor:
     return _wo_a(g, o, True)
 
 
-def moe_portable(layer, x: torch.Tensor, ids: torch.Tensor, defer: bool = False):
+def moe_portable(layer, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``moe`` on the portable kernels only: the CUDA-core GEMV at decode sizes, the in-register dequant
     FP4 kernel above (no Gluon, no prefill tiles, no ``dot_scaled``)."""
-    return _moe(layer, x, ids, True, defer)
+    return _moe(layer, x, ids, True)
 
 
 __all__ = ["dequant_bf16", "kernel_weights", "linear", "linear_portable", "moe", "moe_portable", "takes_moe", "wo_a",

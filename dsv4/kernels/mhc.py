@@ -78,7 +78,6 @@ import torch
 
 from .lib import PDL_LAUNCH, interpreting, prefetch_on, target, triton_available
 from .counters import arrival_counters
-from .moe import MoEPending, dense
 from .norm import rms_norm
 
 HC = 4
@@ -90,7 +89,6 @@ if triton_available():
 
     from .counters import arrive
     from .lib import pdl_wait, prefetch_l2, rne_bf16
-    from .moe import combine_tile
     from .norm import norm_store, norm_store_w
 
     @triton.jit
@@ -402,23 +400,15 @@ if triton_available():
         norm_store(y, NW, Y + ti.to(tl.int64) * stride_yt, d, dm, D, eps, INTERP)
 
     @triton.jit
-    def _post_tile(YP, RES, PPOST, PCOMB, X, t, tm, kx, km, D, stride_xt, MO, MINV, MOFFS, MSH, ME, MS, m_stride_s,
-                   m_stride_o, m_stride_sh, MKTOP: tl.constexpr, MKP: tl.constexpr, MSHARED: tl.constexpr,
-                   MSPLIT: tl.constexpr, COMBINE: tl.constexpr):
+    def _post_tile(YP, RES, PPOST, PCOMB, X, t, tm, kx, km, D, stride_xt):
         """hc_post for the flattened elements kx (stream kx // D, column kx % D) of tokens t: out =
         post[j] y + sum_i comb[i, j] res[i] in fp32 (i in order; ``_hc_post_kernel``'s expression),
-        stored bf16 into X; returns the stored values as fp32 [BT, BK]. COMBINE: y is the MoE's combine of
-        its pending rows (``moe.combine_tile`` on MO ... m_stride_sh, rounded to bf16 as ``_moe_combine``
-        stores it) instead of YP's rows."""
+        stored bf16 into X; returns the stored values as fp32 [BT, BK]."""
         t64 = t.to(tl.int64)[:, None]
         msk = tm[:, None] & km[None, :]
         j = kx // D
         dd = (kx - j * D)[None, :]
-        if COMBINE:
-            yv = rne_bf16(combine_tile(MO, MINV, MOFFS, MSH, t.to(tl.int64), tm, dd, msk, ME, MS, m_stride_s,
-                                       m_stride_o, m_stride_sh, MKTOP, MKP, MSHARED, MSPLIT))
-        else:
-            yv = tl.load(YP + t64 * D + dd, mask=msk, other=0.0).to(tl.float32)
+        yv = tl.load(YP + t64 * D + dd, mask=msk, other=0.0).to(tl.float32)
         pj = tl.load(PPOST + t64 * 4 + j[None, :], mask=msk, other=0.0)
         rrow = RES + t64 * stride_xt + dd
         mixed = tl.zeros(yv.shape, tl.float32)
@@ -434,12 +424,10 @@ if triton_available():
     @triton.jit
     def _hc_fused(X, FN, PART, CNT, BASE, SCALE, Y, POST, COMB, T, K, D, S, stride_xt, stride_yt,
                   k_per_split, inv_k, rms_eps, hc_eps, iters, YP, RES, PPOST, PCOMB, NW, norm_eps,
-                  MO, MINV, MOFFS, MSH, ME, MS, m_stride_s, m_stride_o, m_stride_sh,
                   NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BD: tl.constexpr, HEAD: tl.constexpr, PRE_POST: tl.constexpr = False, NORM: tl.constexpr = False,
                   INTERP: tl.constexpr = False, PF: tl.constexpr = False, PFL: tl.constexpr = 1,
-                  LOADS_FIRST: tl.constexpr = False, MKTOP: tl.constexpr = 1, MKP: tl.constexpr = 1,
-                  MSHARED: tl.constexpr = False, MSPLIT: tl.constexpr = False, COMBINE: tl.constexpr = False):
+                  LOADS_FIRST: tl.constexpr = False):
         """Decode-sized hc_pre / hc_head in one launch, grid (S, token blocks of BT). Each program: the
         partial mix of its K range in fp32 FMAs (exact products, fn read as fp32: ``ieee`` accuracy in
         either mode) and the partial sum of squares -> PART; then an acq_rel arrival on the token
@@ -451,7 +439,7 @@ if triton_available():
         RES [T, 4, D] bf16 (stride_xt, as X), PPOST [T, 4], PCOMB [T, 4, 4] fp32: each program computes
         the x elements of its own K range (``_hc_post_kernel``'s expression: the same bits), stores
         them into X (the new residual streams) and mixes them; the last arriver reads X back after its
-        acquire (``.cg``: from L2); with COMBINE, y is the MoE's pending combine (``_post_tile``). NORM: Y gets the weighted RMSNorm (weight NW fp32 [D], norm_eps) of
+        acquire (``.cg``: from L2). NORM: Y gets the weighted RMSNorm (weight NW fp32 [D], norm_eps) of
         the bf16-rounded stream sum instead of the sum itself (one row per program: BD >= D). PF: the
         program's first fn tile (NMIX rows x PFL 128-byte lines) hinted into L2 before the wait.
         LOADS_FIRST (BT 1, NORM, not HEAD): the last arriver issues its token's stream loads and the norm
@@ -483,8 +471,7 @@ if triton_available():
             kx = k + kk
             km = kx < K
             if PRE_POST:
-                xf = _post_tile(YP, RES, PPOST, PCOMB, X, t, tm, kx, km, D, stride_xt, MO, MINV, MOFFS, MSH, ME, MS,
-                                m_stride_s, m_stride_o, m_stride_sh, MKTOP, MKP, MSHARED, MSPLIT, COMBINE)
+                xf = _post_tile(YP, RES, PPOST, PCOMB, X, t, tm, kx, km, D, stride_xt)
             else:
                 xf = tl.load(xrow + kx[None, :], mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
             f = tl.load(FN + n[:, None] * K + kx[None, :], mask=nm[:, None] & km[None, :], other=0.0)
@@ -688,8 +675,8 @@ def _splits(n_units: int, n_tb: int, min_units: int, device, cfg: dict, per_sm: 
 def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, rms_eps, cfg, prev=None, norm=None):
     """One launch (decode sizes): ``_hc_fused``. config: block_t, block_k, splits, num_warps, block_d
     (the tail's row chunk). ``prev`` (y, res, post, comb): x is the output buffer of the previous
-    site's hc_post, computed in the same launch (PRE_POST; y a ``moe.MoEPending``: its combine inside that
-    hc_post, COMBINE); ``norm`` (weight, eps): y gets the weighted RMSNorm of the stream sum (NORM)."""
+    site's hc_post, computed in the same launch (PRE_POST); ``norm`` (weight, eps): y gets the
+    weighted RMSNorm of the stream sum (NORM)."""
     T, _, D = x.shape
     K = HC * D
     np_ = triton.next_power_of_2(nmix + 1)
@@ -715,19 +702,13 @@ def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
     BD = triton.next_power_of_2(D) if norm is not None else cfg.get("block_d") or min(triton.next_power_of_2(D), 4096)
     kw = {} if interpreting() else {"num_warps": nw}
     yp, res, ppost, pcomb = prev if prev is not None else (x, x, post, comb)
-    pending = isinstance(yp, MoEPending)
-    margs, mconst = yp.kernel_args() if pending else ((x, x, x, x, 0, 1, 0, 0, 0), (1, 1, False, False))
-    if pending:
-        yp = x
     nw_, neps = norm if norm is not None else (fn, 0.0)
     _hc_fused[(S, n_tb)](x, fn.contiguous(), part, cnt, base, scale, y, post, comb, T, K, D, S, x.stride(0),
                          y.stride(0), k_per_split, 1.0 / K, rms_eps, hc_eps, iters, yp, res, ppost, pcomb, nw_,
-                         float(neps), *margs, NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
+                         float(neps), NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
                          HEAD=head, PRE_POST=prev is not None, NORM=norm is not None, INTERP=interpreting(),
                          PF=prefetch_on(), PFL=max(1, BK // 32),
-                         LOADS_FIRST=LOADS_FIRST and BT == 1 and norm is not None and not head,
-                         MKTOP=mconst[0], MKP=mconst[1], MSHARED=mconst[2], MSPLIT=mconst[3], COMBINE=pending,
-                         **kw, **PDL_LAUNCH)
+                         LOADS_FIRST=LOADS_FIRST and BT == 1 and norm is not None and not head, **kw, **PDL_LAUNCH)
 
 
 def _mode(cfg: dict) -> int:
@@ -837,9 +818,7 @@ def hc_post_pre(y: torch.Tensor | None, res: torch.Tensor, post: torch.Tensor | 
     ``(h bf16 [T, 4, d] (the new residual streams; ``res`` itself when y is None), normed layer
     input bf16 [T, d], post fp32 [T, 4], comb fp32 [T, 4, 4])``, as ``rms_norm(hc_pre(hc_post(...)))``
     computes them. Up to ``fused_max_t`` tokens (the ``"fused"`` path) one launch of ``_hc_fused``
-    (PRE_POST, NORM): two to three launches fewer per site at decode; above it the three kernels. ``y`` may be
-    a ``moe.MoEPending`` (the MoE's rows before their combine): the fused launch computes the combine inside
-    its hc_post (the combine's bits, its launch saved); the three kernels take its ``dense()``. The
+    (PRE_POST, NORM): two to three launches fewer per site at decode; above it the three kernels. The
     streams are hc_post's bits; post and comb hc_pre's where both run the same warps (d <= 4096; above,
     the one launch takes 8 warps for its norm tile and the mix partials sum in another order: ~1e-7).
     ``config``: as for ``hc_pre``."""
@@ -849,7 +828,6 @@ def hc_post_pre(y: torch.Tensor | None, res: torch.Tensor, post: torch.Tensor | 
         raise ValueError(f"hc_post_pre: norm weight has {norm_w.numel()} elements, the streams' width is {D}")
     cfg = dict(config or {})
     if T == 0 or _impl(cfg, T) != "fused":
-        y = dense(y)
         h = res if y is None else hc_post(y, res, post, comb)
         a, p2, c2 = hc_pre(h, fn, base, scale, iters, hc_eps, rms_eps, config)
         return h, rms_norm(a, norm_w, norm_eps), p2, c2
@@ -859,8 +837,7 @@ def hc_post_pre(y: torch.Tensor | None, res: torch.Tensor, post: torch.Tensor | 
         if y.shape != (T, D) or post.shape != (T, HC) or comb.shape != (T, HC, HC):
             raise ValueError(f"hc_post_pre: shapes y {tuple(y.shape)}, res {tuple(res.shape)}, post "
                              f"{tuple(post.shape)}, comb {tuple(comb.shape)}")
-        prev = (y if isinstance(y, MoEPending) else y.contiguous(), res, post.float().contiguous(),
-                comb.float().contiguous())
+        prev = (y.contiguous(), res, post.float().contiguous(), comb.float().contiguous())
     h = res if y is None else torch.empty_like(res)
     a = torch.empty(T, D, dtype=torch.bfloat16, device=res.device)
     post2 = torch.empty(T, HC, dtype=torch.float32, device=res.device)

@@ -246,54 +246,43 @@ if triton_available():
             tl.store(INV + p, i.to(tl.int32), mask=pm)
 
     @triton.jit
-    def combine_tile(OUT, INV, OFFS, SH, t, tm, cols, m2, E, S, stride_s, stride_o, stride_sh,
-                     KTOP: tl.constexpr, KP: tl.constexpr, HAS_SHARED: tl.constexpr, SPLIT: tl.constexpr):
-        """fp32 [BT, BK], unrounded: for tokens t [BT] (int64; tm: valid) and columns cols [1, BK] (m2 [BT, BK]:
-        the elements to compute), the sum of each token's expert rows of OUT in increasing sorted position
-        (+ SH[t], bf16) from 0. SPLIT: OUT holds the w2 GEMM's fp32 split-K partials [S, pairs, d]; each row is
-        their sum in split order rounded to bf16 (``common.sum_splits``' bits, without its launch). The one
-        expression of ``_moe_combine`` and of ``mhc._hc_fused``'s combine-fed hc_post (the same bits)."""
-        big = 2147483647
-        nvalid = tl.load(OFFS + E).to(tl.int32)
-        jk = tl.arange(0, KP)
-        pos = tl.load(INV + t[:, None] * KTOP + jk[None, :], mask=tm[:, None] & (jk < KTOP)[None, :], other=big)
-        pos = tl.where(pos < nvalid, pos, big)
-        y = tl.where(m2, 0.0, 0.0)
-        for j in tl.static_range(KTOP):            # increasing sorted position = increasing expert id
-            p = tl.min(pos, axis=1)
-            pos = tl.where(pos == p[:, None], big, pos)
-            pv = m2 & (p < nvalid)[:, None]
-            orow = OUT + p.to(tl.int64)[:, None] * stride_o + cols
-            if SPLIT:
-                o = tl.where(m2, 0.0, 0.0)
-                for s in range(0, S, 4):    # four partials per L2 round trip, in split order
-                    o = add_splits4(o, orow + s * stride_s, stride_s, pv, s, S)
-                y += rne_bf16(o)
-            else:
-                y += tl.load(orow, mask=pv, other=0.0).to(tl.float32)
-        if HAS_SHARED:
-            y += tl.load(SH + t[:, None] * stride_sh + cols, mask=m2, other=0.0).to(tl.float32)
-        return y
-
-    @triton.jit
     def _moe_combine(OUT, INV, OFFS, SH, Y, d, E, S, stride_s, stride_o, stride_sh, stride_y,
                      KTOP: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, HAS_SHARED: tl.constexpr,
                      SPLIT: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr):
-        """Y[t] = ``combine_tile`` of token t, one bf16 rounding. F32: Y is fp32 and keeps the unrounded sum
-        (expert parallelism: a rank's partial sum)."""
+        """Y[t] = sum of token t's expert rows of OUT in increasing sorted position (+ SH[t]), fp32, one
+        bf16 rounding. SPLIT: OUT holds the w2 GEMM's fp32 split-K partials [S, pairs, d]; each row is
+        their sum in split order rounded to bf16 (``common.sum_splits``' bits, without its launch).
+        F32: Y is fp32 and keeps the unrounded sum (expert parallelism: a rank's partial sum)."""
         pdl_wait()
-        t = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
-        cols = (tl.program_id(1) * BD + tl.arange(0, BD))[None, :]
-        m2 = cols < d
-        y = combine_tile(OUT, INV, OFFS, SH, t, t >= 0, cols, m2, E, S, stride_s, stride_o, stride_sh, KTOP, KP,
-                         HAS_SHARED, SPLIT)
-        yrow = Y + t[:, None] * stride_y + cols
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BD + tl.arange(0, BD)
+        cm = cols < d
+        jk = tl.arange(0, KP)
+        big = 2147483647
+        nvalid = tl.load(OFFS + E).to(tl.int32)
+        pos = tl.load(INV + t * KTOP + jk, mask=jk < KTOP, other=big)
+        pos = tl.where(pos < nvalid, pos, big)
+        y = tl.zeros([BD], tl.float32)
+        for j in tl.static_range(KTOP):            # increasing sorted position = increasing expert id
+            p = tl.min(pos, axis=0)
+            pos = tl.where(pos == p, big, pos)
+            pv = (cols * 0 + p) < nvalid
+            orow = OUT + p.to(tl.int64) * stride_o + cols
+            if SPLIT:
+                o = tl.zeros([BD], tl.float32)
+                for s in range(0, S, 4):    # four partials per L2 round trip, in split order
+                    o = add_splits4(o, orow + s * stride_s, stride_s, cm & pv, s, S)
+                y += rne_bf16(o)
+            else:
+                y += tl.load(orow, mask=cm & pv, other=0.0).to(tl.float32)
+        if HAS_SHARED:
+            y += tl.load(SH + t * stride_sh + cols, mask=cm, other=0.0).to(tl.float32)
         if F32:
-            tl.store(yrow, y, mask=m2)
+            tl.store(Y + t * stride_y + cols, y, mask=cm)
         else:
             if INTERP:
                 y = rne_bf16(y)
-            tl.store(yrow, y.to(tl.bfloat16), mask=m2)
+            tl.store(Y + t * stride_y + cols, y.to(tl.bfloat16), mask=cm)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -580,7 +569,7 @@ def sort_pairs(eflat: torch.Tensor, n_experts: int, bm: int):
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: str | None = None,
                 config: dict | None = None, routing: tuple | None = None, return_parts: bool = False,
-                partial: bool = False, portable: bool = False, defer: bool = False):
+                partial: bool = False, portable: bool = False):
     """bf16 [T, d] = ``MoE.__call__(x, ids)`` (module doc). ``routing=(idx [T, k], weights [T, k])``
     skips the router (ids < 0 = no expert for that slot; global expert ids).
 
@@ -590,8 +579,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     and rounds once to bf16: the official MoE's order (``y`` all-reduced, then ``+ shared``), and
     at one rank the bits of the fused combine. ``portable``: the kernels without target-tuned paths only
     (the CUDA-core GEMV up to ``router.GEMV_ROWS_PER_EXPERT`` rows per expert, the dequant FP4 kernel
-    above). ``defer`` (decode path, not ``partial``): a ``MoEPending`` instead of the combined rows, for the next
-    mHC site's fused hc_post_pre; other paths return the tensor."""
+    above)."""
     if x.dim() != 2 or x.shape[1] != w.dim:
         raise ValueError(f"moe_forward: expected x [T, {w.dim}], got {tuple(x.shape)}")
     x = x.to(torch.bfloat16).contiguous()
@@ -635,7 +623,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         eflat = torch.where(keep, loc, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
         sort = None
     if path == "gemv":
-        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs, partial, portable, sort, defer)
+        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs, partial, portable, sort)
     if path == "prefill":
         from .gemm.fp4_prefill import f16_operand_split, fp4_prefill_launch
         pcfg = {"13": dict(router.fp4_prefill_config(rows_per_expert, t, swiglu=True), **(config or {})),
@@ -749,37 +737,6 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     return y
 
 
-class MoEPending:
-    """A decode MoE's output before its combine (``moe_forward(..., defer=True)``): the w2 rows or their
-    split partials, the sort's inverse permutation and offsets, the shared expert's output, top-k. The next
-    mHC site's fused ``hc_post_pre`` computes the combine inside its hc_post (``mhc._hc_fused`` COMBINE: the
-    same bits, one launch fewer); any other consumer takes ``dense()``, the combine's own launch."""
-
-    __slots__ = ("out", "inv", "offs", "sh", "k", "shape")
-
-    def __init__(self, out, inv, offs, sh, k):
-        self.out, self.inv, self.offs, self.sh, self.k = out, inv, offs, sh, k
-        self.shape = (inv.numel() // k, out.shape[-1])
-
-    def dense(self) -> torch.Tensor:
-        """bf16 [T, d]: ``_combine``'s result."""
-        return _combine(self.out, self.inv, self.offs, self.sh, self.k)
-
-    def kernel_args(self) -> tuple:
-        """(OUT, INV, OFFS, SH, E, S, stride_s, stride_o, stride_sh) and the constexprs (KTOP, KP, HAS_SHARED,
-        SPLIT) of ``combine_tile``."""
-        out, sh, split = self.out, self.sh, self.out.dim() == 3
-        return ((out, self.inv, self.offs, sh if sh is not None else out, self.offs.numel() - 1,
-                 out.shape[0] if split else 1, out.stride(0) if split else 0, out.stride(-2),
-                 sh.stride(0) if sh is not None else 0),
-                (self.k, triton.next_power_of_2(self.k), sh is not None, split))
-
-
-def dense(y):
-    """``y`` as a bf16 tensor: a ``MoEPending``'s combine, anything else as it is."""
-    return y.dense() if isinstance(y, MoEPending) else y
-
-
 def _combine(out, inv, offs, sh, k, partial=False):
     """bf16 y [T, d] = sum over each token's pairs of the expert outputs ``out`` + shared expert
     ``sh``, one rounding; ``out``: bf16 rows [pairs, d], or the w2 GEMM's unsummed fp32 split
@@ -831,7 +788,7 @@ def _gemv_kernel(config, dev) -> tuple[str, int]:
 
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None, xs=None, partial=False,
-              portable=False, sort=None, defer=False):
+              portable=False, sort=None):
     """Decode MoE: grouped w1|w3 (split-K fp32 partials), the SwiGLU + FP8 quantisation pass, grouped
     w2; the shared expert (``_shared_expert``); combine. On sm_89+ both expert GEMMs run on the
     tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
@@ -875,8 +832,6 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
         out = gemv_launch(h, hs, w.w2, w.w2_s, w.w2_s2, P, d, I, wfmt=w.fmt, bm=bm, split_sum=False, **grouped)
     if fork is not None:
         fork.join()
-    if defer and not partial and not return_parts:
-        return MoEPending(out, inv, offs, sh, k)
     y = _combine(out, inv, offs, sh, k, partial)
     if return_parts:      # out: w2's rows, or its split partials [S, pairs, d] where K was split
         return y, dict(idx=idx, weights=rw, perm=perm, offs=offs, tcum=tcum, inv=inv, out=out, shared=sh,
@@ -884,4 +839,4 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     return y
 
 
-__all__ = ["MoEPending", "MoEWeights", "dense", "moe_forward", "route", "sort_pairs"]
+__all__ = ["MoEWeights", "moe_forward", "route", "sort_pairs"]

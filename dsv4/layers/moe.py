@@ -125,9 +125,8 @@ class MoE(nn.Module):
         out[s + "w2.scale"] = copy_into(self.sh2_s, s + "w2.scale")
         return out
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, defer: bool = False):
-        """bf16 [T, d]; ``defer``: the op may return its pending form instead (``kernels.moe.MoEPending``)."""
-        return self.ops.moe(self, x, ids, defer=True) if defer else self.ops.moe(self, x, ids)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.moe(self, x, ids)
 
 
 def _raw(dst: torch.Tensor, what: str) -> Loader:

@@ -89,16 +89,15 @@ class Block(nn.Module):
         return self.ops.hc_post_pre(y, h, post, comb, hc.fn, hc.base, hc.scale, norm, hc.iters, hc.hc_eps,
                                     hc.rms_eps, self.eps)
 
-    def run(self, h, ctx, pending=None, defer=False):
+    def run(self, h, ctx, pending=None):
         """The block with its hc_posts moved into the next site's ``hc_post_pre`` (one launch per site at
         decode): streams h [T, hc, d] and the block before's pending hc_post (y, post, comb) ->
         (streams, this block's own pending hc_post). ``forward`` is ``run`` + that hc_post; no trace
-        points (``fused(ctx)``). ``defer``: the pending y may be the MoE op's pending form
-        (``kernels.moe.MoEPending``), for a next block's ``hc_post_pre`` only."""
+        points (``fused(ctx)``)."""
         h, a, post, comb = self._boundary(self.hc_attn, self.attn_norm, h, pending)
         a = self.attn(a, ctx)
         h, f, post, comb = self._boundary(self.hc_ffn, self.ffn_norm, h, (a, post, comb))
-        return h, (self.moe(f, ctx.ids, defer=defer), post, comb)
+        return h, (self.moe(f, ctx.ids), post, comb)
 
     def forward(self, h, ctx):
         """Residual streams h [T, hc, d] -> [T, hc, d]."""
@@ -116,10 +115,6 @@ class Block(nn.Module):
 
 
 FUSED_SITES = True     # False: every forward on the per-op blocks (benchmarks/decode_step.py --mhc-sites A/B)
-# A block's MoE combine inside the next block's fused hc_post_pre (``kernels.moe.MoEPending``: one launch fewer a
-# layer at decode, the same bits), where the MoE and hc_post_pre ops run their kernels and no fault is injected into
-# the MoE's. Off until timed (benchmarks/decode_step.py --moe-combine).
-DEFER_MOE_COMBINE = False
 
 
 def fused(ctx) -> bool:
@@ -500,12 +495,6 @@ class DeepseekV4(nn.Module):
         rows = self._rope_tables[self._table_of[id(rope)], TABLE_NEG + positions]
         return rows[:, :32].contiguous(), rows[:, 32:].contiguous()
 
-    def _defer_combine(self) -> bool:
-        """Whether the blocks may hand their MoE's pending form to the next block (``DEFER_MOE_COMBINE``)."""
-        ops = self.ops
-        return (DEFER_MOE_COMBINE and ops.paths.get("moe") == "kernel" and ops.paths.get("hc_post_pre") == "kernel"
-                and "moe" not in ops.faults)
-
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, ctx) -> torch.Tensor:
@@ -516,13 +505,12 @@ class DeepseekV4(nn.Module):
         feats = {}
         capture = ctx.keep_hidden and self.dspark is not None
         run, pending = fused(ctx), None
-        defer = run and self._defer_combine()
-        for i, blk in enumerate(self.layers):
+        for blk in self.layers:
             target = capture and blk.layer_id in self.dspark.targets
             if run:
                 # a block's last hc_post runs inside the next block's first site; applied here only
                 # where the streams themselves are read (a DSpark target, after the last block)
-                h, pending = blk.run(h, ctx, pending, defer and not target and i + 1 < len(self.layers))
+                h, pending = blk.run(h, ctx, pending)
                 if target:
                     h, pending = self.ops.hc_post(pending[0], h, pending[1], pending[2]), None
             else:

@@ -93,9 +93,8 @@ def wo_a(g, o: torch.Tensor) -> torch.Tensor:
     return OFFICIAL.round(z[:M])
 
 
-def moe(layer, x: torch.Tensor, ids: torch.Tensor, defer: bool = False) -> torch.Tensor:
-    """``reference.moe.MoE.__call__`` on the layer's stored experts (``defer``, the kernel's pending form, is
-    ignored: always the combined rows)."""
+def moe(layer, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``reference.moe.MoE.__call__`` on the layer's stored experts."""
     idx, rw = _moe.route(x, ids, layer)
     kind = "fp8" if layer.fmt == "fp8" else "fp4"
     stacked = tuple(t for t in (layer.w13, layer.w13_s, layer.w13_s2, layer.w2, layer.w2_s, layer.w2_s2)
