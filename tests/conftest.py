@@ -28,6 +28,13 @@ if not torch.cuda.is_available():
 
 _TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
 
+# The tiny checkpoints' tensors (``checkpoint.tiny.build_tiny_tensors``, ~1.3 s a build) are built once per
+# arguments: the suite asks for the same few about twenty times (each call gets its own copy).
+# tests/test_checkpoint.py's determinism test turns it off to build twice.
+import dsv4.checkpoint.tiny  # noqa: E402
+
+dsv4.checkpoint.tiny.BUILD_CACHE = 4
+
 
 def _one_rank_process_group() -> None:
     """``DSV4_TEST_PROCESS_GROUP=nccl`` (or ``gloo``): the whole session runs inside a one-rank
@@ -77,6 +84,14 @@ def _triton_interpret_unchanged():
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "golden", "official-tiny-seed1.json")
 SHARED_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "shared", "tools", "make_tiny_official.py")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _default_model_cache(tmp_path_factory):
+    """One cache directory for the session's embedded default model (``models.default_model_dir``, written
+    on its first use, in this process or in a server or CLI process started with this environment); a
+    ``DSV4_CACHE_DIR`` already set is kept."""
+    os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path_factory.mktemp("dsv4-cache")))
 
 
 @pytest.fixture(scope="session")

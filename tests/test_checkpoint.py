@@ -188,7 +188,9 @@ def test_tiny_weights_are_sane(tiny, cfg):
     assert ((x @ w1.T).abs() > cfg.swiglu_limit).any()
 
 
-def test_determinism(tiny, cfg, official_dir, tmp_path):
+def test_determinism(tiny, cfg, official_dir, tmp_path, monkeypatch):
+    import dsv4.checkpoint.tiny
+    monkeypatch.setattr(dsv4.checkpoint.tiny, "BUILD_CACHE", 0)           # a second build, not the kept one
     again = build_tiny_tensors(cfg, 0)
     assert_same_dict(again, tiny)
     other = build_tiny_tensors(preset("tiny", vocab_size=512), 1)

@@ -185,8 +185,7 @@ def test_engine_serves_the_native_weight_model_on_cpu(llm):
     assert eng.max_model_len == 1024
 
 
-def test_default_max_model_len_is_the_config_limit_capped_by_the_kv_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+def test_default_max_model_len_is_the_config_limit_capped_by_the_kv_cache():
     from dsv4.engine.llm_engine import EngineConfig, LLMEngine
     eng = LLMEngine(EngineConfig(log=False, max_num_seqs=2, num_kv_blocks=40))
     assert eng.max_model_len == min(eng.model_config.max_position_embeddings, 40 * 256)
@@ -195,11 +194,10 @@ def test_default_max_model_len_is_the_config_limit_capped_by_the_kv_cache(tmp_pa
                                max_model_len=eng.model_config.max_position_embeddings + 1))
 
 
-def test_prompt_logprobs_are_the_reference_s_in_any_chunking(tmp_path, monkeypatch):
+def test_prompt_logprobs_are_the_reference_s_in_any_chunking():
     """``prompt_logprobs``: every prompt token's logprob given the ones before it (None for the
     first), the same whatever the prefill chunks, equal to the oracle's log-softmax over all
     positions; ``max_tokens=0`` scores without generating."""
-    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
     from dsv4.models import resolve_model
     from dsv4.reference.model import ReferenceModel
     ids = [0] + torch.randint(3, 128000, (300,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -296,12 +294,11 @@ def test_seed_seeds_the_sampling_of_requests_without_their_own(short):
     assert short.generate([p], UNSEEDED)[0].outputs[0].token_ids != short.first_draw
 
 
-def test_long_prefill_token_threshold_caps_each_prompt_s_chunk(tmp_path, monkeypatch, ref):
+def test_long_prefill_token_threshold_caps_each_prompt_s_chunk(monkeypatch, ref):
     """vLLM's ``long_prefill_token_threshold``: no sequence takes more prefill tokens in a step than
     the threshold, so two prompts share each step's budget (their chunks side by side) while another
     decodes; the outputs stay the alone run's. 0 is off; a negative or non-integer value is refused."""
     from dsv4.cli import _engine_kw, build_parser
-    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
     a = build_parser().parse_args(["generate", "x", "--long-prefill-token-threshold", "64"])
     kw = _engine_kw(a)
     assert kw["long_prefill_token_threshold"] == 64

@@ -12,6 +12,7 @@ Fold edge cases (module doc of fp4_fp8): group scales up to 2^11 below their row
 are exact; 2^12 and more are flushed to zero: exact for all-zero groups, otherwise the result equals
 the twin on the weight with those groups zeroed.
 """
+import collections
 from pathlib import Path
 
 import pytest
@@ -235,22 +236,38 @@ def test_predecode_is_the_kernels_own_fold(spread, ku):
         assert torch.equal(got, want.float())
 
 
-def _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, tile=False, prefetch=False):
+def _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, tile=False, prefetch=False, memo=None):
     """GEMM 1 + SwiGLU and GEMM 2 on ``predecode``'s tiles (``WTMA``: through TMA; ``tile``: one factor per
-    128 x 128 weight tile) = on the FP4 bytes."""
+    128 x 128 weight tile) = on the FP4 bytes. ``memo`` (a dict kept across the variants of one case): the
+    decoding kernel's outputs per configuration and ``predecode``'s tiles, computed once (the variants
+    differ in how the GEMMs load those tiles; each is a deterministic function of its inputs)."""
+    memo = {} if memo is None else memo
+
     def predec(a, sa, w, ws, *args, config, **kw):
-        w8, sb = F.predecode(w, ws, tile=tile)
+        key = ("predecode", tuple(w.shape), tile)
+        if key not in memo:
+            memo[key] = F.predecode(w, ws, tile=tile)
+        w8, sb = memo[key]
         return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True,
                                 config=dict(config, WTMA=wtma, PREFETCH=prefetch), **kw)
-    ref = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
+    key = ("decoding", str(sorted(cfg.items())))
+    if key not in memo:
+        memo[key] = _gemms(c, E, d, I, top_k, limit, F.fp4_fp8_launch, u8, cfg)
+    ref = memo[key]
     got = _gemms(c, E, d, I, top_k, limit, predec, u8, cfg)
     for r, g in zip(ref, got):
         assert torch.equal(r.cpu(), g.cpu())
 
 
+@pytest.fixture(scope="module")
+def predecoded_memo():
+    """{case: the memo of ``_same_bits_predecoded``}, shared by the variants of each test below."""
+    return collections.defaultdict(dict)
+
+
 @pytest.mark.parametrize("swap,wtma,prefetch", [(True, False, False), (False, False, False), (False, True, False),
                                                 (True, True, False), (True, True, True)])
-def test_predecoded_weights_give_the_same_bits(swap, wtma, prefetch):
+def test_predecoded_weights_give_the_same_bits(swap, wtma, prefetch, predecoded_memo):
     """Grouped + gather + SwiGLU and grouped w2 on ``predecode``'s bytes (the FP8 tiles loaded, not
     decoded; by pointer loads or by TMA through one descriptor over all experts' rows, the scale operands
     loaded a K block ahead or not): h, its scales and w2's output equal the decoding kernel's bit for bit."""
@@ -260,7 +277,7 @@ def test_predecoded_weights_give_the_same_bits(swap, wtma, prefetch):
     c["s13"].view(E, 2 * I, -1, 4)[..., 2] -= 7          # spread inside blocks
     bm = 32 if DEV == "cpu" else 64
     cfg = dict(BM=bm, BN=128, SWAP=swap)
-    _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, prefetch=prefetch)
+    _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, prefetch=prefetch, memo=predecoded_memo["rows"])
 
 
 def test_predecode_tile_fold():
@@ -300,7 +317,7 @@ def test_predecode_tile_fold():
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_tile_factors_give_the_same_bits(prefetch):
+def test_tile_factors_give_the_same_bits(prefetch, predecoded_memo):
     """Grouped + gather + SwiGLU and grouped w2 on ``predecode(tile=True)``'s tiles through TMA, promoted
     with one scalar factor per 128 x 128 tile, the factors loaded a K block ahead (``PREFETCH``) or not: the
     bits of the decoding kernel (each row's products are the row fold's times one power of two)."""
@@ -313,7 +330,7 @@ def test_tile_factors_give_the_same_bits(prefetch):
     assert not F.wide_spread(c["s13"], tile=True) and not F.wide_spread(c["s2"], tile=True)
     bm = 32 if DEV == "cpu" else 64
     _same_bits_predecoded(c, E, d, I, top_k, limit, dict(BM=bm, BN=128, SWAP=False), True, tile=True,
-                          prefetch=prefetch)
+                          prefetch=prefetch, memo=predecoded_memo["tile"])
 
 
 def test_rejects_bad_inputs():

@@ -18,6 +18,12 @@ from golden_helpers import GoldenTally, margin
 
 
 @pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny checkpoint (official layout, seed 0), read by the tests below and never written."""
+    return make_tiny(str(tmp_path_factory.mktemp("tiny") / "ck"))
+
+
+@pytest.fixture(scope="module")
 def many_experts(tmp_path_factory):
     """128 routed experts per layer and a small vocabulary: expert weights dominate the bytes."""
     cfg = preset("tiny", n_routed_experts=128, vocab_size=2048)
@@ -64,12 +70,11 @@ def _paged(cfg, n_seqs=2, blocks=8):
     return cache
 
 
-def test_prefill_and_decode_match_the_reference(tmp_path):
+def test_prefill_and_decode_match_the_reference(tiny):
     """The model on its twins against the oracle (official numerics) on the same checkpoint: a
     300-token prefill, then teacher-forced decode steps."""
-    path = make_tiny(str(tmp_path / "tiny"))
-    m = DeepseekV4.from_checkpoint(path)
-    ref = ReferenceModel.from_pretrained(path, numerics="official")
+    m = DeepseekV4.from_checkpoint(tiny)
+    ref = ReferenceModel.from_pretrained(tiny, numerics="official")
     cache = _paged(m.cfg)
     m.attach_cache(cache, 1024)
     st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2))
@@ -111,32 +116,33 @@ def _steps(m, ids, trace: bool):
     return out
 
 
-def test_fused_mhc_sites_give_the_per_op_blocks_logits(tmp_path):
+def test_fused_mhc_sites_give_the_per_op_blocks_logits(tiny):
     """``Block.run`` (each block's last hc_post inside the next block's ``hc_post_pre``) against the
     per-op blocks (taken while a trace records): the same bits on the twins, and on the mHC and norm
     kernels under the interpreter (hc_post_pre one launch at the decode steps, the three kernels it
     replaces in the per-op blocks; on a GPU the norm's sum of squares may round in another order:
     tests/test_mhc.py)."""
     from dsv4.ops import Ops
-    path = make_tiny(str(tmp_path / "tiny"))
-    # 16 tokens: four complete CSA entries; the kernels' half runs under the interpreter (~20 s, 35 s at 40)
+    # 16 tokens: four complete CSA entries
     ids = torch.randint(3, 128000, (16,), generator=torch.Generator().manual_seed(3))
-    m = DeepseekV4.from_checkpoint(path)
+    m = DeepseekV4.from_checkpoint(tiny)
     for a, b in zip(_steps(m, ids, False), _steps(m, ids, True)):
         assert torch.equal(a, b)
     if "TRITON_INTERPRET" not in os.environ:
         return
-    mk = DeepseekV4.from_checkpoint(path, ops=Ops("cpu", kernels={"hc_post_pre", "hc_pre", "hc_post", "rms_norm"}))
+    mk = DeepseekV4.from_checkpoint(tiny, ops=Ops("cpu", kernels={"hc_post_pre", "hc_pre", "hc_post", "rms_norm"}))
     # 3 Sinkhorn iterations on both paths instead of 20: the same loop, and the interpreter's time is mostly it
     sites = [mod for mod in mk.modules() if hasattr(mod, "iters")]
     assert sites
     for mod in sites:
         mod.iters = 3
-    for a, b in zip(_steps(mk, ids, False), _steps(mk, ids, True)):
+    # a 4-token prefill (one complete CSA entry): above FUSED_MAX_T tokens both paths take the three kernels
+    # there, whose interpreted time grows with the tokens; the decode steps are the one-launch sites
+    for a, b in zip(_steps(mk, ids[:4], False), _steps(mk, ids[:4], True)):
         assert torch.equal(a, b)
 
 
-def test_prefill_from_bf16_workspaces_gives_the_pages_logits(tmp_path, monkeypatch):
+def test_prefill_from_bf16_workspaces_gives_the_pages_logits(tiny, monkeypatch):
     """``Attention.PREFILL_BF16_KV``: the prefill attention reads the window and compressed entries from bf16
     workspaces (lists remapped to their rows) instead of the FP8 pages: the same logits, bit for bit (on the
     twins, which read ``kv_bf16`` as the kernel does: tests/test_sparse_attention.py). Two sequences in two chunks
@@ -144,7 +150,6 @@ def test_prefill_from_bf16_workspaces_gives_the_pages_logits(tmp_path, monkeypat
     150-token sequence completes an HCA entry (ratio 128) in its second chunk, the 70-token one none (an empty
     list beside a full one); then a decode step."""
     import dsv4.layers.attention as A
-    path = make_tiny(str(tmp_path / "tiny"))
     g = torch.Generator().manual_seed(5)
     ids = [torch.randint(3, 128000, (n,), generator=g) for n in (150, 70)]
 
@@ -164,7 +169,7 @@ def test_prefill_from_bf16_workspaces_gives_the_pages_logits(tmp_path, monkeypat
                                       torch.tensor([st.slot for st in sts]), bt)))
         return out
 
-    m = DeepseekV4.from_checkpoint(path)
+    m = DeepseekV4.from_checkpoint(tiny)
     monkeypatch.setattr(A.Attention, "PREFILL_BF16_KV", False)
     want = run(m)
     monkeypatch.setattr(A.Attention, "PREFILL_BF16_KV", True)
@@ -173,14 +178,13 @@ def test_prefill_from_bf16_workspaces_gives_the_pages_logits(tmp_path, monkeypat
         assert torch.equal(a, b)
 
 
-def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tmp_path, monkeypatch):
+def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tiny, monkeypatch):
     """``Attention.FUSE_DECODE_ROPE``: the decode attention rotates its output back itself (the split combine's
     epilogue) instead of ``inverse_rope``'s pass: the same logits, bit for bit, for a plain step of two sequences
     and a 3-row verify step (each row group with its own rows of cos / sin) on the twins; the plain step with the
     attention kernel under the interpreter."""
     import dsv4.layers.attention as A
     from dsv4.ops import Ops
-    path = make_tiny(str(tmp_path / "tiny"))
     g = torch.Generator().manual_seed(9)
     ids = [torch.randint(3, 128000, (n,), generator=g) for n in (41, 6)]
 
@@ -204,7 +208,7 @@ def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tmp
     for ops in (None, Ops("cpu", kernels={"sparse_decode"})):
         if ops is not None and "TRITON_INTERPRET" not in os.environ:
             continue
-        m = DeepseekV4.from_checkpoint(path, **({} if ops is None else {"ops": ops}))
+        m = DeepseekV4.from_checkpoint(tiny, **({} if ops is None else {"ops": ops}))
         monkeypatch.setattr(A.Attention, "FUSE_DECODE_ROPE", False)
         want = run(m, ops is None)
         monkeypatch.setattr(A.Attention, "FUSE_DECODE_ROPE", True)
@@ -213,7 +217,7 @@ def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tmp
             assert torch.equal(a, b)
 
 
-def test_batched_uneven_chunks_match_the_reference(tmp_path, monkeypatch):
+def test_batched_uneven_chunks_match_the_reference(tiny, monkeypatch):
     """Two prompts prefilled together in uneven chunks (chunk ends inside compressor windows, one
     sequence's chunk beside the other's), indexer scores in row blocks of 7 rows (the bound a long
     chunk at a long context uses), then a batched decode step, against the oracle run on the same
@@ -223,9 +227,8 @@ def test_batched_uneven_chunks_match_the_reference(tmp_path, monkeypatch):
     does far more. Tokens must agree wherever the oracle's top-1 margin is clear."""
     import dsv4.layers.attention as A
     monkeypatch.setattr(A, "SCORE_BYTES", 2 * 40 * 7)
-    path = make_tiny(str(tmp_path / "tiny"))
-    m = DeepseekV4.from_checkpoint(path)
-    ref = ReferenceModel.from_pretrained(path, numerics="official")
+    m = DeepseekV4.from_checkpoint(tiny)
+    ref = ReferenceModel.from_pretrained(tiny, numerics="official")
     cache = _paged(m.cfg)
     m.attach_cache(cache, 1024)
     g = torch.Generator().manual_seed(3)
@@ -272,32 +275,37 @@ def test_prefill_rejects_a_block_table_too_short(tmp_path):
         m.prefill_context([(torch.arange(3, 303), st)])
 
 
-def test_load_names_missing_and_unexpected_tensors(tmp_path):
-    path = make_tiny(str(tmp_path / "tiny"))
+def test_load_names_missing_and_unexpected_tensors(tiny):
     m = DeepseekV4(preset("tiny"))
     from dsv4.checkpoint.loader import open_checkpoint
-    r = open_checkpoint(path)
+    r = open_checkpoint(tiny)
     with pytest.raises(ValueError, match="not loaded, e.g. 'layers"):
         m.load((n, t) for n, t in r.tensors() if not n.startswith(("mtp.", "layers.5.")))
     with pytest.raises(ValueError, match="unexpected checkpoint tensor 'mtp.0"):
         m.load(r.tensors())
 
 
-@pytest.mark.parametrize("layout", ["hf", "modelopt-nvfp4"])
-def test_every_layout_gives_the_official_layout_s_tokens(tmp_path, monkeypatch, layout):
-    """The three layouts map onto one set of layers: the engine gives the same greedy tokens."""
-    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path / "cache"))
+def _layout_tokens(path, layout):
+    """The engine's greedy tokens on ``path`` (a checkpoint in ``layout``) for two prompts."""
     from dsv4 import LLM, SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": torch.randint(3, 128000, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
                for n in (200, 9)]
-    toks = {}
-    for lay in ("official", layout):
-        path = make_tiny(str(tmp_path / lay), layout=lay)
-        llm = LLM(path, max_num_seqs=2, max_model_len=512, kv_cache_memory="64MiB", log=False)
-        assert llm.engine.model.expert_format == ("nvfp4" if lay == "modelopt-nvfp4" else "mxfp4")
-        toks[lay] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    assert toks[layout] == toks["official"]
+    llm = LLM(path, max_num_seqs=2, max_model_len=512, kv_cache_memory="64MiB", log=False)
+    assert llm.engine.model.expert_format == ("nvfp4" if layout == "modelopt-nvfp4" else "mxfp4")
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+
+
+@pytest.fixture(scope="module")
+def official_layout_tokens(tiny):
+    return _layout_tokens(tiny, "official")
+
+
+@pytest.mark.parametrize("layout", ["hf", "modelopt-nvfp4"])
+def test_every_layout_gives_the_official_layout_s_tokens(tmp_path, monkeypatch, layout, official_layout_tokens):
+    """The three layouts map onto one set of layers: the engine gives the same greedy tokens."""
+    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path / "cache"))
+    assert _layout_tokens(make_tiny(str(tmp_path / layout), layout=layout), layout) == official_layout_tokens
 
 
 # ---------------------------------------------------------------------------------------------

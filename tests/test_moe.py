@@ -216,14 +216,16 @@ def test_combine_sums_split_partials(S):
 
 
 @pytest.mark.parametrize("hash_layer,T,path,bm", [(False, 9, "dequant", None), (True, 7, "dequant", None),
-                                                  (False, 9, "gemv", 2), (True, 7, "gemv", 4), (False, 1, "gemv", 1),
+                                                  (False, 5, "gemv", 2), (True, 7, "gemv", 4), (False, 1, "gemv", 1),
                                                   (True, 2, None, None), (False, 12, None, None),
                                                   (False, 30, "prefill", None), (True, 9, "prefill", None),
                                                   (False, 30, "fp8mma", None), (True, 30, "predec", None)])
 def test_moe_forward(hash_layer, T, path, bm):
     """Every expert-GEMM path: the MMA kernels, the prefill kernel (fp4_prefill.py: one K=128 dot per
-    block, split-K-order operands) and the decode GEMV (1/2/4-row tiles); the shared expert on the
-    split-K MMA partials (<= 64 tokens); the default picks the GEMV at <= 2 rows per expert."""
+    block, split-K-order operands) and the decode GEMV (1/2/4-row tiles: at T 5 an expert of 3 rows
+    takes a full and a partial 2-row tile, at T 7 one of 4 rows a full 4-row tile; the GEMV's programs
+    go with the tiles); the shared expert on the split-K MMA partials (<= 64 tokens); the default picks
+    the GEMV at <= 2 rows per expert."""
     gen = torch.Generator().manual_seed(20 + T)
     ref = _ref_moe(8, 256, 128, 2, gen, hash_layer, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
@@ -248,25 +250,27 @@ def test_moe_forward(hash_layer, T, path, bm):
 
 
 def test_predec_passes_over_expert_ranges_give_one_pass_s_bits(monkeypatch):
-    """The pre-decoded path with a scratch budget of three experts per pass (uneven ranges 3 + 3 + 2
-    of the sorted rows, rebased tile counts, grids with dead tiles) gives the single pass's bits."""
+    """The pre-decoded path with a scratch budget of two experts per pass (uneven ranges 2 + 2 + 1
+    of the sorted rows, rebased tile counts, grids with dead tiles) gives the single pass's bits.
+    Five experts: each pass decodes its experts' weights, the interpreter's time here."""
     gen = torch.Generator().manual_seed(32)
-    ref = _ref_moe(8, 256, 128, 2, gen, False, dup_row=4)
+    ref = _ref_moe(5, 256, 128, 2, gen, False, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
     x = (torch.randn(24, 256, generator=gen) * 1.5).bfloat16().to(DEV)
     ids = torch.zeros(24, dtype=torch.long, device=DEV)
     one = Mo.moe_forward(x, ids, w, path="predec")
     per_expert = 256 * (256 + 4 * 2)                        # w1|w3 rows x (K bytes + fp32 factors)
-    monkeypatch.setattr(GR, "PREDEC_SCRATCH_BYTES", 3 * per_expert + 100)
-    assert GR.predec_experts_per_pass(8, 256, 256) == 3 and GR.predec_experts_per_pass(1, 256, 256) == 1
+    monkeypatch.setattr(GR, "PREDEC_SCRATCH_BYTES", 2 * per_expert + 100)
+    assert GR.predec_experts_per_pass(5, 256, 256) == 2 and GR.predec_experts_per_pass(1, 256, 256) == 1
     assert torch.equal(Mo.moe_forward(x, ids, w, path="predec"), one)
     _check_moe(one, ref(x.cpu(), ids.cpu()))
 
 
 def _predec_variants_give_the_pointer_loads_bits(cfgs):
-    """The pre-decoded path in each variant of ``cfgs`` against its pointer-load form (one baseline)."""
+    """The pre-decoded path in each variant of ``cfgs`` against its pointer-load form (one baseline); four
+    experts (each call decodes every expert's weights, the interpreter's time here)."""
     gen = torch.Generator().manual_seed(33)
-    ref = _ref_moe(8, 256, 128, 2, gen, True, dup_row=4)
+    ref = _ref_moe(4, 256, 128, 2, gen, True, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
     x = (torch.randn(24, 256, generator=gen) * 1.5).bfloat16().to(DEV)
     ids = torch.randint(0, 64, (24,), generator=gen).to(DEV)
@@ -377,12 +381,13 @@ def _rank_slice(w, e0, n):
 
 @pytest.mark.parametrize("hash_layer,T,path", [(True, 7, "dequant"), (False, 30, "prefill"), (False, 3, None)])
 def test_moe_expert_parallel_ranks(hash_layer, T, path):
-    """Expert parallelism: a rank holding experts [4r, 4r + 4) of 8 routes over all 8 and returns,
+    """Expert parallelism: a rank holding experts [2r, 2r + 2) of 4 routes over all 4 and returns,
     bit for bit, the fp32 partial of a one-rank call whose routing keeps only its experts (the
     other ranks' picks sort to the sentinel); the ranks' partials summed plus the shared expert are
-    the layer's output."""
+    the layer's output. (Four experts: the grouped kernels' programs under the interpreter go with
+    the experts a call holds.)"""
     gen = torch.Generator().manual_seed(40 + T)
-    ref = _ref_moe(8, 256, 128, 2, gen, hash_layer, dup_row=4)
+    ref = _ref_moe(4, 256, 128, 2, gen, hash_layer, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
     x = (torch.randn(T, 256, generator=gen) * 1.5).bfloat16().to(DEV)
     ids = torch.randint(0, 64, (T,), generator=gen).to(DEV)
@@ -390,10 +395,10 @@ def test_moe_expert_parallel_ranks(hash_layer, T, path):
     idx, rw = Mo.route(x, ids, w)
     total, shared = 0, None
     for r in range(2):
-        wr = _rank_slice(w, 4 * r, 4)
-        assert (wr.n_experts, wr.n_routed) == (4, 8)
+        wr = _rank_slice(w, 2 * r, 2)
+        assert (wr.n_experts, wr.n_routed) == (2, 4)
         y, sh = Mo.moe_forward(x, ids, wr, path=path, partial=True)
-        mine = torch.where((idx >= 4 * r) & (idx < 4 * r + 4), idx, torch.full_like(idx, -1))
+        mine = torch.where((idx >= 2 * r) & (idx < 2 * r + 2), idx, torch.full_like(idx, -1))
         y1, sh1 = Mo.moe_forward(x, None, w, path=path, routing=(mine, rw), partial=True)
         assert y.dtype == torch.float32 and torch.equal(y, y1) and torch.equal(sh, sh1)
         assert (mine >= 0).any() and y.abs().sum() > 0

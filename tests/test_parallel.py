@@ -258,7 +258,8 @@ def _recording_routes(routes: list):
 
 
 def _run_model(path, ids, tokens, group=None, device="cpu", kernels=False, routes=None):
-    """Prefill ``ids`` then decode ``tokens`` (teacher-forced): the logits [1 + len(tokens), V] (CPU).
+    """Prefill ``ids`` then decode ``tokens`` (teacher-forced; an int n: n greedy steps, each fed the argmax
+    of the logits before it): the logits [1 + len(tokens), V] (CPU).
     ``routes`` (a list, kernels only): the MoE kernels' routing of every call appended to it
     (``_recording_routes``)."""
     undo = _recording_routes(routes) if routes is not None else None
@@ -278,7 +279,8 @@ def _run(path, ids, tokens, group, device, kernels):
     st = PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2))
     out = [m(m.prefill_context([(ids, st)]))[0]]
     st.advance_to(ids.numel())
-    for tok in tokens:
+    for i in range(tokens if isinstance(tokens, int) else len(tokens)):
+        tok = int(out[-1].argmax()) if isinstance(tokens, int) else tokens[i]
         bt = torch.full((1, m.max_blocks), -1, dtype=torch.long)
         bt[0, :2] = torch.tensor(st.block_table)
         on = lambda v: torch.as_tensor(v).to(device)
@@ -391,11 +393,8 @@ def test_two_ranks_give_the_one_rank_logits_and_tokens(tiny):
     in another order: bf16 partials of wo_b, fp32 expert sums across ranks), the greedy token
     wherever the top-1 margin is clear, and the same logits on both ranks."""
     ids = torch.randint(3, 128000, (150,), generator=torch.Generator().manual_seed(11))
-    one = _run_model(tiny, ids, [])
-    tokens = []
-    for _ in range(3):                                  # the one-rank greedy continuation
-        tokens.append(int(one[-1].argmax()))
-        one = _run_model(tiny, ids, tokens)
+    one = _run_model(tiny, ids, 3)                      # the one-rank greedy continuation
+    tokens = [int(row.argmax()) for row in one[:-1]]
     got = _spawn(_tp_worker, (tiny, ids, tokens, "cpu", False))
     assert torch.equal(got[0], got[1])
     _close_to_one_rank(one, got[0])

@@ -44,7 +44,7 @@ MAX_MODEL_LEN = 1024
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    env = dict(os.environ, DSV4_CACHE_DIR=str(tmp / "cache"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")        # the session's default model (conftest)
     env.pop("DSV4_API_KEY", None)
     log_path = tmp / "server.log"
     with serve_process(["--api-key", KEY, "--max-num-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
@@ -1207,18 +1207,10 @@ def test_structured_outputs_and_logit_bias_mapping_unit():
 
 @pytest.fixture(scope="module")
 def llm(server):
-    """The server's model in this process (the checkpoint the server wrote to its cache), for the
-    engine's own prompt scoring."""
+    """The server's model in this process (the default model of the session's cache directory, which
+    the server was started with), for the engine's own prompt scoring."""
     from dsv4 import LLM
-    old = os.environ.get("DSV4_CACHE_DIR")
-    os.environ["DSV4_CACHE_DIR"] = str(server.tmp / "cache")
-    try:
-        return LLM(None, max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", log=False)
-    finally:
-        if old is None:
-            os.environ.pop("DSV4_CACHE_DIR")
-        else:
-            os.environ["DSV4_CACHE_DIR"] = old
+    return LLM(None, max_model_len=MAX_MODEL_LEN, kv_cache_memory="64MiB", log=False)
 
 
 def _prompt_scores(llm, ids: list[int], top: int = 1) -> list:

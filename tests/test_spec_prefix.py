@@ -53,9 +53,11 @@ def _run(llm, prompt, n=12, cont=None):
     return o.num_cached_tokens, c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], log
 
 
-def _check_hit_like_uncached(ckpt, spec, a, b, exact=True, **kw):
+def _check_hit_like_uncached(ckpt, spec, a, b, exact=True, n_hit=12, **kw):
     """Prompt ``a``, then ``b`` (``a``'s first block, another tail): ``b`` hits the block and runs
-    as on an engine with caching off, drafts included. ``exact=False`` (GPU kernels, whose MTP rows
+    as on an engine with caching off, drafts included, over ``n_hit`` output tokens (``a``'s 12
+    leave rows past the boundary in the draft rings of the slot ``b`` reuses, which a snapshot
+    restored without its draft part would leave there). ``exact=False`` (GPU kernels, whose MTP rows
     may round by the fill they are computed in): the same tokens, log-probs within 1e-3, and at
     least 80 % of the steps drafting the same tokens (a drafter without its snapshot state drafts
     next to none alike)."""
@@ -66,7 +68,7 @@ def _check_hit_like_uncached(ckpt, spec, a, b, exact=True, **kw):
     assert on.engine.cache.num_snapshots > 0 and on.engine.cache.draft_layers[0].snap_window is not None
     first, cold = _run(on, a), _run(off, a)
     assert first[0] == 0 and first[3] and first[1] == cold[1] and (not exact or first[2:] == cold[2:])
-    hit, ref = _run(on, b), _run(off, b)
+    hit, ref = _run(on, b, n_hit), _run(off, b, n_hit)
     assert hit[0] == BLOCK_TOKENS and ref[0] == 0 and hit[1] == ref[1]
     if exact:
         assert hit[2:] == ref[2:]
@@ -77,9 +79,10 @@ def _check_hit_like_uncached(ckpt, spec, a, b, exact=True, **kw):
 
 def test_an_mtp_prefix_hit_drafts_as_without_the_cache():
     """Its next token differs from the snapshotted prompt's: MTP's row before the boundary is
-    recomputed from the kept streams."""
+    recomputed from the kept streams. The hit runs for six output tokens (five draft steps): a snapshot
+    restored without its draft rings, or a stale MTP row, changes the first two steps' drafts."""
     a = _prompt(300, 5)
-    _check_hit_like_uncached(None, MTP3, a, a[:BLOCK_TOKENS] + _prompt(44, 6))
+    _check_hit_like_uncached(None, MTP3, a, a[:BLOCK_TOKENS] + _prompt(44, 6), n_hit=6)
 
 
 @pytest.fixture(scope="module")

@@ -95,8 +95,7 @@ def test_a_worker_dying_at_start_up_fails_at_once_naming_it(tmp_path):
         "ValueError: DSV4_NUM_THREADS must be a positive integer, got '0' (while forming the process group)" in last, last
 
 
-def test_rank_counts_the_model_cannot_split_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
+def test_rank_counts_the_model_cannot_split_are_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 8 attention heads"):
         LLM(None, tensor_parallel_size=3, log=False)
     with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide the model's 2 output groups"):

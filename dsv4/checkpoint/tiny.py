@@ -33,6 +33,7 @@ real V4 tokenizer files.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -83,6 +84,13 @@ class _Draw:
         return self.normal(dim, std=0.05 * mean, mean=mean)
 
 
+#: How many builds ``build_tiny_tensors`` keeps for later calls with the same arguments (0: none). The
+#: test suite builds the same few tiny models many times, ~1.3 s a build on two cores (tests/conftest.py
+#: sets it); a kept build costs its bytes (~150 MiB for ``preset('tiny')``).
+BUILD_CACHE = 0
+_builds: OrderedDict = OrderedDict()
+
+
 def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1, draft: bool = True,
                        knobs: dict | None = None) -> dict[str, torch.Tensor]:
     """Canonical official-layout tensors for ``cfg`` (MXFP4 experts unless expert_dtype is fp8/null),
@@ -91,14 +99,26 @@ def build_tiny_tensors(cfg: ModelConfig, seed: int, threads: int = 1, draft: boo
 
     Runs single-threaded by default (the tiny tensors are small; intra-op threads only add overhead
     on a busy machine; real-shaped synthetic layers pass more) and restores the caller's torch
-    thread count; the result does not depend on it.
+    thread count; the result does not depend on it. With ``BUILD_CACHE`` set, a build is kept and
+    each call gets its own copy of the tensors (a caller may change them).
     """
-    threads, n = torch.get_num_threads(), threads
-    torch.set_num_threads(max(1, n))
-    try:
-        return _build(cfg, seed, draft, {**KNOBS, **(knobs or {})})
-    finally:
-        torch.set_num_threads(threads)
+    k = {**KNOBS, **(knobs or {})}
+    key = (cfg, int(seed), bool(draft), tuple(sorted(k.items())))
+    sd = _builds.get(key) if BUILD_CACHE > 0 else None
+    if sd is None:
+        threads, n = torch.get_num_threads(), threads
+        torch.set_num_threads(max(1, n))
+        try:
+            sd = _build(cfg, seed, draft, k)
+        finally:
+            torch.set_num_threads(threads)
+        if BUILD_CACHE <= 0:
+            return sd
+        _builds[key] = sd
+        while len(_builds) > BUILD_CACHE:
+            _builds.popitem(last=False)
+    _builds.move_to_end(key)
+    return {name: t.clone() for name, t in sd.items()}
 
 
 def _build(cfg: ModelConfig, seed: int, draft: bool, k: dict) -> dict[str, torch.Tensor]:
