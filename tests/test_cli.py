@@ -59,7 +59,7 @@ def test_make_tiny_into_a_non_empty_dir_names_the_flag(tmp_path):
 
 
 def test_bench_throughput_shows_progress_on_stderr(tmp_path):
-    env = dict(os.environ, DSV4_CACHE_DIR=os.environ.get("DSV4_CACHE_DIR") or str(tmp_path / "cache"))
+    env = dict(os.environ, DSV4_CACHE_DIR=str(tmp_path / "cache"))      # a fresh cache: the build's stage shows
     r = _run(["bench", "throughput", "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
               "--kv-cache-memory", "64MiB"], env)
     assert r.returncode == 0, r.stderr
