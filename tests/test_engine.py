@@ -185,6 +185,28 @@ def test_engine_serves_the_native_weight_model_on_cpu(llm):
     assert eng.max_model_len == 1024
 
 
+def test_a_dropped_engine_frees_its_kv_cache_without_the_cycle_collector():
+    """The KV cache (on a GPU sized to most of the free memory) goes with the last reference to the LLM,
+    after requests ran with prefix caching on: no reference cycle holds it (the prefix cache's eviction
+    hook and the sequence states' back-references are weak)."""
+    import gc
+    import weakref
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(None, max_num_seqs=2, max_model_len=512, kv_cache_memory="64MiB", log=False,
+                  enable_prefix_caching=True)
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        outs = llm.generate(["a first prompt", {"prompt_token_ids": list(range(3, 300))}], sp)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+        assert llm.engine.prefix is not None and llm.engine.cache.evict_hook is not None
+        cache, engine = weakref.ref(llm.engine.cache), weakref.ref(llm.engine)
+        del llm, outs
+        assert engine() is None and cache() is None
+    finally:
+        gc.enable()
+
+
 def test_default_max_model_len_is_the_config_limit_capped_by_the_kv_cache():
     from dsv4.engine.llm_engine import EngineConfig, LLMEngine
     eng = LLMEngine(EngineConfig(log=False, max_num_seqs=2, num_kv_blocks=40))

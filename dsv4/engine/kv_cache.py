@@ -67,7 +67,9 @@ the states of that batch are no longer usable).
 """
 from __future__ import annotations
 
+import inspect
 import math
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -269,7 +271,7 @@ class KVCache:
         self._ref = [0] * nb                  # sequences (or the model's scratch) holding each block
         self._cacheable = [False] * nb        # the block holds a cached prefix (``mark_cached``)
         self._evictable: OrderedDict[int, None] = OrderedDict()   # cached blocks at ref 0, oldest first
-        self.evict_hook = None                # called with a cached block when it is reused
+        self._evict_hook = None               # called with a cached block when it is reused (``evict_hook``)
         self._free_slots = list(range(S - 1, -1, -1))
         self._slot_used = [False] * S
 
@@ -372,9 +374,22 @@ class KVCache:
         """The least recently released cached block, no longer cached (``evict_hook`` is told)."""
         b, _ = self._evictable.popitem(last=False)
         self._cacheable[b] = False
-        if self.evict_hook is not None:
-            self.evict_hook(b)
+        hook = self.evict_hook
+        if hook is not None:
+            hook(b)
         return b
+
+    @property
+    def evict_hook(self):
+        """The callable told of each evicted cached block, or None. A bound method is held weakly: the
+        prefix cache that owns it also holds this cache, and a strong cycle would keep the pools (most of
+        the GPU's free memory) alive after the engine is dropped, until the cycle collector runs."""
+        h = self._evict_hook
+        return h() if isinstance(h, weakref.WeakMethod) else h
+
+    @evict_hook.setter
+    def evict_hook(self, fn) -> None:
+        self._evict_hook = weakref.WeakMethod(fn) if inspect.ismethod(fn) else fn
 
     def drop_cached(self) -> None:
         """Every unreferenced cached block back to the empty stack (``evict_hook`` is told of each):
@@ -533,7 +548,9 @@ class PagedCompressorState:
 
     def __init__(self, cache: KVCache, seq: "PagedSequenceState", layer: int, indexer: bool):
         lc = cache.layers[layer]
-        self.cache, self.seq, self.layer, self.is_indexer = cache, seq, layer, indexer
+        # the sequence state owns this one: a weak back-reference, so that a dropped sequence state (and with
+        # it the pools it reaches through ``cache``) goes at once, not at the next cycle collection
+        self.cache, self.seq, self.layer, self.is_indexer = cache, weakref.proxy(seq), layer, indexer
         self.ratio = lc.ratio
         self.overlap = lc.ratio == 4
         self.dim = cache.model_cfg.index_head_dim if indexer else cache.model_cfg.head_dim
@@ -597,7 +614,7 @@ class PagedLayerState:
     """One main layer: the slot's 128-token window ring plus the compressor / indexer states."""
 
     def __init__(self, cache: KVCache, seq: "PagedSequenceState", layer: int):
-        self.cache, self.seq, self.layer = cache, seq, layer
+        self.cache, self.seq, self.layer = cache, weakref.proxy(seq), layer    # owned by seq (as above)
         self.win = WINDOW
         self._end = 0
         r = cache.layers[layer].ratio
