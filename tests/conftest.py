@@ -57,8 +57,8 @@ _one_rank_process_group()
 
 @pytest.fixture(autouse=True)
 def _gpu_memory_back(request):
-    """After a GPU test, its dead objects' device memory goes back: an engine left in a reference cycle holds
-    its KV cache (sized to the free memory) until the collector runs, and a later test's allocations fail."""
+    """After a GPU test, the device memory of its dead objects still in reference cycles goes back before the
+    next test allocates (an engine sizes its KV cache from the free memory)."""
     yield
     if "gpu" in request.keywords and torch.cuda.is_available():
         import gc

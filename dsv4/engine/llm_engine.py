@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import sys
@@ -340,8 +341,7 @@ class LLMEngine:
         if self.cfg.kv_cache_memory is not None:
             return parse_bytes(self.cfg.kv_cache_memory)
         if self.device.type == "cuda":
-            # memory of dead objects (a closed engine in a reference cycle) counts as free only once collected
-            import gc
+            # memory of dead objects still in reference cycles counts as free only once they are collected
             gc.collect()
             torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
