@@ -10,6 +10,32 @@ import os
 # so before torch is imported.
 os.environ.setdefault("MKL_CBWR", "AVX")
 
+
+def _keep_freed_memory_in_the_heap() -> None:
+    """glibc's malloc serves every block above its mmap threshold (at most 32 MiB when it adapts) with a fresh
+    mmap and unmaps it on free, so each such tensor the twins allocate (the tiny model's prefill gathers run to
+    hundreds of MiB) faults its pages in again, zeroed by the kernel: about a third of an engine test's time on
+    the CI machines went to those faults. Here the heap serves and keeps them (mmap and trim thresholds at
+    2 GiB): the same allocations, reused pages. ``GLIBC_TUNABLES`` carries it to the processes the tests start
+    (servers, CLI runs, tensor-parallel workers); one already set is kept. Not glibc: nothing to do."""
+    import ctypes
+    import sys
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    big = 2**31 - 1
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, big)
+    mallopt(M_TRIM_THRESHOLD, big)
+    os.environ.setdefault("GLIBC_TUNABLES", f"glibc.malloc.mmap_threshold={big}:glibc.malloc.trim_threshold={big}")
+
+
+_keep_freed_memory_in_the_heap()
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
