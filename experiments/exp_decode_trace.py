@@ -5,6 +5,7 @@ the per-kernel view behind ``benchmarks/decode_step.py --profile-layer`` (which 
 every launch can be tied to its op and its bytes.
 
     PYTHONPATH=. python experiments/exp_decode_trace.py --layers 4 --trace 0,2,3 --batch 1 [--experts 256]
+    ncu --profile-from-start off --clock-control none --section ... python experiments/exp_decode_trace.py ... --ncu
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def main():
     ap.add_argument("--batch", default="1")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--trace", default="0,2,3")
+    ap.add_argument("--ncu", action="store_true",
+                    help="instead of the timing and the trace: one eager call of each traced layer inside "
+                         "cudaProfilerStart / Stop, for `ncu --profile-from-start off` (hardware counters per kernel)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -80,6 +84,16 @@ def main():
             ctx = model.decode_context(tokens, pos, sl, bt)
             ctx.meta = model._meta(ctx)
             for i in [int(x) for x in args.trace.split(",")]:
+                if args.ncu:    # no CUDA-graph timing or torch.profiler here: ncu holds the profiling interface
+                    for _ in range(2):
+                        model.layers[i](h0, ctx)
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStart()
+                    model.layers[i](h0, ctx)
+                    torch.cuda.synchronize()
+                    torch.cuda.cudart().cudaProfilerStop()
+                    print(f"batch {B} layer {i}: profiled one eager call")
+                    continue
                 g = graph_time(lambda i=i: model.layers[i](h0, ctx)) * 1e3
                 fl = layer_bytes(model, cfg, i, B, args.ctx, cfg.compress_ratios[i]) / copy_bw * 1e6
                 tr = trace(lambda i=i: model.layers[i](h0, ctx))
