@@ -62,3 +62,36 @@ def test_gpu_mma_gemv_flash_shapes(M, fmt, spread):
             band = (args[0], args[1], F.band_layout(args[2], 64), F.band_layout(args[3], sb), M, N, K)
             assert torch.equal(F.mma_gemv_launch(*band, fmt=fmt, ws2=s2), y)
             assert torch.equal(F.mma_gemv_launch(*band, fmt=fmt, ws2=s2, partial=True, split=4), part)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 64])
+def test_gpu_mma_gemv_grouped_tile_lookup(T):
+    """Grouped launches over 256 experts (T tokens x top-6, some experts sharing rows, dead tiles past the
+    host's bound): the vector tile lookup (``VEC_TILES``) finds every tile's expert and rows as the binary
+    search does, so the outputs are the same bits, split partials included; each live pair's row equals
+    its expert's plain (one-expert) launch."""
+    _need_gpu()
+    from dsv4.kernels.gemm import fp4_mma as F
+    from dsv4.kernels.moe import sort_pairs
+    gen = torch.Generator().manual_seed(T)
+    E, N, K, k = 256, 128, 512, 6
+    wp, sc = quant_mxfp4(torch.randn(E * N, K, generator=gen) * 0.05)
+    w, ws = u8(wp).view(E, N, K // 2).cuda(), sc.view(torch.uint8).view(E, N, K // 32).cuda()
+    ids = torch.stack([torch.randperm(E // 4, generator=gen)[:k] * 4 for _ in range(T)])   # 64 experts in use
+    eflat = ids.reshape(-1).to(torch.int32).cuda()
+    perm, offs, tcum, inv = sort_pairs(eflat, E, F.BM_ROWS)
+    P = T * k
+    xq, xs = G8.act_quant_fp8((torch.randn(T, K, generator=gen) * 2).bfloat16().cuda())
+    grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=min(P, -(-P // F.BM_ROWS) + E))
+    for split in (None, 2):
+        outs = [F.mma_gemv_launch(u8(xq), xs, w, ws, P, N, K, partial=split is not None, split=split,
+                                  config={"VEC_TILES": vec}, **grouped) for vec in (False, True)]
+        assert torch.equal(outs[0], outs[1])
+    y = outs[0].sum(0)                                   # [P sorted rows, N] from the split partials
+    for r in (0, P // 2, P - 1):                         # sorted row r: pair perm[r], token perm[r] // k
+        pair = int(perm[r])
+        e, tok = int(eflat[pair]), pair // k
+        one = F.mma_gemv_launch(u8(xq)[tok:tok + 1], xs[tok:tok + 1], w[e:e + 1], ws[e:e + 1], 1, N, K,
+                                partial=True, split=2)
+        torch.testing.assert_close(y[r], one.sum(0)[0], rtol=1e-5, atol=1e-6)

@@ -47,6 +47,9 @@ if GLUON:
     from ..lib import pdl_wait, tile_rows
 
 BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mma
+# grouped launches find their tile's expert with ``_tile_rows_vec`` (one vector load of the tile counts) instead of
+# ``lib.tile_rows``' binary search (dependent loads): the benchmarks' A/B switch
+VEC_TILES = False
 BAND_ROWS = 16         # rows of one band in the band layout: one warp's 16 mma rows
 
 
@@ -165,13 +168,33 @@ if GLUON:
             return gl.load(PERM + r, mask=v, other=0).to(gl.int64) // top_k, v
         return gl.where(v, r, 0).to(gl.int64), v
 
+    @gluon.constexpr_function
+    def _vec_layout(ep, num_warps):
+        return gl.BlockedLayout([max(ep // (32 * num_warps), 1)], [32], [num_warps], [0])
+
+    @gluon.jit
+    def _tile_rows_vec(TCUM, OFFS, t, n_groups, BM: gl.constexpr, LOG2G: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """``lib.tile_rows``'s grouped result (expert, first row, end row, live) in two round trips instead of
+        the binary search's LOG2G + 3 dependent ones: all of TCUM[1..n] in one vector load, the expert as the
+        count of tile ends <= t (TCUM is non-decreasing), then its three scalars side by side."""
+        EP: gl.constexpr = 1 << LOG2G                  # >= n_groups + 1
+        j = gl.arange(0, EP, layout=_vec_layout(EP, NUM_WARPS))
+        jm = j < n_groups
+        tc = gl.load(TCUM + 1 + j, mask=jm, other=0)
+        e_raw = gl.sum(((tc <= t) & jm).to(gl.int32), axis=0)
+        live = e_raw < n_groups                        # t < TCUM[n]: some expert's tile range holds t
+        e = gl.minimum(e_raw, n_groups - 1)
+        m0 = gl.load(OFFS + e) + (t - gl.load(TCUM + e)) * BM
+        m_end = gl.load(OFFS + e + 1)
+        return e, m0, m_end, live
+
     @gluon.jit
     def _mma_gemv_kernel(A, SA, W, WS, WS2, C, PERM, OFFS, TCUM,
                      M, N, K, n_groups, top_k, k_per_split,
                      stride_am, stride_sam, stride_we, stride_wn, stride_wse, stride_wsn, stride_w2e, stride_cm,
                      NV: gl.constexpr, GROUPED: gl.constexpr, GATHER: gl.constexpr, BM: gl.constexpr,
                      BN: gl.constexpr, LOG2G: gl.constexpr, SPLIT: gl.constexpr, NUM_WARPS: gl.constexpr,
-                     BAND: gl.constexpr, A16: gl.constexpr):
+                     BAND: gl.constexpr, A16: gl.constexpr, VEC_TILES: gl.constexpr = False):
         """Grouped (MoE) or plain FP4 x FP8 GEMM of BM-row tiles: program (m-tile t, BN columns,
         K split ks). Output fp32 split partials [S, M, N] (SPLIT) or bf16 [M, N]."""
         pdl_wait()
@@ -182,7 +205,10 @@ if GLUON:
         t = gl.program_id(0)
         pid_n = gl.program_id(1)
         ks = gl.program_id(2)
-        e, m0, m_end, live = tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
+        if GROUPED and VEC_TILES:
+            e, m0, m_end, live = _tile_rows_vec(TCUM, OFFS, t, n_groups, BM, LOG2G, NUM_WARPS)
+        else:
+            e, m0, m_end, live = tile_rows(TCUM, OFFS, M, t, n_groups, BM, LOG2G, GROUPED)
         if live:
             e64 = e.to(gl.int64)
             rn_a = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, la))
@@ -308,7 +334,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
         ws2.stride(0) if nv else 0, dst.stride(-2),
         NV=nv, GROUPED=grouped, GATHER=perm is not None, BM=BM_ROWS, BN=BN,
         LOG2G=log2_groups(n_groups), SPLIT=dst.dtype == torch.float32, NUM_WARPS=nw,
-        BAND=band, A16=a.dtype == torch.float16, num_warps=nw,
+        BAND=band, A16=a.dtype == torch.float16, VEC_TILES=bool(cfg.get("VEC_TILES", VEC_TILES)), num_warps=nw,
         **pdl_launch(grid, t))
     if partial or not split_sum:
         return dst
