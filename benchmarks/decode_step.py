@@ -40,6 +40,8 @@ from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
 from dsv4.formats.index_key import write_index_keys  # noqa: E402
 from dsv4.formats.kv_entry import write_entries  # noqa: E402
 from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  # noqa: E402
+from dsv4.kernels.gemm import common as gemm_common  # noqa: E402
+from dsv4.kernels.gemm import fp4_mma  # noqa: E402
 from dsv4.kernels.gemm import route as gemm_route  # noqa: E402
 from dsv4.kernels import lib as kernel_lib  # noqa: E402
 from dsv4.kernels import mhc as mhc_kernels  # noqa: E402
@@ -174,6 +176,13 @@ def _switches() -> dict:
         "hc-loads": (("first", "after"), "hc loads", lambda m: setattr(mhc_kernels, "LOADS_FIRST", m == "first"),
                      "the fused mHC sites' last arriver issuing its stream loads before its Sinkhorn "
                      "(kernels.mhc.LOADS_FIRST, the default) or after it"),
+        "moe-split": (("auto", "1", "2", "4", "8"), "moe split",
+                      lambda m: setattr(gemm_common, "GROUPED_SPLIT", None if m == "auto" else int(m)),
+                      "the routed experts' decode GEMMs at a fixed K split (kernels.gemm.common.GROUPED_SPLIT) or "
+                      "at decode_splits' choice (auto, the default)"),
+        "moe-tiles": (("search", "vec"), "moe tiles", lambda m: setattr(fp4_mma, "VEC_TILES", m == "vec"),
+                      "the routed experts' decode GEMM finding its tile's expert by a binary search (dependent "
+                      "loads) or by one vector load of the tile counts (kernels.gemm.fp4_mma.VEC_TILES)"),
         "hc-fused-rows": (tuple(str(n) for n in (1, 2, 3, 4, 8, 16, 64)), "hc fused rows",
                           lambda m: setattr(mhc_kernels, "FUSED_MAX_T", int(m)),
                           f"the most rows an mHC site runs on the one-launch fused path, the tiled path above "

@@ -23,13 +23,19 @@ from dsv4.kernels.lib import u8  # noqa: E402
 CASES = [("Flash w1|w3 32 exp x1", 32, 4096, 4096, 1), ("Flash w2 32 exp x1", 32, 4096, 2048, 1),
          ("Flash w1|w3 256 exp x2", 256, 4096, 4096, 2), ("Flash w1|w3 6 exp x1", 6, 4096, 4096, 1),
          ("Flash w1|w3 64 exp x8", 64, 4096, 4096, 8), ("Pro w1|w3 32 exp x1", 32, 6144, 7168, 1),
-         ("Flash w1|w3 256 exp x2 NVFP4", 256, 4096, 4096, 2)]
+         ("Flash w1|w3 256 exp x2 NVFP4", 256, 4096, 4096, 2),
+         # batch 2 / 3 / 4 and MTP K=3's verify at batch 1 (6 distinct experts a row): grids of 12 / 18 / 24 x 64
+         # column blocks, one to two waves at ~8 resident programs per SM
+         ("Flash w1|w3 12 exp x1", 12, 4096, 4096, 1), ("Flash w1|w3 18 exp x1", 18, 4096, 4096, 1),
+         ("Flash w1|w3 24 exp x1", 24, 4096, 4096, 1), ("Flash w2 6 exp x1", 6, 4096, 2048, 1),
+         ("Flash w2 12 exp x1", 12, 4096, 2048, 1), ("Flash w2 24 exp x1", 24, 4096, 2048, 1)]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variants", default="bn64.w4,bn64.w4.band")
+    ap.add_argument("--cases", default="", help="comma-separated substrings of the case names to run (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():   # Gluon kernels have no CPU interpreter: nothing to run here
         print("exp_fp4_mma: needs a CUDA GPU (the Gluon kernel has no interpreter); CPU CI compiles it instead")
@@ -41,6 +47,8 @@ def main():
     print("| case | kernel | us | GB/s | % copy | relerr vs gemv |")
     print("|---|---|---|---|---|---|")
     for name, E, N, K, m in CASES:
+        if args.cases and not any(c in name for c in args.cases.split(",")):
+            continue
         fmt = "nvfp4" if "NVFP4" in name else "mxfp4"
         w, s, s2 = rand_nv(E, N, K, dev, gen) if fmt == "nvfp4" else (*rand_mx(E, N, K, dev, gen), None)
         R = E * m
@@ -70,7 +78,7 @@ def main():
                     aa = act_f16_split(xq)
                     continue
                 key, num = p.rstrip("0123456789"), p[len(p.rstrip("0123456789")):]
-                cfg[{"bn": "BN", "w": "num_warps", "k": "SPLIT_K"}[key]] = int(num)
+                cfg[{"bn": "BN", "w": "num_warps", "k": "SPLIT_K", "vec": "VEC_TILES"}[key]] = int(num)
             try:
                 y = mma_gemv_launch(aa, xs, ww, ss, R, N, K, fmt=fmt, ws2=s2, config=cfg, **mma_tiles)
                 err = relerr(y.float(), ref.float())

@@ -174,6 +174,11 @@ def decode_splits(tiles: int, K: int, t: Target) -> int:
     return s
 
 
+# A fixed K split for every grouped (MoE) decode GEMM launch without an explicit ``split``: the decode-step
+# benchmark's A/B switch (``benchmarks/decode_step.py --moe-split``); None: ``decode_splits``.
+GROUPED_SPLIT: int | None = None
+
+
 def launch_plan(M: int, N: int, K: int, bm: int, BN: int, *, grouped: bool, n_tiles, n_groups: int, split,
                 partial: bool, out, dev, t: Target):
     """(grid (m-tiles, column blocks, K splits), K per split, output buffer) of a decode GEMM: m-tiles of
@@ -183,7 +188,7 @@ def launch_plan(M: int, N: int, K: int, bm: int, BN: int, *, grouped: bool, n_ti
         else triton.cdiv(M, bm)
     grid_m = max(grid_m, 1)
     grid_n = triton.cdiv(N, BN)
-    S = split or decode_splits(grid_m * grid_n, K, t)
+    S = split or (GROUPED_SPLIT if grouped else None) or decode_splits(grid_m * grid_n, K, t)
     kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
     S = triton.cdiv(K, kps)
     if partial or S > 1:
