@@ -232,7 +232,9 @@ def test_moe_forward(hash_layer, T, path, bm):
     x = (torch.randn(T, 256, generator=gen) * 1.5).bfloat16()
     ids = torch.randint(0, 64, (T,), generator=gen)
     ids[0] = 4
-    y, parts = Mo.moe_forward(x.to(DEV), ids.to(DEV), w, path=path, config=None if bm is None else {"BM": bm},
+    # the forced GEMV runs on the 64-column tile (the GPU default; the interpreter's 16 would run 4x the programs,
+    # its time here): the cases are about the row tiles
+    y, parts = Mo.moe_forward(x.to(DEV), ids.to(DEV), w, path=path, config=None if bm is None else {"BM": bm, "BN": 64},
                               return_parts=True)
     yr = ref(x, ids)
     _check_moe(y, yr)
@@ -379,13 +381,14 @@ def _rank_slice(w, e0, n):
                    w2_s2=cut(w.w2_s2), expert0=e0)
 
 
-@pytest.mark.parametrize("hash_layer,T,path", [(True, 7, "dequant"), (False, 30, "prefill"), (False, 3, None)])
-def test_moe_expert_parallel_ranks(hash_layer, T, path):
+@pytest.mark.parametrize("hash_layer,T,path,config", [(True, 7, "dequant", None), (False, 30, "prefill", None),
+                                                     (False, 3, None, {"BN": 64})])
+def test_moe_expert_parallel_ranks(hash_layer, T, path, config):
     """Expert parallelism: a rank holding experts [2r, 2r + 2) of 4 routes over all 4 and returns,
     bit for bit, the fp32 partial of a one-rank call whose routing keeps only its experts (the
     other ranks' picks sort to the sentinel); the ranks' partials summed plus the shared expert are
     the layer's output. (Four experts: the grouped kernels' programs under the interpreter go with
-    the experts a call holds.)"""
+    the experts a call holds; T 3 takes the GEMV, on its 64-column GPU tile for the same reason.)"""
     gen = torch.Generator().manual_seed(40 + T)
     ref = _ref_moe(4, 256, 128, 2, gen, hash_layer, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
@@ -397,9 +400,9 @@ def test_moe_expert_parallel_ranks(hash_layer, T, path):
     for r in range(2):
         wr = _rank_slice(w, 2 * r, 2)
         assert (wr.n_experts, wr.n_routed) == (2, 4)
-        y, sh = Mo.moe_forward(x, ids, wr, path=path, partial=True)
+        y, sh = Mo.moe_forward(x, ids, wr, path=path, config=config, partial=True)
         mine = torch.where((idx >= 2 * r) & (idx < 2 * r + 2), idx, torch.full_like(idx, -1))
-        y1, sh1 = Mo.moe_forward(x, None, w, path=path, routing=(mine, rw), partial=True)
+        y1, sh1 = Mo.moe_forward(x, None, w, path=path, config=config, routing=(mine, rw), partial=True)
         assert y.dtype == torch.float32 and torch.equal(y, y1) and torch.equal(sh, sh1)
         assert (mine >= 0).any() and y.abs().sum() > 0
         total, shared = total + y, sh
