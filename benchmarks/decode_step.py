@@ -45,6 +45,7 @@ from dsv4.kernels.gemm import fp4_mma  # noqa: E402
 from dsv4.kernels.gemm import route as gemm_route  # noqa: E402
 from dsv4.kernels import lib as kernel_lib  # noqa: E402
 from dsv4.kernels import mhc as mhc_kernels  # noqa: E402
+from dsv4.kernels import moe as moe_kernels  # noqa: E402
 from dsv4.kernels.lib import PDL_ON  # noqa: E402
 from dsv4.layers.attention import Attention  # noqa: E402
 from dsv4.model import deepseek_v4 as dsv4_model  # noqa: E402
@@ -183,6 +184,10 @@ def _switches() -> dict:
         "moe-tiles": (("search", "vec"), "moe tiles", lambda m: setattr(fp4_mma, "VEC_TILES", m == "vec"),
                       "the routed experts' decode GEMM finding its tile's expert by a binary search (dependent "
                       "loads) or by one vector load of the tile counts (kernels.gemm.fp4_mma.VEC_TILES)"),
+        "moe-combine": (("loop", "one-trip"), "moe combine",
+                        lambda m: setattr(moe_kernels, "COMBINE_ONE_TRIP", m == "one-trip"),
+                        "the MoE combine's split loop per expert row or its one-round-trip form up to four "
+                        "partials (kernels.moe.COMBINE_ONE_TRIP)"),
         "hc-fused-rows": (tuple(str(n) for n in (1, 2, 3, 4, 8, 16, 64)), "hc fused rows",
                           lambda m: setattr(mhc_kernels, "FUSED_MAX_T", int(m)),
                           f"the most rows an mHC site runs on the one-launch fused path, the tiled path above "

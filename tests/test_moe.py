@@ -191,10 +191,13 @@ def test_sort_pairs_stable(P, E):
 
 
 @pytest.mark.parametrize("S", [2, 5])
-def test_combine_sums_split_partials(S):
+@pytest.mark.parametrize("one_trip", [False, True])
+def test_combine_sums_split_partials(S, one_trip, monkeypatch):
     """The MoE combine on the w2 GEMM's unsummed fp32 split partials (the decode path's one launch
-    fewer) equals the combine on their ``sum_splits`` bf16 rows bit for bit, masked pairs included."""
+    fewer) equals the combine on their ``sum_splits`` bf16 rows bit for bit, masked pairs included;
+    also in its one-round-trip form (``COMBINE_ONE_TRIP``: up to four partials without the split loop)."""
     from dsv4.kernels.gemm.common import sum_splits
+    monkeypatch.setattr(Mo, "COMBINE_ONE_TRIP", one_trip)
     gen = torch.Generator().manual_seed(S)
     T, k, E, d = 5, 3, 8, 96
     eflat = torch.randint(0, E, (T * k,), generator=gen)

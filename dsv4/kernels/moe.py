@@ -248,11 +248,14 @@ if triton_available():
     @triton.jit
     def _moe_combine(OUT, INV, OFFS, SH, Y, d, E, S, stride_s, stride_o, stride_sh, stride_y,
                      KTOP: tl.constexpr, KP: tl.constexpr, BD: tl.constexpr, HAS_SHARED: tl.constexpr,
-                     SPLIT: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr):
+                     SPLIT: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr, S4: tl.constexpr = False):
         """Y[t] = sum of token t's expert rows of OUT in increasing sorted position (+ SH[t]), fp32, one
         bf16 rounding. SPLIT: OUT holds the w2 GEMM's fp32 split-K partials [S, pairs, d]; each row is
         their sum in split order rounded to bf16 (``common.sum_splits``' bits, without its launch).
-        F32: Y is fp32 and keeps the unrounded sum (expert parallelism: a rank's partial sum)."""
+        F32: Y is fp32 and keeps the unrounded sum (expert parallelism: a rank's partial sum). S4: at most
+        four partials (S <= 4), summed without the split loop: the program is straight-line code, so the
+        loads of all KTOP rows can issue together (one L2 round trip instead of one per row); the same adds
+        in the same order, so the same bits."""
         pdl_wait()
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -270,8 +273,11 @@ if triton_available():
             orow = OUT + p.to(tl.int64) * stride_o + cols
             if SPLIT:
                 o = tl.zeros([BD], tl.float32)
-                for s in range(0, S, 4):    # four partials per L2 round trip, in split order
-                    o = add_splits4(o, orow + s * stride_s, stride_s, cm & pv, s, S)
+                if S4:
+                    o = add_splits4(o, orow, stride_s, cm & pv, 0, S)
+                else:
+                    for s in range(0, S, 4):    # four partials per L2 round trip, in split order
+                        o = add_splits4(o, orow + s * stride_s, stride_s, cm & pv, s, S)
                 y += rne_bf16(o)
             else:
                 y += tl.load(orow, mask=cm & pv, other=0.0).to(tl.float32)
@@ -737,6 +743,11 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
     return y
 
 
+# the combine's one-round-trip form (``_moe_combine``'s S4, 256-column programs) where the w2 GEMM left at most
+# four split partials: the benchmarks' A/B switch
+COMBINE_ONE_TRIP = False
+
+
 def _combine(out, inv, offs, sh, k, partial=False):
     """bf16 y [T, d] = sum over each token's pairs of the expert outputs ``out`` + shared expert
     ``sh``, one rounding; ``out``: bf16 rows [pairs, d], or the w2 GEMM's unsummed fp32 split
@@ -745,13 +756,15 @@ def _combine(out, inv, offs, sh, k, partial=False):
     y = torch.empty(T, d, dtype=torch.float32 if partial else torch.bfloat16, device=out.device)
     add = sh if sh is not None and not partial else None
     kw = {} if interpreting() else {"num_warps": 4}
-    BD = min(1024, triton.next_power_of_2(d))
     split = out.dim() == 3
+    one_trip = COMBINE_ONE_TRIP and (not split or out.shape[0] <= 4)
+    # one trip: 256 columns a program (the loads of a token's rows side by side fit the registers)
+    BD = min(256 if one_trip else 1024, triton.next_power_of_2(d))
     _moe_combine[(T, triton.cdiv(d, BD))](
         out, inv, offs, add if add is not None else y, y, d, offs.numel() - 1, out.shape[0] if split else 1,
         out.stride(0) if split else 0, out.stride(-2), add.stride(0) if add is not None else 0, y.stride(0),
         KTOP=k, KP=triton.next_power_of_2(k), BD=BD, HAS_SHARED=add is not None, SPLIT=split, F32=partial,
-        INTERP=interpreting(), **kw, **PDL_LAUNCH)
+        INTERP=interpreting(), S4=one_trip and split, **kw, **PDL_LAUNCH)
     return (y, sh) if partial else y
 
 
