@@ -207,6 +207,15 @@ if triton_available():
         gs = tl.zeros([BR, 128], tl.float32)
         us = tl.zeros([BR, 128], tl.float32)
         plane = M * N2
+        # the routing weights first: their loads (and the pair gather's) overlap the partials' round trip
+        if HAS_PW:
+            if GATHER:
+                pair = tl.load(PERM + r, mask=rm, other=0).to(tl.int64)
+            else:
+                pair = r
+            pw = tl.load(PW + pair, mask=rm, other=0.0)
+        else:
+            pw = tl.zeros([BR], tl.float32)
         for s in range(0, S, 2):            # two splits (four loads) per round trip, added in split order
             m1 = split_live(rm[:, None], s + 1, S)
             g0 = tl.load(base + s * plane, mask=rm[:, None], other=0.0).to(tl.float32)
@@ -217,14 +226,6 @@ if triton_available():
             us += u0
             gs += g1
             us += u1
-        if HAS_PW:
-            if GATHER:
-                pair = tl.load(PERM + r, mask=rm, other=0).to(tl.int64)
-            else:
-                pair = r
-            pw = tl.load(PW + pair, mask=rm, other=0.0)
-        else:
-            pw = tl.zeros([BR], tl.float32)
         h = swiglu_h(gs, us, pw, limit, HAS_PW)
         q, eh = quant_rows(h, INTERP)
         qb = q.to(tl.uint8, bitcast=True)
