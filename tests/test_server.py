@@ -96,7 +96,20 @@ def _sse_events(lines) -> list:
 # ============================================================================ CLI / README
 
 
-def test_serve_help_and_readme():
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``dsv4 *args`` in this process (``cli.main``: the command line's parser and exit codes, without a
+    process start-up of torch per call): (exit code, stdout, stderr)."""
+    from dsv4.cli import main
+    capsys.readouterr()
+    try:
+        rc = main(list(args))
+    except SystemExit as e:                   # argparse: --help, usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_serve_help_and_readme(capsys):
     r = subprocess.run([sys.executable, "-m", "dsv4.cli", "serve", "--help"], capture_output=True, text=True,
                        cwd=str(ROOT), timeout=60)
     assert r.returncode == 0, r.stderr
@@ -105,9 +118,8 @@ def test_serve_help_and_readme():
                  "--enforce-eager", "--max-waiting", "--device", "--enable-prefix-caching",
                  "--no-enable-prefix-caching"):
         assert flag in r.stdout, flag
-    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--help"], capture_output=True,
-                       text=True, cwd=str(ROOT), timeout=60)
-    assert r.returncode == 0 and "--request-rate" in r.stdout and "--max-concurrency" in r.stdout
+    rc, out, _ = _cli(capsys, "bench", "serve", "--help")
+    assert rc == 0 and "--request-rate" in out and "--max-concurrency" in out
     readme = (ROOT / "README.md").read_text()
     assert "python3 -m pip install -q torch==2.13.0 -e . && dsv4 serve\n" in readme
     test_cmd = "python3 -m pip install -q torch==2.13.0 -e '.[test]' && python3 -m pytest -q -m \"not slow\"\n"
@@ -780,18 +792,18 @@ def test_bench_serve(server):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_serve_shared_prefix_and_multi_turn_workloads(server):
+def test_bench_serve_shared_prefix_and_multi_turn_workloads(server, capsys):
     """``prefix_repetition``: prompts sharing a 300-token prefix read its first block from the
     cache (the test request computed it); ``multi_turn``: each later turn resends the conversation
-    and reads the earlier turns' blocks; the report gives the mean TTFT per turn."""
+    and reads the earlier turns' blocks; the report gives the mean TTFT per turn. (The bench runs in
+    this process, ``cli.main``; test_bench_serve runs the command as its own process.)"""
     def bench(*args):
         out = server.tmp / f"bench-{args[1]}.json"
-        r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--port", str(server.port),
-                            "--api-key", KEY, "--ignore-eos", "--max-concurrency", "2", "--seed", "3",
-                            "--disable-tqdm", "--result-file", str(out), *args],
-                           capture_output=True, text=True, cwd=str(ROOT), timeout=300)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return json.loads(out.read_text()), r.stdout
+        rc, stdout, stderr = _cli(capsys, "bench", "serve", "--port", str(server.port), "--api-key", KEY,
+                                  "--ignore-eos", "--max-concurrency", "2", "--seed", "3", "--disable-tqdm",
+                                  "--result-file", str(out), *args)
+        assert rc == 0, stdout + stderr
+        return json.loads(out.read_text()), stdout
 
     res, _ = bench("--dataset-name", "prefix_repetition", "--num-prompts", "3", "--prefix-repetition-prefix-len",
                    "300", "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "1",
@@ -802,25 +814,23 @@ def test_bench_serve_shared_prefix_and_multi_turn_workloads(server):
                       "--random-input-len", "260", "--random-output-len", "2", "--multi-turn-user-len", "8")
     assert res["completed"] == 4 and len(res["mean_ttft_ms_by_turn"]) == 2 and "Mean TTFT turn 2 (ms)" in text
     assert res["total_cached_tokens"] >= 3 * 256          # both second turns, and conversation 0's first
-    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--port", str(server.port),
-                        "--dataset-name", "prefix_repetition", "--num-prompts", "5"],
-                       capture_output=True, text=True, cwd=str(ROOT), timeout=60)
-    assert r.returncode == 2 and "multiple of --prefix-repetition-num-prefixes" in r.stderr
+    rc, _, err = _cli(capsys, "bench", "serve", "--port", str(server.port), "--dataset-name", "prefix_repetition",
+                      "--num-prompts", "5")
+    assert rc == 2 and "multiple of --prefix-repetition-num-prefixes" in err
 
 
-def test_bench_serve_chat_counts_tokens_after_the_chat_template(server):
+def test_bench_serve_chat_counts_tokens_after_the_chat_template(server, capsys):
     """On /v1/chat/completions the input tokens are the templated prompt's (BOS, role tokens, the
     re-tokenised text), as the server's /tokenize of the messages counts them; the bench's own
-    count (used when a server sends no usage) is the same."""
+    count (used when a server sends no usage) is the same. (The bench in this process, ``cli.main``.)"""
     from dsv4.server.bench import chat_messages, make_prompts
     from dsv4.tokenizer import load_tokenizer
     out = server.tmp / "bench-chat.json"
-    r = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--port", str(server.port),
-                        "--api-key", KEY, "--endpoint", "/v1/chat/completions", "--num-prompts", "3",
-                        "--random-input-len", "8", "--random-output-len", "2", "--ignore-eos", "--seed", "2",
-                        "--result-file", str(out), "--disable-tqdm"],
-                       capture_output=True, text=True, cwd=str(ROOT), timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    rc, stdout, stderr = _cli(capsys, "bench", "serve", "--port", str(server.port), "--api-key", KEY, "--endpoint",
+                              "/v1/chat/completions", "--num-prompts", "3", "--random-input-len", "8",
+                              "--random-output-len", "2", "--ignore-eos", "--seed", "2", "--result-file", str(out),
+                              "--disable-tqdm")
+    assert rc == 0, stdout + stderr
     res = json.loads(out.read_text())
     assert res["completed"] == 3 and res["model_id"] == MODEL and res["backend"] == "openai-chat"
     tok = load_tokenizer(None)
