@@ -53,6 +53,14 @@ def _ref_moe(E, d, I, k, gen, hash_layer, vocab=64, shared=True, dup_row=None):
     return MoE(gate, bias, tid, experts, sh, k, 1.5, OFFICIAL)
 
 
+@pytest.fixture
+def predecode_gpu_tile(monkeypatch):
+    """``fp4_fp8.predecode`` on the GPU's tile (32 rows x 4 128-blocks a step; the interpreter's 16 x 1 runs about
+    8x the programs, most of a pre-decoded MoE call's time here): the MoE tests are about the path around it;
+    the tiles' own bits are test_fp4_fp8's."""
+    monkeypatch.setattr(GR, "predecode_config", lambda t: {"BN": 32, "KU": 4, "num_warps": 8})
+
+
 def _check_moe(y, yr):
     y, yr = y.cpu().float(), yr.float()
     assert torch.isfinite(y).all()
@@ -223,12 +231,14 @@ def test_combine_sums_split_partials(S, one_trip, monkeypatch):
                                                   (True, 2, None, None), (False, 12, None, None),
                                                   (False, 30, "prefill", None), (True, 9, "prefill", None),
                                                   (False, 30, "fp8mma", None), (True, 30, "predec", None)])
-def test_moe_forward(hash_layer, T, path, bm):
+def test_moe_forward(hash_layer, T, path, bm, request):
     """Every expert-GEMM path: the MMA kernels, the prefill kernel (fp4_prefill.py: one K=128 dot per
     block, split-K-order operands) and the decode GEMV (1/2/4-row tiles: at T 5 an expert of 3 rows
     takes a full and a partial 2-row tile, at T 7 one of 4 rows a full 4-row tile; the GEMV's programs
     go with the tiles); the shared expert on the split-K MMA partials (<= 64 tokens); the default picks
     the GEMV at <= 2 rows per expert."""
+    if path == "predec":
+        request.getfixturevalue("predecode_gpu_tile")
     gen = torch.Generator().manual_seed(20 + T)
     ref = _ref_moe(8, 256, 128, 2, gen, hash_layer, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
@@ -255,7 +265,7 @@ def test_moe_forward(hash_layer, T, path, bm):
     assert torch.equal(parts["offs"].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
 
 
-def test_predec_passes_over_expert_ranges_give_one_pass_s_bits(monkeypatch):
+def test_predec_passes_over_expert_ranges_give_one_pass_s_bits(monkeypatch, predecode_gpu_tile):
     """The pre-decoded path with a scratch budget of two experts per pass (uneven ranges 2 + 2 + 1
     of the sorted rows, rebased tile counts, grids with dead tiles) gives the single pass's bits.
     Five experts: each pass decodes its experts' weights, the interpreter's time here."""
@@ -287,7 +297,7 @@ def _predec_variants_give_the_pointer_loads_bits(cfgs):
         assert torch.equal(Mo.moe_forward(x, ids, w, path="predec", config=dict(plain, **cfg)), base), cfg
 
 
-def test_predec_with_tma_tiles_gives_the_pointer_loads_bits():
+def test_predec_with_tma_tiles_gives_the_pointer_loads_bits(predecode_gpu_tile):
     """The pre-decoded path in the sm_90 default's form: TMA activation tiles (GEMM 1's rows, scales and routing
     weights gathered once into sorted order; GEMM 2's h as it is) and TMA weight tiles, GEMM 1 ``UNFUSED`` (its
     bf16 w1|w3 outputs, then the SwiGLU + quantisation pass), per-tile (``TILE``) weight factors, descriptors
@@ -297,7 +307,7 @@ def test_predec_with_tma_tiles_gives_the_pointer_loads_bits():
 
 
 @pytest.mark.slow
-def test_predec_other_variants_give_the_pointer_loads_bits():
+def test_predec_other_variants_give_the_pointer_loads_bits(predecode_gpu_tile):
     """Both TMA tiles with GEMM 1 fused or unfused (per-row factors), TMA activation tiles alone, TMA weight tiles
     alone (with device- or host-built descriptors), per-tile weight factors with GEMM 1 fused or unfused, the
     default with the scale operands a K block ahead."""
@@ -448,14 +458,15 @@ def test_moe_empty_experts_and_unrouted_tokens():
     gen = torch.Generator().manual_seed(5)
     ref = _ref_moe(8, 256, 128, 2, gen, False)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    cfg = {"BN": 64}                    # the GEMV (both calls' path) on its 64-column GPU tile: test_moe_forward's
     # one token: six of the eight experts get none
     x = torch.randn(1, 256, generator=gen).bfloat16()
-    _check_moe(Mo.moe_forward(x.to(DEV), None, w), ref(x, None))
+    _check_moe(Mo.moe_forward(x.to(DEV), None, w, config=cfg), ref(x, None))
     # explicit routing with masked slots (-1): token 1 goes to no routed expert (shared only)
     x = torch.randn(3, 256, generator=gen).bfloat16()
     idx = torch.tensor([[1, 6], [-1, -1], [3, -1]])
     rw = torch.tensor([[0.7, 0.8], [0.0, 0.0], [1.5, 0.0]])
-    y = Mo.moe_forward(x.to(DEV), None, w, routing=(idx.to(DEV), rw.to(DEV))).cpu()
+    y = Mo.moe_forward(x.to(DEV), None, w, config=cfg, routing=(idx.to(DEV), rw.to(DEV))).cpu()
     yr = ref.shared(x).float()
     for t in range(3):
         for j in range(2):
