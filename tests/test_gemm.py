@@ -307,7 +307,7 @@ _AOT_SCRIPT = textwrap.dedent("""
             ptx = comp(F._mma_gemv_kernel,
                        dict(mmt, C=P("fp32") if split else P("bf16"), A=P("fp16") if band else P("u8")),
                        dict(NV=nv, GROUPED=grouped, GATHER=grouped, BM=F.BM_ROWS, BN=64, LOG2G=9, SPLIT=split,
-                            NUM_WARPS=4, BAND=band, A16=band), cap, 4)
+                            NUM_WARPS=4, BAND=band, A16=band, VEC_TILES=grouped), cap, 4)
             assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
             assert "ld.global.v4.b32" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
         # decode FP8 on tensor cores (Gluon): in-kernel act quant + in-kernel split-K sum, pre-quantised
