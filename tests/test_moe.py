@@ -207,7 +207,7 @@ def test_combine_sums_split_partials(S, one_trip, monkeypatch):
     from dsv4.kernels.gemm.common import sum_splits
     monkeypatch.setattr(Mo, "COMBINE_ONE_TRIP", one_trip)
     gen = torch.Generator().manual_seed(S)
-    T, k, E, d = 5, 3, 8, 96
+    T, k, E, d = 5, 3, 8, 320     # one-trip form: 256-column programs, the second partial
     eflat = torch.randint(0, E, (T * k,), generator=gen)
     eflat[4] = E                                   # a masked slot (sentinel expert: no row)
     perm, offs, tcum, inv = Mo.sort_pairs(eflat.int().to(DEV), E, 1)

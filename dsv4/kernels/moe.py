@@ -744,7 +744,9 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
 
 
 # the combine's one-round-trip form (``_moe_combine``'s S4, 256-column programs) where the w2 GEMM left at most
-# four split partials: the benchmarks' A/B switch
+# four split partials: the benchmarks' A/B switch (``decode_step.py --moe-combine``). Same bits as the split loop
+# in the interpreter; H100 decode step at batch 1 -0.9% (layers 1-2.4 us faster), batch 64 within the spread.
+# Off until its GPU tests have run with it on.
 COMBINE_ONE_TRIP = False
 
 
