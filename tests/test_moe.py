@@ -53,6 +53,16 @@ def _ref_moe(E, d, I, k, gen, hash_layer, vocab=64, shared=True, dup_row=None):
     return MoE(gate, bias, tid, experts, sh, k, 1.5, OFFICIAL)
 
 
+@pytest.fixture(autouse=True)
+def _swiglu_row_tiles(monkeypatch):
+    """Under the interpreter the SwiGLU + FP8 pass (``gemv.swiglu_quant``: the GEMV path's, the shared expert's,
+    the pre-decoded path's unfused GEMM 1's) runs 16-row programs at every size here instead of one program a row
+    below ``route.SWIGLU_TILE_MIN_ROWS`` (the interpreter's time goes with the programs): the same bits
+    (test_gemv.py::test_swiglu_quant_row_tiles holds one-row programs to 16-row ones)."""
+    if DEV == "cpu":
+        monkeypatch.setattr(GR, "SWIGLU_TILE_MIN_ROWS", 1)
+
+
 @pytest.fixture
 def predecode_gpu_tile(monkeypatch):
     """``fp4_fp8.predecode`` on the GPU's tile (32 rows x 4 128-blocks a step; the interpreter's 16 x 1 runs about
