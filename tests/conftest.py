@@ -121,6 +121,14 @@ def _default_model_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def default_model_dir(_default_model_cache) -> str:
+    """The session's embedded default model (``models.default_model_dir``: ``make_tiny``'s official layout, seed
+    0), written once: a test module that only reads that checkpoint takes it instead of writing a copy."""
+    from dsv4.models import default_model_dir
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
 def golden() -> dict:
     """The outputs of DeepSeek's official inference code on the tiny checkpoint of seed 1 (the
     file's ``about`` says how they were made)."""

@@ -18,9 +18,10 @@ from golden_helpers import GoldenTally, margin
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The tiny checkpoint (official layout, seed 0), read by the tests below and never written."""
-    return make_tiny(str(tmp_path_factory.mktemp("tiny") / "ck"))
+def tiny(default_model_dir):
+    """The tiny checkpoint (official layout, seed 0: the session's default model), read by the tests below and
+    never written."""
+    return default_model_dir
 
 
 @pytest.fixture(scope="module")

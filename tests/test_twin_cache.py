@@ -3,14 +3,13 @@ and a weight written in place is converted again (the cache follows the tensors'
 import pytest
 import torch
 
-from dsv4.checkpoint.tiny import make_tiny
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.twins import layer_ops
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return DeepseekV4.from_checkpoint(make_tiny(str(tmp_path_factory.mktemp("tc") / "ck")))
+def model(default_model_dir):
+    return DeepseekV4.from_checkpoint(default_model_dir)          # the tiny checkpoint, official layout, seed 0
 
 
 def _uncached(fn, *owners):

@@ -31,12 +31,12 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}[s
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
+def hub(tmp_path_factory, default_model_dir):
     """A Hugging Face cache holding HUB_ID at two revisions (main, and the tag v1 whose generation
-    config differs), the files linked to one tiny checkpoint, as the Hub's cache links blobs."""
-    from dsv4.checkpoint.tiny import make_tiny
+    config differs), the files linked to one tiny checkpoint (the session's default model, read only), as the
+    Hub's cache links blobs."""
     tmp = tmp_path_factory.mktemp("hub")
-    src = Path(make_tiny(str(tmp / "tiny")))
+    src = Path(default_model_dir)
     repo = tmp / "cache" / ("models--" + HUB_ID.replace("/", "--"))
     for ref, commit, gen in (("main", "a" * 40, GEN_CONFIG), ("v1", "b" * 40, {**GEN_CONFIG, "max_new_tokens": 3})):
         snap = repo / "snapshots" / commit
