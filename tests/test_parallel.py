@@ -253,6 +253,8 @@ def _run_model(path, ids, tokens, group=None, device="cpu", kernels=False):
 def _tp_worker(rank, world, port, path, ids, tokens, device, kernels, q, always=False):
     import os
     import torch.distributed as dist
+    if world > 1:       # the engine's rule for its ranks (llm_engine.engine_threads): the cores split over them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
