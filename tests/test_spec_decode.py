@@ -79,9 +79,12 @@ def test_speculative_config_is_parsed_and_bad_ones_name_the_field():
 
 
 def test_a_checkpoint_without_the_mtp_block_is_refused(tmp_path):
+    """(On the 512-token-vocabulary tiny config, ``checkpoint_helpers.small``: the refusal reads the checkpoint's
+    draft, not its size.)"""
+    from checkpoint_helpers import small
     from dsv4.checkpoint import make_tiny
     for draft, what in (("none", r"no draft \(no mtp\.\* tensors\)"), ("dspark", r"a DSpark draft")):
-        d = make_tiny(str(tmp_path / draft), draft=draft)
+        d = make_tiny(str(tmp_path / draft), cfg=small(draft), draft="none" if draft == "none" else None)
         with pytest.raises(SpeculativeConfigError, match=r"speculative_config\.method: 'mtp' needs the checkpoint's "
                                                           r"April MTP block, but this checkpoint has " + what):
             LLM(d, log=False, kv_cache_memory="32MiB", speculative_config=MTP3)
