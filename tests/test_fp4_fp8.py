@@ -240,13 +240,15 @@ def _same_bits_predecoded(c, E, d, I, top_k, limit, cfg, wtma, tile=False, prefe
     """GEMM 1 + SwiGLU and GEMM 2 on ``predecode``'s tiles (``WTMA``: through TMA; ``tile``: one factor per
     128 x 128 weight tile) = on the FP4 bytes. ``memo`` (a dict kept across the variants of one case): the
     decoding kernel's outputs per configuration and ``predecode``'s tiles, computed once (the variants
-    differ in how the GEMMs load those tiles; each is a deterministic function of its inputs)."""
+    differ in how the GEMMs load those tiles; each is a deterministic function of its inputs). ``predecode``
+    runs its GPU tile (32 rows x 4 128-blocks a step; the interpreter's 16 x 1 runs ~8x the programs): its own
+    tiles are the fold tests' above and below."""
     memo = {} if memo is None else memo
 
     def predec(a, sa, w, ws, *args, config, **kw):
         key = ("predecode", tuple(w.shape), tile)
         if key not in memo:
-            memo[key] = F.predecode(w, ws, tile=tile)
+            memo[key] = F.predecode(w, ws, tile=tile, config={"BN": 32, "KU": 4})
         w8, sb = memo[key]
         return F.fp4_fp8_launch(a, sa, w8, sb, *args, predecoded=True,
                                 config=dict(config, WTMA=wtma, PREFETCH=prefetch), **kw)
