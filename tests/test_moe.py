@@ -255,10 +255,11 @@ def test_moe_forward(hash_layer, T, path, bm, request):
     x = (torch.randn(T, 256, generator=gen) * 1.5).bfloat16()
     ids = torch.randint(0, 64, (T,), generator=gen)
     ids[0] = 4
-    # the forced GEMV runs on the 64-column tile and the forced dequant kernel's w2 on 128 columns (the GPU
-    # defaults; the interpreter's 16 / 32 would run 4x the programs, its time here): the cases are about the row
-    # tiles and the paths (the default-path cases keep the interpreter's tiles)
-    config = {"BM": bm, "BN": 64} if bm is not None else {"BN": 128} if path == "dequant" else None
+    # the forced GEMV runs on the 64-column tile, the forced tile kernels (dequant, prefill, fp8mma, predec) on
+    # 128 columns (the GPU defaults; the interpreter's 16 / 32 run 4x the programs, its time here): the cases are
+    # about the row tiles and the paths (the default-path cases keep the interpreter's tiles; the kernels' own
+    # tiles: test_gemv, test_gemm, test_fp4_prefill, test_fp4_fp8)
+    config = {"BM": bm, "BN": 64} if bm is not None else {"BN": 128} if path is not None else None
     y, parts = Mo.moe_forward(x.to(DEV), ids.to(DEV), w, path=path, config=config, return_parts=True)
     yr = ref(x, ids)
     _check_moe(y, yr)
@@ -405,15 +406,14 @@ def _rank_slice(w, e0, n):
                    w2_s2=cut(w.w2_s2), expert0=e0)
 
 
-@pytest.mark.parametrize("hash_layer,T,path,config", [(True, 7, "dequant", {"BN": 128}), (False, 30, "prefill", None),
+@pytest.mark.parametrize("hash_layer,T,path,config", [(True, 7, "dequant", {"BN": 128}), (False, 30, "prefill", {"BN": 128}),
                                                      (False, 3, None, {"BN": 64})])
 def test_moe_expert_parallel_ranks(hash_layer, T, path, config):
     """Expert parallelism: a rank holding experts [2r, 2r + 2) of 4 routes over all 4 and returns,
     bit for bit, the fp32 partial of a one-rank call whose routing keeps only its experts (the
     other ranks' picks sort to the sentinel); the ranks' partials summed plus the shared expert are
     the layer's output. (Four experts: the grouped kernels' programs under the interpreter go with
-    the experts a call holds; the dequant kernel's w2 and the GEMV (T 3) on their GPU column tiles for the same
-    reason.)"""
+    the experts a call holds; the tile kernels and the GEMV (T 3) on their GPU column tiles for the same reason.)"""
     gen = torch.Generator().manual_seed(40 + T)
     ref = _ref_moe(4, 256, 128, 2, gen, hash_layer, dup_row=4)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)
