@@ -95,3 +95,48 @@ def test_gpu_mma_gemv_grouped_tile_lookup(T):
         one = F.mma_gemv_launch(u8(xq)[tok:tok + 1], xs[tok:tok + 1], w[e:e + 1], ws[e:e + 1], 1, N, K,
                                 partial=True, split=2)
         torch.testing.assert_close(y[r], one.sum(0)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_mma_gemv_resident():
+    """``RESIDENT``, the programs an SM holds at once that ``common.decode_splits`` sizes its waves by, is what
+    the compiled 4-warp kernels allow on this GPU: registers (allocated 8 a thread at a time), warps, shared
+    memory: every 4-warp form compiled in this process (at least the grouped launches' split and unsplit ones)."""
+    _need_gpu()
+    from dsv4.kernels.gemm import fp4_mma as F
+    test_gpu_mma_gemv_grouped_tile_lookup(3)
+    props = torch.cuda.get_device_properties(0)
+    cache = F._mma_gemv_kernel.device_caches[torch.cuda.current_device()][0]
+    ks = [k for k in cache.values() if k.metadata.num_warps == 4]
+    assert ks
+    for k in ks:
+        k.run                                            # loads the binary: n_regs
+        regs = -(-k.n_regs // 8) * 8
+        fit = min(props.regs_per_multiprocessor // (regs * 128), props.max_threads_per_multi_processor // 128,
+                  props.shared_memory_per_multiprocessor // max(k.metadata.shared, 1))
+        assert fit == F.RESIDENT, (k.n_regs, k.metadata.shared, fit)
+
+
+def test_decode_splits_waves():
+    """The K split of a grouped decode GEMM on an H100-sized target (132 SMs; ``RESIDENT`` 8 programs an SM, a
+    wave of 1,056): ~4 programs an SM first, then, where the live programs fill one wave and under half of a
+    second, twice the split (until they fill two or more waves, or the split's K blocks run out)."""
+    from dsv4.kernels.gemm.common import decode_splits, launch_plan
+    t = L.aot_target(90, 132)
+    w13, w2 = 4096, 2048                                    # K of the routed w1|w3 and w2 GEMVs
+    assert decode_splits(7 * 64, w13, t) == decode_splits(7 * 64, w13, t, 8, 6 * 64) == 2   # batch 1: 768 live
+    assert decode_splits(14 * 64, w13, t, 8, 12 * 64) == 1  # batch 2: 768 live programs, under one wave
+    assert decode_splits(21 * 64, w13, t) == 1              # batch 3 without the wave rule: 1,152 programs
+    assert decode_splits(21 * 64, w13, t, 8, 18 * 64) == 2  # ... one wave + 96: 2 splits (2,304: 2.2 waves)
+    assert decode_splits(28 * 64, w2, t, 8, 24 * 64) == 2   # batch 4: 1,536 = 1.45 waves -> 2.9
+    assert decode_splits(28 * 64, w13, t, 8, 26 * 64) == 1  # 1,664 = 1.58 waves: the last wave over half full
+    assert decode_splits(40 * 64, w13, t, 8, 33 * 64) == 1  # 2,112: two full waves exactly
+    assert decode_splits(21 * 64, 256, t, 8, 18 * 64) == 1  # 2 K blocks: a split would leave one to each
+    # launch_plan's live estimate: one tile per expert holding rows (M rows over n_groups experts), more where
+    # the rows outnumber the experts' tiles
+    grid, kps, _ = launch_plan(18, 4096, w13, 8, 64, grouped=True, n_tiles=21, n_groups=256, split=None,
+                               partial=True, out=None, dev="cpu", t=t, resident=8)
+    assert grid == (21, 64, 2) and kps == 2048
+    grid, _, _ = launch_plan(18, 4096, w13, 8, 64, grouped=True, n_tiles=21, n_groups=256, split=None,
+                             partial=True, out=None, dev="cpu", t=t)
+    assert grid == (21, 64, 1)
