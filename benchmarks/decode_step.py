@@ -188,9 +188,6 @@ def _switches() -> dict:
                         lambda m: setattr(moe_kernels, "COMBINE_ONE_TRIP", m == "one-trip"),
                         "the MoE combine's split loop per expert row or its one-round-trip form up to four "
                         "partials (kernels.moe.COMBINE_ONE_TRIP)"),
-        "gate-route": (("fused", "split"), "gate route", lambda m: setattr(moe_kernels, "GATE_ROUTE", m == "fused"),
-                       "one token's router gate GEMV and routing in one launch (kernels.moe.GATE_ROUTE) "
-                       "or dense_gemv's launch then the router's (the default)"),
         "hc-fused-rows": (tuple(str(n) for n in (1, 2, 3, 4, 8, 16, 64)), "hc fused rows",
                           lambda m: setattr(mhc_kernels, "FUSED_MAX_T", int(m)),
                           f"the most rows an mHC site runs on the one-launch fused path, the tiled path above "

@@ -64,11 +64,6 @@ KERNELS = {
                                               EFLAT=P("i32"), X=P("bf16"), Q=P("u8"), SQ=F, route_scale="fp32",
                                               CNT=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"), INV=P("i32")),
                   ("moe",)),
-    "moe_gate_route": ("moe", "_gate_route_kernel", dict(XG=P("bf16"), GW=F, PART=F, CNT=P("i32"), BIAS=F,
-                                                       TID2EID=P("i32"), IDS=P("i64"), IDX=P("i64"), W=F,
-                                                       EFLAT=P("i32"), X=P("bf16"), Q=P("u8"), SQ=F,
-                                                       route_scale="fp32", PERM=P("i64"), OFFS=P("i64"),
-                                                       TCUM=P("i64"), INV=P("i32")), ("moe",)),
     "moe_sort_prep": ("moe", "_moe_sort_prep", dict(EFLAT=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"),
                                                    INV=P("i32")), ("moe",)),
     "moe_prep": ("moe", "_moe_prep", dict(SORTED_E=P("i32"), PERM=P("i64"), OFFS=P("i64"), TCUM=P("i64"),
@@ -172,11 +167,6 @@ FIXED = {
                   # the decode path's router with the pair sort in its last program (V4-Pro: 384 experts + sentinel)
                   (dict(KTOP=6, KP=8, EP=512, HASH=False, QUANT=True, QB=8, INTERP=False, SORT=True, BM=8, ES=512,
                         PP=128), 4, None)],
-    # one token's gate (dense_gemv's tiles: 8 rows x 256 K, 16 splits) and routing with the sort (V4-Flash, V4-Pro)
-    "moe_gate_route": [(dict(BN=8, BK=256, SP=16, KTOP=6, KP=8, EP=256, HASH=False, QUANT=True, QB=8, INTERP=False,
-                             SORT=True, BM=8, ES=512, PP=8, PF=True, PFL=8), 4, 3),
-                       (dict(BN=8, BK=256, SP=16, KTOP=6, KP=8, EP=512, HASH=True, QUANT=True, QB=8, INTERP=False,
-                             SORT=True, BM=8, ES=512, PP=8, PF=True, PFL=8), 4, 3)],
     "moe_sort_prep": [(dict(BM=8, EP=512, PP=1024, CH=64), 4, None)],
     "moe_prep": [(dict(BM=64, EP=512, LOG2P=15, CH=1024), 4, None)],
     "moe_combine": [(dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=True, F32=False, INTERP=False), 4, None),

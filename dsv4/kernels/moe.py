@@ -91,8 +91,7 @@ if triton_available():
     import triton.language as tl
 
     from .counters import arrive
-    from .gemm.dense_gemv import gemv_partial, gemv_prefetch
-    from .lib import add_splits4, pdl_wait, quant_blocks, rne_bf16, split_live
+    from .lib import add_splits4, pdl_wait, quant_blocks, rne_bf16
 
     SORT_CH = tl.constexpr(64)
 
@@ -127,27 +126,11 @@ if triton_available():
         fewer at decode) and resets CNT to 0."""
         pdl_wait()
         t = tl.program_id(0).to(tl.int64)
-        ar = tl.arange(0, EP)
-        logits = tl.load(LOGIT + t * stride_s + ar, mask=ar < E, other=0.0)
-        _route_row(logits, t, BIAS, TID2EID, IDS, IDX, W, EFLAT, X, Q, SQ, E, E0, EL, route_scale, nb, stride_x,
-                   stride_q, stride_sq, KTOP, KP, EP, HASH, QUANT, QB, INTERP)
-        if SORT:
-            if T == 1:
-                _sort_all(EFLAT, PERM, OFFS, TCUM, INV, T * KTOP, EL, BM, ES, PP)
-            elif arrive(CNT) == T - 1:
-                _sort_all(EFLAT, PERM, OFFS, TCUM, INV, T * KTOP, EL, BM, ES, PP)
-                tl.store(CNT, 0)
-
-    @triton.jit
-    def _route_row(logits, t, BIAS, TID2EID, IDS, IDX, W, EFLAT, X, Q, SQ, E, E0, EL, route_scale, nb, stride_x,
-                   stride_q, stride_sq, KTOP: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr,
-                   QUANT: tl.constexpr, QB: tl.constexpr, INTERP: tl.constexpr):
-        """``_route_kernel``'s work for token t from its gate logits [EP] (0 past E)."""
         jk = tl.arange(0, KP)
         km = jk < KTOP
         ar = tl.arange(0, EP)
         em = ar < E
-        sc = _sqrt_softplus(logits)
+        sc = _sqrt_softplus(tl.load(LOGIT + t * stride_s + ar, mask=em, other=0.0))
         if HASH:
             tok = tl.load(IDS + t).to(tl.int64)
             idx = tl.load(TID2EID + tok * KTOP + jk, mask=km, other=0).to(tl.int32)
@@ -171,37 +154,12 @@ if triton_available():
         if QUANT:
             for b0 in range(0, nb, QB):                # [QB, 128] tiles, as _act_quant_kernel's
                 quant_blocks(X, Q, SQ, t, b0, nb, stride_x, stride_q, stride_sq, QB, INTERP)
-
-    @triton.jit(do_not_specialize=["N", "K", "k_per_split"])
-    def _gate_route_kernel(XG, GW, PART, CNT, N, K, stride_wn, k_per_split, BIAS, TID2EID, IDS, IDX, W, EFLAT,
-                           X, Q, SQ, E0, EL, route_scale, nb, stride_x, stride_q, stride_sq, PERM, OFFS, TCUM, INV,
-                           BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr, KTOP: tl.constexpr,
-                           KP: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr, QUANT: tl.constexpr,
-                           QB: tl.constexpr, INTERP: tl.constexpr, SORT: tl.constexpr, BM: tl.constexpr,
-                           ES: tl.constexpr, PP: tl.constexpr, PF: tl.constexpr = False, PFL: tl.constexpr = 1):
-        """One token's gate and routing in one launch (``_route``, decode): ``dense_gemv``'s grid and tiles
-        (column blocks of BN gate rows x K splits; ``gemv_partial``) store their partials [S, N] and arrive on
-        CNT; the last of the programs sums every column's partials in split order (``dense_gemv``'s order: the
-        same logits, bits included), runs ``_route_kernel``'s work on them from registers (SORT: its one-program
-        sort) and resets CNT. SP: a power of two >= the split count."""
-        if PF:
-            gemv_prefetch(GW, N, K, stride_wn, k_per_split, BN, PFL)
-        pdl_wait()
-        acc, rn64, mn = gemv_partial(XG, GW, N, K, stride_wn, k_per_split, BN, BK)
-        S = tl.num_programs(1)
-        tl.store(PART + tl.program_id(1).to(tl.int64) * N + rn64, acc, mask=mn)
-        if arrive(CNT) == tl.num_programs(0) * S - 1:
-            ar = tl.arange(0, EP)
-            em = ar < N
-            logits = tl.zeros([EP], tl.float32)
-            for s in tl.static_range(SP):              # the loads issue together, the adds in split order
-                logits += tl.load(PART + s * N + ar, mask=split_live(em, s, S), other=0.0, cache_modifier=".cg")
-            t = tl.full([], 0, tl.int64)
-            _route_row(logits, t, BIAS, TID2EID, IDS, IDX, W, EFLAT, X, Q, SQ, N, E0, EL, route_scale, nb,
-                       stride_x, stride_q, stride_sq, KTOP, KP, EP, HASH, QUANT, QB, INTERP)
-            if SORT:
-                _sort_all(EFLAT, PERM, OFFS, TCUM, INV, KTOP, EL, BM, ES, PP)
-            tl.store(CNT, 0)
+        if SORT:
+            if T == 1:
+                _sort_all(EFLAT, PERM, OFFS, TCUM, INV, T * KTOP, EL, BM, ES, PP)
+            elif arrive(CNT) == T - 1:
+                _sort_all(EFLAT, PERM, OFFS, TCUM, INV, T * KTOP, EL, BM, ES, PP)
+                tl.store(CNT, 0)
 
     @triton.jit
     def _sort_all(EFLAT, PERM, OFFS, TCUM, INV, P, E, BM: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr):
@@ -533,32 +491,20 @@ def route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights):
 
 
 def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool = False, portable: bool = False,
-           sort_bm: int | None = None, gate: str | None = None):
+           sort_bm: int | None = None):
     """``route`` -> (idx, weights, sort keys int32 [T * k], xq, xs, sort): with ``quant`` also x's
     ``act_quant_fp8`` (e4m3 bytes uint8 [T, d], fp32 scales [T, d/128]) from the same launch, else
     (..., None, None, ...); with ``sort_bm`` (up to ``SORT_FUSED_MAX`` pairs) ``sort_pairs(keys,
     n_experts, sort_bm)``'s result from the same launch (its last program), else None. The gate logits are the twin's fp32 GEMM: ``dense_gemv`` at decode sizes (one
     launch, x upcast in its loads); at prefill sizes with a bf16-exact gate (``MoEWeights.gate_bf16``)
     ``dense_mm`` (bf16 tensor cores, fp32 sums promoted every K block); else torch's fp32 GEMM
-    (``portable``: always). With ``GATE_ROUTE``, ``dense_gemv``'s case runs in the router's launch (the same
-    logits). ``gate`` forces one form: 'fused' (that launch), 'gemv' (``dense_gemv``, then the router's) or
-    'torch' (tests: the kernels under the interpreter, where ``dense_gemv.takes`` is False)."""
+    (``portable``: always)."""
     T, d = x.shape
     k, E = w.topk, w.n_routed
     dev = x.device
-    if gate not in (None, "fused", "gemv", "torch"):
-        raise ValueError(f"moe route: gate must be 'fused', 'gemv' or 'torch', got {gate!r}")
-    if gate is None and not portable and dense_gemv.takes(x, w.gate_w):
-        gate = "fused" if GATE_ROUTE else "gemv"
-    fused_gate = gate == "fused"
-    if fused_gate and (T != 1 or w.gate_w.shape[0] != E):
-        raise ValueError(f"moe route: the gate in the router's launch takes one token and {E} gate rows, got "
-                         f"{T} tokens and {w.gate_w.shape[0]} rows")
-    if fused_gate:
-        logits = None                                 # the gate runs in the router's launch (_gate_route_kernel)
-    elif gate == "gemv":
+    if not portable and dense_gemv.takes(x, w.gate_w):
         logits = dense_gemv.dense_gemv(x, w.gate_w)
-    elif gate is None and not portable and dense_mm.takes(x) and w.gate_bf16() is not None:
+    elif not portable and dense_mm.takes(x) and w.gate_bf16() is not None:
         logits = dense_mm.dense_mm(x, w.gate_bf16())
     else:
         logits = x.float() @ w.gate_w.T
@@ -582,41 +528,21 @@ def _route(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, quant: bool
         if fuse:
             sort = (torch.empty(T * k, dtype=torch.int64, device=dev), torch.empty(EL + 1, dtype=torch.int64, device=dev),
                     torch.empty(EL + 1, dtype=torch.int64, device=dev), torch.empty(T * k, dtype=torch.int32, device=dev))
-        perm, offs, tcum, inv = sort if fuse else (idx, idx, idx, eflat)
-        consts = dict(KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer,
-                      QUANT=quant, QB=min(8, triton.next_power_of_2(max(1, d // QBLOCK))), INTERP=interpreting(),
-                      SORT=fuse, BM=sort_bm if fuse else 1, ES=triton.next_power_of_2(EL + 1),
-                      PP=max(2, triton.next_power_of_2(T * k)) if fuse else 2)
-        if fused_gate:
-            gw = w.gate_w if w.gate_w.stride(1) == 1 else w.gate_w.contiguous()
-            xg = x.contiguous()
-            BN, BK, S, kps, gkw = dense_gemv.plan(E, d, gw, dev)
-            part = torch.empty(S, E, dtype=torch.float32, device=dev)
-            _gate_route_kernel[(triton.cdiv(E, BN), S)](
-                xg, gw, part, arrival_counters(dev, 1), E, d, gw.stride(0), kps,
-                w.bias if w.bias is not None else part, w.tid2eid if hash_layer else idx, ids if hash_layer else idx,
-                idx, weights, eflat, x if quant else part, xq if quant else idx, xs if quant else part, w.expert0,
-                EL, float(w.route_scale), d // QBLOCK, x.stride(0) if quant else 0, xq.stride(0) if quant else 0,
-                xs.stride(0) if quant else 0, perm, offs, tcum, inv, BN=BN, BK=BK,
-                SP=triton.next_power_of_2(S), **consts, **gkw, **PDL_LAUNCH)
-            return idx, weights, eflat, xq, xs, sort
         cnt = arrival_counters(dev, 1) if fuse and T > 1 else eflat
+        perm, offs, tcum, inv = sort if fuse else (idx, idx, idx, eflat)
         _route_kernel[(T,)](
             logits, w.bias if w.bias is not None else logits, w.tid2eid if hash_layer else idx,
             ids if hash_layer else idx, idx, weights, eflat, x if quant else logits, xq if quant else idx,
             xs if quant else logits, E, w.expert0, EL, logits.stride(0), float(w.route_scale), d // QBLOCK,
             x.stride(0) if quant else 0, xq.stride(0) if quant else 0, xs.stride(0) if quant else 0,
-            T, cnt, perm, offs, tcum, inv, **consts, **kw, **PDL_LAUNCH)
+            T, cnt, perm, offs, tcum, inv,
+            KTOP=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E), HASH=hash_layer, QUANT=quant,
+            QB=min(8, triton.next_power_of_2(max(1, d // QBLOCK))), INTERP=interpreting(),
+            SORT=fuse, BM=sort_bm if fuse else 1, ES=triton.next_power_of_2(EL + 1),
+            PP=max(2, triton.next_power_of_2(T * k)) if fuse else 2, **kw, **PDL_LAUNCH)
         if sort_bm is not None and not fuse:
             sort = sort_pairs(eflat, EL, sort_bm)
     return idx, weights, eflat, xq, xs, sort
-
-
-# one token's gate GEMV (``dense_gemv``'s tiles) and its routing in one launch (``_gate_route_kernel``): the same
-# logits and routing, one launch and its dependency wait fewer per MoE layer at batch 1. Off until its GPU tests and
-# its decode-step A/B (``decode_step.py --gate-route fused,split``) have run; False: ``dense_gemv`` then
-# ``_route_kernel``
-GATE_ROUTE = False
 
 
 SORT_COUNTING_MAX = 1024   # pairs up to which sort_pairs runs the one-launch counting sort

@@ -32,17 +32,17 @@ if triton_available():
     from ..counters import arrive
     from ..lib import add_splits4, pdl_wait, prefetch_l2
 
-    @triton.jit
-    def gemv_prefetch(W, N, K, stride_wn, k_per_split, BN: tl.constexpr, PFL: tl.constexpr):
-        """The program's first W tile (BN rows x PFL 128-byte lines of fp32) hinted into L2 (before the wait)."""
-        prefetch_l2(W + (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)[:, None] * stride_wn
-                    + tl.program_id(1) * k_per_split + tl.arange(0, PFL)[None, :] * 32,
-                    ((tl.program_id(0) * BN + tl.arange(0, BN)) < N)[:, None]
-                    & (tl.program_id(1) * k_per_split + tl.arange(0, PFL)[None, :] * 32 < K))
-
-    @triton.jit
-    def gemv_partial(X, W, N, K, stride_wn, k_per_split, BN: tl.constexpr, BK: tl.constexpr):
-        """Program (column block, K split)'s fp32 partial [BN] of rows rn (and their mask mn, rn as int64)."""
+    @triton.jit(do_not_specialize=["N", "K", "k_per_split"])
+    def _dense_gemv_kernel(X, W, PART, Y, CNT, N, K, stride_wn, k_per_split, BN: tl.constexpr, BK: tl.constexpr,
+                           SPLIT: tl.constexpr, PF: tl.constexpr = False, PFL: tl.constexpr = 1):
+        """PF: the program's first W tile (BN rows x PFL 128-byte lines of fp32) hinted into L2 before the
+        wait."""
+        if PF:
+            prefetch_l2(W + (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)[:, None] * stride_wn
+                        + tl.program_id(1) * k_per_split + tl.arange(0, PFL)[None, :] * 32,
+                        ((tl.program_id(0) * BN + tl.arange(0, BN)) < N)[:, None]
+                        & (tl.program_id(1) * k_per_split + tl.arange(0, PFL)[None, :] * 32 < K))
+        pdl_wait()
         pid_n = tl.program_id(0)
         ks = tl.program_id(1)
         rn = pid_n * BN + tl.arange(0, BN)
@@ -58,27 +58,18 @@ if triton_available():
             w = tl.load(W + rn64[:, None] * stride_wn + k[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
             xv = tl.load(X + k, mask=mk, other=0.0).to(tl.float32)
             acc2 += w.to(tl.float32) * xv[None, :]
-        return tl.sum(acc2, axis=1), rn64, mn
-
-    @triton.jit(do_not_specialize=["N", "K", "k_per_split"])
-    def _dense_gemv_kernel(X, W, PART, Y, CNT, N, K, stride_wn, k_per_split, BN: tl.constexpr, BK: tl.constexpr,
-                           SPLIT: tl.constexpr, PF: tl.constexpr = False, PFL: tl.constexpr = 1):
-        """PF: the program's first W tile hinted into L2 before the wait (``gemv_prefetch``)."""
-        if PF:
-            gemv_prefetch(W, N, K, stride_wn, k_per_split, BN, PFL)
-        pdl_wait()
-        acc, rn64, mn = gemv_partial(X, W, N, K, stride_wn, k_per_split, BN, BK)
+        acc = tl.sum(acc2, axis=1)
         if SPLIT:
             tile = PART + rn64
-            tl.store(tile + tl.program_id(1).to(tl.int64) * N, acc, mask=mn)
+            tl.store(tile + ks.to(tl.int64) * N, acc, mask=mn)
             S = tl.num_programs(1)
-            if arrive(CNT + tl.program_id(0)) == S - 1:
+            if arrive(CNT + pid_n) == S - 1:
                 tot = tl.zeros([BN], tl.float32)
                 for s0 in range(0, S, 4):     # four partials per L2 round trip, in split order
                     tot = add_splits4(tot, tile, N, mn, s0, S)
                     tile += 4 * N
                 tl.store(Y + rn64, tot, mask=mn)
-                tl.store(CNT + tl.program_id(0), 0)
+                tl.store(CNT + pid_n, 0)
         else:
             tl.store(Y + rn64, acc, mask=mn)
 
@@ -105,21 +96,7 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> 
     x = x.contiguous()
     if w.stride(1) != 1:
         w = w.contiguous()
-    BN, BK, S, kps, kw = plan(N, K, w, x.device, config)
-    y = torch.empty(1, N, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(N, BN), S)
-    part = torch.empty(S, N, dtype=torch.float32, device=x.device) if S > 1 else y
-    cnt = arrival_counters(x.device, grid[0]) if S > 1 else y
-    _dense_gemv_kernel[grid](x, w, part, y, cnt, N, K, w.stride(0), kps, BN=BN, BK=BK, SPLIT=S > 1, **kw, **PDL_LAUNCH)
-    return y
-
-
-def plan(N: int, K: int, w: torch.Tensor, device, config: dict | None = None):
-    """(BN, BK, K splits, K per split, launch keywords: PF / PFL and the tile's num_warps / num_stages) of the
-    kernel's grid (column blocks of BN rows, splits) for a weight w [N, K] on ``device``: ``route.dense_gemv_config``
-    updated by ``config``. Shared by the router's gate launch (``moe``), which runs ``gemv_partial`` on the same
-    tiles."""
-    t = target(device)
+    t = target(x.device)
     cfg = dict(route.dense_gemv_config(N, K, w.element_size(), t))
     if config:
         cfg.update(config)
@@ -127,9 +104,14 @@ def plan(N: int, K: int, w: torch.Tensor, device, config: dict | None = None):
     S = max(1, min(cfg.pop("SPLIT"), triton.cdiv(K, BK)))
     kps = triton.cdiv(triton.cdiv(K, S), BK) * BK
     S = triton.cdiv(K, kps)
+    y = torch.empty(1, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, BN), S)
+    part = torch.empty(S, N, dtype=torch.float32, device=x.device) if S > 1 else y
+    cnt = arrival_counters(x.device, grid[0]) if S > 1 else y
     kw = {} if interpreting() else {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
-    kw.update(PF=prefetch_on() and w.dtype == torch.float32, PFL=max(1, BK // 32))
-    return BN, BK, S, kps, kw
+    _dense_gemv_kernel[grid](x, w, part, y, cnt, N, K, w.stride(0), kps, BN=BN, BK=BK, SPLIT=S > 1,
+                             PF=prefetch_on() and w.dtype == torch.float32, PFL=max(1, BK // 32), **kw, **PDL_LAUNCH)
+    return y
 
 
-__all__ = ["dense_gemv", "plan", "takes"]
+__all__ = ["dense_gemv", "takes"]
