@@ -163,25 +163,14 @@ def log2_groups(n_groups: int) -> int:
     return max(1, max(n_groups, 1).bit_length())
 
 
-def decode_splits(tiles: int, K: int, t: Target, resident: int | None = None, live_tiles: int | None = None) -> int:
+def decode_splits(tiles: int, K: int, t: Target) -> int:
     """K splits of a decode GEMM so that ~4 programs per SM exist, >= 2 K blocks of 128 per split,
-    at most 16. ``resident`` (programs of the kernel that fit one SM at once) with ``live_tiles`` (the
-    m-tiles expected to do work, of ``tiles``' column blocks x m-tiles: a grouped grid is sized for its worst
-    case and most of it exits at once): where those programs fill one wave of the GPU and under half of a
-    second, the split doubles (that second wave's few programs an SM run at their latency, not at the GPU's
-    bandwidth; H100, the routed GEMV at 18 experts x 1 row, one wave and 9% of another: 75.2 -> 69.3 us at
-    two splits; the decode step at batch 3 -1.5%, at batch 4 -0.8%: docs/benchmarks-2026-12-07.md, sixth
-    session)."""
+    at most 16."""
     kb = K // QBLOCK
     target = 4 * t.sm_count
     s = 1
     while s < 16 and tiles * s < target and kb // (2 * s) >= 2:
         s *= 2
-    if resident:
-        wave = resident * t.sm_count
-        live = tiles if live_tiles is None else live_tiles
-        while s < 16 and kb // (2 * s) >= 2 and wave < live * s < wave + wave // 2:
-            s *= 2
     return s
 
 
@@ -191,19 +180,15 @@ GROUPED_SPLIT: int | None = None
 
 
 def launch_plan(M: int, N: int, K: int, bm: int, BN: int, *, grouped: bool, n_tiles, n_groups: int, split,
-                partial: bool, out, dev, t: Target, resident: int | None = None):
+                partial: bool, out, dev, t: Target):
     """(grid (m-tiles, column blocks, K splits), K per split, output buffer) of a decode GEMM: m-tiles of
     ``bm`` rows (grouped: ``n_tiles``, else the per-expert bound), ``BN``-column blocks, ``split`` K
-    splits (default ``decode_splits``, with the kernel's ``resident`` programs per SM where given); fp32
-    partials [S, M, N] when split or ``partial``, else bf16 ``out``."""
+    splits (default ``decode_splits``); fp32 partials [S, M, N] when split or ``partial``, else bf16 ``out``."""
     grid_m = (n_tiles if n_tiles is not None else triton.cdiv(M, bm) + min(n_groups, M)) if grouped \
         else triton.cdiv(M, bm)
     grid_m = max(grid_m, 1)
     grid_n = triton.cdiv(N, BN)
-    # live m-tiles of a grouped grid: one per expert holding rows, more where an expert holds more than bm
-    live = max(min(n_groups, M), triton.cdiv(M, bm)) if grouped else grid_m
-    S = split or (GROUPED_SPLIT if grouped else None) or decode_splits(grid_m * grid_n, K, t, resident,
-                                                                        min(live, grid_m) * grid_n)
+    S = split or (GROUPED_SPLIT if grouped else None) or decode_splits(grid_m * grid_n, K, t)
     kps = triton.cdiv(K // QBLOCK, S) * QBLOCK
     S = triton.cdiv(K, kps)
     if partial or S > 1:

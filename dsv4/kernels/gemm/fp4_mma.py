@@ -52,10 +52,6 @@ BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mm
 # same bits; H100, decode step at batch 1 -1.3% (every layer 1.2-2.7 us faster), batch 64 within the spread
 # (docs/benchmarks-2026-12-07.md, fifth session). False: the search (``decode_step.py --moe-tiles``)
 VEC_TILES = True
-# programs of ``_mma_gemv_kernel`` (4 warps) that fit one SM: ptxas gives it 63 registers on sm_90 (Triton 3.6), so
-# 65536 / (64 x 128) = 8; ``common.decode_splits`` sizes the K split to the waves this makes (checked on the GPU by
-# test_gpu_mma_gemv_resident)
-RESIDENT = 8
 BAND_ROWS = 16         # rows of one band in the band layout: one warp's 16 mma rows
 
 
@@ -331,8 +327,7 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
     grouped = tcum is not None
     # the GEMV's grid and split rule (~4 programs per SM)
     grid, kps, dst = launch_plan(M, N, K, BM_ROWS, BN, grouped=grouped, n_tiles=n_tiles, n_groups=n_groups,
-                                 split=split or cfg.get("SPLIT_K"), partial=partial, out=out, dev=dev, t=t,
-                                 resident=RESIDENT if nw == 4 else None)
+                                 split=split or cfg.get("SPLIT_K"), partial=partial, out=out, dev=dev, t=t)
     nv = fmt == "nvfp4"
     _mma_gemv_kernel[grid](
         a, sa, w, ws, ws2 if nv else sa, dst, perm if perm is not None else sa, offs if offs is not None else sa,
@@ -348,4 +343,4 @@ def mma_gemv_launch(a, sa, w, ws, M, N, K, *, fmt: str = "mxfp4", ws2=None, out=
     return sum_splits(dst, out)
 
 
-__all__ = ["BAND_ROWS", "BM_ROWS", "GLUON", "RESIDENT", "act_f16_split", "band_layout", "mma_gemv_launch"]
+__all__ = ["BAND_ROWS", "BM_ROWS", "GLUON", "act_f16_split", "band_layout", "mma_gemv_launch"]
