@@ -170,6 +170,9 @@ FIXED = {
     "moe_sort_prep": [(dict(BM=8, EP=512, PP=1024, CH=64), 4, None)],
     "moe_prep": [(dict(BM=64, EP=512, LOG2P=15, CH=1024), 4, None)],
     "moe_combine": [(dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=True, F32=False, INTERP=False), 4, None),
+                    # the decode step's one-round-trip form (COMBINE_ONE_TRIP: up to four split partials)
+                    (dict(KTOP=6, KP=8, BD=256, HAS_SHARED=True, SPLIT=True, F32=False, INTERP=False, S4=True), 4,
+                     None),
                     (dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=False, SPLIT=False, F32=True, INTERP=False), 4, None)],
     "kv_insert": [(dict(HPB=8), 4, None)],
     # the decode step's combine with the output's inverse RoPE (layers.attention FUSE_DECODE_ROPE)

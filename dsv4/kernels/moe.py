@@ -744,10 +744,11 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
 
 
 # the combine's one-round-trip form (``_moe_combine``'s S4, 256-column programs) where the w2 GEMM left at most
-# four split partials: the benchmarks' A/B switch (``decode_step.py --moe-combine``). Same bits as the split loop
-# in the interpreter; H100 decode step at batch 1 -0.9% (layers 1-2.4 us faster), batch 64 within the spread.
-# Off until its GPU tests have run with it on.
-COMBINE_ONE_TRIP = False
+# four split partials (the decode step's): a token's expert rows load side by side instead of one L2 round trip a
+# row. Same bits as the split loop (the CPU test; the GPU MoE and engine tests pass with it on, H100); H100 decode
+# step at batch 1 -0.9% with the binary-search tile lookup, -0.3% with the vector one, batch 64 within the spread
+# (docs/benchmarks-2026-12-07.md). False: the split loop (``decode_step.py --moe-combine``)
+COMBINE_ONE_TRIP = True
 
 
 def _combine(out, inv, offs, sh, k, partial=False):
