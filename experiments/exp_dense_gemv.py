@@ -2,15 +2,17 @@
 """Experiment: ``kernels/gemm/dense_gemv.py`` (fp32-output GEMV of bf16 / fp32 weights) against torch's GEMMs
 on the decode-sized fp32 GEMMs of a V4 layer: the compressor / indexer projection (``Bf16Linear`` "fp32":
 ``torch.mm(x, w.t(), out_dtype=fp32)``, a cuBLAS split-K GEMM + reduce) and the router's gate
-(``x.float() @ w.T``: an upcast + a GEMV or SIMT SGEMM) at 1-16 rows, the kernel (one row only) and
-a sweep of its tile (BN, BK, waves of programs per SM, warps) at one row. CUDA-graph replays, L2 flushed; % = weight bytes / time
-/ copy bandwidth.
+(``x.float() @ w.T``: an upcast + a GEMV or SIMT SGEMM) at 1-16 rows, the kernel with its rows per program
+(RB) and a sweep of its tile (BN, BK, waves of programs per SM, warps) at each row count. CUDA-graph replays, L2
+flushed; % = weight bytes / time / copy bandwidth.
 
     PYTHONPATH=. python experiments/exp_dense_gemv.py [--rows 1,4,16] [--quick]
 
 H100 (2026-12-06, before the kernel was cut to one row): its tensor-core / FMA ``tl.dot`` form over 16
 padded rows lost to torch at 4 and 16 rows (Flash CSA projection 15.1 / 16.0 us vs 12.9 / 13.1, router
-18.6 / 18.8 vs 15.3 / 22.2 at the best tiles), so the router keeps torch above one row.
+18.6 / 18.8 vs 15.3 / 22.2 at the best tiles), so the router keeps torch above one row. The kernel's present
+multi-row form is elementwise FMAs instead: each weight tile serves up to 4 rows (RB), each row in its own fp32
+register tile (every row the one-row launch's bits); ``route.DENSE_GEMV_MAX_ROWS`` stays 1 until this times it.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def variants(elem, quick):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,4,16", help="torch's rows (the kernel runs at 1)")
+    ap.add_argument("--rows", default="1,4,16", help="rows (torch and the kernel: up to 4 a program, RB)")
     ap.add_argument("--quick", action="store_true", help="waves 4, 4 warps only")
     ap.add_argument("--only", default=None, help="shape names containing this")
     args = ap.parse_args()
@@ -70,19 +72,20 @@ def main():
             ref = x.float() @ w.float().T
             pct = lambda us: f"{us:.1f} ({100 * mb * 1e6 / (us * 1e-6) / copy_bw:.0f}%)"  # noqa: E731
             t_torch = graph_time(torch_gemm(x, w)) * 1e3
-            if M != 1:
-                print(f"| {name} | {M} | {mb:.1f} | {pct(t_torch)} | - | | - | |", flush=True)
-                continue
             dcfg = R.dense_gemv_config(N, K, w.element_size(), t)
             y = D.dense_gemv(x, w)
             err = ((y - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-4, (name, M, err)
             t_def = graph_time(lambda: D.dense_gemv(x, w)) * 1e3
             best = (t_def, "default")
-            for v in variants(w.element_size(), args.quick):
+            rb_variants = [dict(RB=rb) for rb in (1, 2) if rb < min(4, M)]     # rows a program on the default tile
+            for v in rb_variants + list(variants(w.element_size(), args.quick)):
+                if "BN" not in v:
+                    v = dict(dcfg, waves=None, **v)
                 waves = v.pop("waves")
-                blocks = -(-N // v["BN"])
-                v["SPLIT"] = max(1, min(K // v["BK"], -(-waves * t.sm_count // blocks)))
+                if waves is not None:
+                    blocks = -(-N // v["BN"])
+                    v["SPLIT"] = max(1, min(K // v["BK"], -(-waves * t.sm_count // blocks)))
                 try:
                     y = D.dense_gemv(x, w, config=v)
                     if ((y - ref).abs().max() / ref.abs().max()).item() > 1e-4:
@@ -92,7 +95,7 @@ def main():
                 except Exception as e:       # noqa: BLE001 - a variant that does not compile is reported
                     print(f"  FAILED {name} M={M} {v}: {type(e).__name__}: {str(e)[:200]}")
                     continue
-                tag = f"bn{v['BN']}.bk{v['BK']}.s{v['SPLIT']}.w{v['num_warps']}"
+                tag = f"bn{v['BN']}.bk{v['BK']}.s{v['SPLIT']}.w{v['num_warps']}" + (f".rb{v['RB']}" if "RB" in v else "")
                 if us < best[0]:
                     best = (us, tag)
             dtag = f"bn{dcfg['BN']}.bk{dcfg['BK']}.s{dcfg['SPLIT']}.w{dcfg['num_warps']}"

@@ -168,6 +168,10 @@ FIXED = {
                   (dict(KTOP=6, KP=8, EP=512, HASH=False, QUANT=True, QB=8, INTERP=False, SORT=True, BM=8, ES=512,
                         PP=128), 4, None)],
     "moe_sort_prep": [(dict(BM=8, EP=512, PP=1024, CH=64), 4, None)],
+    # the multi-row form (4 rows a program, one accumulator each) on the router's tile: the largest-tile pick of the
+    # CI matrix (it ties the router's one-row case and comes first)
+    "dense_gemv": [(dict(BN=8, BK=256, SPLIT=True, RB=4, PF=False), 4, 3)],
+    "dense_gemv_f32": [(dict(BN=8, BK=256, SPLIT=True, RB=4, PF=True, PFL=8), 4, 3)],
     "moe_prep": [(dict(BM=64, EP=512, LOG2P=15, CH=1024), 4, None)],
     "moe_combine": [(dict(KTOP=6, KP=8, BD=1024, HAS_SHARED=True, SPLIT=True, F32=False, INTERP=False), 4, None),
                     # the decode step's one-round-trip form (COMBINE_ONE_TRIP: up to four split partials)

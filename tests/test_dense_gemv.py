@@ -64,27 +64,52 @@ def test_dense_gemv_strided_weight_rows():
     _check(D.dense_gemv(x.to(DEV), w.to(DEV)), x, w)
 
 
-@pytest.mark.parametrize("x,w,match", [
-    (torch.zeros(0, 64), torch.zeros(8, 64), "one row, got 0"),
-    (torch.zeros(2, 64), torch.zeros(8, 64), "one row, got 2"),
-    (torch.zeros(1, 64), torch.zeros(8, 32), r"expected x \[1, K\] and w \[N, K\]"),
-    (torch.zeros(1, 64, dtype=torch.float16), torch.zeros(8, 64), "x must be bf16 or fp32"),
-    (torch.zeros(1, 64), torch.zeros(8, 64, dtype=torch.int8), "w must be bf16 or fp32"),
+@pytest.mark.parametrize("M,cfg", [(2, {"SPLIT": 3}), (3, {"SPLIT": 3, "RB": 2}), (5, {"SPLIT": 1}),
+                                   (8, {"SPLIT": 3, "RB": 1}), (6, {"SPLIT": 2})])
+def test_dense_gemv_rows_are_the_one_row_launchs_bits(M, cfg):
+    """M rows (RB of them a program, each with its own accumulator; rows past M in the last program masked): row r
+    is the one-row launch's result on x[r], bit for bit (the same tiles and summation order), with and without the
+    split sum; every counter back at zero."""
+    gen = torch.Generator().manual_seed(M)
+    K, N = 320, 40
+    x = (torch.randn(M, K, generator=gen) * torch.logspace(-2, 2, M)[:, None]).bfloat16()
+    for wdtype in (torch.bfloat16, torch.float32):
+        w = (torch.randn(N, K, generator=gen) * 0.05).to(wdtype)
+        y = D.dense_gemv(x.to(DEV), w.to(DEV), config=cfg)
+        assert y.shape == (M, N)
+        _check(y, x, w)
+        for r in range(M):
+            one = D.dense_gemv(x[r:r + 1].to(DEV), w.to(DEV), config=dict(cfg, RB=1))
+            assert torch.equal(y[r:r + 1].cpu(), one.cpu()), r
+    assert int(arrival_counters(DEV, 64)[:64].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("x,w,cfg,match", [
+    (torch.zeros(0, 64), torch.zeros(8, 64), None, "at least one row, got 0"),
+    (torch.zeros(2, 64), torch.zeros(8, 64), {"RB": 3}, "RB .rows per program. must be 1, 2 or 4, got 3"),
+    (torch.zeros(1, 64), torch.zeros(8, 32), None, r"expected x \[M, K\] and w \[N, K\]"),
+    (torch.zeros(1, 64, dtype=torch.float16), torch.zeros(8, 64), None, "x must be bf16 or fp32"),
+    (torch.zeros(1, 64), torch.zeros(8, 64, dtype=torch.int8), None, "w must be bf16 or fp32"),
 ])
-def test_dense_gemv_rejects(x, w, match):
+def test_dense_gemv_rejects(x, w, cfg, match):
     with pytest.raises(ValueError, match=match):
-        D.dense_gemv(x.to(DEV), w.to(DEV))
+        D.dense_gemv(x.to(DEV), w.to(DEV), config=cfg)
 
 
-def test_dense_gemv_route_one_row_only():
-    """The router sends one-row calls on modest weights of sm_80+ GPUs here, nothing else."""
+def test_dense_gemv_route_one_row_only(monkeypatch):
+    """The router sends calls of up to ``DENSE_GEMV_MAX_ROWS`` rows (one by default) on modest weights of sm_80+
+    GPUs here, nothing else."""
     from dsv4.kernels.gemm import route
     from dsv4.kernels import lib
     from dsv4.kernels.lib import aot_target
     t = aot_target(90)
     assert route.dense_gemv(1, 2624, 4096, torch.bfloat16, t)
     assert route.dense_gemv(1, 256, 4096, torch.float32, t)
-    assert not route.dense_gemv(2, 2624, 4096, torch.bfloat16, t)          # the dot form lost at 4-16 rows
+    assert not route.dense_gemv(2, 2624, 4096, torch.bfloat16, t)          # the multi-row form is not yet timed
+    assert not route.dense_gemv(0, 2624, 4096, torch.bfloat16, t)
+    monkeypatch.setattr(route, "DENSE_GEMV_MAX_ROWS", 4)
+    assert route.dense_gemv(4, 2624, 4096, torch.bfloat16, t) and not route.dense_gemv(5, 2624, 4096, torch.bfloat16, t)
+    monkeypatch.setattr(route, "DENSE_GEMV_MAX_ROWS", 1)
     assert not route.dense_gemv(1, 129280, 4096, torch.bfloat16, t)        # the output head keeps cuBLAS
     assert not route.dense_gemv(1, 256, 4096, torch.float16, t)
     assert not route.dense_gemv(1, 256, 4096, torch.float32, lib.Target("cuda", (7, 5), 40))
@@ -92,13 +117,16 @@ def test_dense_gemv_route_one_row_only():
 
 @pytest.mark.gpu
 def test_dense_gemv_v4_shapes_gpu():
-    """V4-Flash's CSA / HCA projection (bf16) and router gate (fp32 weight) against torch's GEMMs."""
+    """V4-Flash's CSA / HCA projection (bf16) and router gate (fp32 weight) against torch's GEMMs at 1, 4 and 7
+    rows, each row the one-row launch's bits."""
     need_gpu()
     gen = torch.Generator(device="cuda").manual_seed(1)
     for N, wdtype in ((2624, torch.bfloat16), (1024, torch.bfloat16), (256, torch.float32)):
-        x = torch.randn(1, 4096, generator=gen, device="cuda").bfloat16()
-        w = (torch.randn(N, 4096, generator=gen, device="cuda") * 0.02).to(wdtype)
-        y = D.dense_gemv(x, w)
-        _check(y, x.cpu(), w.cpu())
-        ref = x.float() @ w.float().T
-        assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+        for M in (1, 4, 7):                                  # one row; the multi-row form (4 a program, a tail)
+            x = torch.randn(M, 4096, generator=gen, device="cuda").bfloat16()
+            w = (torch.randn(N, 4096, generator=gen, device="cuda") * 0.02).to(wdtype)
+            y = D.dense_gemv(x, w)
+            _check(y, x.cpu(), w.cpu())
+            ref = x.float() @ w.float().T
+            assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+            assert torch.equal(y[M - 1:], D.dense_gemv(x[M - 1:], w))

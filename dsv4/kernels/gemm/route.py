@@ -119,12 +119,16 @@ def wo_a_kernel(T: int, fmt: str, t: Target) -> str:
 # 12.8 / 8.4, router 5.5 vs 8.9; V4-Pro CSA projection 18.4 vs 18.2, router 7.8 vs 12.7. At 4 and 16 rows a
 # tensor-core / FMA ``tl.dot`` form of the kernel lost (15.1-19.6 vs 12.9-15.3 us), so more rows stay on torch
 DENSE_GEMV_MAX_WEIGHT = 32 * 1024 * 1024
+# rows up to which ``dense_gemv`` serves. Its multi-row form (up to 4 rows a program, each with its own accumulator:
+# every row the one-row launch's bits) is not yet timed on a GPU, so one row (``decode_step.py --dense-gemv-rows``)
+DENSE_GEMV_MAX_ROWS = 1
 
 
 def dense_gemv(M: int, N: int, K: int, dtype, t: Target) -> bool:
-    """Whether ``dense_gemv`` serves an [M, K] x [N, K]^T fp32-output GEMM on ``t`` (sm_80+, one row)."""
+    """Whether ``dense_gemv`` serves an [M, K] x [N, K]^T fp32-output GEMM on ``t`` (sm_80+, up to
+    ``DENSE_GEMV_MAX_ROWS`` rows)."""
     import torch
-    return (t.at_least((8, 0)) and M == 1 and N * K <= DENSE_GEMV_MAX_WEIGHT
+    return (t.at_least((8, 0)) and 1 <= M <= DENSE_GEMV_MAX_ROWS and N * K <= DENSE_GEMV_MAX_WEIGHT
             and dtype in (torch.bfloat16, torch.float32))
 
 
@@ -471,10 +475,12 @@ def choices(t: Target) -> list[Choice]:
     import torch
     for N, K, dt in ((2624, 4096, torch.bfloat16), (1024, 4096, torch.bfloat16), (256, 4096, torch.float32),
                      (2624, 7168, torch.bfloat16), (384, 7168, torch.float32)):
-        if dense_gemv(1, N, K, dt, t):                  # the projections and the router's gate (Flash, Pro)
-            cfg = dense_gemv_config(N, K, dt.itemsize, t)
-            add(_choice("dense_gemv_f32" if dt == torch.float32 else "dense_gemv",
-                        {"BN": cfg["BN"], "BK": cfg["BK"], "SPLIT": cfg["SPLIT"] > 1}, cfg, f"dense gemv N={N} K={K} {dt}"))
+        for rb in (1, 2, 4):                            # the projections and the router's gate (Flash, Pro)
+            if dense_gemv(rb, N, K, dt, t):             # rows per program: min(4, next power of two of the rows)
+                cfg = dense_gemv_config(N, K, dt.itemsize, t)
+                add(_choice("dense_gemv_f32" if dt == torch.float32 else "dense_gemv",
+                            {"BN": cfg["BN"], "BK": cfg["BK"], "SPLIT": cfg["SPLIT"] > 1, "RB": rb}, cfg,
+                            f"dense gemv N={N} K={K} {dt} {rb} rows a program"))
     if dense_mm(max(ROWS), t):                           # the router's gate at prefill sizes (bf16-exact weight)
         cfg = dense_mm_config(t)
         add(_choice("dense_mm", {"BM": cfg["BM"], "BN": cfg["BN"], "BK": cfg["BK"]}, cfg, "router gate, prefill rows"))
