@@ -242,7 +242,7 @@ if triton_available():
     @triton.jit
     def split_live(mask, s, S):
         """``mask & (s < S)`` as a tensor of mask's shape (the interpreter mishandles a scalar condition in
-        a load mask): the split-K tails' masked extra loads."""
+        a load mask): the split-K tails' masked extra loads, a row block's rows past the last."""
         return mask & ((mask.to(tl.int32) * 0 + s) < S)
 
     @triton.jit

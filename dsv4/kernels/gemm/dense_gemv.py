@@ -32,21 +32,21 @@ if triton_available():
     import triton.language as tl
 
     from ..counters import arrive
-    from ..lib import add_splits4, pdl_wait, prefetch_l2
+    from ..lib import add_splits4, pdl_wait, prefetch_l2, split_live
 
     @triton.jit
     def _row_partial(acc, w, X, r, M, k, mk, stride_xm):
         """acc + the products of weight tile w [BN, BK] with row r's x[k] (a row past M adds nothing)."""
-        xv = tl.load(X + r.to(tl.int64) * stride_xm + k, mask=mk & (k * 0 + r < M), other=0.0).to(tl.float32)
+        xv = tl.load(X + r.to(tl.int64) * stride_xm + k, mask=split_live(mk, r, M), other=0.0).to(tl.float32)
         return acc + w * xv[None, :]
 
     @triton.jit
     def _row_store(acc, PART, Y, r, M, N, rn64, mn, SPLIT: tl.constexpr):
         """Row r's [BN] sums: straight into y (no split) or as the split's partial (the sum: ``_split_finish``)."""
         if SPLIT:
-            tl.store(PART + (tl.program_id(1).to(tl.int64) * M + r) * N + rn64, acc, mask=mn & (rn64 * 0 + r < M))
+            tl.store(PART + (tl.program_id(1).to(tl.int64) * M + r) * N + rn64, acc, mask=split_live(mn, r, M))
         else:
-            tl.store(Y + r.to(tl.int64) * N + rn64, acc, mask=mn & (rn64 * 0 + r < M))
+            tl.store(Y + r.to(tl.int64) * N + rn64, acc, mask=split_live(mn, r, M))
 
     @triton.jit
     def _split_finish(PART, Y, r, M, N, rn64, mn, S, BN: tl.constexpr):

@@ -50,7 +50,8 @@ BM_ROWS = 8            # activation rows per tile: the n side of one m16n8k16 mm
 # grouped launches find their tile's expert with ``_tile_rows_vec`` (one vector load of the tile counts) instead of
 # ``lib.tile_rows``' binary search (LOG2G + 3 dependent loads, ~2 us after the PDL wait): the same tiles, so the
 # same bits; H100, decode step at batch 1 -1.3% (every layer 1.2-2.7 us faster), batch 64 within the spread
-# (docs/benchmarks-2026-12-07.md, fifth session). False: the search (``decode_step.py --moe-tiles``)
+# (docs/benchmarks-2026-12-07.md, "MoE decode: two latency chains shortened"). False: the search
+# (``decode_step.py --moe-tiles``)
 VEC_TILES = True
 BAND_ROWS = 16         # rows of one band in the band layout: one warp's 16 mma rows
 
