@@ -149,6 +149,9 @@ def kernel_profile(fn, reps=5, top=25):
     return rows[:top] + extra + [("(all kernels)", sum(r[1] for r in rows), total)]
 
 
+_SINKHORN = [None]          # --sinkhorn-iters' pick, applied to every HyperConnection before a timing
+
+
 def _switches() -> dict:
     """The A/B switches: flag -> (choices, the rows' tag, setter, what it switches). Each flag takes a comma list;
     the step is timed under every combination, in this process (graphs capture the setting in force)."""
@@ -192,6 +195,10 @@ def _switches() -> dict:
                         lambda m: setattr(moe_kernels, "COMBINE_ONE_TRIP", m == "one-trip"),
                         "the MoE combine's split loop per expert row or its one-round-trip form up to four "
                         "partials (kernels.moe.COMBINE_ONE_TRIP)"),
+        "sinkhorn-iters": (("20", "10", "5", "1", "0"), "sinkhorn iters",
+                           lambda m: _SINKHORN.__setitem__(0, int(m)),
+                           "the mHC sites' Sinkhorn at this many iterations (timing only: any count but the "
+                           "config's 20 changes the model's output; what the serial chain costs the step)"),
         "hc-fused-rows": (tuple(str(n) for n in (1, 2, 3, 4, 8, 16, 64)), "hc fused rows",
                           lambda m: setattr(mhc_kernels, "FUSED_MAX_T", int(m)),
                           f"the most rows an mHC site runs on the one-launch fused path, the tiled path above "
@@ -272,6 +279,10 @@ def main():
                 setter(m)
             if len(lists[name]) > 1:
                 tag += f"{label} {m}: "
+        if _SINKHORN[0] is not None:
+            for mod in model.modules():
+                if isinstance(mod, dsv4_model.HyperConnection):
+                    mod.iters = _SINKHORN[0]
         tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
         pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(slots[:B], device=dev)

@@ -201,17 +201,20 @@ def _check_hc_post_pre(T, D, gen, device=DEV, with_post=True, noise=2 ** -20, co
     return h, a, p2, c2
 
 
-@pytest.mark.parametrize("T,D", [(1, 64), (2, 320), (5, 128)])
-def test_hc_post_pre_fused(T, D):
+_B2 = {"impl": "fused", "splits": 4, "block_t": 2, "block_k": 32}
+
+
+@pytest.mark.parametrize("T,D,cfg", [(1, 64, {"impl": "fused", "splits": 3}),
+                                     (1, 64, {"impl": "fused", "splits": 1, "block_t": 1}),
+                                     (2, 320, {"impl": "fused", "splits": 3}), (2, 320, _B2), (5, 128, _B2)])
+def test_hc_post_pre_fused(T, D, cfg):
     """The one-launch path (PRE_POST, NORM) at token blocks of 1 / 2 (ragged at T 5) and split
     counts whose K ranges straddle the stream boundaries (D 320: 4 x 320 in 3 or 4 splits). 3 Sinkhorn
     iterations on every side, as in test_hc_impls (test_hc_post_pre_default_paths_and_errors holds the
     model's 20)."""
     gen = torch.Generator().manual_seed(T * 1000 + D)
-    for cfg in ({"impl": "fused", "splits": 3}, {"impl": "fused", "splits": 4, "block_t": 2, "block_k": 32},
-                {"impl": "fused", "splits": 1, "block_t": 1}):
-        for with_post in (True, False):
-            _check_hc_post_pre(T, D, gen, with_post=with_post, config=cfg, iters=3)
+    for with_post in (True, False):
+        _check_hc_post_pre(T, D, gen, with_post=with_post, config=cfg, iters=3)
 
 
 def test_hc_post_pre_loads_first_gives_the_same_bits(monkeypatch):
