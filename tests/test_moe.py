@@ -107,6 +107,31 @@ def test_route_exact(hash_layer):
     assert torch.equal(i2, i3) and torch.equal(w2, w3) and torch.equal(e2, e3)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_route_top_k_breaks_ties_to_the_lower_id_below_zero_too(T):
+    """The router's top-k (one packed max-reduction a pick): the twin's rule, a stable descending sort of
+    score + bias, where scores tie exactly (equal gate rows and biases) and where score + bias is below
+    zero (a tie there too), one token (its sort from registers) and three (the sort after the arrivals)."""
+    gen = torch.Generator().manual_seed(17)
+    ref = _ref_moe(16, 256, 128, 6, gen, False, shared=False)
+    ref.bias[:] = -8.0                                       # sums below zero but five: ...
+    ref.bias[2] = ref.bias[7] = 1.0
+    ref.gate_w[3] = ref.gate_w[9] = ref.gate_w[1]            # ... three equal scores and sums among them
+    ref.bias[1] = ref.bias[3] = ref.bias[9] = 0.5
+    ref.gate_w[12] = ref.gate_w[5]
+    ref.bias[5] = ref.bias[12] = -3.0                        # the sixth pick: a tie below zero
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = torch.randn(T, 256, generator=gen).bfloat16()
+    sc = torch.sqrt(torch.nn.functional.softplus(x.float() @ ref.gate_w.float().T)) + ref.bias
+    want = sc.sort(dim=-1, descending=True, stable=True).indices[:, :6]
+    assert (sc[:, [1, 3, 9]].diff(dim=1) == 0).all() and (sc[:, 5] == sc[:, 12]).all() and (sc[:, 5] < 0).all()
+    assert (want[:, 5] == 5).all() and (want[:, 2:5] == torch.tensor([1, 3, 9])).all()    # the ties decide
+    idx, rw, eflat, xq, xs, sort = Mo._route(x.to(DEV), None, w, quant=True, sort_bm=1)
+    assert torch.equal(idx.cpu(), want)
+    for a, b in zip(sort, Mo.sort_pairs(eflat, w.n_experts, 1)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("T,bm", [(1, 8), (3, 1), (30, 8), (43, 1)])
 def test_route_sorts_in_its_last_program(T, bm):
     """``_route(..., sort_bm=bm)``: the router's launch also sorts the pairs (its last arriving program;

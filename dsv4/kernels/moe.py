@@ -136,13 +136,18 @@ if triton_available():
             idx = tl.load(TID2EID + tok * KTOP + jk, mask=km, other=0).to(tl.int32)
         else:
             b = tl.load(BIAS + ar, mask=em, other=0.0)
-            v = tl.where(em, sc + b, float("-inf"))
+            # each pick one max-reduction of a packed int64: the score's order-preserving int32 (its sign bit
+            # kept, the other 31 bits flipped where it is set) over EP - 1 - id, so the largest score wins and
+            # among equal scores the lowest id (no -0.0 here: sc > 0, and sc + b == 0 rounds to +0.0)
+            bits = tl.where(em, sc + b, float("-inf")).to(tl.int32, bitcast=True)
+            key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+            v = (key << 32) | (EP - 1 - ar).to(tl.int64)
             idx = tl.zeros([KP], tl.int32)
             for j in tl.static_range(KTOP):
                 m = tl.max(v, axis=0)
-                i = tl.min(tl.where(v == m, ar, EP), axis=0)
+                i = EP - 1 - m.to(tl.int32)              # the low word: EP - 1 - id
                 idx = tl.where(jk == j, i, idx)
-                v = tl.where(ar == i, float("-inf"), v)
+                v = tl.where(ar == i, -9223372036854775807, v)     # below every packed score (-inf's too)
         # the picked scores out of registers (one-hot sums: exact, one nonzero term each)
         w = tl.sum(tl.where((ar[None, :] == idx[:, None]) & km[:, None], sc[None, :], 0.0), axis=1)
         w = w / tl.sum(w, axis=0) * route_scale
@@ -150,13 +155,14 @@ if triton_available():
         tl.store(IDX + t * KTOP + jk, idx.to(tl.int64), mask=km)
         tl.store(W + t * KTOP + jk, w, mask=km)
         loc = idx - E0
-        tl.store(EFLAT + t * KTOP + jk, tl.where(dup | (idx < 0) | (loc < 0) | (loc >= EL), EL, loc), mask=km)
+        keys = tl.where(dup | (idx < 0) | (loc < 0) | (loc >= EL), EL, loc)
+        tl.store(EFLAT + t * KTOP + jk, keys, mask=km)
         if QUANT:
             for b0 in range(0, nb, QB):                # [QB, 128] tiles, as _act_quant_kernel's
                 quant_blocks(X, Q, SQ, t, b0, nb, stride_x, stride_q, stride_sq, QB, INTERP)
         if SORT:
-            if T == 1:
-                _sort_all(EFLAT, PERM, OFFS, TCUM, INV, T * KTOP, EL, BM, ES, PP)
+            if T == 1:                                 # the keys are this program's registers: no round trip
+                _sort_keys(keys, jk, km, PERM, OFFS, TCUM, INV, EL, BM, ES)
             elif arrive(CNT) == T - 1:
                 _sort_all(EFLAT, PERM, OFFS, TCUM, INV, T * KTOP, EL, BM, ES, PP)
                 tl.store(CNT, 0)
@@ -172,9 +178,24 @@ if triton_available():
     def _sort_counts(EFLAT, OFFS, TCUM, P, E, BM: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr):
         """OFFS[e] = first sorted row of expert e (e = 0..E), TCUM = the prefix of ceil(count / BM) m-tiles
         (TCUM[0] = 0), from the P <= PP sort keys (``.cg``: written by other programs of a launch)."""
-        e = tl.arange(0, EP)
         i = tl.arange(0, PP)
-        cnt = tl.histogram(tl.load(EFLAT + i, mask=i < P, other=0, cache_modifier=".cg"), EP, mask=i < P)
+        _counts_store(tl.load(EFLAT + i, mask=i < P, other=0, cache_modifier=".cg"), i < P, OFFS, TCUM, E, BM, EP)
+
+    @triton.jit
+    def _sort_keys(keys, ii, im, PERM, OFFS, TCUM, INV, E, BM: tl.constexpr, EP: tl.constexpr):
+        """``_sort_counts`` + ``_sort_rows`` of one token's keys held in registers (``keys`` at pairs ``ii``,
+        live where ``im``): the same OFFS / TCUM / PERM / INV."""
+        _counts_store(keys, im, OFFS, TCUM, E, BM, EP)
+        first = (keys[None, :] < keys[:, None]) | ((keys[None, :] == keys[:, None]) & (ii[None, :] < ii[:, None]))
+        row = tl.sum((first & im[None, :]).to(tl.int32), axis=1)
+        tl.store(PERM + row, ii.to(tl.int64), mask=im)
+        tl.store(INV + ii, row, mask=im)
+
+    @triton.jit
+    def _counts_store(keys, km, OFFS, TCUM, E, BM: tl.constexpr, EP: tl.constexpr):
+        """OFFS / TCUM (``_sort_counts``) from sort keys in registers, live where ``km``."""
+        e = tl.arange(0, EP)
+        cnt = tl.histogram(keys, EP, mask=km)
         tl.store(OFFS + e, (tl.cumsum(cnt, axis=0) - cnt).to(tl.int64), mask=e <= E)
         tiles = tl.where(e < E, (cnt + BM - 1) // BM, 0)
         tl.store(TCUM + 1 + e, tl.cumsum(tiles, axis=0).to(tl.int64), mask=e < E)
