@@ -186,10 +186,16 @@ if triton_available():
         """``_sort_counts`` + ``_sort_rows`` of one token's keys held in registers (``keys`` at pairs ``ii``,
         live where ``im``): the same OFFS / TCUM / PERM / INV."""
         _counts_store(keys, im, OFFS, TCUM, E, BM, EP)
-        first = (keys[None, :] < keys[:, None]) | ((keys[None, :] == keys[:, None]) & (ii[None, :] < ii[:, None]))
-        row = tl.sum((first & im[None, :]).to(tl.int32), axis=1)
+        row = _rank(keys, ii, keys, ii, im)
         tl.store(PERM + row, ii.to(tl.int64), mask=im)
         tl.store(INV + ii, row, mask=im)
+
+    @triton.jit
+    def _rank(ki, ii, kj, jj, jm):
+        """Per pair i (key ki): how many pairs j (key kj, live where jm) sort before it, by a smaller key or by
+        the same key and a lower index (the stable counting sort's row; a [len(ii), len(jj)] compare block)."""
+        first = (kj[None, :] < ki[:, None]) | ((kj[None, :] == ki[:, None]) & (jj[None, :] < ii[:, None]))
+        return tl.sum((first & jm[None, :]).to(tl.int32), axis=1)
 
     @triton.jit
     def _counts_store(keys, km, OFFS, TCUM, E, BM: tl.constexpr, EP: tl.constexpr):
@@ -213,8 +219,7 @@ if triton_available():
         for d0 in range(0, P, CH):
             jj = d0 + jl
             ej = tl.load(EFLAT + jj, mask=jj < P, other=2147483647, cache_modifier=".cg")
-            first = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (jj[None, :] < ii[:, None]))
-            row += tl.sum(first.to(tl.int32), axis=1)
+            row += _rank(ei, ii, ej, jj, jj < P)
         tl.store(PERM + row, ii.to(tl.int64), mask=im)
         tl.store(INV + ii, row, mask=im)
 
