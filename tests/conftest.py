@@ -44,7 +44,12 @@ import torch  # noqa: E402
 # (DSV4_NUM_THREADS overrides the serving rule, ``llm_engine.engine_threads``).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
-os.environ.setdefault("DSV4_NUM_THREADS", str(torch.get_num_threads()))
+# xdist's workers inherit the controller's environment, so a value this file set there (the controller's own
+# share, all the cores) is replaced by the worker's share: two engines of two OpenMP threads each on two cores
+# spin on each other (the engine tests ran 2.6x slower). A value the user set is kept.
+if "DSV4_NUM_THREADS" not in os.environ or os.environ.get("_DSV4_NUM_THREADS_BY_CONFTEST") == "1":
+    os.environ["DSV4_NUM_THREADS"] = str(torch.get_num_threads())
+    os.environ["_DSV4_NUM_THREADS_BY_CONFTEST"] = "1"
 # Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported
 # (``triton.jit`` picks the interpreter when a kernel is defined). This is the one place that sets it:
 # on a GPU machine a plain ``pytest`` runs the kernels compiled. Offline (AOT) compiles run in a

@@ -122,7 +122,7 @@ def test_serve_help_and_readme(capsys):
     assert rc == 0 and "--request-rate" in out and "--max-concurrency" in out
     readme = (ROOT / "README.md").read_text()
     assert "python3 -m pip install -q torch==2.13.0 -e . && dsv4 serve\n" in readme
-    test_cmd = "python3 -m pip install -q torch==2.13.0 -e '.[test]' && python3 -m pytest -q -m \"not slow\"\n"
+    test_cmd = "python3 -m pip install -q torch==2.13.0 -e '.[test]' && python3 -m pytest -q -n 2 --dist loadfile -m \"not slow\"\n"
     assert test_cmd in readme and test_cmd in (ROOT / ".ci" / "run").read_text()
     assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in readme
     assert "from openai import OpenAI" in readme
