@@ -170,9 +170,11 @@ def _switches() -> dict:
                        "the fp32-output GEMMs (compressor projection, router gate) on torch's GEMMs or on "
                        "kernels.gemm.dense_gemv up to its routed rows (default: the router's choice only)"),
         "dense-gemv-rows": (("1", "2", "4", "8", "16"), "dense gemv rows",
-                            lambda m: setattr(gemm_route, "DENSE_GEMV_MAX_ROWS", int(m)),
+                            lambda m: (setattr(gemm_route, "DENSE_GEMV_MAX_ROWS", int(m)),
+                                       setattr(gemm_route, "DENSE_GEMV_FP32_MAX_ROWS", int(m))),
                             "the fp32-output GEMMs (compressor projection, router gate) on kernels.gemm.dense_gemv "
-                            "up to this many rows (kernels.gemm.route.DENSE_GEMV_MAX_ROWS; default 1), torch's above"),
+                            "up to this many rows, both weight dtypes (kernels.gemm.route.DENSE_GEMV_MAX_ROWS / "
+                            "DENSE_GEMV_FP32_MAX_ROWS; default 2 / 8), torch's above"),
         "mhc-sites": (("fused", "per-op"), "mhc", lambda m: setattr(dsv4_model, "FUSED_SITES", m == "fused"),
                       "the mHC sites on hc_post_pre (model.deepseek_v4.FUSED_SITES, the default) or on the per-op "
                       "blocks"),

@@ -12,7 +12,7 @@ H100 (2026-12-06, before the kernel was cut to one row): its tensor-core / FMA `
 padded rows lost to torch at 4 and 16 rows (Flash CSA projection 15.1 / 16.0 us vs 12.9 / 13.1, router
 18.6 / 18.8 vs 15.3 / 22.2 at the best tiles), so the router keeps torch above one row. The kernel's present
 multi-row form is elementwise FMAs instead: each weight tile serves up to 4 rows (RB), each row in its own fp32
-register tile (every row the one-row launch's bits); ``route.DENSE_GEMV_MAX_ROWS`` stays 1 until this times it.
+register tile (every row the one-row launch's bits); ``route.DENSE_GEMV_MAX_ROWS`` / ``DENSE_GEMV_FP32_MAX_ROWS`` were set from its 2026-12-07 table.
 """
 from __future__ import annotations
 

@@ -95,23 +95,24 @@ def test_dense_gemv_rejects(x, w, cfg, match):
         D.dense_gemv(x.to(DEV), w.to(DEV), config=cfg)
 
 
-def test_dense_gemv_route_one_row_only(monkeypatch):
-    """The router sends calls of up to ``DENSE_GEMV_MAX_ROWS`` rows (one by default) on modest weights of sm_80+
-    GPUs here, nothing else."""
+def test_dense_gemv_route_rows_by_weight_dtype(monkeypatch):
+    """The router sends calls of up to ``DENSE_GEMV_MAX_ROWS`` rows of a bf16 weight (2) and
+    ``DENSE_GEMV_FP32_MAX_ROWS`` of an fp32 one (8) on modest weights of sm_80+ GPUs here, nothing else."""
     from dsv4.kernels.gemm import route
     from dsv4.kernels import lib
     from dsv4.kernels.lib import aot_target
     t = aot_target(90)
-    assert route.dense_gemv(1, 2624, 4096, torch.bfloat16, t)
-    assert route.dense_gemv(1, 256, 4096, torch.float32, t)
-    assert not route.dense_gemv(2, 2624, 4096, torch.bfloat16, t)          # the multi-row form is not yet timed
-    assert not route.dense_gemv(0, 2624, 4096, torch.bfloat16, t)
+    bf, f32 = torch.bfloat16, torch.float32
+    assert route.dense_gemv(1, 2624, 4096, bf, t) and route.dense_gemv(2, 2624, 4096, bf, t)
+    assert not route.dense_gemv(3, 2624, 4096, bf, t)                     # cuBLAS's bf16 GEMM from 3 rows
+    assert route.dense_gemv(1, 256, 4096, f32, t) and route.dense_gemv(8, 256, 4096, f32, t)
+    assert not route.dense_gemv(9, 256, 4096, f32, t)
+    assert not route.dense_gemv(0, 2624, 4096, bf, t)
     monkeypatch.setattr(route, "DENSE_GEMV_MAX_ROWS", 4)
-    assert route.dense_gemv(4, 2624, 4096, torch.bfloat16, t) and not route.dense_gemv(5, 2624, 4096, torch.bfloat16, t)
-    monkeypatch.setattr(route, "DENSE_GEMV_MAX_ROWS", 1)
-    assert not route.dense_gemv(1, 129280, 4096, torch.bfloat16, t)        # the output head keeps cuBLAS
+    assert route.dense_gemv(4, 2624, 4096, bf, t) and not route.dense_gemv(5, 2624, 4096, bf, t)
+    assert not route.dense_gemv(1, 129280, 4096, bf, t)                   # the output head keeps cuBLAS
     assert not route.dense_gemv(1, 256, 4096, torch.float16, t)
-    assert not route.dense_gemv(1, 256, 4096, torch.float32, lib.Target("cuda", (7, 5), 40))
+    assert not route.dense_gemv(1, 256, 4096, f32, lib.Target("cuda", (7, 5), 40))
 
 
 @pytest.mark.gpu

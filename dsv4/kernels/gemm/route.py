@@ -119,17 +119,26 @@ def wo_a_kernel(T: int, fmt: str, t: Target) -> str:
 # 12.8 / 8.4, router 5.5 vs 8.9; V4-Pro CSA projection 18.4 vs 18.2, router 7.8 vs 12.7. At 4 and 16 rows a
 # tensor-core / FMA ``tl.dot`` form of the kernel lost (15.1-19.6 vs 12.9-15.3 us), so more rows stay on torch
 DENSE_GEMV_MAX_WEIGHT = 32 * 1024 * 1024
-# rows up to which ``dense_gemv`` serves. Its multi-row form (up to 4 rows a program, each with its own accumulator:
-# every row the one-row launch's bits) is not yet timed on a GPU, so one row (``decode_step.py --dense-gemv-rows``)
-DENSE_GEMV_MAX_ROWS = 1
+# rows up to which ``dense_gemv`` serves: bf16 weights (the compressor / indexer projections) and fp32 weights (the
+# router's gate). Its multi-row form takes up to 4 rows a program, each with its own accumulator (every row the
+# one-row launch's bits). H100, experiments/exp_dense_gemv.py (2026-12-07, GPU time against torch): Flash CSA / HCA
+# projection at 2 rows 13.0 / 8.3 us vs 12.9 / 8.6, at 4 rows 20.4 / 10.6 vs 12.9 / 8.8 (cuBLAS's bf16 GEMM costs one
+# row's time up to 16 rows; the kernel's FMAs per weight byte grow with the rows); router gate at 2 / 4 / 8 rows
+# 6.2 / 8.5 / 12.3 vs 15.5 / 15.6 / 21.8 (torch upcasts x and runs an fp32 SIMT GEMM from 2 rows). decode_step.py
+# with every call on the kernel up to 4 rows (4 layers, ctx 8192): batch 2 1211.0 vs 1254.0 us, batch 4 1502.8 vs
+# 1523.8 (the router's gain less the CSA projection's loss)
+DENSE_GEMV_MAX_ROWS = 2
+DENSE_GEMV_FP32_MAX_ROWS = 8
 
 
 def dense_gemv(M: int, N: int, K: int, dtype, t: Target) -> bool:
     """Whether ``dense_gemv`` serves an [M, K] x [N, K]^T fp32-output GEMM on ``t`` (sm_80+, up to
-    ``DENSE_GEMV_MAX_ROWS`` rows)."""
+    ``DENSE_GEMV_MAX_ROWS`` rows of a bf16 weight, ``DENSE_GEMV_FP32_MAX_ROWS`` of an fp32 one)."""
     import torch
-    return (t.at_least((8, 0)) and 1 <= M <= DENSE_GEMV_MAX_ROWS and N * K <= DENSE_GEMV_MAX_WEIGHT
-            and dtype in (torch.bfloat16, torch.float32))
+    if dtype not in (torch.bfloat16, torch.float32):
+        return False
+    rows = DENSE_GEMV_FP32_MAX_ROWS if dtype == torch.float32 else DENSE_GEMV_MAX_ROWS
+    return t.at_least((8, 0)) and 1 <= M <= rows and N * K <= DENSE_GEMV_MAX_WEIGHT
 
 
 # ``dense_mm`` (bf16 x bf16 -> fp32 on tensor cores, promoted every BK columns: the router's gate with a bf16-exact
@@ -492,7 +501,7 @@ def choices(t: Target) -> list[Choice]:
 
 
 __all__ = ["Choice", "FUSE_QUANT_MAX_ROWS", "GEMV_ROWS_PER_EXPERT", "MMA_GEMV_ROWS_PER_EXPERT", "MMA_MAX_ROWS",
-           "MMA_MAX_WEIGHT", "DENSE_GEMV_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_STEP_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "SHARED_UNFUSED",
+           "MMA_MAX_WEIGHT", "DENSE_GEMV_MAX_ROWS", "DENSE_GEMV_FP32_MAX_ROWS", "DENSE_GEMV_MAX_WEIGHT", "PREFILL_MIN_ROWS", "PREFILL_STEP_MIN_ROWS", "PREFILL_ROWS_PER_EXPERT", "SHARED_SPLIT_MAX_ROWS", "SHARED_UNFUSED",
            "WO_A_MAX_ROWS",
            "FP8MMA_MAX_ROWS_PER_EXPERT", "FP8MMA_ROWS_PER_EXPERT", "PREDEC_ROWS_PER_EXPERT", "choices", "decode_kernel", "dense_gemv", "dense_gemv_config", "dense_mm", "dense_mm_config", "expert_path", "fp4_config", "fp4_mma_config", "fp4_path",
            "fp4_fp8_config", "fp4_prefill_config", "fp8_predec_config", "predecode_config", "fp8_kernel", "fp8_mma_config", "fp8_prefill_config", "fp8_split_k", "fp8_tiles",
