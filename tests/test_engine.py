@@ -62,7 +62,6 @@ def _free(cache):
     return cache.num_free_blocks, cache.num_free_slots
 
 
-@pytest.mark.slow
 def test_eight_concurrent_greedy_requests_match_the_model_alone(llm, ref):
     lens = [705, 730, 300, 130, 64, 17, 5, 3]           # two > 700 tokens: CSA top-k and HCA entries
     n_out = 6
@@ -79,7 +78,6 @@ def test_eight_concurrent_greedy_requests_match_the_model_alone(llm, ref):
     assert equal >= len(prompts) * n_out * 3 // 4         # parting runs are the exception
 
 
-@pytest.mark.slow
 def test_preemption_leaves_outputs_unchanged_and_frees_everything(tmp_path, ref):
     import os
     os.environ.setdefault("DSV4_CACHE_DIR", str(tmp_path))
