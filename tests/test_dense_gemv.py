@@ -117,16 +117,17 @@ def test_dense_gemv_route_rows_by_weight_dtype(monkeypatch):
 
 @pytest.mark.gpu
 def test_dense_gemv_v4_shapes_gpu():
-    """V4-Flash's CSA / HCA projection (bf16) and router gate (fp32 weight) against torch's GEMMs at 1, 4 and 7
-    rows, each row the one-row launch's bits."""
+    """V4-Flash's CSA / HCA projection (bf16) and router gate (fp32 weight) against torch's GEMMs at 1, 2, 4 and 7
+    rows (the routed 2-row program of the projections, the gate's 4-row programs and a tail), each row the one-row
+    launch's bits."""
     need_gpu()
     gen = torch.Generator(device="cuda").manual_seed(1)
     for N, wdtype in ((2624, torch.bfloat16), (1024, torch.bfloat16), (256, torch.float32)):
-        for M in (1, 4, 7):                                  # one row; the multi-row form (4 a program, a tail)
+        for M in (1, 2, 4, 7):                               # one row; the multi-row form (2 or 4 a program, a tail)
             x = torch.randn(M, 4096, generator=gen, device="cuda").bfloat16()
             w = (torch.randn(N, 4096, generator=gen, device="cuda") * 0.02).to(wdtype)
             y = D.dense_gemv(x, w)
             _check(y, x.cpu(), w.cpu())
             ref = x.float() @ w.float().T
             assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
-            assert torch.equal(y[M - 1:], D.dense_gemv(x[M - 1:], w))
+            assert torch.equal(y[M - 1:], D.dense_gemv(x[M - 1:], w)) and torch.equal(y[:1], D.dense_gemv(x[:1], w))
