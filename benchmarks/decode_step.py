@@ -201,6 +201,9 @@ def _switches() -> dict:
                            lambda m: _SINKHORN.__setitem__(0, int(m)),
                            "the mHC sites' Sinkhorn at this many iterations (timing only: any count but the "
                            "config's 20 changes the model's output; what the serial chain costs the step)"),
+        "sinkhorn-rcp": (("off", "on"), "sinkhorn rcp", lambda m: setattr(mhc_kernels, "SINKHORN_RCP", m == "on"),
+                         "the Sinkhorn's normalisations on the approximate reciprocal and a summation tree "
+                         f"(kernels.mhc.SINKHORN_RCP; default {'on' if mhc_kernels.SINKHORN_RCP else 'off'})"),
         "hc-fused-rows": (tuple(str(n) for n in (1, 2, 3, 4, 8, 16, 64)), "hc fused rows",
                           lambda m: setattr(mhc_kernels, "FUSED_MAX_T", int(m)),
                           f"the most rows an mHC site runs on the one-launch fused path, the tiled path above "

@@ -410,6 +410,29 @@ def test_gpu_hc_post_pre(D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fast", [False, True])
+def test_gpu_sinkhorn_rcp(monkeypatch, fast):
+    """The Sinkhorn on the approximate reciprocal and a summation tree (``mhc.SINKHORN_RCP``) and on the division:
+    post / comb within 1e-5 of the reference on the fused decode site (1 and 3 tokens) and the tiled path (300),
+    with and without the previous hc_post; comb within 4e-6 of the division's comb and its columns summing to 1."""
+    _need_gpu()
+    from dsv4.kernels import mhc
+    gen = torch.Generator().manual_seed(11)
+    for T in (1, 3, 300):
+        for with_post in (True, False):
+            monkeypatch.setattr(mhc, "SINKHORN_RCP", fast)
+            _check_hc_post_pre(T, 4096, gen, device="cuda", with_post=with_post, noise=1e-5)
+    x, fn, base, scale = _hc_inputs(3, 4096, gen, device="cuda")
+    monkeypatch.setattr(mhc, "SINKHORN_RCP", True)
+    _, post_f, comb_f = hc_pre(x, fn, base, scale)
+    monkeypatch.setattr(mhc, "SINKHORN_RCP", False)
+    _, post_d, comb_d = hc_pre(x, fn, base, scale)
+    assert torch.equal(post_f, post_d)
+    assert (comb_f - comb_d).abs().max().item() <= 4e-6 * comb_d.abs().max().item()
+    assert (comb_f.sum(-2) - 1).abs().max().item() < 1e-4
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("D,T", [(4096, 256), (4096, 2048)])
 def test_gpu_hc_ieee_mode(D, T):
     """The fp32 FMA mode: the reference's fp32 accuracy (2^-20 of the summed magnitudes)."""

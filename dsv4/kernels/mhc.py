@@ -283,14 +283,21 @@ if triton_available():
         return a * inv + eps, b * inv + eps, c * inv + eps, d * inv + eps
 
     @triton.jit
-    def _norm4(a, b, c, d, eps):
+    def _norm4(a, b, c, d, eps, FAST: tl.constexpr = False):
         """(a, b, c, d) / (a + b + c + d + eps): one reciprocal, four products (the serial chain of the
-        Sinkhorn: ~1 ulp from four divisions, a quarter of the latency)."""
-        inv = 1.0 / (a + b + c + d + eps)
+        Sinkhorn: ~1 ulp from four divisions, a quarter of the latency). FAST (compiled GPU code only): the sum
+        as a tree and the hardware's approximate reciprocal (``rcp.approx.ftz.f32``, at most 1 ulp off; the
+        operands are >= eps, never subnormal): the chain's FSETP / range-scaling steps of the IEEE-range
+        ``1.0 / x`` gone, one add shorter (SASS, Triton 3.6, sm_90)."""
+        if FAST:
+            inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [((a + b) + (c + d)) + eps],
+                                            dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            inv = 1.0 / (a + b + c + d + eps)
         return a * inv, b * inv, c * inv, d * inv
 
     @triton.jit
-    def _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NC: tl.constexpr):
+    def _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NC: tl.constexpr, FAST: tl.constexpr = False):
         """post = 2 sigmoid(z[4..7]) and the Sinkhorn-normalised comb (4x4, logits z[8..23]) of tokens t,
         stored fp32. Each comb entry is its own [BT] vector: the row / column sums of the 20
         iterations are plain adds (no cross-thread reduction on that serial chain)."""
@@ -318,19 +325,19 @@ if triton_available():
         c10, c11, c12, c13 = _softmax_row(c10, c11, c12, c13, hc_eps)
         c20, c21, c22, c23 = _softmax_row(c20, c21, c22, c23, hc_eps)
         c30, c31, c32, c33 = _softmax_row(c30, c31, c32, c33, hc_eps)
-        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
-        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
-        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
-        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps, FAST)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps, FAST)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps, FAST)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps, FAST)
         for _ in range(iters - 1):
-            c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
-            c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
-            c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
-            c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
-            c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
-            c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
-            c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
-            c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+            c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps, FAST)
+            c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps, FAST)
+            c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps, FAST)
+            c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps, FAST)
+            c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps, FAST)
+            c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps, FAST)
+            c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps, FAST)
+            c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps, FAST)
         cp = COMB + t64 * 16
         tl.store(cp + 0, c00, mask=tm)
         tl.store(cp + 1, c01, mask=tm)
@@ -427,7 +434,7 @@ if triton_available():
                   NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   BD: tl.constexpr, HEAD: tl.constexpr, PRE_POST: tl.constexpr = False, NORM: tl.constexpr = False,
                   INTERP: tl.constexpr = False, PF: tl.constexpr = False, PFL: tl.constexpr = 1,
-                  LOADS_FIRST: tl.constexpr = False):
+                  LOADS_FIRST: tl.constexpr = False, FAST_RCP: tl.constexpr = False):
         """Decode-sized hc_pre / hc_head in one launch, grid (S, token blocks of BT). Each program: the
         partial mix of its K range in fp32 FMAs (exact products, fn read as fp32: ``ieee`` accuracy in
         either mode) and the partial sum of squares -> PART; then an acq_rel arrival on the token
@@ -489,12 +496,12 @@ if triton_available():
                 dm = d < D
                 x0, x1, x2, x3 = _stream_rows(X, tb, d, dm, D, stride_xt, ".cg")
                 nw = tl.load(NW + d, mask=dm, other=0.0)
-                _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP)
+                _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP, FAST_RCP)
                 y = _weigh4(x0, x1, x2, x3, _pick(p0, 0, BT), _pick(p1, 0, BT), _pick(p2, 0, BT), _pick(p3, 0, BT))
                 norm_store_w(rne_bf16(y), nw, Y + tb.to(tl.int64) * stride_yt, d, dm, D, norm_eps, INTERP)
             else:
                 if not HEAD:
-                    _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP)
+                    _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP, FAST_RCP)
                 for i in tl.static_range(BT):
                     ti = tb * BT + i
                     if ti < T:
@@ -544,7 +551,8 @@ if triton_available():
 
     @triton.jit(do_not_specialize=['T', 'S', 'iters'])
     def _hc_tokens(PART, BASE, SCALE, PRE, POST, COMB, T, S, inv_k, rms_eps, hc_eps, iters,
-                   NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, HEAD: tl.constexpr):
+                   NMIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, HEAD: tl.constexpr,
+                   FAST_RCP: tl.constexpr = False):
         """Per-token finish, grid (token blocks of BT): the split partials reduced (split order), rsqrt,
         pre -> PRE [T, 4] fp32; hc_pre: post and the Sinkhorn comb. Token-parallel (a token per
         thread group): the 20-iteration Sinkhorn costs its serial latency once per block, not once
@@ -561,7 +569,7 @@ if triton_available():
         tl.store(PRE + t64 * 4 + 2, p2, mask=tm)
         tl.store(PRE + t64 * 4 + 3, p3, mask=tm)
         if not HEAD:
-            _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP)
+            _post_comb(z, POST, COMB, t, tm, hc_eps, iters, NP, FAST_RCP)
 
     @triton.jit
     def _hc_apply(X, PRE, Y, T, D, NDB, stride_xt, stride_yt, BD: tl.constexpr, REVERSE: tl.constexpr):
@@ -651,6 +659,10 @@ FUSED_MAX_T = 3       # hc_pre / hc_post_pre: the one-launch fused path up to th
 # the fused decode site (one token a block, NORM): the last arriver's stream loads issued before its Sinkhorn
 # (``_hc_fused`` LOADS_FIRST; False: after it, the A/B of benchmarks/decode_step.py --hc-loads)
 LOADS_FIRST = True
+# the Sinkhorn's row / column normalisations on the approximate reciprocal and a summation tree (``_norm4`` FAST;
+# compiled GPU code only, the interpreter keeps ``1.0 / x``); False: the IEEE-range division, the A/B of
+# benchmarks/decode_step.py --sinkhorn-rcp
+SINKHORN_RCP = False
 _counters = arrival_counters   # one zeroed buffer per device, reset by each last arriver (counters.py)
 
 
@@ -708,7 +720,8 @@ def _fused_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
                          float(neps), NMIX=nmix, NP=np_, SP=max(2, triton.next_power_of_2(S)), BT=BT, BK=BK, BD=BD,
                          HEAD=head, PRE_POST=prev is not None, NORM=norm is not None, INTERP=interpreting(),
                          PF=prefetch_on(), PFL=max(1, BK // 32),
-                         LOADS_FIRST=LOADS_FIRST and BT == 1 and norm is not None and not head, **kw, **PDL_LAUNCH)
+                         LOADS_FIRST=LOADS_FIRST and BT == 1 and norm is not None and not head,
+                         FAST_RCP=SINKHORN_RCP and not interpreting() and not head, **kw, **PDL_LAUNCH)
 
 
 def _mode(cfg: dict) -> int:
@@ -768,7 +781,8 @@ def _tiled_launch(x, fn, nmix, head, base, scale, y, post, comb, iters, hc_eps, 
     BTF = cfg.get("tokens_block") or max(1, min(64, 4096 // (SP * np_)))   # [SP, BTF, NP] tile <= 32 regs
     kw = {} if interp else {"num_warps": 4}
     _hc_tokens[(triton.cdiv(T, BTF),)](part, base, scale, pre, post, comb, T, S, 1.0 / K, rms_eps, hc_eps, iters,
-                                       NMIX=nmix, NP=np_, SP=SP, BT=BTF, HEAD=head, **kw, **PDL_LAUNCH)
+                                       NMIX=nmix, NP=np_, SP=SP, BT=BTF, HEAD=head,
+                                       FAST_RCP=SINKHORN_RCP and not interp and not head, **kw, **PDL_LAUNCH)
     pow2_div = D & -D                     # d 7168: 1024 (no ragged last block), d 4096: 2048
     BD = cfg.get("apply_block_d") or min(2048, pow2_div if pow2_div >= 512 else triton.next_power_of_2(D))
     kw = {} if interp else {"num_warps": cfg.get("apply_warps", 4)}
