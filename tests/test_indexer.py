@@ -153,6 +153,28 @@ def test_index_topk_many_rows_sort_in_kernel():
     assert torch.equal(out, index_topk_twin(s, 600, nv))
 
 
+def test_index_topk_twin_sorts_the_valid_prefix_as_the_whole_row():
+    """The twin sorts only the first max(n_valid) columns: the full stable sort's picks, -1 padding included
+    (ties, -inf inside the valid range, rows of 0 / some / all valid columns, k above and below max(n_valid))."""
+    def full_sort(scores, k, nv):
+        B, N = scores.shape
+        j = torch.arange(N)[None, :]
+        s = scores.float().masked_fill(j >= nv.long()[:, None], float("-inf"))
+        idx = s.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        idx = idx.masked_fill(idx >= nv.long()[:, None], -1)
+        if idx.shape[1] < k:
+            idx = torch.cat([idx, idx.new_full((B, k - idx.shape[1]), -1)], dim=1)
+        return idx.int()
+    gen = torch.Generator().manual_seed(4)
+    s = torch.randn(4, 3000, generator=gen).bfloat16()
+    s[1, ::5] = 0.5
+    s[2, 3] = float("-inf")
+    s[:, 2500:] = float("-inf")                                       # the unwritten tail of a decode row
+    for nv, k in (([0, 40, 300, 17], 64), ([0, 40, 300, 17], 512), ([3000, 0, 5, 2999], 100), ([0, 0, 0, 0], 8)):
+        nv = torch.tensor(nv, dtype=torch.int32)
+        assert torch.equal(index_topk_twin(s, k, nv), full_sort(s, k, nv))
+
+
 def test_index_topk_no_valid_and_small_k():
     gen = torch.Generator().manual_seed(6)
     s = torch.randn(2, 777, generator=gen).bfloat16()

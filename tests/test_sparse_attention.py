@@ -147,6 +147,46 @@ def test_sparse_decode_block32_dsplit_and_no_extra():
     _compare(o, ref)
 
 
+def _bits(t):
+    return t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous().view(torch.int32)
+
+
+def test_twin_cuts_unused_block_runs_to_the_same_bits(monkeypatch):
+    """The twin cuts every run of 64-column blocks that no row uses to its first block
+    (``_collapse_masked_runs``): the reference's bits, sign of zero included. At the reference: keys with -0.0
+    and negative values in row 0 (the masked keys' row), runs before, between and after used blocks, a used
+    block straddling the lists' boundary, the first block unused, a partial last block, a row with no used
+    column. At the twin: decode lists of a wide HCA extra list at short positions, cut against uncut."""
+    from dsv4.reference.attention import sparse_attention
+    from dsv4.reference.numerics import OFFICIAL
+    import dsv4.twins.sparse_attention as tw
+    gen = torch.Generator().manual_seed(5)
+    kv = (torch.randn(40, 512, generator=gen) * 0.3).bfloat16()
+    kv[0, :64] = -kv[0, :64].abs()
+    kv[:, 64:80] = -0.0                                # columns of negative zeros in every key
+    q = (torch.randn(3, 4, 512, generator=gen) * 0.5).bfloat16()
+    sink = torch.randn(4, generator=gen)
+    for Kw, Ke, used in ((144, 700, {0: [3, 130], 1: [140, 150, 500], 2: []}),
+                         (64, 630, {0: [200], 1: [629], 2: [640]}),
+                         (192, 0, {0: [150], 1: [160], 2: []})):
+        idx = torch.full((3, Kw + Ke), -1, dtype=torch.int64)
+        for r, cols in used.items():
+            for c in cols:
+                idx[r, c] = int(torch.randint(0, 40, (1,), generator=gen))
+        w, e = tw._collapse_masked_runs(idx[:, :Kw], idx[:, Kw:] if Ke else None)
+        cut = torch.cat([w] + ([e] if e is not None else []), 1)
+        assert cut.shape[1] < idx.shape[1]
+        want = sparse_attention(q, kv, idx, sink, 512 ** -0.5, OFFICIAL)
+        got = sparse_attention(q, kv, cut, sink, 512 ** -0.5, OFFICIAL)
+        assert torch.equal(_bits(got), _bits(want))
+    cache, q, widx, eidx, sinks = _decode_case(2, 1, 8, 1000, "hca", gen, positions=[200, 700], n_extra=1000,
+                                               device="cpu")
+    got = sparse_attention_twin(q, widx, cache.wp_cpu, cache.wB, eidx, cache.ep_cpu, cache.eB, sinks)
+    monkeypatch.setattr(tw, "_collapse_masked_runs", lambda w, e: (w, e))
+    want = sparse_attention_twin(q, widx, cache.wp_cpu, cache.wB, eidx, cache.ep_cpu, cache.eB, sinks)
+    assert torch.equal(_bits(got), _bits(want))
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_sparse_decode_all_masked(num_splits):
     gen = torch.Generator().manual_seed(11)

@@ -55,11 +55,16 @@ def index_scores(q, w, pages, block_table, pos, n=None, out_dtype=torch.bfloat16
 
 
 def index_topk(scores, k, n_valid=None, out_dtype=torch.int32, **_):
-    """Stable descending sort (the reference's tie rule), -1 past min(k, n_valid)."""
+    """Stable descending sort (the reference's tie rule), -1 past min(k, n_valid). Only the first max(n_valid)
+    columns are sorted: every later one is -inf at an index >= each row's n_valid, so the full sort puts it after
+    them and it comes out -1 (a decode step's scores span the whole context, its n_valid the position's)."""
     B, N = scores.shape
     if n_valid is None:
         n_valid = torch.full((B,), N, device=scores.device)
     nv = n_valid.long()[:, None]
+    if B:
+        N = max(1, min(N, int(nv.max())))           # a device sync: the twin synchronises anyway
+        scores = scores[:, :N]
     j = torch.arange(N, device=scores.device)[None, :]
     s = scores.float().masked_fill(j >= nv, float("-inf"))
     idx = s.sort(dim=-1, descending=True, stable=True).indices[:, :k]

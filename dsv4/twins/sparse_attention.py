@@ -9,7 +9,7 @@ import torch
 
 from ..formats.contracts import check_inverse_rope, check_sparse_attention, check_sparse_workspaces
 from ..formats.kv_entry import read_kv_entries
-from ..reference.attention import sparse_attention
+from ..reference.attention import ATTN_BLOCK, sparse_attention
 from ..reference.numerics import OFFICIAL
 from .inverse_rope import inverse_rope
 from .kv_insert import q_transform
@@ -48,6 +48,36 @@ def sparse_decode(q: torch.Tensor, window_idx: torch.Tensor | None, window_pages
                           sinks, scale, rope=rope)
 
 
+def _collapse_masked_runs(window_idx, extra_idx):
+    """The two lists with every run of consecutive ``ATTN_BLOCK``-column blocks (of their concatenation) that no
+    row uses cut to the run's first block: the same bits from ``sparse_attention``, for less work where the lists
+    are padded to their capacity (a decode step's compressed-entry list spans the whole context; at a short
+    position almost all of it is -1). Why the bits hold: a block that no row uses leaves the running max and the
+    denominator as they are (alpha = 1 exactly, or 0 and 0 before any used entry) and adds to the accumulator a
+    sum of zeros that is the same for every such block (the masked keys are all row 0 times 0), and adding the
+    same signed zero twice is adding it once. Blocks stay aligned (whole blocks go), column 0 stays (the masked
+    keys' row), the order of what stays is unchanged."""
+    Kw = 0 if window_idx is None else window_idx.shape[1]
+    K = Kw + (0 if extra_idx is None else extra_idx.shape[1])
+    nb = -(-K // ATTN_BLOCK)
+    if nb <= 2:
+        return window_idx, extra_idx
+    dev = (window_idx if window_idx is not None else extra_idx).device
+    used = torch.zeros(nb * ATTN_BLOCK, dtype=torch.bool, device=dev)
+    if Kw:
+        used[:Kw] = (window_idx >= 0).any(0)
+    if K > Kw:
+        used[Kw:K] = (extra_idx >= 0).any(0)
+    live = used.view(nb, ATTN_BLOCK).any(1).tolist()
+    keep = [b for b in range(nb) if b == 0 or live[b] or live[b - 1]]
+    if len(keep) == nb:
+        return window_idx, extra_idx
+    cols = torch.cat([torch.arange(b * ATTN_BLOCK, min((b + 1) * ATTN_BLOCK, K), device=dev) for b in keep])
+    w = window_idx[:, cols[cols < Kw]] if Kw else window_idx
+    e = extra_idx[:, cols[cols >= Kw] - Kw] if K > Kw else extra_idx
+    return w, e
+
+
 def _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_pages, extra_page_size, sinks, scale,
             kv_bf16=None):
     """Both ops' attention; ``kv_bf16``: the entries from bf16 workspaces (sparse_prefill's argument)."""
@@ -60,6 +90,7 @@ def _attend(q, window_idx, window_pages, window_page_size, extra_idx, extra_page
         kv_bf16 = check_sparse_workspaces(kv_bf16, window_idx, extra_idx)
     if window_idx is None and extra_idx is None:
         raise ValueError("need at least one of window_idx / extra_idx")
+    window_idx, extra_idx = _collapse_masked_runs(window_idx, extra_idx)
     rows, valid = _gather_rows(window_idx, window_pages, window_page_size, extra_idx, extra_pages,
                                extra_page_size, kv_bf16)
     K = rows.shape[1]
