@@ -135,6 +135,11 @@ def check_gemm(y, xq, xs, W, twin=None, acc=2.0 ** -16):
     assert rel < 4e-3, rel
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view for bit-exact comparison (distinguishes -0 / +0, compares NaN payloads)."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 def max_rel_err(a, b):
     """max |a - b| over max |b| (in fp64 on the CPU)."""
     a, b = a.double().cpu(), b.double().cpu()

@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from kernel_helpers import bits
 
 from dsv4.formats import (
     E2M1_VALUES,
@@ -49,11 +50,6 @@ E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 
 def gen(seed=0):
     return torch.Generator().manual_seed(seed)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view for bit-exact comparison (distinguishes -0 / +0, compares NaN payloads)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def assert_bits_equal(a, b):

@@ -418,9 +418,9 @@ def test_gpu_sinkhorn_rcp(monkeypatch, fast):
     _need_gpu()
     from dsv4.kernels import mhc
     gen = torch.Generator().manual_seed(11)
+    monkeypatch.setattr(mhc, "SINKHORN_RCP", fast)
     for T in (1, 3, 300):
         for with_post in (True, False):
-            monkeypatch.setattr(mhc, "SINKHORN_RCP", fast)
             _check_hc_post_pre(T, 4096, gen, device="cuda", with_post=with_post, noise=1e-5)
     x, fn, base, scale = _hc_inputs(3, 4096, gen, device="cuda")
     monkeypatch.setattr(mhc, "SINKHORN_RCP", True)

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from kernel_helpers import kernel_device, need_gpu, run_aot_script
+from kernel_helpers import bits, kernel_device, need_gpu, run_aot_script
 import torch
 
 triton = pytest.importorskip("triton")
@@ -147,10 +147,6 @@ def test_sparse_decode_block32_dsplit_and_no_extra():
     _compare(o, ref)
 
 
-def _bits(t):
-    return t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous().view(torch.int32)
-
-
 def test_twin_cuts_unused_block_runs_to_the_same_bits(monkeypatch):
     """The twin cuts every run of 64-column blocks that no row uses to its first block
     (``_collapse_masked_runs``): the reference's bits, sign of zero included. At the reference: keys with -0.0
@@ -178,13 +174,13 @@ def test_twin_cuts_unused_block_runs_to_the_same_bits(monkeypatch):
         assert cut.shape[1] < idx.shape[1]
         want = sparse_attention(q, kv, idx, sink, 512 ** -0.5, OFFICIAL)
         got = sparse_attention(q, kv, cut, sink, 512 ** -0.5, OFFICIAL)
-        assert torch.equal(_bits(got), _bits(want))
+        assert torch.equal(bits(got), bits(want))
     cache, q, widx, eidx, sinks = _decode_case(2, 1, 8, 1000, "hca", gen, positions=[200, 700], n_extra=1000,
                                                device="cpu")
     got = sparse_attention_twin(q, widx, cache.wp_cpu, cache.wB, eidx, cache.ep_cpu, cache.eB, sinks)
     monkeypatch.setattr(tw, "_collapse_masked_runs", lambda w, e: (w, e))
     want = sparse_attention_twin(q, widx, cache.wp_cpu, cache.wB, eidx, cache.ep_cpu, cache.eB, sinks)
-    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

@@ -63,7 +63,7 @@ def index_topk(scores, k, n_valid=None, out_dtype=torch.int32, **_):
         n_valid = torch.full((B,), N, device=scores.device)
     nv = n_valid.long()[:, None]
     if B:
-        N = max(1, min(N, int(nv.max())))           # a device sync: the twin synchronises anyway
+        N = min(N, int(nv.max()))                   # a device sync: the twin synchronises anyway
         scores = scores[:, :N]
     j = torch.arange(N, device=scores.device)[None, :]
     s = scores.float().masked_fill(j >= nv, float("-inf"))

@@ -68,11 +68,13 @@ def _collapse_masked_runs(window_idx, extra_idx):
         used[:Kw] = (window_idx >= 0).any(0)
     if K > Kw:
         used[Kw:K] = (extra_idx >= 0).any(0)
-    live = used.view(nb, ATTN_BLOCK).any(1).tolist()
-    keep = [b for b in range(nb) if b == 0 or live[b] or live[b - 1]]
-    if len(keep) == nb:
+    live = used.view(nb, ATTN_BLOCK).any(1)
+    keep = live.clone()                         # a used block, the block after one (a run's first) and block 0
+    keep[0] = True
+    keep[1:] |= live[:-1]
+    if bool(keep.all()):
         return window_idx, extra_idx
-    cols = torch.cat([torch.arange(b * ATTN_BLOCK, min((b + 1) * ATTN_BLOCK, K), device=dev) for b in keep])
+    cols = keep.repeat_interleave(ATTN_BLOCK)[:K].nonzero().squeeze(1)
     w = window_idx[:, cols[cols < Kw]] if Kw else window_idx
     e = extra_idx[:, cols[cols >= Kw] - Kw] if K > Kw else extra_idx
     return w, e
