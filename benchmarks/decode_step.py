@@ -43,6 +43,7 @@ from dsv4.formats.paging import BLOCK_TOKENS, INDEX_PAGE, WINDOW, WINDOW_PAGE  #
 from dsv4.kernels.gemm import common as gemm_common  # noqa: E402
 from dsv4.kernels.gemm import fp4_mma  # noqa: E402
 from dsv4.kernels.gemm import route as gemm_route  # noqa: E402
+from dsv4.kernels import indexer as indexer_kernels  # noqa: E402
 from dsv4.kernels import lib as kernel_lib  # noqa: E402
 from dsv4.kernels import mhc as mhc_kernels  # noqa: E402
 from dsv4.kernels import moe as moe_kernels  # noqa: E402
@@ -204,6 +205,10 @@ def _switches() -> dict:
         "sinkhorn-rcp": (("off", "on"), "sinkhorn rcp", lambda m: setattr(mhc_kernels, "SINKHORN_RCP", m == "on"),
                          "the Sinkhorn's normalisations on the approximate reciprocal and a summation tree "
                          f"(kernels.mhc.SINKHORN_RCP; default {'on' if mhc_kernels.SINKHORN_RCP else 'off'})"),
+        "topk-emit": (("sort", "rank"), "topk emit",
+                      lambda m: setattr(indexer_kernels, "SINGLE_RANK", m == "rank"),
+                      "the indexer top-k's one-program rows placing their picks by tl.sort or by counting "
+                      f"(kernels.indexer.SINGLE_RANK; default {'rank' if indexer_kernels.SINGLE_RANK else 'sort'})"),
         "hc-fused-rows": (tuple(str(n) for n in (1, 2, 3, 4, 8, 16, 64)), "hc fused rows",
                           lambda m: setattr(mhc_kernels, "FUSED_MAX_T", int(m)),
                           f"the most rows an mHC site runs on the one-launch fused path, the tiled path above "

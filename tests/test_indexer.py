@@ -120,7 +120,8 @@ def test_index_scores_rows_sharing_a_block_table(qb):
         index_scores(q, w, pages, bt, pos, rows_per_program=3)
 
 
-_TOPK_PATHS = {"auto": {}, "chunked": dict(single_max=0), "chunked+rank": dict(single_max=0, sort_max=0)}
+_TOPK_PATHS = {"auto": dict(single_rank=False), "auto+rank": dict(single_rank=True), "chunked": dict(single_max=0),
+               "chunked+rank": dict(single_max=0, sort_max=0)}
 
 
 @pytest.mark.parametrize("path", list(_TOPK_PATHS))

@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Experiment: the indexer top-k's one-program rows (``indexer._topk_single``, the decode step's CSA layers) placing
+their picks by ``tl.sort`` or by counting (``RANK``, RB picks a round), CUDA-graph replays without an L2 flush (the
+scores come straight from the score kernel in a step), us per call; every variant's output checked against the sort's.
+
+    PYTHONPATH=. python experiments/exp_topk_single.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def graph_us(fn, reps=20):
+    import triton.testing
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return triton.testing.do_bench(g.replay, warmup=5, rep=200, return_mode="median") * 1e3 / reps
+
+
+def main():
+    if not torch.cuda.is_available():
+        raise SystemExit("exp_topk_single: needs a CUDA GPU")
+    import triton
+
+    from dsv4.kernels import indexer as ix
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    print("| B | N | k | sort us | " + " | ".join(f"rank RB {rb} us" for rb in (16, 32, 64)) + " |")
+    print("|---|---|---|---|---|---|---|")
+    for B, N, k in ((1, 2048, 512), (1, 4096, 512), (1, 1024, 512), (4, 2048, 512), (16, 2048, 512)):
+        sc = torch.randn(B, N, device=dev, generator=gen).bfloat16()
+        nv = torch.full((B,), N, dtype=torch.int32, device=dev)
+        KP = max(16, triton.next_power_of_2(k))
+        out = torch.empty(B, k, dtype=torch.int32, device=dev)
+        buf = torch.empty(B, KP, dtype=torch.int64, device=dev)
+        s16 = sc.view(torch.int16)
+
+        def run(rank, rb=32):
+            ix._topk_single[(B,)](s16, nv, buf, out, N, k, s16.stride(0), out.stride(0), KP=KP,
+                                  TILE=max(16, triton.next_power_of_2(N)), HAS_NV=True, RANK=rank, RB=rb, num_warps=8)
+        run(False)
+        ref = out.clone()
+        row = [graph_us(lambda: run(False))]
+        for rb in (16, 32, 64):
+            out.zero_()
+            run(True, rb)
+            assert torch.equal(out, ref), f"rank RB {rb} differs from the sort at B {B} N {N}"
+            row.append(graph_us(lambda rb=rb: run(True, rb)))
+        print(f"| {B} | {N} | {k} | " + " | ".join(f"{t:.1f}" for t in row) + " |")
+
+
+if __name__ == "__main__":
+    main()
