@@ -205,6 +205,9 @@ def _switches() -> dict:
         "sinkhorn-rcp": (("off", "on"), "sinkhorn rcp", lambda m: setattr(mhc_kernels, "SINKHORN_RCP", m == "on"),
                          "the Sinkhorn's normalisations on the approximate reciprocal and a summation tree "
                          f"(kernels.mhc.SINKHORN_RCP; default {'on' if mhc_kernels.SINKHORN_RCP else 'off'})"),
+        "index-q": (("side", "main"), "index q", lambda m: setattr(Attention, "INDEX_Q_MAIN", m == "main"),
+                    "a CSA layer's indexer queries on the side stream after its compressors or on the main stream "
+                    "ahead of wq_b (layers.attention.Attention.INDEX_Q_MAIN; with the side stream only)"),
         "topk-emit": (("sort", "rank"), "topk emit",
                       lambda m: setattr(indexer_kernels, "SINGLE_RANK", m == "rank"),
                       "the indexer top-k's one-program rows placing their picks by tl.sort or by counting "

@@ -81,6 +81,11 @@ class Attention(nn.Module):
     # decode: the output's inverse RoPE in the attention's combine (or its unsplit epilogue) instead of its own pass
     # (False: inverse_rope's pass; the A/B of benchmarks/decode_step.py --decode-rope)
     FUSE_DECODE_ROPE = True
+    # decode with the side stream (``dsv4.streams``): a CSA layer's indexer queries (index wq_b and the q prologue)
+    # on the main stream right after qr, ahead of wq_b, so the side stream's scores and top-k start once its
+    # compressors are done instead of queueing the queries behind them (the same ops, so the same bits; False: the
+    # queries on the side stream after the compressors, the A/B of benchmarks/decode_step.py --index-q)
+    INDEX_Q_MAIN = False
 
     def __init__(self, cfg, layer_id: int, ops, ropes: dict[int, Rope], wo_a_fmt: str, device=None, group=None,
                  prefix: str | None = None):
@@ -228,9 +233,11 @@ class Attention(nn.Module):
         qr, kv = self._qr_kv(x)
         extra_idx = None
         if fork is not None:
-            fork.sync()                                   # the indexer's queries read qr
+            # the indexer's queries read qr; computed here, they cross to the side stream (live until the join)
+            iq = self._index_queries(qr, cos, sin) if self.INDEX_Q_MAIN and self.ratio == 4 else None
+            fork.sync()
             with fork.side():
-                extra_idx = self._decode_picks(ctx, qr, iw, cos, sin)
+                extra_idx = self._decode_picks(ctx, qr, iw, cos, sin, iq)
         q = self._q(qr)
         win_slot, widx = m["win_slot"], m["widx32"]
         qs, kvs, os_ = [], [], []
@@ -279,14 +286,15 @@ class Attention(nn.Module):
                                     ratio=c.ratio, indexer=False, ape=c.ape, eps=c.eps, pages=lc.entries,
                                     page_slots=wid[g], page_size=epb) for g in groups]
 
-    def _decode_picks(self, ctx, qr, iw, cos, sin):
+    def _decode_picks(self, ctx, qr, iw, cos, sin, iq=None):
         """The compressed entries each row attends to (int32 entry ids): the indexer's top-k over the
-        index keys (CSA; every compressor write of the step is done), or every visible entry (HCA)."""
+        index keys (CSA; every compressor write of the step is done), or every visible entry (HCA).
+        ``iq``: the indexer queries when the caller computed them (else from qr here)."""
         ops, lc, m, L = self.ops, self.lc, ctx.meta, f"L{self.layer_id}."
         epb = lc.entries_per_block
         if self.ratio != 4:
             return m[("visible", self.ratio, epb)].to(torch.int32)
-        iq = self._index_queries(qr, cos, sin)
+        iq = self._index_queries(qr, cos, sin) if iq is None else iq
         n_max = ctx.max_blocks * INDEX_PAGE
         scores = ops.index_scores(iq, iw, lc.index_keys, ctx.bt, ctx.pos, n=n_max, w_scale=self._iw_scale)
         picks = ops.index_topk(scores, min(self.index_topk, n_max), n_valid=m["index_nvalid"])
