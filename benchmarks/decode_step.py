@@ -205,6 +205,10 @@ def _switches() -> dict:
         "sinkhorn-rcp": (("off", "on"), "sinkhorn rcp", lambda m: setattr(mhc_kernels, "SINKHORN_RCP", m == "on"),
                          "the Sinkhorn's normalisations on the approximate reciprocal and a summation tree "
                          f"(kernels.mhc.SINKHORN_RCP; default {'on' if mhc_kernels.SINKHORN_RCP else 'off'})"),
+        "shared-fork": (("route", "early"), "shared fork",
+                        lambda m: setattr(moe_kernels, "SHARED_EARLY", m == "early"),
+                        "the shared expert forked to the side stream after the router (on its quantised x) or before "
+                        "the gate (its own quantisation; kernels.moe.SHARED_EARLY)"),
         "index-q": (("side", "main"), "index q", lambda m: setattr(Attention, "INDEX_Q_MAIN", m == "main"),
                     "a CSA layer's indexer queries on the side stream after its compressors or on the main stream "
                     "ahead of wq_b (layers.attention.Attention.INDEX_Q_MAIN; with the side stream only)"),

@@ -88,15 +88,17 @@ def _engine_run():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_same_tokens_and_logprobs_with_the_side_stream_on_and_off(monkeypatch):
     """The engine (CUDA-graph decode with the branches captured, chunked prefill) with the side stream on
-    (the CSA layers' indexer queries on either stream) and off: the branches read and write disjoint state, so
-    the bits are the same."""
+    (the CSA layers' indexer queries on either stream, the shared expert forked before or after the router) and off:
+    the branches read and write disjoint state, so the bits are the same."""
+    from dsv4.kernels import moe
     from dsv4.layers.attention import Attention
     runs = {}
     monkeypatch.setattr(streams, "MAX_ROWS", 1 << 30)      # every captured bucket forks
-    for mode, q_main in ((True, False), (True, True), (False, False)):
+    for mode, early in ((True, False), (True, True), (False, False)):
         monkeypatch.setattr(streams, "STREAMS_ON", mode)
-        monkeypatch.setattr(Attention, "INDEX_Q_MAIN", q_main)
-        runs[mode, q_main] = _engine_run()
+        monkeypatch.setattr(Attention, "INDEX_Q_MAIN", early)
+        monkeypatch.setattr(moe, "SHARED_EARLY", early)
+        runs[mode, early] = _engine_run()
     assert all(r[0] for r in runs.values())
     assert runs[True, False][1] == runs[False, False][1]
     assert runs[True, True][1] == runs[False, False][1]

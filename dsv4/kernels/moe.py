@@ -641,6 +641,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         raise ValueError("moe predec path: MXFP4 experts whose scales fold exactly into e4m3 only "
                          f"(format {w.fmt}, fold exact: {w.fmt == 'mxfp4' and w.fp8_fold_exact()})")
     xq = xs = None
+    early = None
+    if path == "gemv" and w.sh13 is not None and SHARED_EARLY:
+        fork = Fork(dev, T)
+        if fork.s is not None:
+            with fork.side():
+                sq, ss = act_quant_fp8(x)
+                early = (fork, _shared_expert(u8(sq), ss, w, portable), sq, ss)     # sq / ss live until the join
     if routing is None:    # the paths that take x as plain e4m3 + scales get it from the router's launch
         idx, rw, eflat, xq, xs, sort = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma", "predec"),
                                               portable=portable,
@@ -655,7 +662,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         eflat = torch.where(keep, loc, torch.full_like(idx, E)).to(torch.int32).reshape(-1)
         sort = None
     if path == "gemv":
-        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs, partial, portable, sort)
+        return _moe_gemv(x, w, idx, rw, eflat, k, config, return_parts, xq, xs, partial, portable, sort, early)
     if path == "prefill":
         from .gemm.fp4_prefill import f16_operand_split, fp4_prefill_launch
         pcfg = {"13": dict(router.fp4_prefill_config(rows_per_expert, t, swiglu=True), **(config or {})),
@@ -775,6 +782,11 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
 # step at batch 1 -0.9% with the binary-search tile lookup, -0.3% with the vector one, batch 64 within the spread
 # (docs/benchmarks-2026-12-07.md). False: the split loop (``decode_step.py --moe-combine``)
 COMBINE_ONE_TRIP = True
+# decode (the GEMV path) with the side stream (``dsv4.streams``): the shared expert forks before the router, from its
+# own ``act_quant_fp8`` of x (the router's launch quantises to the same bytes), so its weights stream while the gate
+# and the routing run, not beside the routed w1|w3; False: it forks after the router, on the router's quantised x
+# (the A/B of benchmarks/decode_step.py --shared-fork)
+SHARED_EARLY = False
 
 
 def _combine(out, inv, offs, sh, k, partial=False):
@@ -830,14 +842,15 @@ def _gemv_kernel(config, dev) -> tuple[str, int]:
 
 
 def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None, xs=None, partial=False,
-              portable=False, sort=None):
+              portable=False, sort=None, early=None):
     """Decode MoE: grouped w1|w3 (split-K fp32 partials), the SwiGLU + FP8 quantisation pass, grouped
     w2; the shared expert (``_shared_expert``); combine. On sm_89+ both expert GEMMs run on the
     tensor-core kernel of ``fp4_mma.py`` (8-row tiles: each expert's weights read once for up to 8
     rows); other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
     (``config={"kernel": "cuda-core"}`` forces it). ``xq``, ``xs``: x's ``act_quant_fp8`` (from the
     router's launch), else computed here; ``sort``: ``sort_pairs(eflat, E, _gemv_kernel(config)[1])`` (from the
-    router's launch), else computed here."""
+    router's launch), else computed here; ``early``: (fork, shared-expert output, ...) of a shared expert already
+    forked (``SHARED_EARLY``), joined here."""
     T, d = x.shape
     E, I = w.n_experts, w.inter
     P = T * k
@@ -851,11 +864,14 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     xq = u8(xq)
     # the shared expert on the side stream (``dsv4.streams``), beside the routed GEMMs; xq / xs live
     # until the join
-    fork = Fork(dev, T) if w.sh13 is not None else None
-    sh = None
-    if fork is not None:
-        with fork.side():
-            sh = _shared_expert(xq, xs, w, portable)
+    if early is not None:
+        fork, sh = early[0], early[1]
+    else:
+        fork = Fork(dev, T) if w.sh13 is not None else None
+        sh = None
+        if fork is not None:
+            with fork.side():
+                sh = _shared_expert(xq, xs, w, portable)
     pw = rw.float().contiguous().reshape(-1)
     grouped = dict(perm=perm, offs=offs, tcum=tcum, top_k=k, n_groups=E, n_tiles=n_tiles, config=cfg or None)
     if kernel == "mma":
