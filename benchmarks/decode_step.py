@@ -212,10 +212,11 @@ def _switches() -> dict:
         "index-q": (("side", "main"), "index q", lambda m: setattr(Attention, "INDEX_Q_MAIN", m == "main"),
                     "a CSA layer's indexer queries on the side stream after its compressors or on the main stream "
                     "ahead of wq_b (layers.attention.Attention.INDEX_Q_MAIN; with the side stream only)"),
-        "topk-emit": (("sort", "rank"), "topk emit",
-                      lambda m: setattr(indexer_kernels, "SINGLE_RANK", m == "rank"),
-                      "the indexer top-k's one-program rows placing their picks by tl.sort or by counting "
-                      f"(kernels.indexer.SINGLE_RANK; default {'rank' if indexer_kernels.SINGLE_RANK else 'sort'})"),
+        "topk-single": (("select", "sort"), "topk single",
+                        lambda m: setattr(indexer_kernels, "SINGLE_FULL_SORT", m == "sort"),
+                        "the indexer top-k's one-program rows selecting by histograms and sorting the picks, or "
+                        "sorting the whole row (kernels.indexer.SINGLE_FULL_SORT; default "
+                        f"{'sort' if indexer_kernels.SINGLE_FULL_SORT else 'select'})"),
         "hc-fused-rows": (tuple(str(n) for n in (1, 2, 3, 4, 8, 16, 64)), "hc fused rows",
                           lambda m: setattr(mhc_kernels, "FUSED_MAX_T", int(m)),
                           f"the most rows an mHC site runs on the one-launch fused path, the tiled path above "

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Experiment: the indexer top-k's one-program rows (``indexer._topk_single``, the decode step's CSA layers) placing
-their picks by ``tl.sort`` or by counting (``RANK``, RB picks a round), CUDA-graph replays without an L2 flush (the
-scores come straight from the score kernel in a step), us per call; every variant's output checked against the sort's.
+"""Experiment: the indexer top-k's one-program rows (``indexer._topk_single``, the decode step's CSA layers): the
+selection (two histograms, prefix sums, the picks sorted) against the whole row sorted (``FULL``), at 8 and 16 warps,
+CUDA-graph replays without an L2 flush (the scores come straight from the score kernel in a step), us per call; every
+variant's output checked against the selection's at 8 warps.
 
     PYTHONPATH=. python experiments/exp_topk_single.py
 """
@@ -37,7 +38,8 @@ def main():
     from dsv4.kernels import indexer as ix
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
-    print("| B | N | k | sort us | " + " | ".join(f"rank RB {rb} us" for rb in (16, 32, 64)) + " |")
+    variants = [(False, 8), (True, 8), (False, 16), (True, 16)]
+    print("| B | N | k | " + " | ".join(f"{'full sort' if f else 'select'} w{w} us" for f, w in variants) + " |")
     print("|---|---|---|---|---|---|---|")
     for B, N, k in ((1, 2048, 512), (1, 4096, 512), (4, 2048, 512)):
         sc = torch.randn(B, N, device=dev, generator=gen).bfloat16()
@@ -47,17 +49,17 @@ def main():
         buf = torch.empty(B, KP, dtype=torch.int64, device=dev)
         s16 = sc.view(torch.int16)
 
-        def run(rank, rb=32):
+        def run(full, warps):
             ix._topk_single[(B,)](s16, nv, buf, out, N, k, s16.stride(0), out.stride(0), KP=KP,
-                                  TILE=max(16, triton.next_power_of_2(N)), HAS_NV=True, RANK=rank, RB=rb, num_warps=8)
-        run(False)
+                                  TILE=max(16, triton.next_power_of_2(N)), HAS_NV=True, FULL=full, num_warps=warps)
+        run(False, 8)
         ref = out.clone()
-        row = [graph_us(lambda: run(False))]
-        for rb in (16, 32, 64):
+        row = []
+        for full, warps in variants:
             out.zero_()
-            run(True, rb)
-            assert torch.equal(out, ref), f"rank RB {rb} differs from the sort at B {B} N {N}"
-            row.append(graph_us(lambda rb=rb: run(True, rb)))
+            run(full, warps)
+            assert torch.equal(out, ref), f"full {full} w{warps} differs at B {B} N {N}"
+            row.append(graph_us(lambda f=full, w=warps: run(f, w)))
         print(f"| {B} | {N} | {k} | " + " | ".join(f"{t:.1f}" for t in row) + " |")
 
 

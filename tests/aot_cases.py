@@ -218,7 +218,7 @@ FIXED = {
     "index_scores": [(dict(TPP=8, HP=64, INTERP=False, W_SCALE=True, DIRECT=False), 4, None)],
     "index_scores_rows": [(dict(QB=4, TPP=8, HP=64, INTERP=False, W_SCALE=True), 8, None)],
     "topk_single": [(dict(KP=1024, TILE=4096, HAS_NV=True), 8, None),
-                    (dict(KP=512, TILE=4096, HAS_NV=True, RANK=True), 8, None)],
+                    (dict(KP=512, TILE=4096, HAS_NV=True, FULL=True), 8, None)],
     "topk_pass1": [(dict(WSTRIDE=264, TILE=2048, HAS_NV=True), 8, None)],
     "topk_pass2": [(dict(WSTRIDE=264, G=32, TILE=2048, HAS_NV=True), 8, None)],
     "topk_pass3": [(dict(WSTRIDE=264, KP=1024, TILE=2048, SORT=True, HAS_NV=True), 8, None)],

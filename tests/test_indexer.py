@@ -120,12 +120,12 @@ def test_index_scores_rows_sharing_a_block_table(qb):
         index_scores(q, w, pages, bt, pos, rows_per_program=3)
 
 
-_TOPK_PATHS = {"auto": dict(single_rank=False), "auto+rank": dict(single_rank=True), "chunked": dict(single_max=0),
+_TOPK_PATHS = {"auto": dict(full_sort=False), "auto+full-sort": dict(full_sort=True), "chunked": dict(single_max=0),
                "chunked+rank": dict(single_max=0, sort_max=0)}
 
 
 @pytest.mark.parametrize("path", list(_TOPK_PATHS))
-@pytest.mark.parametrize("B,N,k,tie_every", [(3, 1000, 50, 3), (2, 150, 200, 2), (2, 5000, 64, 1)])
+@pytest.mark.parametrize("B,N,k,tie_every", [(3, 1000, 50, 3), (2, 150, 200, 2), (2, 5000, 64, 1), (2, 100, 300, 4)])
 def test_index_topk(B, N, k, tie_every, path):
     """Every path (one-program rows, chunked passes with the in-kernel sort or the rank launch)
     equals the stable descending sort, ties and masking included."""

@@ -51,9 +51,11 @@ INDEX_ENTRY_BYTES = 68          # 64 B codes + 4 B scales (formats.index_key.ind
 MAX_K = 2048
 SINGLE_MAX = 4096          # rows up to this long: one program each, one launch
 SORT_IN_KERNEL_MAX = 512  # the chunked path sorts up to this many picks in its last pass
-# the one-program rows place their picks by counting (``_emit_ranked``) instead of ``tl.sort`` (the same output);
-# the A/B of benchmarks/decode_step.py --topk-emit
-SINGLE_RANK = False
+# the one-program rows sort the whole row and take its first k (``_topk_single`` FULL) instead of selecting by two
+# histograms and sorting the picks (the same output; sm_90 PTX at 2048 entries, 8 warps: the two ballot histograms
+# and prefix sums are ~2,300 of the selection form's ~2,900 instructions, its pick sort ~600); the A/B of
+# benchmarks/decode_step.py --topk-single
+SINGLE_FULL_SORT = False
 _TOPK_WS = 8 + 256   # per row: 3 arrival counters, hb, above1, thr, n_gt, need_eq | H1[256]
 
 if triton_available():
@@ -389,20 +391,6 @@ if triton_available():
         tl.store(orow + j, tl.where(j < kk, idx, -1).to(orow.dtype.element_ty), mask=j < K)
 
     @triton.jit
-    def _emit_ranked(buf, orow, kk, K, KP: tl.constexpr, RB: tl.constexpr):
-        """``_emit_sorted``'s output without a sort: each pick's place is the number of picks with a smaller
-        code (the codes are distinct), counted RB picks at a time against all KP, and its index is stored there."""
-        j = tl.arange(0, KP)
-        cj = tl.where(j < kk, _pick_code(tl.load(buf + j, mask=j < kk, other=0, cache_modifier=".cg"), j),
-                      0xFFFFFFFF)
-        for r0 in range(0, kk, RB):
-            i = r0 + tl.arange(0, RB)
-            vi = tl.load(buf + i, mask=i < kk, other=0, cache_modifier=".cg")
-            rank = tl.sum((cj[None, :] < _pick_code(vi, i)[:, None]).to(tl.int32), axis=1)
-            tl.store(orow + rank, (vi & 0xFFFFFFFF).to(orow.dtype.element_ty), mask=i < kk)
-        tl.store(orow + j, tl.full([KP], -1, tl.int32).to(orow.dtype.element_ty), mask=(j >= kk) & (j < K))
-
-    @triton.jit
     def _topk_rank(BUF, NV, OUT, N, K, stride_ob, KP: tl.constexpr, RB: tl.constexpr, HAS_NV: tl.constexpr):
         """Large k: the picks' final positions spread over k / RB programs; each counts, for RB picks,
         the picks with a smaller code (KP compares each) and writes its index at that rank."""
@@ -422,15 +410,26 @@ if triton_available():
 
     @triton.jit(do_not_specialize=['N', 'K'])
     def _topk_single(SC, NV, BUF, OUT, N, K, stride_sb, stride_ob, KP: tl.constexpr, TILE: tl.constexpr,
-                     HAS_NV: tl.constexpr, RANK: tl.constexpr = False, RB: tl.constexpr = 32):
+                     HAS_NV: tl.constexpr, FULL: tl.constexpr = False):
         """Whole row in one program (N <= TILE): both histograms, the selection and the sort with
-        the keys held in registers; one launch, no workspace to zero. RANK: the picks placed by counting
-        (``_emit_ranked``, RB picks a round) instead of ``tl.sort``; the same output."""
+        the keys held in registers; one launch, no workspace to zero. FULL: the whole row sorted instead (codes
+        (0xFFFF - key) << 16 | index, N <= 65536; entries past n_valid last), its first k taken: no histograms,
+        prefix sums or round trip through BUF; the same output."""
         pdl_wait()
         b = tl.program_id(0)
         nv = _row_len(NV, b, N, HAS_NV)
         kk = tl.minimum(K, nv)
         i, m, key = _topk_keys(SC, b, nv, stride_sb, 0, TILE)
+        if FULL:
+            code = ((0xFFFF - key).to(tl.uint32) << 16) | i.to(tl.uint32)
+            c = tl.sort(tl.where(m, code, tl.full([TILE], 0xFFFFFFFF, tl.uint32)))
+            orow = OUT + b.to(tl.int64) * stride_ob
+            j = tl.arange(0, TILE)
+            tl.store(orow + j, tl.where(j < kk, (c & 0xFFFF).to(tl.int32), -1).to(OUT.dtype.element_ty), mask=j < K)
+            if K > TILE:
+                jk = tl.arange(0, KP)
+                tl.store(orow + jk, tl.full([KP], -1, tl.int32).to(OUT.dtype.element_ty), mask=(jk >= TILE) & (jk < K))
+            return
         m = m & (kk > 0)
         hb, above1 = _threshold(tl.histogram(key >> 8, 256, mask=m), kk)
         lb, above2 = _threshold(tl.histogram(key & 255, 256, mask=m & ((key >> 8) == hb)), kk - above1)
@@ -445,10 +444,7 @@ if triton_available():
         tl.store(buf + r_gt, comp, mask=gti != 0)
         tl.store(buf + n_gt + r_eq, comp, mask=(eqi != 0) & (r_eq < kk - n_gt))
         tl.debug_barrier()
-        if RANK:
-            _emit_ranked(buf, OUT + b.to(tl.int64) * stride_ob, kk, K, KP, RB)
-        else:
-            _emit_sorted(buf, OUT + b.to(tl.int64) * stride_ob, kk, K, KP)
+        _emit_sorted(buf, OUT + b.to(tl.int64) * stride_ob, kk, K, KP)
 
 
 def _kw(num_warps=4, **extra):
@@ -566,13 +562,13 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, block_ta
 def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.int32, chunks: int | None = None,
                single_max: int | None = None, sort_max: int = SORT_IN_KERNEL_MAX,
-               single_rank: bool | None = None) -> torch.Tensor:
+               full_sort: bool | None = None) -> torch.Tensor:
     """Top-k indices [B, k] of bf16 scores [B, N] among entries < n_valid[b] (default N): descending
     score, ties -> lower index, -1 past min(k, n_valid[b]). ``single_max``: rows up to this long
     take the one-launch kernel (default ``SINGLE_MAX``; 0 forces the chunked passes, as ``chunks``
     does); ``sort_max``: the chunked path sorts up to this many picks in its last pass (any number
-    from 32 rows up), more in an extra rank launch; ``single_rank``: the one-launch kernel places its picks
-    by counting instead of sorting (default ``SINGLE_RANK``)."""
+    from 32 rows up), more in an extra rank launch; ``full_sort``: the one-launch kernel sorts the whole row
+    instead of selecting first (default ``SINGLE_FULL_SORT``)."""
     if scores.dim() != 2 or scores.dtype != torch.bfloat16 or scores.stride(1) != 1:
         raise ValueError(f"scores: expected bf16 [B, N] with a contiguous last dim, got {scores.dtype} "
                          f"{tuple(scores.shape)}")
@@ -599,7 +595,7 @@ def index_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None
     if chunks is None and N <= single_max:
         _topk_single[(B,)](sc, n_valid, buf, out, N, k, sc.stride(0), out.stride(0), KP=KP,
                            TILE=max(16, triton.next_power_of_2(N)), HAS_NV=has_nv,
-                           RANK=SINGLE_RANK if single_rank is None else single_rank, **kw, **PDL_LAUNCH)
+                           FULL=SINGLE_FULL_SORT if full_sort is None else full_sort, **kw, **PDL_LAUNCH)
         return out
     TILE = min(2048 if not interp else 256, triton.next_power_of_2(max(N, 16)))
     n_tiles = triton.cdiv(max(N, 1), TILE)
