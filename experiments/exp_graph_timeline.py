@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Experiment: the decode step's kernels as the CUDA graph runs them (programmatic dependent launch and the
 side stream included), from a profiler trace of graph replays: each kernel's start and end inside the step, its
-stream, and the time in which it is the only kernel running ("sole" time: with the graph's overlap, what the
-step would lose if that kernel took no time). ``exp_decode_trace.py`` times eager calls one kernel at a time;
+stream, the time in which it is the only kernel running ("sole" time), and how far its end lies past the latest
+end before it ("incr": under PDL a kernel starts early and waits, so its length says little; along a serial chain
+its increment is its share of the critical path). ``exp_decode_trace.py`` times eager calls one kernel at a time;
 this is the view that says which kernels hold the step's critical path.
 
     PYTHONPATH=. python experiments/exp_graph_timeline.py --layers 4 --batch 1,4 --out /tmp/tl
@@ -77,13 +78,14 @@ def analyse(path, show=True):
     if show:
         print(f"{path}: {len(reps)} replays, median span {span:.1f} us, {len(body)} kernels, busy {busy:.1f} us, "
               f"no kernel running {idle:.1f} us, sum of kernel lengths {sum(k['t1'] - k['t0'] for k in body):.1f} us")
-        print(f"\n{'#':>3} {'start':>7} {'len':>6} {'sole':>6} {'gap':>5} str  kernel")
+        print(f"\n{'#':>3} {'start':>7} {'end':>7} {'len':>6} {'sole':>6} {'incr':>6} str  kernel   (incr: its end past the "
+              f"latest end before it, its share of the critical path where the chain is serial)")
         prev_end = t0
         for j, (k, s) in enumerate(zip(body, sole)):
-            gap = k["t0"] - prev_end
+            incr = k["t1"] - prev_end
             prev_end = max(prev_end, k["t1"])
-            print(f"{j:3d} {k['t0'] - t0:7.1f} {k['t1'] - k['t0']:6.1f} {s:6.1f} {gap:5.1f} {str(k['stream']):>4} "
-                  f"{_short(k['name'])}")
+            print(f"{j:3d} {k['t0'] - t0:7.1f} {k['t1'] - t0:7.1f} {k['t1'] - k['t0']:6.1f} {s:6.1f} {incr:6.1f} "
+                  f"{str(k['stream']):>4} {_short(k['name'])}")
         print(f"\n{'kernel':60s} {'calls':>5} {'sum len':>8} {'sum sole':>8}")
         for n, (c, d, so) in sorted(by.items(), key=lambda kv: -kv[1][2]):
             print(f"{n:60s} {c:5d} {d:8.1f} {so:8.1f}")
