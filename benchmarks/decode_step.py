@@ -80,6 +80,37 @@ def fill_caches(cache, dev, gen, n_blocks):
             lc.index_state.normal_(generator=gen)
 
 
+class Slice:
+    """A synthetic V4 slice on ``dev`` with its caches filled for ``bmax`` sequences of ``ctx`` positions:
+    ``cfg``, ``model``, ``cache``, ``per_seq`` (blocks a sequence holds), ``slots`` and ``tables`` (one each per
+    sequence); ``inputs(B, gen)`` gives a decode step's (tokens, pos, slots, block table) for the first B."""
+
+    def __init__(self, model_name, layers, experts, dev, bmax, ctx, group=None):
+        gen = torch.Generator(device=dev).manual_seed(0)
+        self.cfg = cfg = synthetic_config(model_name, layers, experts)
+        self.model = DeepseekV4(cfg, "mxfp4", "fp8", dev, group=group)
+        self.model.load((n, t) for n, t in iter_synthetic_tensors(cfg, 0, dev) if not n.startswith("mtp."))
+        self.per_seq = -(-(ctx + 1) // BLOCK_TOKENS)
+        self.cache = KVCache(cfg, CacheConfig(max_num_seqs=bmax + 1, num_blocks=bmax * self.per_seq + 1,
+                                              device=str(dev)))
+        self.model.attach_cache(self.cache, self.per_seq * BLOCK_TOKENS)
+        fill_caches(self.cache, dev, gen, bmax * self.per_seq + 1)
+        self.slots = [self.cache.allocate_slot() for _ in range(bmax)]
+        self.tables = [self.cache.allocate_blocks(self.per_seq) for _ in range(bmax)]
+        self.dev, self.ctx, self.gen = dev, ctx, gen     # gen: the fill's generator, for the callers' draws
+
+    def inputs(self, B, gen):
+        """(tokens, pos, slots, block table) of a decode step of the first B sequences, every one at ``ctx``."""
+        dev = self.dev
+        tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
+        pos = torch.full((B,), self.ctx, dtype=torch.long, device=dev)
+        sl = torch.tensor(self.slots[:B], device=dev)
+        bt = torch.full((B, self.model.max_blocks), -1, dtype=torch.long)
+        for r in range(B):
+            bt[r, :self.per_seq] = torch.tensor(self.tables[r])
+        return tokens, pos, sl, bt.to(dev)
+
+
 def layer_bytes(model, cfg, i, B, ctx, ratio):
     """Bytes a decode step of layer i must read: its stored weights (routed experts: the expected
     number a batch of B hits under uniform routing) and the cache entries attention reads."""
@@ -265,24 +296,15 @@ def main():
     if args.one_rank_collectives:
         from dsv4.parallel import one_rank_group
         group = one_rank_group(dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
     batches = [int(b) for b in args.batch.split(",")]
-    Bmax = max(batches)
-    cfg = synthetic_config(args.model, args.layers, args.experts)
-    model = DeepseekV4(cfg, "mxfp4", "fp8", dev, group=group)
-    model.load((n, t) for n, t in iter_synthetic_tensors(cfg, 0, dev) if not n.startswith("mtp."))
-    per_seq = -(-(args.ctx + 1) // BLOCK_TOKENS)
-    cache = KVCache(cfg, CacheConfig(max_num_seqs=Bmax + 1, num_blocks=Bmax * per_seq + 1, device=str(dev)))
-    model.attach_cache(cache, per_seq * BLOCK_TOKENS)
-    fill_caches(cache, dev, gen, Bmax * per_seq + 1)
+    sl_ = Slice(args.model, args.layers, args.experts, dev, max(batches), args.ctx, group)
+    cfg, model = sl_.cfg, sl_.model
     log(f"{model.describe()}")
     log(f"programmatic dependent launch (DSV4_PDL): {'on' if PDL_ON else 'off'}; side stream (DSV4_STREAMS): "
         f"{args.streams or ('on' if streams.STREAMS_ON else 'off')}")
     copy_bw, _ = roofline(dev, dev.type != "cuda")
     log(f"roofline: copy {copy_bw / 1e12:.2f} TB/s; {args.model} {args.layers} layers, ratios "
         f"{cfg.compress_ratios[:args.layers]}, {cfg.n_routed_experts} experts, ctx {args.ctx}")
-    slots = [cache.allocate_slot() for _ in range(Bmax)]
-    tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
     rows, profiles = [], []
     given = {name: getattr(args, name.replace("-", "_")) for name in switches}
     lists = {}
@@ -301,13 +323,7 @@ def main():
             for mod in model.modules():
                 if isinstance(mod, dsv4_model.HyperConnection):
                     mod.iters = _SINKHORN[0]
-        tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
-        pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
-        sl = torch.tensor(slots[:B], device=dev)
-        bt = torch.full((B, model.max_blocks), -1, dtype=torch.long)
-        for r in range(B):
-            bt[r, :per_seq] = torch.tensor(tables[r])
-        bt = bt.to(dev)
+        tokens, pos, sl, bt = sl_.inputs(B, sl_.gen)
         with torch.no_grad():
             h0 = torch.nn.functional.embedding(tokens, model.embed).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
             step = timer(lambda: model(model.decode_context(tokens, pos, sl, bt)))

@@ -17,12 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import graph_time  # noqa: E402
-from benchmarks.decode_step import fill_caches, layer_bytes  # noqa: E402
+from benchmarks.decode_step import Slice, layer_bytes  # noqa: E402
 from benchmarks.common import roofline  # noqa: E402
-from dsv4.checkpoint.synthetic import iter_synthetic_tensors, synthetic_config  # noqa: E402
-from dsv4.engine.kv_cache import CacheConfig, KVCache  # noqa: E402
-from dsv4.formats.paging import BLOCK_TOKENS  # noqa: E402
-from dsv4.model.deepseek_v4 import DeepseekV4  # noqa: E402
 
 
 def trace(fn, reps=5):
@@ -58,27 +54,12 @@ def main():
                          "cudaProfilerStart / Stop, for `ncu --profile-from-start off` (hardware counters per kernel)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    cfg = synthetic_config(args.model, args.layers, args.experts)
-    model = DeepseekV4(cfg, "mxfp4", "fp8", dev)
-    model.load((n, t) for n, t in iter_synthetic_tensors(cfg, 0, dev) if not n.startswith("mtp."))
     batches = [int(b) for b in args.batch.split(",")]
-    Bmax = max(batches)
-    per_seq = -(-(args.ctx + 1) // BLOCK_TOKENS)
-    cache = KVCache(cfg, CacheConfig(max_num_seqs=Bmax + 1, num_blocks=Bmax * per_seq + 1, device=str(dev)))
-    model.attach_cache(cache, per_seq * BLOCK_TOKENS)
-    fill_caches(cache, dev, gen, Bmax * per_seq + 1)
+    sl_ = Slice(args.model, args.layers, args.experts, dev, max(batches), args.ctx)
+    cfg, model = sl_.cfg, sl_.model
     copy_bw, _ = roofline(dev, False)
-    slots = [cache.allocate_slot() for _ in range(Bmax)]
-    tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
     for B in batches:
-        tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
-        pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
-        sl = torch.tensor(slots[:B], device=dev)
-        bt = torch.full((B, model.max_blocks), -1, dtype=torch.long)
-        for r in range(B):
-            bt[r, :per_seq] = torch.tensor(tables[r])
-        bt = bt.to(dev)
+        tokens, pos, sl, bt = sl_.inputs(B, sl_.gen)
         with torch.no_grad():
             h0 = torch.nn.functional.embedding(tokens, model.embed).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
             ctx = model.decode_context(tokens, pos, sl, bt)

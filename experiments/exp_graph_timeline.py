@@ -110,36 +110,17 @@ def main():
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.common import graph_time
-    from benchmarks.decode_step import fill_caches
-    from dsv4.checkpoint.synthetic import iter_synthetic_tensors, synthetic_config
-    from dsv4.engine.kv_cache import CacheConfig, KVCache
-    from dsv4.formats.paging import BLOCK_TOKENS
-    from dsv4.model.deepseek_v4 import DeepseekV4
+    from benchmarks.decode_step import Slice
     if not torch.cuda.is_available():
         raise SystemExit("exp_graph_timeline: needs a CUDA GPU (or --parse a trace)")
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    cfg = synthetic_config(args.model, args.layers, args.experts)
-    model = DeepseekV4(cfg, "mxfp4", "fp8", dev)
-    model.load((n, t) for n, t in iter_synthetic_tensors(cfg, 0, dev) if not n.startswith("mtp."))
     batches = [int(b) for b in args.batch.split(",")]
-    Bmax = max(batches)
-    per_seq = -(-(args.ctx + 1) // BLOCK_TOKENS)
-    cache = KVCache(cfg, CacheConfig(max_num_seqs=Bmax + 1, num_blocks=Bmax * per_seq + 1, device=str(dev)))
-    model.attach_cache(cache, per_seq * BLOCK_TOKENS)
-    fill_caches(cache, dev, gen, Bmax * per_seq + 1)
-    slots = [cache.allocate_slot() for _ in range(Bmax)]
-    tables = [cache.allocate_blocks(per_seq) for _ in range(Bmax)]
+    sl_ = Slice(args.model, args.layers, args.experts, dev, max(batches), args.ctx)
+    model = sl_.model
     flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     for B in batches:
-        tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
-        pos = torch.full((B,), args.ctx, dtype=torch.long, device=dev)
-        sl = torch.tensor(slots[:B], device=dev)
-        bt = torch.full((B, model.max_blocks), -1, dtype=torch.long)
-        for r in range(B):
-            bt[r, :per_seq] = torch.tensor(tables[r])
-        bt = bt.to(dev)
+        tokens, pos, sl, bt = sl_.inputs(B, sl_.gen)
         with torch.no_grad():
             step = lambda: model(model.decode_context(tokens, pos, sl, bt))     # noqa: E731
             ms = graph_time(step)
