@@ -302,6 +302,44 @@ def test_moe_forward(hash_layer, T, path, bm, request):
     assert torch.equal(parts["offs"].cpu(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_shared_expert_forked_before_the_router_gives_the_same_bits(monkeypatch, T):
+    """``SHARED_EARLY``: the decode path's shared expert from its own quantisation of x, started before the router,
+    gives the bits of the one on the router's quantised x. The fork is replaced by an inline stand-in that reports a
+    side stream (a CPU step never forks), so the early branch's plumbing runs here; the GPU streams test runs it
+    on a real side stream."""
+    class InlineFork:
+        made = []
+
+        def __init__(self, dev, rows):
+            self.s = "side"
+            self.joined = False
+            InlineFork.made.append(self)
+
+        def side(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+        def join(self):
+            self.joined = True
+
+    gen = torch.Generator().manual_seed(40 + T)
+    ref = _ref_moe(8, 256, 128, 2, gen, False)
+    w = Mo.MoEWeights.from_reference(ref).to(DEV)
+    x = (torch.randn(T, 256, generator=gen) * 1.5).bfloat16().to(DEV)
+    config = {"BM": 1, "BN": 64}
+    monkeypatch.setattr(Mo, "Fork", InlineFork)
+    out = {}
+    for early in (False, True):
+        monkeypatch.setattr(Mo, "SHARED_EARLY", early)
+        InlineFork.made.clear()
+        out[early] = Mo.moe_forward(x, None, w, path="gemv", config=config, return_parts=True)
+        assert len(InlineFork.made) == 1 and InlineFork.made[0].joined
+    (y0, p0), (y1, p1) = out[False], out[True]
+    assert torch.equal(p0["shared"].view(torch.int16), p1["shared"].view(torch.int16))
+    assert torch.equal(y0.view(torch.int16), y1.view(torch.int16))
+
+
 def test_predec_passes_over_expert_ranges_give_one_pass_s_bits(monkeypatch, predecode_gpu_tile):
     """The pre-decoded path with a scratch budget of two experts per pass (uneven ranges 2 + 2 + 1
     of the sorted rows, rebased tile counts, grids with dead tiles) gives the single pass's bits.
