@@ -221,6 +221,57 @@ def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tin
             assert torch.equal(a, b)
 
 
+def test_decode_with_the_index_queries_on_the_main_stream_gives_the_same_logits(tiny, monkeypatch):
+    """``Attention.INDEX_Q_MAIN``: a CSA layer's indexer queries computed before the fork's sync and handed to the
+    side branch give the logits of the queries computed in the branch, bit for bit (a plain step of two sequences
+    and a 3-row verify step). The fork is an inline stand-in that reports a side stream (a CPU step never forks),
+    so the handed-over branch runs here; the GPU streams test runs it on a real side stream."""
+    import contextlib
+
+    import dsv4.layers.attention as A
+
+    class InlineFork:
+        def __init__(self, dev, rows):
+            self.s = "side"
+
+        def side(self):
+            return contextlib.nullcontext()
+
+        def sync(self):
+            pass
+
+        def join(self):
+            pass
+
+    g = torch.Generator().manual_seed(10)
+    ids = [torch.randint(3, 128000, (n,), generator=g) for n in (41, 6)]
+    m = DeepseekV4.from_checkpoint(tiny)
+    assert 4 in m.cfg.compress_ratios[:m.cfg.num_hidden_layers]
+
+    def run():
+        cache = _paged(m.cfg)
+        m.attach_cache(cache, 1024)
+        sts = [PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2)) for _ in ids]
+        m(m.prefill_context([(x, st) for x, st in zip(ids, sts)]))
+        for x, st in zip(ids, sts):
+            st.advance_to(len(x))
+        bt = torch.full((2, m.max_blocks), -1, dtype=torch.long)
+        for i, st in enumerate(sts):
+            bt[i, :len(st.block_table)] = torch.tensor(st.block_table)
+        slots = torch.tensor([st.slot for st in sts])
+        pos = torch.tensor([st.pos for st in sts])
+        return [m(m.decode_context(torch.tensor([5, 7]), pos, slots, bt)),
+                m(m.decode_context(torch.tensor([9, 11, 13, 15, 17, 19]), pos + 1, slots, bt, rows=3))]
+
+    monkeypatch.setattr(A, "Fork", InlineFork)
+    monkeypatch.setattr(A.Attention, "INDEX_Q_MAIN", False)
+    want = run()
+    monkeypatch.setattr(A.Attention, "INDEX_Q_MAIN", True)
+    got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_batched_uneven_chunks_match_the_reference(tiny, monkeypatch):
     """Two prompts prefilled together in uneven chunks (chunk ends inside compressor windows, one
     sequence's chunk beside the other's), indexer scores in row blocks of 7 rows (the bound a long
