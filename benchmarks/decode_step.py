@@ -83,7 +83,7 @@ def fill_caches(cache, dev, gen, n_blocks):
 class Slice:
     """A synthetic V4 slice on ``dev`` with its caches filled for ``bmax`` sequences of ``ctx`` positions:
     ``cfg``, ``model``, ``cache``, ``per_seq`` (blocks a sequence holds), ``slots`` and ``tables`` (one each per
-    sequence); ``inputs(B, gen)`` gives a decode step's (tokens, pos, slots, block table) for the first B."""
+    sequence); ``inputs(B)`` gives a decode step's (tokens, pos, slots, block table) for the first B."""
 
     def __init__(self, model_name, layers, experts, dev, bmax, ctx, group=None):
         gen = torch.Generator(device=dev).manual_seed(0)
@@ -97,12 +97,12 @@ class Slice:
         fill_caches(self.cache, dev, gen, bmax * self.per_seq + 1)
         self.slots = [self.cache.allocate_slot() for _ in range(bmax)]
         self.tables = [self.cache.allocate_blocks(self.per_seq) for _ in range(bmax)]
-        self.dev, self.ctx, self.gen = dev, ctx, gen     # gen: the fill's generator, for the callers' draws
+        self.dev, self.ctx, self.gen = dev, ctx, gen     # the fill's generator draws the steps' tokens too
 
-    def inputs(self, B, gen):
+    def inputs(self, B):
         """(tokens, pos, slots, block table) of a decode step of the first B sequences, every one at ``ctx``."""
         dev = self.dev
-        tokens = torch.randint(3, 128000, (B,), device=dev, generator=gen)
+        tokens = torch.randint(3, 128000, (B,), device=dev, generator=self.gen)
         pos = torch.full((B,), self.ctx, dtype=torch.long, device=dev)
         sl = torch.tensor(self.slots[:B], device=dev)
         bt = torch.full((B, self.model.max_blocks), -1, dtype=torch.long)
@@ -323,7 +323,7 @@ def main():
             for mod in model.modules():
                 if isinstance(mod, dsv4_model.HyperConnection):
                     mod.iters = _SINKHORN[0]
-        tokens, pos, sl, bt = sl_.inputs(B, sl_.gen)
+        tokens, pos, sl, bt = sl_.inputs(B)
         with torch.no_grad():
             h0 = torch.nn.functional.embedding(tokens, model.embed).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
             step = timer(lambda: model(model.decode_context(tokens, pos, sl, bt)))

@@ -59,7 +59,7 @@ def main():
     cfg, model = sl_.cfg, sl_.model
     copy_bw, _ = roofline(dev, False)
     for B in batches:
-        tokens, pos, sl, bt = sl_.inputs(B, sl_.gen)
+        tokens, pos, sl, bt = sl_.inputs(B)
         with torch.no_grad():
             h0 = torch.nn.functional.embedding(tokens, model.embed).unsqueeze(1).repeat(1, cfg.hc_mult, 1)
             ctx = model.decode_context(tokens, pos, sl, bt)

@@ -120,7 +120,7 @@ def main():
     model = sl_.model
     flush_buf = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     for B in batches:
-        tokens, pos, sl, bt = sl_.inputs(B, sl_.gen)
+        tokens, pos, sl, bt = sl_.inputs(B)
         with torch.no_grad():
             step = lambda: model(model.decode_context(tokens, pos, sl, bt))     # noqa: E731
             ms = graph_time(step)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Experiment: the indexer top-k's one-program rows (``indexer._topk_single``, the decode step's CSA layers): the
 selection (two histograms, prefix sums, the picks sorted) against the whole row sorted (``FULL``), at 8 and 16 warps,
-CUDA-graph replays without an L2 flush (the scores come straight from the score kernel in a step), us per call; every
-variant's output checked against the selection's at 8 warps.
+CUDA-graph replays with the L2 flushed (``benchmarks.common.graph_time``), us per call; every variant's output checked
+against the selection's at 8 warps.
 
     PYTHONPATH=. python experiments/exp_topk_single.py
 """
@@ -14,20 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def graph_us(fn, reps=20):
-    import triton.testing
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return triton.testing.do_bench(g.replay, warmup=5, rep=200, return_mode="median") * 1e3 / reps
+from benchmarks.common import graph_time  # noqa: E402
 
 
 def main():
@@ -59,7 +46,7 @@ def main():
             out.zero_()
             run(full, warps)
             assert torch.equal(out, ref), f"full {full} w{warps} differs at B {B} N {N}"
-            row.append(graph_us(lambda f=full, w=warps: run(f, w)))
+            row.append(graph_time(lambda f=full, w=warps: run(f, w)) * 1e3)
         print(f"| {B} | {N} | {k} | " + " | ".join(f"{t:.1f}" for t in row) + " |")
 
 

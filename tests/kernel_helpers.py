@@ -202,3 +202,25 @@ def check_expert_sums(y, args, extra) -> None:
         if r1 > r0:
             ex = xq[r0:r1].float().cpu() * xs[r0:r1].cpu().repeat_interleave(128, 1) @ Wd[e].T
             torch.testing.assert_close(y[r0:r1].float().cpu(), ex, rtol=2e-2, atol=2e-2 * ex.abs().max().item())
+
+
+class InlineFork:
+    """A stand-in for ``dsv4.streams.Fork`` that reports a side stream and runs the branch inline, so that code taken
+    only where a step forks (never on a CPU) runs in CPU tests. Records every fork made (``made``, cleared by the
+    caller) and whether it was joined."""
+    made: list = []
+
+    def __init__(self, dev, rows):
+        self.s = "side"
+        self.joined = False
+        InlineFork.made.append(self)
+
+    def side(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def sync(self):
+        pass
+
+    def join(self):
+        self.joined = True

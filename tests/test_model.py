@@ -182,6 +182,26 @@ def test_prefill_from_bf16_workspaces_gives_the_pages_logits(tiny, monkeypatch):
         assert torch.equal(a, b)
 
 
+def _two_sequence_steps(m, ids, verify):
+    """Logits of a plain decode step of two sequences prefilled with ``ids`` (a fresh cache), and with ``verify``
+    of a 3-row verify step after it."""
+    cache = _paged(m.cfg)
+    m.attach_cache(cache, 1024)
+    sts = [PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2)) for _ in ids]
+    m(m.prefill_context([(x, st) for x, st in zip(ids, sts)]))
+    for x, st in zip(ids, sts):
+        st.advance_to(len(x))
+    bt = torch.full((2, m.max_blocks), -1, dtype=torch.long)
+    for i, st in enumerate(sts):
+        bt[i, :len(st.block_table)] = torch.tensor(st.block_table)
+    slots = torch.tensor([st.slot for st in sts])
+    pos = torch.tensor([st.pos for st in sts])
+    out = [m(m.decode_context(torch.tensor([5, 7]), pos, slots, bt))]
+    if verify:
+        out.append(m(m.decode_context(torch.tensor([9, 11, 13, 15, 17, 19]), pos + 1, slots, bt, rows=3)))
+    return out
+
+
 def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tiny, monkeypatch):
     """``Attention.FUSE_DECODE_ROPE``: the decode attention rotates its output back itself (the split combine's
     epilogue) instead of ``inverse_rope``'s pass: the same logits, bit for bit, for a plain step of two sequences
@@ -192,31 +212,14 @@ def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tin
     g = torch.Generator().manual_seed(9)
     ids = [torch.randint(3, 128000, (n,), generator=g) for n in (41, 6)]
 
-    def run(m, verify):
-        cache = _paged(m.cfg)
-        m.attach_cache(cache, 1024)
-        sts = [PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2)) for _ in ids]
-        m(m.prefill_context([(x, st) for x, st in zip(ids, sts)]))
-        for x, st in zip(ids, sts):
-            st.advance_to(len(x))
-        bt = torch.full((2, m.max_blocks), -1, dtype=torch.long)
-        for i, st in enumerate(sts):
-            bt[i, :len(st.block_table)] = torch.tensor(st.block_table)
-        slots = torch.tensor([st.slot for st in sts])
-        pos = torch.tensor([st.pos for st in sts])
-        out = [m(m.decode_context(torch.tensor([5, 7]), pos, slots, bt))]
-        if verify:
-            out.append(m(m.decode_context(torch.tensor([9, 11, 13, 15, 17, 19]), pos + 1, slots, bt, rows=3)))
-        return out
-
     for ops in (None, Ops("cpu", kernels={"sparse_decode"})):
         if ops is not None and "TRITON_INTERPRET" not in os.environ:
             continue
         m = DeepseekV4.from_checkpoint(tiny, **({} if ops is None else {"ops": ops}))
         monkeypatch.setattr(A.Attention, "FUSE_DECODE_ROPE", False)
-        want = run(m, ops is None)
+        want = _two_sequence_steps(m, ids, ops is None)
         monkeypatch.setattr(A.Attention, "FUSE_DECODE_ROPE", True)
-        got = run(m, ops is None)
+        got = _two_sequence_steps(m, ids, ops is None)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
 
@@ -224,24 +227,11 @@ def test_decode_with_the_inverse_rope_in_the_attention_gives_the_pass_logits(tin
 def test_decode_with_the_index_queries_on_the_main_stream_gives_the_same_logits(tiny, monkeypatch):
     """``Attention.INDEX_Q_MAIN``: a CSA layer's indexer queries computed before the fork's sync and handed to the
     side branch give the logits of the queries computed in the branch, bit for bit (a plain step of two sequences
-    and a 3-row verify step, contexts long enough that the top-k selects). The fork is an inline stand-in that reports a side stream (a CPU step never forks),
-    so the handed-over branch runs here; the GPU streams test runs it on a real side stream."""
-    import contextlib
-
+    and a 3-row verify step, contexts long enough that the top-k selects). The fork is an inline stand-in that
+    reports a side stream (a CPU step never forks), so the handed-over branch runs here; the GPU streams test runs
+    it on a real side stream."""
     import dsv4.layers.attention as A
-
-    class InlineFork:
-        def __init__(self, dev, rows):
-            self.s = "side"
-
-        def side(self):
-            return contextlib.nullcontext()
-
-        def sync(self):
-            pass
-
-        def join(self):
-            pass
+    from kernel_helpers import InlineFork
 
     g = torch.Generator().manual_seed(10)
     ids = [torch.randint(3, 128000, (n,), generator=g) for n in (150, 90)]
@@ -249,26 +239,11 @@ def test_decode_with_the_index_queries_on_the_main_stream_gives_the_same_logits(
     # the CSA layers' top-k selects: more compressed entries than index_topk
     assert 4 in m.cfg.compress_ratios[:m.cfg.num_hidden_layers] and 90 // 4 > m.cfg.index_topk
 
-    def run():
-        cache = _paged(m.cfg)
-        m.attach_cache(cache, 1024)
-        sts = [PagedSequenceState(cache, cache.allocate_slot(), cache.allocate_blocks(2)) for _ in ids]
-        m(m.prefill_context([(x, st) for x, st in zip(ids, sts)]))
-        for x, st in zip(ids, sts):
-            st.advance_to(len(x))
-        bt = torch.full((2, m.max_blocks), -1, dtype=torch.long)
-        for i, st in enumerate(sts):
-            bt[i, :len(st.block_table)] = torch.tensor(st.block_table)
-        slots = torch.tensor([st.slot for st in sts])
-        pos = torch.tensor([st.pos for st in sts])
-        return [m(m.decode_context(torch.tensor([5, 7]), pos, slots, bt)),
-                m(m.decode_context(torch.tensor([9, 11, 13, 15, 17, 19]), pos + 1, slots, bt, rows=3))]
-
     monkeypatch.setattr(A, "Fork", InlineFork)
     monkeypatch.setattr(A.Attention, "INDEX_Q_MAIN", False)
-    want = run()
+    want = _two_sequence_steps(m, ids, True)
     monkeypatch.setattr(A.Attention, "INDEX_Q_MAIN", True)
-    got = run()
+    got = _two_sequence_steps(m, ids, True)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 

@@ -308,21 +308,7 @@ def test_shared_expert_forked_before_the_router_gives_the_same_bits(monkeypatch,
     gives the bits of the one on the router's quantised x. The fork is replaced by an inline stand-in that reports a
     side stream (a CPU step never forks), so the early branch's plumbing runs here; the GPU streams test runs it
     on a real side stream."""
-    class InlineFork:
-        made = []
-
-        def __init__(self, dev, rows):
-            self.s = "side"
-            self.joined = False
-            InlineFork.made.append(self)
-
-        def side(self):
-            import contextlib
-            return contextlib.nullcontext()
-
-        def join(self):
-            self.joined = True
-
+    from kernel_helpers import InlineFork
     gen = torch.Generator().manual_seed(40 + T)
     ref = _ref_moe(8, 256, 128, 2, gen, False)
     w = Mo.MoEWeights.from_reference(ref).to(DEV)

@@ -646,8 +646,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor | None, w: MoEWeights, path: 
         fork = Fork(dev, T)
         if fork.s is not None:
             with fork.side():
-                sq, ss = act_quant_fp8(x)
-                early = (fork, _shared_expert(u8(sq), ss, w, portable), sq, ss)     # sq / ss live until the join
+                sq, ss = act_quant_fp8(x)     # referenced by this frame until _moe_gemv has joined the fork
+                early = (fork, _shared_expert(u8(sq), ss, w, portable))
     if routing is None:    # the paths that take x as plain e4m3 + scales get it from the router's launch
         idx, rw, eflat, xq, xs, sort = _route(x, ids, w, quant=path in ("gemv", "prefill", "fp8mma", "predec"),
                                               portable=portable,
@@ -849,7 +849,7 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     rows); other GPUs and the interpreter on the CUDA-core GEMV of ``gemv.py``
     (``config={"kernel": "cuda-core"}`` forces it). ``xq``, ``xs``: x's ``act_quant_fp8`` (from the
     router's launch), else computed here; ``sort``: ``sort_pairs(eflat, E, _gemv_kernel(config)[1])`` (from the
-    router's launch), else computed here; ``early``: (fork, shared-expert output, ...) of a shared expert already
+    router's launch), else computed here; ``early``: (fork, shared-expert output) of a shared expert already
     forked (``SHARED_EARLY``), joined here."""
     T, d = x.shape
     E, I = w.n_experts, w.inter
@@ -865,7 +865,7 @@ def _moe_gemv(x, w: MoEWeights, idx, rw, eflat, k, config, return_parts, xq=None
     # the shared expert on the side stream (``dsv4.streams``), beside the routed GEMMs; xq / xs live
     # until the join
     if early is not None:
-        fork, sh = early[0], early[1]
+        fork, sh = early
     else:
         fork = Fork(dev, T) if w.sh13 is not None else None
         sh = None
